@@ -1,0 +1,15 @@
+"""rocketstore: Apache RocketMQ's message store in Python, byte-compatible with RocketMQ 5.x files."""
+
+from .codec import MessageExt
+from .config import StoreConfig
+from .errors import (ConfigError, CorruptRecordError, ReadOnlyStoreError, StoreClosedError, StoreError,
+                     StoreLoadError, StoreLockedError)
+from .message import (GetMessageResult, GetMessageStatus, Message, PutMessageResult, PutMessageStatus,
+                      QueryMessageResult, parse_tag_filter)
+from .store import MessageStore
+
+__all__ = ["MessageStore", "StoreConfig", "Message", "MessageExt", "PutMessageResult", "PutMessageStatus",
+           "GetMessageResult", "GetMessageStatus", "QueryMessageResult", "parse_tag_filter", "StoreError",
+           "StoreLoadError", "StoreLockedError", "StoreClosedError", "ReadOnlyStoreError", "ConfigError",
+           "CorruptRecordError"]
+__version__ = "0.1.0"

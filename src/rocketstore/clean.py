@@ -1,0 +1,234 @@
+"""Retention: expired-file cleaning (CleanCommitLogService, CleanConsumeQueueService) and the disk guard.
+
+The clock (``store.clock``) and the disk reading (``store.disk_usage``) are
+injectable, so every rule can be tested in milliseconds.  RocketMQ's rules:
+
+* a commitlog segment is expired when its mtime is older than fileReservedTime;
+* deletion runs at the deleteWhen hours, when disk usage passes
+  diskMaxUsedSpaceRatio, or while a manual request is pending (20 rounds);
+* above diskSpaceCleanForciblyRatio the reserve time is ignored; above
+  diskSpaceWarningLevelRatio the store refuses puts (DISK_FULL) until usage drops;
+* the last segment is never deleted; the scan stops at the first unexpired one;
+  at most deleteFileBatchMax per round; a referenced file is destroyed after
+  destroyMapedFileIntervalForcibly.
+
+rocketstore runs the disk check on its own one-second timer (``DiskGuardService``)
+so that a slow deletion never delays it, and clears DISK_FULL as soon as it sees
+space again; the refusal names the rule and the numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from .service import ServiceThread
+
+if TYPE_CHECKING:
+    from .mapped_file import MappedFile
+    from .store import MessageStore
+
+log = logging.getLogger(__name__)
+MANUAL_DELETE_ROUNDS = 20
+
+
+def disk_usage_ratio(path: str) -> float:
+    """Used fraction of the file system holding ``path``, rounded up to a whole percent (RocketMQ's rule)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return -1.0
+    total, free, avail = st.f_blocks * st.f_frsize, st.f_bfree * st.f_frsize, st.f_bavail * st.f_frsize
+    used = total - free
+    denom = used + avail
+    if denom <= 0:
+        return -1.0
+    return math.ceil(100 * used / denom) / 100
+
+
+def disk_free_bytes(path: str) -> int:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return -1
+    return st.f_bavail * st.f_frsize
+
+
+@dataclass
+class DiskVerdict:
+    ratio: float
+    clean_immediately: bool
+    space_to_delete: bool
+    disk_full_reason: str | None
+
+
+class CleanService(ServiceThread):
+    """Runs the commitlog cleaner, then the consume-queue and index cleaner, every cleanResourceInterval."""
+
+    name = "CleanService"
+
+    def __init__(self, store: "MessageStore") -> None:
+        cfg = store.config
+        super().__init__(interval=cfg.cleanResourceInterval / 1000, initial_delay=60.0)
+        self.store = store
+        self.manual_delete_rounds = 0
+        self.last_physical_min_offset = 0
+        self._last_redelete = 0.0
+
+    def run_once(self) -> None:
+        self.clean_commitlog()
+        self.clean_consume_queues()
+
+    # ------------------------------------------------------------ commitlog
+    def request_manual_delete(self) -> None:
+        """RocketMQ's ``mqadmin deleteExpiredCommitLog``: 20 rounds that delete expired files at any hour."""
+        self.manual_delete_rounds = MANUAL_DELETE_ROUNDS
+
+    def is_time_to_delete(self) -> bool:
+        hour = time.localtime(self.store.clock()).tm_hour
+        return any(int(h) == hour for h in self.store.config.deleteWhen.split(";") if h.strip())
+
+    def clean_commitlog(self) -> list[str]:
+        store, cfg = self.store, self.store.config
+        time_up = self.is_time_to_delete()
+        verdict = store.disk_guard.check()
+        manual = self.manual_delete_rounds > 0
+        deleted: list[str] = []
+        if time_up or verdict.space_to_delete or manual:
+            if manual:
+                self.manual_delete_rounds -= 1
+            clean_at_once = cfg.cleanFileForciblyEnable and verdict.clean_immediately
+            deleted = self.delete_expired_commitlog_files(clean_at_once)
+            if deleted:
+                log.info("deleted %d expired commitlog segment(s) (time=%s, space=%s, manual=%s, forcibly=%s)",
+                         len(deleted), time_up, verdict.space_to_delete, manual, clean_at_once)
+        self.redelete_hanged_file()
+        return deleted
+
+    def expired_ms(self) -> int:
+        return self.store.config.fileReservedTime * 3600 * 1000
+
+    def delete_expired_commitlog_files(self, clean_immediately: bool) -> list[str]:
+        store, cfg = self.store, self.store.config
+        queue = store.commitlog.queue
+        now_ms = store.clock() * 1000
+        deleted: list[MappedFile] = []
+        candidates = queue.files[:-1]
+        for i, f in enumerate(candidates):
+            if not (clean_immediately or now_ms >= _mtime_ms(f.path) + self.expired_ms()):
+                break
+            if not f.destroy(cfg.destroyMapedFileIntervalForcibly, now=store.clock()):
+                break
+            deleted.append(f)
+            if len(deleted) >= cfg.deleteFileBatchMax:
+                break
+            if i + 1 < len(candidates) and cfg.deleteCommitLogFilesInterval:
+                store.sleep(cfg.deleteCommitLogFilesInterval / 1000)
+        queue.delete_files(deleted)
+        return [f.path for f in deleted]
+
+    def redelete_hanged_file(self) -> None:
+        store, cfg = self.store, self.store.config
+        now = store.clock()
+        if (now - self._last_redelete) * 1000 < cfg.redeleteHangedFileInterval:
+            return
+        self._last_redelete = now
+        queue = store.commitlog.queue
+        first = queue.first()
+        if first is not None and not first.available and first is not queue.last():
+            if first.destroy(cfg.destroyMapedFileIntervalForcibly, now=now):
+                queue.delete_files([first])
+                log.info("re-deleted hanging segment %s", first.path)
+
+    # ------------------------------------------------------------ consume queues and index
+    def clean_consume_queues(self) -> int:
+        store, cfg = self.store, self.store.config
+        m = store.commitlog.min_offset()
+        if m <= self.last_physical_min_offset:
+            return 0
+        self.last_physical_min_offset = m
+        n = 0
+        for cq in store.consume_queues():
+            d = cq.delete_expired_file(m)
+            n += d
+            if d and cfg.deleteConsumeQueueFilesInterval:
+                store.sleep(cfg.deleteConsumeQueueFilesInterval / 1000)
+        store.index_service.delete_expired_file(m)
+        return n
+
+
+def _mtime_ms(path: str) -> float:
+    try:
+        return os.path.getmtime(path) * 1000
+    except OSError:
+        return 0.0
+
+
+class DiskGuard:
+    """Reads disk usage and sets or clears DISK_FULL, naming the rule and the numbers."""
+
+    def __init__(self, store: "MessageStore", usage: Callable[[str], float] = disk_usage_ratio,
+                 free_bytes: Callable[[str], int] = disk_free_bytes) -> None:
+        self.store = store
+        self.usage = usage
+        self.free_bytes = free_bytes
+        self.last: DiskVerdict | None = None
+
+    def thresholds(self) -> dict[str, float]:
+        cfg = self.store.config
+        return {"warning": min(max(cfg.diskSpaceWarningLevelRatio / 100, 0.35), 0.90),
+                "forcibly": min(max(cfg.diskSpaceCleanForciblyRatio / 100, 0.30), 0.85),
+                "max": min(max(cfg.diskMaxUsedSpaceRatio, 10), 95) / 100}
+
+    def check(self) -> DiskVerdict:
+        store, cfg = self.store, self.store.config
+        th = self.thresholds()
+        p = self.usage(store.paths.commitlog)
+        q = self.usage(store.paths.consumequeue)
+        reason = None
+        clean_now = False
+        for label, ratio in (("commitlog", p), ("consumequeue", q)):
+            if ratio > th["warning"]:
+                reason = reason or (f"disk {ratio * 100:.1f} % used ({label}) > diskSpaceWarningLevelRatio "
+                                    f"{th['warning'] * 100:.0f} %")
+                clean_now = True
+            elif ratio > th["forcibly"]:
+                clean_now = True
+        if cfg.diskMinFreeBytes > 0:
+            free = self.free_bytes(store.paths.commitlog)
+            if 0 <= free < cfg.diskMinFreeBytes:
+                reason = reason or f"disk has {free} bytes free < diskMinFreeBytes {cfg.diskMinFreeBytes}"
+                clean_now = True
+        if reason:
+            if not store.running_flags.is_disk_full():
+                log.warning("%s: refusing puts: %s", store.root, reason)
+            store.running_flags.make_disk_full(reason)
+        elif store.running_flags.is_disk_full():
+            store.running_flags.clear_disk_full()
+            log.info("%s: disk has space again (%.1f %% used); accepting puts", store.root, p * 100)
+        space = clean_now or p < 0 or p > th["max"] or q < 0 or q > th["max"]
+        self.last = DiskVerdict(p, clean_now, space, reason)
+        return self.last
+
+    def to_json(self) -> dict[str, Any]:
+        v = self.last or self.check()
+        th = self.thresholds()
+        return {"usedRatio": v.ratio, "diskMaxUsedSpaceRatio": th["max"], "diskSpaceCleanForciblyRatio":
+                th["forcibly"], "diskSpaceWarningLevelRatio": th["warning"], "diskFull": v.disk_full_reason}
+
+
+class DiskGuardService(ServiceThread):
+    """Checks the disk every second, independently of the cleaners."""
+
+    name = "DiskGuardService"
+
+    def __init__(self, store: "MessageStore", interval: float = 1.0) -> None:
+        super().__init__(interval=interval)
+        self.store = store
+
+    def run_once(self) -> None:
+        self.store.disk_guard.check()

@@ -1,0 +1,491 @@
+"""CommitLog record codec: the one place that knows RocketMQ's record layout.
+
+Every integer is big-endian and signed, as Java writes it.  A record (V1 magic,
+IPv4 hosts) looks like this; each IPv6 host adds 12 bytes and the V2 magic
+widens the topic length to a short::
+
+    0   TOTALSIZE        int32     48  BORNHOST      4|16 + port int32
+    4   MAGICCODE        int32     ..  STORETIMESTAMP int64
+    8   BODYCRC          int32     ..  STOREHOST     4|16 + port int32
+    12  QUEUEID          int32     ..  RECONSUMETIMES int32
+    16  FLAG             int32     ..  PREPARED TRANSACTION OFFSET int64
+    20  QUEUEOFFSET      int64     ..  BODYLENGTH int32 + BODY
+    28  PHYSICALOFFSET   int64     ..  TOPICLENGTH int8|int16 + TOPIC
+    36  SYSFLAG          int32     ..  PROPERTIESLENGTH int16 + PROPERTIES
+    40  BORNTIMESTAMP    int64
+
+Decoding works on any buffer (``mmap``, ``bytes``, ``memoryview``) with
+``struct.unpack_from`` so that a scan never copies a record it does not return.
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+MAGIC_V1 = 0xDAA320A7
+MAGIC_V2 = 0xDAA320AB
+BLANK_MAGIC = 0xCBD43194
+BLANK_RECORD_SIZE = 8
+
+SYSFLAG_COMPRESSED = 0x1
+SYSFLAG_MULTI_TAGS = 0x2
+TRANSACTION_NOT_TYPE = 0x0
+TRANSACTION_PREPARED = 0x4
+TRANSACTION_COMMIT = 0x8
+TRANSACTION_ROLLBACK = 0xC
+TRANSACTION_MASK = 0xC
+SYSFLAG_BORNHOST_V6 = 0x10
+SYSFLAG_STOREHOST_V6 = 0x20
+
+PROPERTY_NAME_VALUE_SEPARATOR = "\x01"
+PROPERTY_SEPARATOR = "\x02"
+MAX_PROPERTIES_BYTES = 32767
+SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"
+DELAY_LEVELS_MS = (1000, 5000, 10000, 30000, 60000, 120000, 180000, 240000, 300000,
+                   360000, 420000, 480000, 540000, 600000, 1200000, 1800000, 3600000, 7200000)
+
+# Fixed prefix up to BORNTIMESTAMP: size, magic, crc, queueId, flag, queueOffset, phyOffset, sysFlag, bornTs.
+_PREFIX = struct.Struct(">iIiiiqqiq")
+PREFIX_SIZE = _PREFIX.size  # 48
+_INT = struct.Struct(">i")
+_UINT = struct.Struct(">I")
+_LONG = struct.Struct(">q")
+_SHORT = struct.Struct(">h")
+_BYTE = struct.Struct(">b")
+_HEAD8 = struct.Struct(">iI")  # TOTALSIZE + MAGICCODE
+_OFFSETS = struct.Struct(">qq")  # QUEUEOFFSET + PHYSICALOFFSET at 20
+_TAIL = struct.Struct(">iq")  # RECONSUMETIMES + PREPARED TRANSACTION OFFSET
+QUEUE_OFFSET_POS = 20
+PHYSICAL_OFFSET_POS = 28
+
+
+class RecordError(ValueError):
+    """A record that RocketMQ's checkMessageAndReturnSize would refuse."""
+
+
+def java_hash(s: str) -> int:
+    """Java's ``String.hashCode`` (UTF-16 code units, signed 32-bit)."""
+    h = 0
+    if s.isascii():
+        for ch in s.encode("ascii"):
+            h = (31 * h + ch) & 0xFFFFFFFF
+    else:
+        data = s.encode("utf-16-be", "surrogatepass")
+        for (unit,) in struct.iter_unpack(">H", data):
+            h = (31 * h + unit) & 0xFFFFFFFF
+    return h - 0x100000000 if h & 0x80000000 else h
+
+
+def java_len(s: str) -> int:
+    """Length in Java chars (UTF-16 units): the V2 decision counts these."""
+    if s.isascii():
+        return len(s)
+    return len(s.encode("utf-16-be", "surrogatepass")) // 2
+
+
+def index_key_hash(key: str) -> int:
+    """keyHash of an index entry: abs(hashCode), with Integer.MIN_VALUE mapped to 0."""
+    h = java_hash(key)
+    return 0 if h == -0x80000000 else abs(h)
+
+
+def tags_code(tags: str | None) -> int:
+    """ConsumeQueue tagsCode of an ordinary message: hashCode of the whole TAGS string, 0 without."""
+    return java_hash(tags) if tags else 0
+
+
+def dispatch_tags_code(topic: str, properties: Mapping[str, str], store_timestamp: int) -> int:
+    """tagsCode as dispatch computes it, including the delay-queue rule of SCHEDULE_TOPIC_XXXX."""
+    if topic == SCHEDULE_TOPIC and "DELAY" in properties:
+        level = min(int(properties["DELAY"]), len(DELAY_LEVELS_MS))
+        if level > 0:
+            return store_timestamp + DELAY_LEVELS_MS[level - 1]
+    return tags_code(properties.get("TAGS"))
+
+
+# ---------------------------------------------------------------- properties
+
+def parse_properties(s: str) -> dict[str, str]:
+    """Java ``string2messageProperties``: tolerant split, later duplicates win."""
+    out: dict[str, str] = {}
+    if not s:
+        return out
+    for seg in s.split(PROPERTY_SEPARATOR):
+        if len(seg) < 3:
+            continue
+        k = seg.find(PROPERTY_NAME_VALUE_SEPARATOR)
+        if 0 < k < len(seg) - 1:
+            out[seg[:k]] = seg[k + 1:]
+    return out
+
+
+def _hashmap_capacity(n: int, initial: int) -> int:
+    cap = 1
+    while cap < initial:
+        cap <<= 1
+    while n > cap * 3 // 4:
+        cap <<= 1
+    return cap
+
+
+def properties_to_string(props: Mapping[str, str], capacity: int = 16) -> str:
+    """Serialise in Java ``HashMap`` iteration order, as a producer's message map would.
+
+    RocketMQ stores the string it is given; producers build it by iterating a
+    HashMap (initial capacity 16 for a client message), so buckets ascend and
+    keys sharing a bucket keep insertion order.  Null values are skipped.
+    """
+    items = [(k, v) for k, v in props.items() if v is not None]
+    cap = _hashmap_capacity(len(items), capacity)
+    mask = cap - 1
+
+    def bucket(k: str) -> int:
+        h = java_hash(k) & 0xFFFFFFFF
+        return (h ^ (h >> 16)) & mask
+
+    ordered = sorted(enumerate(items), key=lambda e: (bucket(e[1][0]), e[0]))
+    return "".join(f"{k}\x01{v}\x02" for _, (k, v) in ordered)
+
+
+# ---------------------------------------------------------------- hosts
+
+def parse_host(text: str) -> tuple[bytes, int]:
+    """``"a.b.c.d:port"`` or ``"[v6]:port"`` to (address bytes, port)."""
+    try:
+        if text.startswith("["):
+            addr, _, port = text[1:].rpartition("]:")
+            return ipaddress.IPv6Address(addr).packed, int(port)
+        addr, _, port = text.rpartition(":")
+        return ipaddress.ip_address(addr).packed, int(port)
+    except ValueError as e:
+        raise ValueError(f"bad host address {text!r}: expected a.b.c.d:port or [v6]:port") from e
+
+
+def format_host(addr: bytes, port: int) -> str:
+    """Java's text form: dotted IPv4, or uncompressed unpadded lowercase IPv6 in brackets."""
+    if len(addr) == 4:
+        return f"{addr[0]}.{addr[1]}.{addr[2]}.{addr[3]}:{port}"
+    groups = struct.unpack(">8H", addr)
+    return "[" + ":".join(f"{g:x}" for g in groups) + f"]:{port}"
+
+
+def offset_msg_id(store_addr: bytes, store_port: int, commit_log_offset: int) -> str:
+    """offsetMsgId: store host address, port and commitlog offset as uppercase hex."""
+    return (store_addr + struct.pack(">iq", store_port, commit_log_offset)).hex().upper()
+
+
+def record_length(body_len: int, topic_len: int, props_len: int, sys_flag: int, v2: bool) -> int:
+    """RocketMQ's calMsgLength."""
+    born = 20 if sys_flag & SYSFLAG_BORNHOST_V6 else 8
+    store = 20 if sys_flag & SYSFLAG_STOREHOST_V6 else 8
+    return (4 + 4 + 4 + 4 + 4 + 8 + 8 + 4 + 8 + born + 8 + store + 4 + 8
+            + 4 + body_len + (2 if v2 else 1) + topic_len + 2 + props_len)
+
+
+# ---------------------------------------------------------------- records
+
+@dataclass(slots=True)
+class MessageExt:
+    """One decoded CommitLog record (RocketMQ's MessageExt)."""
+
+    topic: str
+    queue_id: int
+    queue_offset: int
+    commit_log_offset: int
+    size: int
+    sys_flag: int
+    flag: int
+    body_crc: int
+    reconsume_times: int
+    prepared_transaction_offset: int
+    born_timestamp: int
+    store_timestamp: int
+    born_addr: bytes
+    born_port: int
+    store_addr: bytes
+    store_port: int
+    properties_string: str
+    magic: int
+    body: bytes | None = None
+    body_length: int = 0
+    _props: dict[str, str] | None = field(default=None, repr=False)
+
+    @property
+    def properties(self) -> dict[str, str]:
+        if self._props is None:
+            self._props = parse_properties(self.properties_string)
+        return self._props
+
+    @property
+    def tags(self) -> str | None:
+        return self.properties.get("TAGS")
+
+    @property
+    def keys(self) -> str | None:
+        return self.properties.get("KEYS")
+
+    @property
+    def uniq_key(self) -> str | None:
+        return self.properties.get("UNIQ_KEY")
+
+    @property
+    def born_host(self) -> str:
+        return format_host(self.born_addr, self.born_port)
+
+    @property
+    def store_host(self) -> str:
+        return format_host(self.store_addr, self.store_port)
+
+    @property
+    def msg_id(self) -> str:
+        return offset_msg_id(self.store_addr, self.store_port, self.commit_log_offset)
+
+    @property
+    def transaction_type(self) -> int:
+        return self.sys_flag & TRANSACTION_MASK
+
+    def to_json(self, with_body: bool = True) -> dict[str, Any]:
+        """The field names and values of ``rocketstore dump`` (and golden expected.jsonl)."""
+        d: dict[str, Any] = {
+            "topic": self.topic, "queueId": self.queue_id, "queueOffset": self.queue_offset,
+            "commitLogOffset": self.commit_log_offset, "size": self.size, "sysFlag": self.sys_flag,
+            "flag": self.flag, "bodyCrc": self.body_crc, "reconsumeTimes": self.reconsume_times,
+            "preparedTransactionOffset": self.prepared_transaction_offset,
+            "bornTimestamp": self.born_timestamp, "storeTimestamp": self.store_timestamp,
+            "bornHost": self.born_host, "storeHost": self.store_host, "msgId": self.msg_id,
+            "tags": self.tags, "keys": self.keys,
+            "properties": dict(sorted(self.properties.items())),
+            "propertiesString": self.properties_string,
+        }
+        if with_body and self.body is not None:
+            d["body"] = base64.b64encode(self.body).decode("ascii")
+        d["bodyLength"] = self.body_length
+        d["magicCode"] = f"0x{self.magic:08X}"
+        return d
+
+
+def read_total_size(buf: Any, pos: int) -> int:
+    return _INT.unpack_from(buf, pos)[0]
+
+
+def decode(buf: Any, pos: int, limit: int, *, check_crc: bool = False, read_body: bool = True) -> MessageExt:
+    """Decode the record at ``pos``; ``limit`` is the end of readable bytes.
+
+    Raises :class:`RecordError` with the reason when RocketMQ would refuse the
+    record.  A blank (end-of-file) record is reported by :func:`check`; here it
+    is an error because it holds no message.
+    """
+    if limit - pos < PREFIX_SIZE:
+        raise RecordError("record header runs past the readable end")
+    (total, magic, crc, queue_id, flag, queue_offset, phy, sys_flag,
+     born_ts) = _PREFIX.unpack_from(buf, pos)
+    if magic == BLANK_MAGIC:
+        raise RecordError("blank end-of-file record")
+    if magic != MAGIC_V1 and magic != MAGIC_V2:
+        raise RecordError(f"bad magic code 0x{magic:08X}")
+    if total < 0 or total > limit - pos:
+        raise RecordError(f"record size {total} runs past the readable end")
+    end = pos + total
+    p = pos + PREFIX_SIZE
+    try:
+        alen = 16 if sys_flag & SYSFLAG_BORNHOST_V6 else 4
+        born_addr = bytes(buf[p:p + alen])
+        born_port = _INT.unpack_from(buf, p + alen)[0]
+        p += alen + 4
+        store_ts = _LONG.unpack_from(buf, p)[0]
+        p += 8
+        slen = 16 if sys_flag & SYSFLAG_STOREHOST_V6 else 4
+        store_addr = bytes(buf[p:p + slen])
+        store_port = _INT.unpack_from(buf, p + slen)[0]
+        p += slen + 4
+        reconsume, prepared = _TAIL.unpack_from(buf, p)
+        p += 12
+        body_len = _INT.unpack_from(buf, p)[0]
+        p += 4
+        if body_len < 0 or p + body_len > end:
+            raise RecordError(f"body length {body_len} runs past the record")
+        body = None
+        if read_body or check_crc:
+            body = bytes(buf[p:p + body_len])
+            if check_crc and body_len > 0 and (zlib.crc32(body) & 0x7FFFFFFF) != crc:
+                raise RecordError("body CRC mismatch")
+        p += body_len
+        if magic == MAGIC_V2:
+            topic_len = _SHORT.unpack_from(buf, p)[0]
+            p += 2
+        else:
+            topic_len = _BYTE.unpack_from(buf, p)[0]
+            p += 1
+        if topic_len < 0 or p + topic_len > end:
+            raise RecordError(f"topic length {topic_len} runs past the record")
+        topic = bytes(buf[p:p + topic_len]).decode("utf-8", "replace")
+        p += topic_len
+        props_len = _SHORT.unpack_from(buf, p)[0]
+        p += 2
+        if props_len < 0 or p + props_len > end:
+            raise RecordError(f"properties length {props_len} runs past the record")
+        props = bytes(buf[p:p + props_len]).decode("utf-8", "replace") if props_len else ""
+    except struct.error as e:
+        raise RecordError(f"truncated record: {e}") from None
+    expect = record_length(body_len, topic_len, props_len, sys_flag, magic == MAGIC_V2)
+    if expect != total:
+        raise RecordError(f"record size {total} disagrees with its fields ({expect})")
+    return MessageExt(topic, queue_id, queue_offset, phy, total, sys_flag, flag, crc, reconsume,
+                      prepared, born_ts, store_ts, born_addr, born_port, store_addr, store_port,
+                      props, magic, body if read_body else None, body_len)
+
+
+def check(buf: Any, pos: int, limit: int, *, check_crc: bool,
+          read_body: bool = False) -> tuple[int, MessageExt | None, str | None]:
+    """RocketMQ's checkMessageAndReturnSize as ``(size, message, reason)``.
+
+    ``size > 0`` with a message: a valid record.  ``size == 0``: a blank record
+    (end of file).  ``size == -1``: not a record (``reason`` says why).  A
+    positive size with no message: the size field disagrees with the fields.
+    """
+    if limit - pos <= 4:
+        return -1, None, "no record header before the readable end"
+    if limit - pos < 8:
+        return -1, None, "record header runs past the readable end"
+    total, magic = _HEAD8.unpack_from(buf, pos)
+    if total - 4 > limit - pos:
+        return -1, None, f"record size {total} runs past the readable end"
+    if magic == BLANK_MAGIC:
+        return 0, None, None
+    if magic != MAGIC_V1 and magic != MAGIC_V2:
+        return -1, None, f"bad magic code 0x{magic:08X}"
+    try:
+        msg = decode(buf, pos, limit, check_crc=check_crc, read_body=read_body)
+    except RecordError as e:
+        reason = str(e)
+        if reason.startswith("record size") and "disagrees" in reason:
+            return total, None, reason
+        return -1, None, reason
+    return total, msg, None
+
+
+def read_store_timestamp(buf: Any, pos: int) -> int:
+    """STORETIMESTAMP of the record at ``pos`` (its position depends on the born host family)."""
+    sys_flag = _INT.unpack_from(buf, pos + 36)[0]
+    return _LONG.unpack_from(buf, pos + (68 if sys_flag & SYSFLAG_BORNHOST_V6 else 56))[0]
+
+
+# ---------------------------------------------------------------- encoding
+
+@dataclass(slots=True)
+class EncodedRecord:
+    """A record encoded outside the put lock; only offsets and store time are patched under it."""
+
+    data: bytearray
+    store_ts_pos: int
+    transaction_type: int
+
+
+def encode(topic: str, body: bytes, *, queue_id: int = 0, flag: int = 0, sys_flag: int = 0,
+           born_timestamp: int = 0, born_host: tuple[bytes, int] = (b"\x7f\x00\x00\x01", 0),
+           store_host: tuple[bytes, int] = (b"\x7f\x00\x00\x01", 10911), reconsume_times: int = 0,
+           prepared_transaction_offset: int = 0, properties: str = "", body_crc: int | None = None,
+           queue_offset: int = 0, physical_offset: int = 0, store_timestamp: int = 0,
+           max_message_size: int = 4194304, auto_v2: bool = True) -> EncodedRecord:
+    """Encode one record (RocketMQ's MessageExtEncoder).
+
+    The IPv6 sysFlag bits are set from the host address lengths.  Raises
+    ``RecordError`` subclasses for bodies, properties and topics RocketMQ refuses.
+    """
+    born_addr, born_port = born_host
+    store_addr, store_port = store_host
+    sys_flag &= ~(SYSFLAG_BORNHOST_V6 | SYSFLAG_STOREHOST_V6)
+    if len(born_addr) == 16:
+        sys_flag |= SYSFLAG_BORNHOST_V6
+    if len(store_addr) == 16:
+        sys_flag |= SYSFLAG_STOREHOST_V6
+    topic_b = topic.encode("utf-8")
+    props_b = properties.encode("utf-8")
+    v2 = auto_v2 and java_len(topic) > 127
+    if len(props_b) > MAX_PROPERTIES_BYTES:
+        raise PropertiesTooLarge(f"properties are {len(props_b)} bytes, more than {MAX_PROPERTIES_BYTES}")
+    if len(body) > max_message_size:
+        raise MessageTooLarge(f"body is {len(body)} bytes, more than maxMessageSize {max_message_size}")
+    if not v2 and len(topic_b) > 127:
+        raise RecordError(f"topic is {len(topic_b)} UTF-8 bytes; a V1 record holds at most 127")
+    if len(topic_b) > 32767:
+        raise RecordError("topic longer than 32767 bytes")
+    total = record_length(len(body), len(topic_b), len(props_b), sys_flag, v2)
+    if total > max_message_size + 65536:
+        raise MessageTooLarge(f"record is {total} bytes, more than maxMessageSize + 64 KiB")
+    if body_crc is None:
+        body_crc = zlib.crc32(body) & 0x7FFFFFFF
+    out = bytearray(total)
+    _PREFIX.pack_into(out, 0, total, MAGIC_V2 if v2 else MAGIC_V1, body_crc, queue_id, flag,
+                      queue_offset, physical_offset, sys_flag, born_timestamp)
+    p = PREFIX_SIZE
+    out[p:p + len(born_addr)] = born_addr
+    _INT.pack_into(out, p + len(born_addr), born_port)
+    p += len(born_addr) + 4
+    ts_pos = p
+    _LONG.pack_into(out, p, store_timestamp)
+    p += 8
+    out[p:p + len(store_addr)] = store_addr
+    _INT.pack_into(out, p + len(store_addr), store_port)
+    p += len(store_addr) + 4
+    _TAIL.pack_into(out, p, reconsume_times, prepared_transaction_offset)
+    p += 12
+    _INT.pack_into(out, p, len(body))
+    p += 4
+    out[p:p + len(body)] = body
+    p += len(body)
+    if v2:
+        _SHORT.pack_into(out, p, len(topic_b))
+        p += 2
+    else:
+        _BYTE.pack_into(out, p, len(topic_b))
+        p += 1
+    out[p:p + len(topic_b)] = topic_b
+    p += len(topic_b)
+    _SHORT.pack_into(out, p, len(props_b))
+    p += 2
+    out[p:p + len(props_b)] = props_b
+    return EncodedRecord(out, ts_pos, sys_flag & TRANSACTION_MASK)
+
+
+def patch(buf: Any, pos: int, ts_pos: int, queue_offset: int, physical_offset: int, store_ts: int) -> None:
+    """Write the fields only known under the put lock into an encoded record at ``pos``."""
+    _OFFSETS.pack_into(buf, pos + QUEUE_OFFSET_POS, queue_offset, physical_offset)
+    _LONG.pack_into(buf, pos + ts_pos, store_ts)
+
+
+def blank_record(remaining: int) -> bytes:
+    """The 8-byte end-of-file record: the bytes left in the file, then the blank magic."""
+    return _HEAD8.pack(remaining, BLANK_MAGIC)
+
+
+class MessageTooLarge(RecordError):
+    """Body or record over maxMessageSize (MESSAGE_ILLEGAL)."""
+
+
+class PropertiesTooLarge(RecordError):
+    """Properties over 32767 bytes (PROPERTIES_SIZE_EXCEEDED)."""
+
+
+def iter_batch_body(body: bytes) -> Iterable[tuple[int, bytes, str]]:
+    """Inner messages of a MessageExtBatch wire body as (flag, body, properties)."""
+    p, n = 0, len(body)
+    while p < n:
+        if n - p < 20:
+            raise RecordError(f"batch body truncated at byte {p}")
+        size, _magic, _crc, flag, blen = struct.unpack_from(">iiiii", body, p)
+        q = p + 20
+        inner = body[q:q + blen]
+        q += blen
+        (plen,) = _SHORT.unpack_from(body, q)
+        props = body[q + 2:q + 2 + plen].decode("utf-8", "replace")
+        q += 2 + plen
+        if size != q - p:
+            raise RecordError(f"batch inner message at byte {p} has size {size}, fields say {q - p}")
+        yield flag, inner, props
+        p = q

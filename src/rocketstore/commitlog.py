@@ -1,0 +1,190 @@
+"""CommitLog: the shared append-only log of every topic's records, in fixed-size segments.
+
+Producers encode outside the lock; under the put lock the store only assigns
+the queue offset, stamps the store time and physical offset, and copies the
+record into the mapped segment.  A record that does not fit the rest of a
+segment (with 8 bytes to spare) is preceded by an 8-byte blank record and goes
+to the next segment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from . import codec
+from .codec import BLANK_RECORD_SIZE, EncodedRecord, MessageExt
+from .errors import CorruptRecordError
+from .mapped_file import MappedFileQueue
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class AppendResult:
+    wrote_offset: int
+    wrote_bytes: int
+    queue_offset: int
+    store_timestamp: int
+    offsets: list[int]
+
+
+class CommitLog:
+    def __init__(self, directory: str, file_size: int, *, read_only: bool = False,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.directory = directory
+        self.file_size = file_size
+        self.queue = MappedFileQueue(directory, file_size, read_only=read_only, preallocate=not read_only)
+        self.put_lock = threading.Lock()
+        self.clock = clock
+        self.confirm_offset = 0
+        self.on_new_file: Callable[[], None] | None = None
+
+    def load(self, on_bad_file=None) -> None:
+        self.queue.load(on_bad_file=on_bad_file)
+
+    # ------------------------------------------------------------ offsets
+    def min_offset(self) -> int:
+        return self.queue.min_offset() if self.queue.files else 0
+
+    def max_offset(self) -> int:
+        return self.queue.max_offset()
+
+    # ------------------------------------------------------------ writing
+    def append(self, records: list[EncodedRecord], queue_offset: int | None,
+               store_timestamp: int | None = None) -> AppendResult:
+        """Append records of one topic/queue as one unit (a batch moves to a new segment whole).
+
+        ``queue_offset`` is the first queue offset to stamp (None for PREPARED and
+        ROLLBACK records, which store 0).  Must be called with ``put_lock`` held.
+        """
+        total = 0
+        for r in records:
+            total += len(r.data)
+        if total + BLANK_RECORD_SIZE > self.file_size:
+            raise codec.MessageTooLarge(
+                f"{total} bytes do not fit a {self.file_size}-byte commitlog segment (mappedFileSizeCommitLog)")
+        ts = int(self.clock() * 1000) if store_timestamp is None else store_timestamp
+        f = self.queue.last_for_append(0)
+        remaining = self.file_size - f.wrote_position
+        if total + BLANK_RECORD_SIZE > remaining:
+            f.append(codec.blank_record(remaining))
+            f.wrote_position = self.file_size
+            f = self.queue.last_for_append(0)
+            if self.on_new_file is not None:
+                self.on_new_file()
+        base = f.file_from_offset
+        pos = f.wrote_position
+        first = base + pos
+        offsets = []
+        mm = f.mm
+        q = queue_offset
+        for r in records:
+            n = len(r.data)
+            codec.patch(r.data, 0, r.store_ts_pos, 0 if q is None else q, base + pos, ts)
+            mm[pos:pos + n] = r.data
+            offsets.append(base + pos)
+            pos += n
+            if q is not None:
+                q += 1
+        f.wrote_position = pos
+        f.store_timestamp = ts
+        return AppendResult(first, total, -1 if queue_offset is None else queue_offset, ts, offsets)
+
+    # ------------------------------------------------------------ reading
+    def read_message(self, offset: int, *, read_body: bool = True, check_crc: bool = False) -> MessageExt:
+        """Decode the record at ``offset``; raises CorruptRecordError naming file and offset."""
+        f = self.queue.find(offset)
+        if f is None or not f.hold():
+            raise CorruptRecordError(f"commitlog offset {offset} is not in any segment of {self.directory}")
+        try:
+            pos = offset - f.file_from_offset
+            try:
+                return codec.decode(f.mm, pos, f.wrote_position, check_crc=check_crc, read_body=read_body)
+            except codec.RecordError as e:
+                raise CorruptRecordError(f"{f.path} at offset {offset} (file position {pos}): {e}") from None
+        finally:
+            f.release()
+
+    def read_message_or_none(self, offset: int, size: int, *, read_body: bool = True) -> MessageExt | None:
+        """The record at ``offset`` of ``size`` bytes, or None if it is not (or no longer) readable."""
+        f = self.queue.find(offset)
+        if f is None or not f.hold():
+            return None
+        try:
+            pos = offset - f.file_from_offset
+            if pos + size > f.wrote_position:
+                return None
+            try:
+                return codec.decode(f.mm, pos, pos + size, read_body=read_body)
+            except codec.RecordError:
+                return None
+        finally:
+            f.release()
+
+    def pickup_store_timestamp(self, offset: int, size: int) -> int:
+        if offset < self.min_offset() or offset + size > self.max_offset():
+            return -1
+        f = self.queue.find(offset)
+        if f is None:
+            return -1
+        return codec.read_store_timestamp(f.mm, offset - f.file_from_offset)
+
+    def scan(self, from_offset: int = -1, *, check_crc: bool = False, read_body: bool = True,
+             end: int | None = None) -> Iterator[tuple[int, int, MessageExt | None, str | None]]:
+        """Walk records in commitlog order as (offset, size, message, problem).
+
+        Blank records are skipped silently.  The walk stops at the first record
+        that is not valid, yielding it once with ``message`` None and the reason.
+        """
+        files = list(self.queue.files)
+        if not files:
+            return
+        offset = files[0].file_from_offset if from_offset < 0 else from_offset
+        stop = self.max_offset() if end is None else end
+        while offset < stop:
+            f = self.queue.find(offset)
+            if f is None:
+                return
+            if not f.hold():
+                return
+            try:
+                pos = offset - f.file_from_offset
+                limit = f.wrote_position
+                mm = f.mm
+                while pos < limit and f.file_from_offset + pos < stop:
+                    size, msg, reason = codec.check(mm, pos, limit, check_crc=check_crc, read_body=read_body)
+                    if size == 0:
+                        pos = limit = self.file_size  # blank: the rest of the file is unused
+                        break
+                    if msg is None:
+                        yield f.file_from_offset + pos, size, None, f"{f.path} at file position {pos}: {reason}"
+                        return
+                    yield f.file_from_offset + pos, size, msg, None
+                    pos += size
+            finally:
+                f.release()
+            if pos < self.file_size:
+                if f is self.queue.last() or f.file_from_offset + pos >= stop:
+                    return
+                # A non-last file that ends without a blank record.
+                yield f.file_from_offset + pos, -1, None, f"{f.path} at file position {pos}: no record and no blank"
+                return
+            offset = f.end_offset
+
+    def flush(self, least_pages: int = 0) -> bool:
+        return self.queue.flush(least_pages)
+
+    def close(self) -> None:
+        self.queue.close()
+
+    def segment_paths(self) -> list[str]:
+        return [f.path for f in self.queue.files]
+
+    @staticmethod
+    def segment_start(path: str) -> int:
+        return int(os.path.basename(path))

@@ -1,0 +1,172 @@
+"""StoreConfig: RocketMQ's MessageStoreConfig fields, by their own names and defaults.
+
+The field names are RocketMQ's camelCase names on purpose: the same key works
+in a ``broker.conf`` file, in Python and in the docs.  Only fields that the
+store uses are here; unknown keys in a file are refused so that typos show.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+ASYNC_FLUSH = "ASYNC_FLUSH"
+SYNC_FLUSH = "SYNC_FLUSH"
+CQ_UNIT_SIZE = 20
+MIN_COMMITLOG_FILE_SIZE = 4096
+
+# Broker-side keys that may sit in a broker.conf beside the store's; accepted and ignored.
+_BROKER_KEYS = {"brokerClusterName", "brokerName", "brokerId", "brokerRole", "namesrvAddr",
+                "listenPort", "haListenPort", "brokerIP1", "brokerIP2", "storePathRootDir",
+                "storePathCommitLog", "autoCreateTopicEnable", "defaultTopicQueueNums"}
+
+
+@dataclass
+class StoreConfig:
+    """Store settings (RocketMQ 5.3.3 names and defaults)."""
+
+    mappedFileSizeCommitLog: int = 1024 * 1024 * 1024  # 1 GiB segments
+    mappedFileSizeConsumeQueue: int = 300000 * CQ_UNIT_SIZE  # 6,000,000 bytes
+    maxHashSlotNum: int = 5000000
+    maxIndexNum: int = 5000000 * 4
+    maxMessageSize: int = 1024 * 1024 * 4  # 4 MiB body
+    maxMsgsNumBatch: int = 64  # queryMessage cap
+    messageIndexEnable: bool = True
+    messageIndexSafe: bool = False
+    autoMessageVersionOnTopicLen: bool = True
+    checkCRCOnRecover: bool = True
+    flushDiskType: str = ASYNC_FLUSH
+    flushIntervalCommitLog: int = 500  # ms
+    flushCommitLogLeastPages: int = 4
+    flushCommitLogThoroughInterval: int = 10000  # ms
+    flushIntervalConsumeQueue: int = 1000  # ms
+    flushConsumeQueueLeastPages: int = 2
+    flushConsumeQueueThoroughInterval: int = 60000  # ms
+    syncFlushTimeout: int = 5000  # ms
+    cleanResourceInterval: int = 10000  # ms
+    deleteWhen: str = "04"
+    fileReservedTime: int = 72  # hours
+    deleteCommitLogFilesInterval: int = 100  # ms
+    deleteConsumeQueueFilesInterval: int = 100  # ms
+    destroyMapedFileIntervalForcibly: int = 120000  # ms (RocketMQ's spelling)
+    redeleteHangedFileInterval: int = 120000  # ms
+    deleteFileBatchMax: int = 10
+    diskMaxUsedSpaceRatio: int = 75  # percent
+    diskSpaceWarningLevelRatio: int = 90  # percent
+    diskSpaceCleanForciblyRatio: int = 85  # percent
+    diskMinFreeBytes: int = 0  # rocketstore: refuse puts below this many free bytes (0 = off)
+    cleanFileForciblyEnable: bool = True
+    maxTransferBytesOnMessageInMemory: int = 256 * 1024
+    maxTransferCountOnMessageInMemory: int = 32
+    maxTransferBytesOnMessageInDisk: int = 64 * 1024
+    maxTransferCountOnMessageInDisk: int = 8
+    accessMessageInMemoryMaxRatio: int = 40
+    maxFilterMessageSize: int = 16000
+    warmMapedFileEnable: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Refuse values the files cannot work with; the message names the key."""
+        def need(ok: bool, key: str, why: str) -> None:
+            if not ok:
+                raise ConfigError(f"{key}={getattr(self, key)}: {why}")
+
+        need(self.mappedFileSizeCommitLog >= MIN_COMMITLOG_FILE_SIZE, "mappedFileSizeCommitLog",
+             f"a commitlog segment must be at least {MIN_COMMITLOG_FILE_SIZE} bytes")
+        need(self.mappedFileSizeConsumeQueue > 0 and self.mappedFileSizeConsumeQueue % CQ_UNIT_SIZE == 0,
+             "mappedFileSizeConsumeQueue", "must be a positive multiple of the 20-byte unit")
+        need(self.maxHashSlotNum > 0, "maxHashSlotNum", "must be positive")
+        need(self.maxIndexNum > 1, "maxIndexNum", "must be at least 2 (entry 0 is never used)")
+        need(40 + 4 * self.maxHashSlotNum + 20 * self.maxIndexNum < 2 ** 31, "maxIndexNum",
+             "index file would exceed 2 GiB")
+        need(self.maxMessageSize > 0, "maxMessageSize", "must be positive")
+        need(self.flushDiskType in (ASYNC_FLUSH, SYNC_FLUSH), "flushDiskType",
+             f"must be {ASYNC_FLUSH} or {SYNC_FLUSH}")
+        need(self.maxMsgsNumBatch > 0, "maxMsgsNumBatch", "must be positive")
+        for key in ("diskMaxUsedSpaceRatio", "diskSpaceWarningLevelRatio", "diskSpaceCleanForciblyRatio"):
+            need(0 < getattr(self, key) <= 100, key, "must be a percentage in (0, 100]")
+        for key in ("flushIntervalCommitLog", "flushIntervalConsumeQueue", "syncFlushTimeout",
+                    "cleanResourceInterval", "fileReservedTime", "deleteFileBatchMax"):
+            need(getattr(self, key) >= 0, key, "must not be negative")
+        try:
+            [int(h) for h in self.deleteWhen.split(";") if h.strip()]
+        except ValueError:
+            raise ConfigError(f"deleteWhen={self.deleteWhen}: hours must be numbers separated by ';'") from None
+
+    # ------------------------------------------------------------ loading
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, source: str = "config") -> "StoreConfig":
+        """Build from string or typed values, converting each to its field's type."""
+        types = {f.name: f.type for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, raw in values.items():
+            if key in _BROKER_KEYS:
+                continue
+            if key not in types:
+                raise ConfigError(f"{source}: unknown key {key!r}")
+            kwargs[key] = _convert(raw, types[key], f"{source}: {key}")
+        return cls(**kwargs)
+
+    @classmethod
+    def load(cls, path: str) -> "StoreConfig":
+        """Read a ``broker.conf`` style file: ``key=value`` lines, ``#`` comments."""
+        try:
+            with open(path, encoding="utf-8") as fh:
+                lines = fh.read().splitlines()
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
+        values: dict[str, str] = {}
+        for n, line in enumerate(lines, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            if "=" not in line:
+                raise ConfigError(f"{path}:{n}: expected key=value, got {line!r}")
+            k, _, v = line.partition("=")
+            values[k.strip()] = v.strip()
+        return cls.from_mapping(values, source=path)
+
+    def replace(self, **changes: Any) -> "StoreConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _convert(raw: Any, typ: Any, where: str) -> Any:
+    name = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
+    try:
+        if name == "bool":
+            if isinstance(raw, bool):
+                return raw
+            s = str(raw).strip().lower()
+            if s not in ("true", "false"):
+                raise ValueError
+            return s == "true"
+        if name == "int":
+            if isinstance(raw, bool):
+                raise ValueError
+            return int(str(raw).strip()) if not isinstance(raw, int) else raw
+        return str(raw)
+    except ValueError:
+        raise ConfigError(f"{where}: {raw!r} is not a valid {name}") from None
+
+
+def golden_config() -> StoreConfig:
+    """The small geometry the golden stores (and tests) use."""
+    return StoreConfig(mappedFileSizeCommitLog=1048576, mappedFileSizeConsumeQueue=6000,
+                       maxHashSlotNum=1000, maxIndexNum=4000)
+
+
+def total_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 8 * 1024 ** 3

@@ -1,0 +1,315 @@
+"""ConsumeQueue: the per topic/queue list of 20-byte units pointing into the CommitLog.
+
+::
+
+    +---------------------------+-------------+---------------------------+
+    | commitlog offset (int64)  | size (int32)| tagsCode (int64)          |
+    +---------------------------+-------------+---------------------------+
+
+Unit ``n`` sits at byte ``20 * n`` of the queue; its file is named by the
+byte offset of its first unit.  A queue that starts past 0 (after cleaning, or
+whose first message had a non-zero offset) keeps ``min_logic_offset``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from typing import Callable, Iterator
+
+from .mapped_file import MappedFile, MappedFileQueue
+
+log = logging.getLogger(__name__)
+
+CQ_STORE_UNIT_SIZE = 20
+_UNIT = struct.Struct(">qiq")
+PRE_BLANK_UNIT = _UNIT.pack(0, 0x7FFFFFFF, 0)
+
+LOWER = "lower"
+UPPER = "upper"
+
+TimestampReader = Callable[[int, int], int]  # (commitlog offset, size) -> storeTimestamp or -1
+
+
+class ConsumeQueue:
+    def __init__(self, root: str, topic: str, queue_id: int, file_size: int, *, read_only: bool = False) -> None:
+        self.topic = topic
+        self.queue_id = queue_id
+        self.file_size = file_size
+        self.directory = os.path.join(root, topic, str(queue_id))
+        self.queue = MappedFileQueue(self.directory, file_size, read_only=read_only)
+        self.min_logic_offset = 0
+        self.max_physic_offset = -1
+        self._time_cache: dict[str, tuple[int, int]] = {}
+
+    def load(self, on_bad_file=None) -> None:
+        self.queue.load(on_bad_file=on_bad_file)
+
+    # ------------------------------------------------------------ offsets
+    def max_offset_bytes(self) -> int:
+        return self.queue.max_offset()
+
+    @property
+    def min_offset_in_queue(self) -> int:
+        return self.min_logic_offset // CQ_STORE_UNIT_SIZE
+
+    @property
+    def max_offset_in_queue(self) -> int:
+        return self.queue.max_offset() // CQ_STORE_UNIT_SIZE
+
+    @property
+    def message_total_in_queue(self) -> int:
+        return self.max_offset_in_queue - self.min_offset_in_queue
+
+    # ------------------------------------------------------------ reading
+    def get_unit(self, index: int) -> tuple[int, int, int] | None:
+        """The unit at queue offset ``index``, or None below the minimum or past the written end."""
+        pos = index * CQ_STORE_UNIT_SIZE
+        if pos < self.min_logic_offset:
+            return None
+        f = self.queue.find(pos)
+        if f is None or pos - f.file_from_offset + CQ_STORE_UNIT_SIZE > f.wrote_position:
+            return None
+        return _UNIT.unpack_from(f.mm, pos - f.file_from_offset)
+
+    def units_from(self, index: int) -> tuple[MappedFile, Iterator[tuple[int, int, int, int]]] | None:
+        """Units from ``index`` to the readable end of the file holding it, as (index, offset, size, tagsCode)."""
+        pos = index * CQ_STORE_UNIT_SIZE
+        if pos < self.min_logic_offset:
+            return None
+        f = self.queue.find(pos)
+        if f is None or not f.hold():
+            return None
+
+        def gen() -> Iterator[tuple[int, int, int, int]]:
+            try:
+                mm, base = f.mm, f.file_from_offset
+                p = pos - base
+                end = f.wrote_position
+                while p + CQ_STORE_UNIT_SIZE <= end:
+                    off, size, tags = _UNIT.unpack_from(mm, p)
+                    yield (base + p) // CQ_STORE_UNIT_SIZE, off, size, tags
+                    p += CQ_STORE_UNIT_SIZE
+            finally:
+                f.release()
+        return f, gen()
+
+    def last_unit(self) -> tuple[int, int, int] | None:
+        last = self.queue.last()
+        if last is None or last.wrote_position < CQ_STORE_UNIT_SIZE:
+            return None
+        return _UNIT.unpack_from(last.mm, last.wrote_position - CQ_STORE_UNIT_SIZE)
+
+    # ------------------------------------------------------------ recovery
+    def recover(self) -> list[str]:
+        """Find the end of valid units, checking the last three files; truncate what lies beyond."""
+        files = self.queue.files
+        if not files:
+            return []
+        idx = max(0, len(files) - 3)
+        max_phy = -1
+        process = files[idx].file_from_offset
+        while True:
+            f = files[idx]
+            mm, valid = f.mm, 0
+            while valid + CQ_STORE_UNIT_SIZE <= self.file_size:
+                off, size, _ = _UNIT.unpack_from(mm, valid)
+                if off >= 0 and size > 0:
+                    valid += CQ_STORE_UNIT_SIZE
+                    max_phy = off + size
+                else:
+                    break
+            process = f.file_from_offset + valid
+            if valid == self.file_size and idx + 1 < len(files):
+                idx += 1
+                continue
+            break
+        self.max_physic_offset = max_phy
+        return self.queue.truncate_dirty(process)
+
+    def truncate_dirty_logic(self, phy: int) -> int:
+        """Drop units pointing at or past commitlog offset ``phy``; return how many went."""
+        before = self.max_offset_in_queue
+        self.max_physic_offset = phy
+        while True:
+            f = self.queue.last()
+            if f is None:
+                break
+            f.set_positions(0)
+            off0, size0, _ = _UNIT.unpack_from(f.mm, 0)
+            if off0 >= phy:
+                self.queue.files.remove(f)
+                if self.queue.read_only:
+                    f.close()
+                else:
+                    f.destroy()
+                continue
+            p = 0
+            while p + CQ_STORE_UNIT_SIZE <= self.file_size:
+                off, size, _ = _UNIT.unpack_from(f.mm, p)
+                if off >= phy or not (off >= 0 and size > 0):
+                    break
+                p += CQ_STORE_UNIT_SIZE
+                self.max_physic_offset = off + size
+            f.set_positions(p)
+            break
+        if self.min_logic_offset > self.queue.max_offset():
+            self.min_logic_offset = self.queue.max_offset()
+        return before - self.max_offset_in_queue
+
+    def correct_min_offset(self, min_commit_log_offset: int) -> None:
+        """Move ``min_logic_offset`` to the first unit at or above the commitlog minimum."""
+        files = self.queue.files
+        if not files or self.min_logic_offset >= self.queue.max_offset():
+            return
+        last = self.last_unit()
+        if last is not None and last[0] < min_commit_log_offset:
+            self.min_logic_offset = self.queue.max_offset()
+            return
+        first = files[0]
+        start = self.min_logic_offset - first.file_from_offset
+        clamped = start < 0
+        start = max(0, start)
+        end = first.wrote_position
+        if start + CQ_STORE_UNIT_SIZE > end:
+            return
+        if not clamped and _UNIT.unpack_from(first.mm, start)[0] >= min_commit_log_offset:
+            return
+        lo, hi = start // CQ_STORE_UNIT_SIZE, end // CQ_STORE_UNIT_SIZE  # first unit >= min in [lo, hi)
+        found = None
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _UNIT.unpack_from(first.mm, mid * CQ_STORE_UNIT_SIZE)[0] >= min_commit_log_offset:
+                found, hi = mid, mid
+            else:
+                lo = mid + 1
+        if found is not None:
+            self.min_logic_offset = first.file_from_offset + found * CQ_STORE_UNIT_SIZE
+
+    # ------------------------------------------------------------ writing (dispatch)
+    def put_unit(self, offset: int, size: int, tags_code: int, cq_offset: int) -> bool:
+        """Append a unit the way dispatch does; duplicates are skipped, a gap is logged and written in place."""
+        if offset + size <= self.max_physic_offset:
+            return True
+        expect = cq_offset * CQ_STORE_UNIT_SIZE
+        queue = self.queue
+        first_ever = not queue.files
+        f = queue.last_for_append(expect)
+        if first_ever and cq_offset != 0 and f.wrote_position == 0:
+            self.min_logic_offset = expect
+            fill = expect - f.file_from_offset
+            f.mm[0:fill] = PRE_BLANK_UNIT * (fill // CQ_STORE_UNIT_SIZE)
+            f.wrote_position = fill
+        if cq_offset != 0:
+            current = f.file_from_offset + f.wrote_position
+            if expect < current:
+                return True
+            if expect != current:
+                log.error("%s-%d: queue offset gap, expected unit %d, writing at %d",
+                          self.topic, self.queue_id, cq_offset, current // CQ_STORE_UNIT_SIZE)
+        self.max_physic_offset = offset + size
+        f.append(_UNIT.pack(offset, size, tags_code))
+        return True
+
+    def flush(self, least_pages: int = 0) -> None:
+        self.queue.flush(least_pages)
+
+    # ------------------------------------------------------------ time lookups
+    def offset_by_time(self, ts: int, boundary: str, store_time: TimestampReader, min_phy: int) -> int:
+        """Queue offset for a store time: LOWER = first unit at or after, UPPER = last unit at or before."""
+        f = self._file_by_time(ts, boundary, store_time)
+        result = 0
+        if f is not None:
+            result = self._search_file(f, ts, boundary, store_time, min_phy)
+        return max(self.min_offset_in_queue, min(result, self.max_offset_in_queue))
+
+    def _file_times(self, f: MappedFile, last: bool, store_time: TimestampReader) -> tuple[int, int]:
+        cached = self._time_cache.get(f.path)
+        if cached is not None and not last:
+            return cached
+        off, size, _ = _UNIT.unpack_from(f.mm, 0)
+        start = store_time(off, size)
+        stop = -1
+        if not last:
+            off, size, _ = _UNIT.unpack_from(f.mm, self.file_size - CQ_STORE_UNIT_SIZE)
+            stop = store_time(off, size)
+            self._time_cache[f.path] = (start, stop)
+        return start, stop
+
+    def _file_by_time(self, ts: int, boundary: str, store_time: TimestampReader) -> MappedFile | None:
+        files = [f for f in self.queue.files if f.wrote_position > 0]
+        if not files:
+            return None
+        if boundary == LOWER:
+            for f in files[:-1]:
+                if self._file_times(f, False, store_time)[1] >= ts:
+                    return f
+            return files[-1]
+        for i in range(len(files) - 1, -1, -1):
+            if self._file_times(files[i], i == len(files) - 1, store_time)[0] <= ts:
+                return files[i]
+        return None
+
+    def _search_file(self, f: MappedFile, ts: int, boundary: str, store_time: TimestampReader,
+                     min_phy: int) -> int:
+        mm, base = f.mm, f.file_from_offset
+        floor = max(0, self.min_logic_offset - base)
+        ceiling = f.wrote_position - CQ_STORE_UNIT_SIZE
+        if ceiling < floor:
+            return 0
+
+        def time_at(p: int) -> int:
+            off, size, _ = _UNIT.unpack_from(mm, p)
+            return store_time(off, size)
+
+        if time_at(ceiling) < ts:
+            return (base + ceiling + (CQ_STORE_UNIT_SIZE if boundary == LOWER else 0)) // CQ_STORE_UNIT_SIZE
+        if time_at(floor) > ts:
+            return base // CQ_STORE_UNIT_SIZE if boundary == LOWER else 0
+        low, high = floor, ceiling
+        left = right = target = -1
+        while high >= low:
+            mid = (low + high) // (2 * CQ_STORE_UNIT_SIZE) * CQ_STORE_UNIT_SIZE
+            off, size, _ = _UNIT.unpack_from(mm, mid)
+            if off < min_phy:
+                low, left = mid + CQ_STORE_UNIT_SIZE, mid
+                continue
+            t = store_time(off, size)
+            if t < 0:
+                return 0
+            if t == ts:
+                target = mid
+                break
+            if t > ts:
+                high, right = mid - CQ_STORE_UNIT_SIZE, mid
+            else:
+                low, left = mid + CQ_STORE_UNIT_SIZE, mid
+        if target != -1:
+            pos = target
+            step = -CQ_STORE_UNIT_SIZE if boundary == LOWER else CQ_STORE_UNIT_SIZE
+            while floor <= pos + step <= ceiling and time_at(pos + step) == ts:
+                pos += step
+        else:
+            pos = right if boundary == LOWER else left
+        return int((base + pos) / CQ_STORE_UNIT_SIZE)  # Java truncates toward zero
+
+    # ------------------------------------------------------------ cleaning
+    def delete_expired_file(self, min_commit_log_offset: int, interval_forcibly_ms: int = 60000) -> int:
+        """Delete files (never the last) whose last unit points below the commitlog minimum."""
+        deleted = 0
+        for f in list(self.queue.files[:-1]):
+            if f.available:
+                off, _, _ = _UNIT.unpack_from(f.mm, self.file_size - CQ_STORE_UNIT_SIZE)
+                if off >= min_commit_log_offset:
+                    break
+            if not f.destroy(interval_forcibly_ms):
+                break
+            self.queue.files.remove(f)
+            self._time_cache.pop(f.path, None)
+            deleted += 1
+        self.correct_min_offset(min_commit_log_offset)
+        return deleted
+
+    def close(self) -> None:
+        self.queue.close()

@@ -1,0 +1,124 @@
+"""Dispatch: turning CommitLog records into ConsumeQueue units and index entries.
+
+``DispatchRequest`` is what one record contributes; ``CommitLogDispatcher``
+applies it (used by recovery, rebuilds and the live ReputMessageService,
+which follows the CommitLog's confirmed end in its own thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from . import codec
+from .codec import MessageExt
+from .service import ServiceThread
+
+if TYPE_CHECKING:
+    from .store import MessageStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class DispatchRequest:
+    topic: str
+    queue_id: int
+    commit_log_offset: int
+    msg_size: int
+    tags_code: int
+    store_timestamp: int
+    consume_queue_offset: int
+    keys: str | None
+    uniq_key: str | None
+    sys_flag: int
+
+    @classmethod
+    def of(cls, msg: MessageExt) -> "DispatchRequest":
+        props = msg.properties
+        return cls(msg.topic, msg.queue_id, msg.commit_log_offset, msg.size,
+                   codec.dispatch_tags_code(msg.topic, props, msg.store_timestamp), msg.store_timestamp,
+                   msg.queue_offset, props.get("KEYS"), props.get("UNIQ_KEY"), msg.sys_flag)
+
+
+class CommitLogDispatcher:
+    """Builds the consume queue (NOT_TYPE and COMMIT only) and the index (all but ROLLBACK)."""
+
+    def __init__(self, store: "MessageStore") -> None:
+        self.store = store
+
+    def dispatch(self, req: DispatchRequest) -> None:
+        store = self.store
+        txn = req.sys_flag & codec.TRANSACTION_MASK
+        if txn in (codec.TRANSACTION_NOT_TYPE, codec.TRANSACTION_COMMIT):
+            cq = store.find_consume_queue(req.topic, req.queue_id)
+            cq.put_unit(req.commit_log_offset, req.msg_size, req.tags_code, req.consume_queue_offset)
+            store.checkpoint.logicsMsgTimestamp = req.store_timestamp
+        if store.config.messageIndexEnable:
+            store.index_service.build_index(req.topic, req.commit_log_offset, req.store_timestamp, txn,
+                                            req.uniq_key, req.keys)
+
+
+class ReputMessageService(ServiceThread):
+    """Follows the CommitLog from ``reput_from_offset`` to its confirmed end and dispatches each record."""
+
+    name = "ReputMessageService"
+
+    def __init__(self, store: "MessageStore", from_offset: int) -> None:
+        super().__init__(interval=0.001)
+        self.store = store
+        self.reput_from_offset = from_offset
+        self.dispatcher = CommitLogDispatcher(store)
+        self.caught_up = threading.Condition()
+
+    def behind(self) -> int:
+        return max(0, self.store.confirm_offset() - self.reput_from_offset)
+
+    def run_once(self) -> None:
+        store = self.store
+        commitlog = store.commitlog
+        if self.reput_from_offset < commitlog.min_offset():
+            self.reput_from_offset = commitlog.min_offset()
+        end = store.confirm_offset()
+        progressed = False
+        while self.reput_from_offset < end and not self.stopped:
+            before = self.reput_from_offset
+            f = commitlog.queue.find(self.reput_from_offset)
+            if f is None or not f.hold():
+                break
+            try:
+                pos = self.reput_from_offset - f.file_from_offset
+                limit = min(f.wrote_position, end - f.file_from_offset)
+                mm = f.mm
+                while pos < limit:
+                    size, msg, reason = codec.check(mm, pos, limit, check_crc=False, read_body=False)
+                    if size == 0:
+                        pos = f.file_size
+                        break
+                    if msg is None:
+                        if size > 0:
+                            log.error("[BUG] %s at %d: %s; skipped", f.path, pos, reason)
+                            pos += size
+                            continue
+                        log.error("dispatch stopped at %s position %d: %s", f.path, pos, reason)
+                        pos = limit
+                        break
+                    self.dispatcher.dispatch(DispatchRequest.of(msg))
+                    pos += size
+                    progressed = True
+                self.reput_from_offset = f.file_from_offset + pos
+            finally:
+                f.release()
+            if self.reput_from_offset == before:
+                break
+        if progressed or self.reput_from_offset >= end:
+            with self.caught_up:
+                self.caught_up.notify_all()
+
+    def wait_dispatched(self, offset: int, timeout: float) -> bool:
+        """Block until everything before ``offset`` is dispatched (or the timeout passes)."""
+        self.wakeup()
+        with self.caught_up:
+            return self.caught_up.wait_for(lambda: self.reput_from_offset >= offset or self.stopped, timeout)

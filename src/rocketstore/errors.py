@@ -1,0 +1,31 @@
+"""Exceptions.  Each message names the file (and offset) it is about."""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """Base class of everything rocketstore raises on purpose."""
+
+
+class StoreLoadError(StoreError):
+    """A store directory that cannot be loaded: missing, not a store, or a file of a bad name or size."""
+
+
+class CorruptRecordError(StoreError):
+    """A record that does not decode: the message says which file and offset."""
+
+
+class StoreLockedError(StoreError):
+    """The store's lock file is held by another open store (this or another process)."""
+
+
+class StoreClosedError(StoreError):
+    """An operation on a store that has been closed."""
+
+
+class ReadOnlyStoreError(StoreError):
+    """A write on a store opened read-only."""
+
+
+class ConfigError(StoreError):
+    """A config value RocketMQ would not accept, or that cannot work with the files present."""

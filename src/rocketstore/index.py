@@ -1,0 +1,284 @@
+"""IndexFile and IndexService: the hash index from ``topic#key`` to commitlog offsets.
+
+File layout (``S`` = maxHashSlotNum, ``N`` = maxIndexNum)::
+
+    header (40 bytes)
+    +----------------+--------------+----------------+--------------+-----------+------------+
+    | beginTimestamp | endTimestamp | beginPhyOffset | endPhyOffset | slotCount | indexCount |
+    |     int64      |    int64     |     int64      |    int64     |   int32   |   int32    |
+    +----------------+--------------+----------------+--------------+-----------+------------+
+    S slots of int32 (0 = empty), then N entries of 20 bytes (entry 0 never used):
+    +-----------------+--------------------+-----------------+---------------------+
+    | keyHash (int32) | phyOffset (int64)  | timeDiff s (int32) | prevIndex (int32) |
+    +-----------------+--------------------+-----------------+---------------------+
+
+A key is matched by hash only (collisions are returned, as in RocketMQ).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+from typing import Callable
+
+from .codec import index_key_hash
+from .errors import StoreLoadError
+
+log = logging.getLogger(__name__)
+
+HEADER_SIZE = 40
+SLOT_SIZE = 4
+ENTRY_SIZE = 20
+_HEADER = struct.Struct(">qqqqii")
+_ENTRY = struct.Struct(">iqii")
+_SLOT = struct.Struct(">i")
+INT_MAX = 2 ** 31 - 1
+
+
+def index_file_size(slots: int, entries: int) -> int:
+    return HEADER_SIZE + SLOT_SIZE * slots + ENTRY_SIZE * entries
+
+
+def index_file_name(now_ms: int) -> str:
+    """yyyyMMddHHmmssSSS in local time, as RocketMQ names index files."""
+    t = time.localtime(now_ms // 1000)
+    return time.strftime("%Y%m%d%H%M%S", t) + f"{now_ms % 1000:03d}"
+
+
+class IndexFile:
+    def __init__(self, path: str, slots: int, entries: int, *, read_only: bool = False, create: bool = False,
+                 prev_end: tuple[int, int] = (0, 0)) -> None:
+        self.path = path
+        self.slots = slots
+        self.entries = entries
+        size = index_file_size(slots, entries)
+        flags = os.O_RDONLY if read_only else os.O_RDWR | (os.O_CREAT if create else 0)
+        fd = os.open(path, flags, 0o644)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size != size:
+                raise StoreLoadError(f"{path}: index file is {os.fstat(fd).st_size} bytes, expected {size} "
+                                     f"(maxHashSlotNum={slots}, maxIndexNum={entries})")
+            self.mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ if read_only else mmap.ACCESS_WRITE)
+        finally:
+            os.close(fd)
+        self.read_only = read_only
+        self._entries_base = HEADER_SIZE + SLOT_SIZE * slots
+        if create:
+            self.begin_timestamp = self.end_timestamp = prev_end[1]
+            self.begin_phy_offset = self.end_phy_offset = prev_end[0]
+            self.hash_slot_count, self.index_count = 0, 1
+            self._write_header()
+        else:
+            (self.begin_timestamp, self.end_timestamp, self.begin_phy_offset, self.end_phy_offset,
+             self.hash_slot_count, self.index_count) = _HEADER.unpack_from(self.mm, 0)
+            if self.index_count <= 0:
+                self.index_count = 1
+            if self.index_count > entries:
+                raise StoreLoadError(f"{path}: header says {self.index_count} entries, more than maxIndexNum "
+                                     f"{entries}")
+
+    def _write_header(self) -> None:
+        _HEADER.pack_into(self.mm, 0, self.begin_timestamp, self.end_timestamp, self.begin_phy_offset,
+                          self.end_phy_offset, self.hash_slot_count, self.index_count)
+
+    def is_full(self) -> bool:
+        return self.index_count >= self.entries
+
+    def put_key(self, key: str, phy_offset: int, store_ts: int) -> bool:
+        """Add one entry; False when the file is full."""
+        if self.index_count >= self.entries:
+            return False
+        h = index_key_hash(key)
+        slot_pos = HEADER_SIZE + (h % self.slots) * SLOT_SIZE
+        head = _SLOT.unpack_from(self.mm, slot_pos)[0]
+        if head <= 0 or head > self.index_count:
+            head = 0
+        diff = 0
+        if self.begin_timestamp > 0:
+            diff = min(max((store_ts - self.begin_timestamp) // 1000, 0), INT_MAX)
+        n = self.index_count
+        _ENTRY.pack_into(self.mm, self._entries_base + n * ENTRY_SIZE, h, phy_offset, diff, head)
+        _SLOT.pack_into(self.mm, slot_pos, n)
+        if n <= 1:
+            self.begin_phy_offset = phy_offset
+            self.begin_timestamp = store_ts
+        if head == 0:
+            self.hash_slot_count += 1
+        self.index_count = n + 1
+        self.end_phy_offset = phy_offset
+        self.end_timestamp = store_ts
+        self._write_header()
+        return True
+
+    def time_matched(self, begin: int, end: int) -> bool:
+        fb, fe = self.begin_timestamp, self.end_timestamp
+        return (begin < fb and end > fe) or fb <= begin <= fe or fb <= end <= fe
+
+    def select(self, out: list[int], key: str, max_num: int, begin: int, end: int) -> None:
+        h = index_key_hash(key)
+        cur = _SLOT.unpack_from(self.mm, HEADER_SIZE + (h % self.slots) * SLOT_SIZE)[0]
+        count = self.index_count
+        if cur <= 0 or cur > count or count <= 1:
+            return
+        base, fb = self._entries_base, self.begin_timestamp
+        while len(out) < max_num:
+            eh, off, diff, prev = _ENTRY.unpack_from(self.mm, base + cur * ENTRY_SIZE)
+            if diff < 0:
+                break
+            t = fb + diff * 1000
+            if eh == h and begin <= t <= end:
+                out.append(off)
+            if prev <= 0 or prev > count or prev == cur or t < begin:
+                break
+            cur = prev
+
+    def entries_iter(self):
+        """Every used entry as (keyHash, phyOffset, timeDiff, prev): for verify."""
+        base = self._entries_base
+        for i in range(1, self.index_count):
+            yield _ENTRY.unpack_from(self.mm, base + i * ENTRY_SIZE)
+
+    def flush(self) -> None:
+        if not self.read_only:
+            self.mm.flush()
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+
+    def destroy(self) -> None:
+        self.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class IndexService:
+    """The rolling list of index files; keys are ``topic#UNIQ_KEY`` and ``topic#each KEYS token``."""
+
+    def __init__(self, directory: str, slots: int, entries: int, *, read_only: bool = False,
+                 clock: Callable[[], float] = time.time,
+                 on_file_full: Callable[[IndexFile], None] | None = None) -> None:
+        self.directory = directory
+        self.slots = slots
+        self.entries = entries
+        self.read_only = read_only
+        self.files: list[IndexFile] = []
+        self.clock = clock
+        self.on_file_full = on_file_full
+        self.lock = threading.RLock()
+
+    def load(self, last_exit_ok: bool, index_msg_timestamp: int) -> list[str]:
+        """Open the files in name order; after an unclean exit drop those newer than the checkpoint."""
+        dropped: list[str] = []
+        if not os.path.isdir(self.directory):
+            return dropped
+        for name in sorted(os.listdir(self.directory)):
+            path = os.path.join(self.directory, name)
+            if not (len(name) == 17 and name.isdigit()) or not os.path.isfile(path):
+                raise StoreLoadError(f"{path}: not an index file (expected a yyyyMMddHHmmssSSS name)")
+            f = IndexFile(path, self.slots, self.entries, read_only=self.read_only)
+            if not last_exit_ok and f.end_timestamp > index_msg_timestamp:
+                dropped.append(path)
+                if self.read_only:
+                    f.close()
+                else:
+                    f.destroy()
+                continue
+            self.files.append(f)
+        return dropped
+
+    # ------------------------------------------------------------ building
+    def _writable_file(self) -> IndexFile:
+        last = self.files[-1] if self.files else None
+        if last is not None and not last.is_full():
+            return last
+        os.makedirs(self.directory, exist_ok=True)
+        now = int(self.clock() * 1000)
+        name = index_file_name(now)
+        while any(os.path.basename(f.path) == name for f in self.files) or os.path.exists(
+                os.path.join(self.directory, name)):
+            now += 1
+            name = index_file_name(now)
+        prev = (last.end_phy_offset, last.end_timestamp) if last else (0, 0)
+        f = IndexFile(os.path.join(self.directory, name), self.slots, self.entries, create=True, prev_end=prev)
+        self.files.append(f)
+        if last is not None and self.on_file_full is not None:
+            self.on_file_full(last)
+        return f
+
+    def build_index(self, topic: str, phy_offset: int, store_ts: int, sys_flag_txn: int,
+                    uniq_key: str | None, keys: str | None) -> None:
+        """Index one dispatched message (ROLLBACK messages are not indexed)."""
+        with self.lock:
+            f = self._writable_file()
+            if phy_offset < f.end_phy_offset or sys_flag_txn == 0xC:
+                return
+            if uniq_key:
+                f = self._put(f, f"{topic}#{uniq_key}", phy_offset, store_ts)
+            if keys:
+                for token in keys.split(" "):
+                    if token:
+                        f = self._put(f, f"{topic}#{token}", phy_offset, store_ts)
+
+    def _put(self, f: IndexFile, key: str, phy_offset: int, store_ts: int) -> IndexFile:
+        while not f.put_key(key, phy_offset, store_ts):
+            f = self._writable_file()
+        return f
+
+    # ------------------------------------------------------------ querying
+    def query_offset(self, topic: str, key: str, max_num: int, begin: int, end: int) -> tuple[list[int], int, int]:
+        """Raw index walk, newest file first: (offsets, lastUpdateTimestamp, lastUpdatePhyOffset)."""
+        out: list[int] = []
+        last_ts = last_phy = 0
+        full_key = f"{topic}#{key}"
+        with self.lock:
+            files = list(self.files)
+        for i in range(len(files) - 1, -1, -1):
+            f = files[i]
+            if i == len(files) - 1:
+                last_ts, last_phy = f.end_timestamp, f.end_phy_offset
+            if f.time_matched(begin, end):
+                f.select(out, full_key, max_num, begin, end)
+            if f.begin_timestamp < begin or len(out) >= max_num:
+                break
+        return out, last_ts, last_phy
+
+    # ------------------------------------------------------------ maintenance
+    def truncate_after(self, phy: int) -> None:
+        """Entries past a recovered end are left in place; queries filter them by readability."""
+
+    def delete_expired_file(self, min_offset: int) -> int:
+        with self.lock:
+            if not self.files or self.files[0].end_phy_offset >= min_offset:
+                return 0
+            victims = []
+            for f in self.files[:-1]:
+                if f.end_phy_offset < min_offset:
+                    victims.append(f)
+                else:
+                    break
+            for f in victims:
+                f.destroy()
+                self.files.remove(f)
+            return len(victims)
+
+    def flush(self) -> None:
+        with self.lock:
+            for f in self.files:
+                f.flush()
+
+    def close(self) -> None:
+        with self.lock:
+            for f in self.files:
+                f.close()
+            self.files = []

@@ -1,0 +1,353 @@
+"""MappedFile and MappedFileQueue: fixed-size memory-mapped segments named by their start offset.
+
+The CommitLog and every ConsumeQueue are a MappedFileQueue: a sorted list of
+files of one size, each named by its first byte's logical offset, zero-padded
+to 20 digits.  A file is created at full size (sparse) before it is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+import time
+from typing import Callable, Iterator
+
+from .errors import StoreLoadError
+
+log = logging.getLogger(__name__)
+
+OS_PAGE_SIZE = 4096
+
+
+def file_name(offset: int) -> str:
+    return f"{offset:020d}"
+
+
+class MappedFile:
+    """One segment.  Positions are relative to the file start.
+
+    ``wrote_position`` is where the next append goes; ``flushed_position`` is
+    what ``fdatasync`` has made durable.  Readers take a reference with
+    :meth:`hold` so that a cleaner does not unmap a file under them.
+    """
+
+    def __init__(self, path: str, file_size: int, *, read_only: bool = False, create: bool = False) -> None:
+        self.path = path
+        self.file_size = file_size
+        self.file_from_offset = int(os.path.basename(path))
+        self.read_only = read_only
+        flags = os.O_RDONLY if read_only else os.O_RDWR
+        if create:
+            flags |= os.O_CREAT
+        self.fd = os.open(path, flags, 0o644)
+        try:
+            if create and os.fstat(self.fd).st_size < file_size:
+                os.ftruncate(self.fd, file_size)
+            self.mm = mmap.mmap(self.fd, file_size, access=mmap.ACCESS_READ if read_only else mmap.ACCESS_WRITE)
+        except Exception:
+            os.close(self.fd)
+            raise
+        self.wrote_position = 0
+        self.flushed_position = 0
+        self.store_timestamp = 0
+        self._refs = 1
+        self._available = True
+        self._shutdown_at = 0.0
+        self._ref_lock = threading.Lock()
+        self.closed = False
+
+    # ------------------------------------------------------------ positions
+    @property
+    def end_offset(self) -> int:
+        return self.file_from_offset + self.file_size
+
+    def is_full(self) -> bool:
+        return self.wrote_position >= self.file_size
+
+    def set_positions(self, pos: int) -> None:
+        self.wrote_position = pos
+        self.flushed_position = pos
+
+    # ------------------------------------------------------------ writes
+    def append(self, data: bytes | bytearray | memoryview) -> int:
+        """Copy ``data`` at the write position; return the position it was written at."""
+        pos = self.wrote_position
+        n = len(data)
+        self.mm[pos:pos + n] = data
+        self.wrote_position = pos + n
+        return pos
+
+    def flush(self, least_pages: int = 0) -> int:
+        """fdatasync if enough pages are dirty; return the flushed position.
+
+        ``os.fdatasync`` releases the GIL (``mmap.flush`` would hold it for the
+        whole msync), and on Linux it writes back pages dirtied through the map.
+        """
+        wrote = self.wrote_position
+        if self.closed or not self._is_able_to_flush(wrote, least_pages):
+            return self.flushed_position
+        if not self.hold():
+            return self.flushed_position
+        try:
+            os.fdatasync(self.fd)
+        finally:
+            self.release()
+        self.flushed_position = wrote
+        return wrote
+
+    def _is_able_to_flush(self, wrote: int, least_pages: int) -> bool:
+        flushed = self.flushed_position
+        if wrote >= self.file_size and flushed < wrote:
+            return True
+        if least_pages > 0:
+            return wrote // OS_PAGE_SIZE - flushed // OS_PAGE_SIZE >= least_pages
+        return wrote > flushed
+
+    # ------------------------------------------------------------ references
+    def hold(self) -> bool:
+        with self._ref_lock:
+            if not self._available or self.closed:
+                return False
+            self._refs += 1
+            return True
+
+    def release(self) -> None:
+        with self._ref_lock:
+            self._refs -= 1
+            if self._refs <= 0 and not self._available:
+                self._cleanup()
+
+    @property
+    def available(self) -> bool:
+        return self._available
+
+    def destroy(self, interval_forcibly_ms: int = 0, now: float | None = None) -> bool:
+        """Drop the creator's reference and delete the file once no reader holds it.
+
+        A file still referenced ``interval_forcibly_ms`` after the first call is
+        destroyed anyway (RocketMQ's destroyMapedFileIntervalForcibly).
+        """
+        now = time.monotonic() if now is None else now
+        with self._ref_lock:
+            if self._available:
+                self._available = False
+                self._shutdown_at = now
+                self._refs -= 1
+            elif self._refs > 0 and (now - self._shutdown_at) * 1000 >= interval_forcibly_ms:
+                self._refs = -1000 - self._refs
+            if self._refs > 0:
+                return False
+            self._cleanup()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        return True
+
+    def _cleanup(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.mm.close()
+        except BufferError:
+            # A memoryview into the map is still alive; the map is unmapped when it goes.
+            log.debug("mapping of %s still exported; closing later", self.path)
+        os.close(self.fd)
+
+    def close(self) -> None:
+        with self._ref_lock:
+            self._available = False
+            self._cleanup()
+
+    def __repr__(self) -> str:
+        return f"MappedFile({self.path!r}, wrote={self.wrote_position})"
+
+
+class MappedFileQueue:
+    """The sorted segments of one directory, all ``file_size`` bytes long."""
+
+    def __init__(self, directory: str, file_size: int, *, read_only: bool = False,
+                 preallocate: bool = False) -> None:
+        self.directory = directory
+        self.file_size = file_size
+        self.read_only = read_only
+        self.files: list[MappedFile] = []
+        self.flushed_where = 0
+        self.store_timestamp = 0
+        self._preallocate = preallocate
+        self._next: MappedFile | None = None
+        self._next_thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ load
+    def load(self, *, on_bad_file: Callable[[str, str], None] | None = None) -> None:
+        """Open every file, sorted by name, validating names and sizes.
+
+        ``on_bad_file(path, reason)`` may move a bad file aside (quarantine);
+        without it, a bad file raises :class:`StoreLoadError`.  A zero-length
+        last file is skipped (and removed when writable), as RocketMQ does.
+        """
+        if not os.path.isdir(self.directory):
+            return
+        names = sorted(os.listdir(self.directory))
+        for i, name in enumerate(names):
+            path = os.path.join(self.directory, name)
+            reason = None
+            if not (len(name) == 20 and name.isdigit()):
+                reason = "file name is not a 20-digit offset"
+            elif not os.path.isfile(path):
+                reason = "not a regular file"
+            else:
+                size = os.path.getsize(path)
+                if size == 0 and i == len(names) - 1:
+                    log.warning("%s: empty last file skipped", path)
+                    if not self.read_only:
+                        os.unlink(path)
+                    continue
+                if size != self.file_size:
+                    reason = f"file is {size} bytes, expected {self.file_size}"
+                elif int(name) % self.file_size != 0:
+                    reason = f"start offset {int(name)} is not a multiple of the file size {self.file_size}"
+                elif self.files and int(name) != self.files[-1].end_offset:
+                    reason = f"start offset {int(name)} does not follow {self.files[-1].path}"
+            if reason:
+                if on_bad_file is None:
+                    raise StoreLoadError(f"{path}: {reason}")
+                on_bad_file(path, reason)
+                continue
+            mf = MappedFile(path, self.file_size, read_only=self.read_only)
+            mf.set_positions(self.file_size)
+            self.files.append(mf)
+
+    # ------------------------------------------------------------ lookup
+    def first(self) -> MappedFile | None:
+        return self.files[0] if self.files else None
+
+    def last(self) -> MappedFile | None:
+        return self.files[-1] if self.files else None
+
+    def find(self, offset: int, return_first: bool = False) -> MappedFile | None:
+        files = self.files
+        if not files:
+            return None
+        first = files[0]
+        i = offset // self.file_size - first.file_from_offset // self.file_size
+        if 0 <= i < len(files):
+            f = files[i]
+            if f.file_from_offset <= offset < f.end_offset:
+                return f
+        for f in files:
+            if f.file_from_offset <= offset < f.end_offset:
+                return f
+        return first if return_first else None
+
+    def min_offset(self) -> int:
+        for f in self.files:
+            if f.available:
+                return f.file_from_offset
+        return -1 if not self.files else self.files[-1].end_offset
+
+    def max_offset(self) -> int:
+        last = self.last()
+        return last.file_from_offset + last.wrote_position if last else 0
+
+    def max_wrote_offset(self) -> int:
+        return self.max_offset()
+
+    def __iter__(self) -> Iterator[MappedFile]:
+        return iter(list(self.files))
+
+    # ------------------------------------------------------------ create
+    def last_for_append(self, start_offset: int = 0) -> MappedFile:
+        """The last file if it has room, else a new one (taken from pre-allocation when ready)."""
+        last = self.last()
+        if last is not None and not last.is_full():
+            return last
+        create_at = start_offset - start_offset % self.file_size if last is None else last.end_offset
+        return self._create(create_at)
+
+    def _create(self, offset: int) -> MappedFile:
+        with self._lock:
+            t = self._next_thread
+        if t is not None:
+            t.join()
+        with self._lock:
+            nxt, self._next, self._next_thread = self._next, None, None
+        if nxt is not None and nxt.file_from_offset == offset:
+            mf = nxt
+        else:
+            if nxt is not None:
+                nxt.destroy()
+            mf = MappedFile(os.path.join(self.directory, file_name(offset)), self.file_size, create=True)
+        self.files.append(mf)
+        if self._preallocate:
+            self._start_preallocation(offset + self.file_size)
+        return mf
+
+    def _start_preallocation(self, offset: int) -> None:
+        """Create (and fault in) the next file off the put path (AllocateMappedFileService)."""
+        def run() -> None:
+            try:
+                mf = MappedFile(os.path.join(self.directory, file_name(offset)), self.file_size, create=True)
+            except OSError as e:
+                log.warning("pre-allocation of %s failed: %s", file_name(offset), e)
+                return
+            with self._lock:
+                self._next = mf
+        t = threading.Thread(target=run, name="AllocateMappedFileService", daemon=True)
+        with self._lock:
+            self._next_thread = t
+        t.start()
+
+    def discard_preallocated(self) -> None:
+        """Delete a pre-allocated file that was never handed out (done at clean shutdown)."""
+        with self._lock:
+            t = self._next_thread
+        if t is not None:
+            t.join()
+        with self._lock:
+            nxt, self._next, self._next_thread = self._next, None, None
+        if nxt is not None:
+            nxt.destroy()
+
+    # ------------------------------------------------------------ flush
+    def flush(self, least_pages: int = 0) -> bool:
+        """Flush the file holding ``flushed_where``; return True if nothing was written."""
+        f = self.find(self.flushed_where, return_first=self.flushed_where == 0)
+        if f is None:
+            return True
+        ts = f.store_timestamp
+        pos = f.flush(least_pages)
+        where = f.file_from_offset + pos
+        result = where == self.flushed_where
+        self.flushed_where = where
+        if least_pages == 0:
+            self.store_timestamp = ts
+        return result
+
+    # ------------------------------------------------------------ truncation and deletion
+    def truncate_dirty(self, offset: int) -> list[str]:
+        """Move positions back to ``offset``; delete files wholly beyond it.  Bytes are not zeroed."""
+        removed = []
+        for f in list(self.files):
+            if f.end_offset > offset:
+                if offset >= f.file_from_offset:
+                    f.set_positions(offset % self.file_size)
+                else:
+                    removed.append(f.path)
+                    f.destroy()
+                    self.files.remove(f)
+        return removed
+
+    def delete_files(self, victims: list[MappedFile]) -> None:
+        for f in victims:
+            if f in self.files:
+                self.files.remove(f)
+
+    def close(self) -> None:
+        self.discard_preallocated() if not self.read_only else None
+        for f in self.files:
+            f.close()

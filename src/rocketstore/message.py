@@ -1,0 +1,167 @@
+"""What callers put and what they get back: Message, PutMessageResult, GetMessageResult and statuses."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from . import codec
+from .codec import MessageExt
+
+
+class PutMessageStatus(str, enum.Enum):
+    PUT_OK = "PUT_OK"
+    FLUSH_DISK_TIMEOUT = "FLUSH_DISK_TIMEOUT"
+    FLUSH_SLAVE_TIMEOUT = "FLUSH_SLAVE_TIMEOUT"
+    SLAVE_NOT_AVAILABLE = "SLAVE_NOT_AVAILABLE"
+    SERVICE_NOT_AVAILABLE = "SERVICE_NOT_AVAILABLE"
+    CREATE_MAPPED_FILE_FAILED = "CREATE_MAPPED_FILE_FAILED"
+    MESSAGE_ILLEGAL = "MESSAGE_ILLEGAL"
+    PROPERTIES_SIZE_EXCEEDED = "PROPERTIES_SIZE_EXCEEDED"
+    OS_PAGE_CACHE_BUSY = "OS_PAGE_CACHE_BUSY"
+    UNKNOWN_ERROR = "UNKNOWN_ERROR"
+
+
+class GetMessageStatus(str, enum.Enum):
+    FOUND = "FOUND"
+    NO_MATCHED_MESSAGE = "NO_MATCHED_MESSAGE"
+    MESSAGE_WAS_REMOVING = "MESSAGE_WAS_REMOVING"
+    OFFSET_FOUND_NULL = "OFFSET_FOUND_NULL"
+    OFFSET_OVERFLOW_BADLY = "OFFSET_OVERFLOW_BADLY"
+    OFFSET_OVERFLOW_ONE = "OFFSET_OVERFLOW_ONE"
+    OFFSET_TOO_SMALL = "OFFSET_TOO_SMALL"
+    NO_MATCHED_LOGIC_QUEUE = "NO_MATCHED_LOGIC_QUEUE"
+    NO_MESSAGE_IN_QUEUE = "NO_MESSAGE_IN_QUEUE"
+
+
+LOCALHOST = (b"\x7f\x00\x00\x01", 0)
+DEFAULT_STORE_HOST = (b"\x7f\x00\x00\x01", 10911)
+
+
+@dataclass
+class Message:
+    """A message to put.  ``tags``/``keys`` are shorthands for the TAGS/KEYS properties.
+
+    ``properties_string`` (exact stored bytes) wins over ``properties`` when
+    given: ``import`` uses it to reproduce RocketMQ's files byte for byte.
+    ``store_timestamp`` is honoured only by imports (replay); a live put stamps
+    the time itself.
+    """
+
+    topic: str
+    body: bytes = b""
+    queue_id: int = 0
+    tags: str | None = None
+    keys: str | list[str] | None = None
+    properties: Mapping[str, str] = field(default_factory=dict)
+    flag: int = 0
+    sys_flag: int = 0
+    born_timestamp: int | None = None
+    born_host: str | tuple[bytes, int] | None = None
+    store_host: str | tuple[bytes, int] | None = None
+    reconsume_times: int = 0
+    prepared_transaction_offset: int = 0
+    properties_string: str | None = None
+    store_timestamp: int | None = None
+
+    def build_properties(self) -> str:
+        if self.properties_string is not None:
+            return self.properties_string
+        props = dict(self.properties)
+        if self.tags is not None:
+            props["TAGS"] = self.tags
+        if self.keys is not None:
+            props["KEYS"] = self.keys if isinstance(self.keys, str) else " ".join(self.keys)
+        return codec.properties_to_string(props)
+
+    def encode(self, max_message_size: int, auto_v2: bool = True) -> codec.EncodedRecord:
+        return codec.encode(
+            self.topic, bytes(self.body), queue_id=self.queue_id, flag=self.flag, sys_flag=self.sys_flag,
+            born_timestamp=int(time.time() * 1000) if self.born_timestamp is None else self.born_timestamp,
+            born_host=_host(self.born_host, LOCALHOST), store_host=_host(self.store_host, DEFAULT_STORE_HOST),
+            reconsume_times=self.reconsume_times, prepared_transaction_offset=self.prepared_transaction_offset,
+            properties=self.build_properties(), max_message_size=max_message_size, auto_v2=auto_v2,
+            store_timestamp=self.store_timestamp or 0)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Message":
+        """A message from one ``dump`` line, keeping every stored field."""
+        import base64
+        return cls(topic=d["topic"], body=base64.b64decode(d.get("body") or ""), queue_id=d.get("queueId", 0),
+                   flag=d.get("flag", 0), sys_flag=d.get("sysFlag", 0), born_timestamp=d.get("bornTimestamp"),
+                   born_host=d.get("bornHost"), store_host=d.get("storeHost"),
+                   reconsume_times=d.get("reconsumeTimes", 0),
+                   prepared_transaction_offset=d.get("preparedTransactionOffset", 0),
+                   properties_string=d.get("propertiesString"), properties=d.get("properties") or {},
+                   store_timestamp=d.get("storeTimestamp"))
+
+
+def _host(h: str | tuple[bytes, int] | None, default: tuple[bytes, int]) -> tuple[bytes, int]:
+    if h is None:
+        return default
+    if isinstance(h, str):
+        return codec.parse_host(h)
+    return h
+
+
+@dataclass
+class PutMessageResult:
+    status: PutMessageStatus
+    commit_log_offset: int = -1
+    wrote_bytes: int = 0
+    queue_offset: int = -1
+    msg_id: str = ""
+    store_timestamp: int = 0
+    msg_num: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is PutMessageStatus.PUT_OK
+
+    def to_json(self) -> dict[str, Any]:
+        d = {"status": self.status.value, "commitLogOffset": self.commit_log_offset, "wroteBytes": self.wrote_bytes,
+             "queueOffset": self.queue_offset, "msgId": self.msg_id, "storeTimestamp": self.store_timestamp,
+             "msgNum": self.msg_num}
+        if self.error:
+            d["error"] = self.error
+        return d
+
+
+@dataclass
+class GetMessageResult:
+    status: GetMessageStatus
+    next_begin_offset: int
+    min_offset: int
+    max_offset: int
+    messages: list[MessageExt] = field(default_factory=list)
+
+    def to_json(self, with_body: bool = True) -> dict[str, Any]:
+        return {"status": self.status.value, "nextBeginOffset": self.next_begin_offset,
+                "minOffset": self.min_offset, "maxOffset": self.max_offset,
+                "messages": [m.to_json(with_body) for m in self.messages]}
+
+
+@dataclass
+class QueryMessageResult:
+    phy_offsets: list[int]
+    messages: list[MessageExt]
+    index_last_update_timestamp: int = 0
+    index_last_update_phyoffset: int = 0
+
+    def to_json(self, with_body: bool = True) -> dict[str, Any]:
+        return {"phyOffsets": self.phy_offsets, "messages": [m.to_json(with_body) for m in self.messages],
+                "indexLastUpdateTimestamp": self.index_last_update_timestamp,
+                "indexLastUpdatePhyoffset": self.index_last_update_phyoffset}
+
+
+def parse_tag_filter(expr: str | None) -> set[int] | None:
+    """``"TagA || TagB"`` to the set of tag hash codes; ``*``/empty/None means every tag."""
+    if expr is None:
+        return None
+    expr = expr.strip()
+    if not expr or expr == "*":
+        return None
+    return {codec.java_hash(t.strip()) for t in expr.split("||") if t.strip()}

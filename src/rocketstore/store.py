@@ -1,0 +1,652 @@
+"""MessageStore: the embedded store (RocketMQ's DefaultMessageStore), writable or read-only.
+
+Opening reads the directory the way RocketMQ's ``load()`` does: the ``abort``
+file says whether the last exit was clean, then the CommitLog, the consume
+queues, the checkpoint and the index are loaded and recovered.  A read-only
+store does all of that in memory and never writes a byte (no lock, no abort
+file, maps opened read-only), so it can read a live or a read-only directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+from . import codec
+from .checkpoint import StoreCheckpoint
+from .clean import CleanService, DiskGuard, DiskGuardService, disk_usage_ratio
+from .codec import MessageExt
+from .commitlog import CommitLog
+from .config import SYNC_FLUSH, StoreConfig, total_memory_bytes
+from .consume_queue import CQ_STORE_UNIT_SIZE, LOWER, ConsumeQueue
+from .dispatch import ReputMessageService
+from .errors import (ConfigError, ReadOnlyStoreError, StoreClosedError, StoreLoadError, StoreLockedError)
+from .flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeService, GroupCommitService
+from .index import IndexService, index_file_size
+from .message import (GetMessageResult, GetMessageStatus, Message, PutMessageResult, PutMessageStatus,
+                      QueryMessageResult)
+from .recovery import RecoveryReport, recover
+from .running_flags import RunningFlags
+
+log = logging.getLogger(__name__)
+
+_OPEN_STORES: set[str] = set()
+_OPEN_LOCK = threading.Lock()
+
+
+class StorePaths:
+    """Where each file of a store lives (RocketMQ's StorePathConfigHelper)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.commitlog = os.path.join(root, "commitlog")
+        self.consumequeue = os.path.join(root, "consumequeue")
+        self.index = os.path.join(root, "index")
+        self.checkpoint = os.path.join(root, "checkpoint")
+        self.lock = os.path.join(root, "lock")
+        self.abort = os.path.join(root, "abort")
+        self.abort_bak = os.path.join(root, "abort.bak")
+        self.config = os.path.join(root, "config")
+        self.quarantine = os.path.join(root, "quarantine")
+
+
+def infer_config(root: str, base: StoreConfig | None = None) -> StoreConfig:
+    """Geometry from the files: commitlog and CQ file sizes from their lengths, index slots from its size.
+
+    Values set explicitly in ``base`` (differing from the defaults) win.
+    """
+    paths = StorePaths(root)
+    default = StoreConfig()
+    cfg = base or default
+    changes: dict[str, Any] = {}
+
+    def first_file(d: str) -> str | None:
+        try:
+            names = sorted(n for n in os.listdir(d) if len(n) == 20 and n.isdigit())
+        except OSError:
+            return None
+        for n in names:
+            size = os.path.getsize(os.path.join(d, n))
+            if size:
+                return os.path.join(d, n)
+        return None
+
+    if cfg.mappedFileSizeCommitLog == default.mappedFileSizeCommitLog:
+        f = first_file(paths.commitlog)
+        if f:
+            changes["mappedFileSizeCommitLog"] = os.path.getsize(f)
+    if cfg.mappedFileSizeConsumeQueue == default.mappedFileSizeConsumeQueue and os.path.isdir(paths.consumequeue):
+        for topic in sorted(os.listdir(paths.consumequeue)):
+            tdir = os.path.join(paths.consumequeue, topic)
+            for qid in sorted(os.listdir(tdir)) if os.path.isdir(tdir) else []:
+                f = first_file(os.path.join(tdir, qid))
+                if f:
+                    changes["mappedFileSizeConsumeQueue"] = os.path.getsize(f)
+                    break
+            if "mappedFileSizeConsumeQueue" in changes:
+                break
+    if (cfg.maxHashSlotNum, cfg.maxIndexNum) == (default.maxHashSlotNum, default.maxIndexNum) and \
+            os.path.isdir(paths.index):
+        names = sorted(os.listdir(paths.index))
+        if names:
+            size = os.path.getsize(os.path.join(paths.index, names[0]))
+            if size != index_file_size(cfg.maxHashSlotNum, cfg.maxIndexNum):
+                if (size - 40) % 84 == 0 and size > 40:
+                    slots = (size - 40) // 84  # RocketMQ's default ratio: maxIndexNum = 4 x maxHashSlotNum
+                    changes["maxHashSlotNum"], changes["maxIndexNum"] = slots, 4 * slots
+    try:
+        return cfg.replace(**changes) if changes else cfg
+    except ConfigError as e:
+        raise StoreLoadError(f"{root}: cannot infer the store geometry from its files: {e}") from None
+
+
+class MessageStore:
+    """An open store.  Use :meth:`open`; it is a context manager."""
+
+    def __init__(self, root: str, config: StoreConfig, *, read_only: bool = False,
+                 clock: Callable[[], float] = time.time, start_services: bool = True,
+                 disk_usage: Callable[[str], float] | None = None, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.paths = StorePaths(root)
+        self.sleep = sleep
+        self.root = root
+        self.config = config
+        self.read_only = read_only
+        self.clock = clock
+        self.running_flags = RunningFlags()
+        self.flush_error: str | None = None
+        self.closed = False
+        self._lock_fd: int | None = None
+        self._real_root = os.path.realpath(root)
+        self._cq_table: dict[tuple[str, int], ConsumeQueue] = {}
+        self._cq_lock = threading.Lock()
+        self.topic_queue_table: dict[tuple[str, int], int] = {}
+        self._services: list[Any] = []
+        self.reput: ReputMessageService | None = None
+        self.group_commit: GroupCommitService | None = None
+        self.recovery_report: RecoveryReport | None = None
+        self.disk_guard = DiskGuard(self, disk_usage or disk_usage_ratio)
+        self.clean_service = CleanService(self)
+        self._ram = total_memory_bytes()
+
+        if not os.path.isdir(root):
+            if read_only:
+                raise StoreLoadError(f"{root}: no such store directory")
+            os.makedirs(root, exist_ok=True)
+        elif not read_only:
+            self._refuse_foreign_directory()
+        if not read_only:
+            self._acquire_lock()
+        try:
+            self._load()
+            if not read_only and start_services:
+                self._start()
+        except BaseException:
+            self._release_lock()
+            self._close_files()
+            raise
+
+    # ------------------------------------------------------------ opening
+    @classmethod
+    def open(cls, path: str, config: StoreConfig | str | None = None, *, read_only: bool = False,
+             **kw: Any) -> "MessageStore":
+        """Open (or, writable, create) the store at ``path``.
+
+        ``config`` is a StoreConfig, a ``broker.conf`` path, or None.  Read-only
+        opens infer the file geometry from the files when not configured.
+        """
+        if isinstance(config, str):
+            config = StoreConfig.load(config)
+        if read_only or (config is None and os.path.isdir(os.path.join(path, "commitlog"))):
+            config = infer_config(path, config)
+        return cls(path, config or StoreConfig(), read_only=read_only, **kw)
+
+    def __enter__(self) -> "MessageStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _refuse_foreign_directory(self) -> None:
+        known = {"commitlog", "consumequeue", "index", "checkpoint", "lock", "abort", "abort.bak", "config",
+                 "quarantine", "compaction", "timerwheel", "timerlog", "timercheck", "timermetrics"}
+        entries = [e for e in os.listdir(self.root) if not e.startswith(".")]
+        if entries and not any(e in known for e in entries):
+            raise StoreLoadError(f"{self.root}: directory holds files that are not a message store "
+                                 f"({', '.join(sorted(entries)[:3])}); refusing to write into it")
+
+    def _acquire_lock(self) -> None:
+        with _OPEN_LOCK:
+            if self._real_root in _OPEN_STORES:
+                raise StoreLockedError(f"{self.paths.lock}: store already open in this process")
+            fd = os.open(self.paths.lock, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+            except OSError:
+                os.close(fd)
+                raise StoreLockedError(f"{self.paths.lock}: store is locked by another process "
+                                       "(Lock failed, MQ already started)") from None
+            os.pwrite(fd, b"lock", 0)
+            os.fsync(fd)
+            self._lock_fd = fd
+            _OPEN_STORES.add(self._real_root)
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is None:
+            return
+        with _OPEN_LOCK:
+            try:
+                fcntl.lockf(self._lock_fd, fcntl.LOCK_UN, 1, 0)
+            finally:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+                _OPEN_STORES.discard(self._real_root)
+
+    def _load(self) -> None:
+        cfg, ro = self.config, self.read_only
+        self.last_exit_ok = not os.path.exists(self.paths.abort)
+        self.abort_file_present = not self.last_exit_ok
+        if not ro:
+            os.makedirs(self.paths.commitlog, exist_ok=True)
+            os.makedirs(self.paths.consumequeue, exist_ok=True)
+        self.commitlog = CommitLog(self.paths.commitlog, cfg.mappedFileSizeCommitLog, read_only=ro, clock=self.clock)
+        self.commitlog.load(on_bad_file=self._on_bad_file)
+        self._load_consume_queues()
+        self.checkpoint = StoreCheckpoint.load(self.paths.checkpoint, read_only=ro, on_bad=self._on_bad_file)
+        self.index_service = IndexService(self.paths.index, cfg.maxHashSlotNum, cfg.maxIndexNum, read_only=ro,
+                                          clock=self.clock, on_file_full=self._on_index_file_full)
+        dropped = self.index_service.load(self.last_exit_ok or ro, self.checkpoint.indexMsgTimestamp)
+        self.recovery_report = recover(self, self.last_exit_ok)
+        self.recovery_report.index_files_dropped = dropped
+        self.commitlog.confirm_offset = self.commitlog.max_offset()
+
+    def _on_bad_file(self, path: str, reason: str) -> None:
+        """A stray file: refuse when read-only; move it to quarantine/ when writable (rocketstore extension)."""
+        if self.read_only:
+            raise StoreLoadError(f"{path}: {reason}")
+        rel = os.path.relpath(path, self.root)
+        dest = os.path.join(self.paths.quarantine, rel.replace(os.sep, "__"))
+        os.makedirs(self.paths.quarantine, exist_ok=True)
+        os.replace(path, dest)
+        log.warning("%s: %s; moved to %s", path, reason, dest)
+
+    def _load_consume_queues(self) -> None:
+        root = self.paths.consumequeue
+        if not os.path.isdir(root):
+            return
+        for topic in sorted(os.listdir(root)):
+            tdir = os.path.join(root, topic)
+            if not os.path.isdir(tdir):
+                continue
+            for qid in sorted(os.listdir(tdir)):
+                if not qid.lstrip("-").isdigit() or not os.path.isdir(os.path.join(tdir, qid)):
+                    continue
+                cq = ConsumeQueue(root, topic, int(qid), self.config.mappedFileSizeConsumeQueue, read_only=self.read_only)
+                cq.load(on_bad_file=self._on_bad_file)
+                self._cq_table[(topic, int(qid))] = cq
+
+    def recover_topic_queue_table(self) -> None:
+        min_phy = self.commitlog.min_offset()
+        table = {}
+        for key, cq in self._cq_table.items():
+            table[key] = cq.max_offset_in_queue
+            cq.correct_min_offset(min_phy)
+        self.topic_queue_table = table
+
+    def _start(self) -> None:
+        cfg = self.config
+        if cfg.flushDiskType == SYNC_FLUSH:
+            self.group_commit = GroupCommitService(self)
+            self._services.append(self.group_commit)
+        else:
+            self._services.append(FlushRealTimeService(self))
+        self.reput = ReputMessageService(self, self.commitlog.max_offset())
+        self._services += [self.reput, FlushConsumeQueueService(self), CheckpointService(self)]
+        self._services += [self.clean_service, DiskGuardService(self)]
+        for s in self._services:
+            s.start()
+        self.commitlog.on_new_file = None
+        previous = b""
+        if os.path.exists(self.paths.abort):
+            with open(self.paths.abort, "rb") as fh:
+                previous = fh.read()
+        with open(self.paths.abort_bak, "wb") as fh:
+            fh.write(previous)
+        with open(self.paths.abort, "wb") as fh:
+            fh.write(str(os.getpid()).encode())
+
+    # ------------------------------------------------------------ queues
+    def find_consume_queue(self, topic: str, queue_id: int) -> ConsumeQueue:
+        key = (topic, queue_id)
+        cq = self._cq_table.get(key)
+        if cq is None:
+            with self._cq_lock:
+                cq = self._cq_table.get(key)
+                if cq is None:
+                    cq = ConsumeQueue(self.paths.consumequeue, topic, queue_id, self.config.mappedFileSizeConsumeQueue,
+                                      read_only=self.read_only)
+                    if not self.read_only:
+                        os.makedirs(cq.directory, exist_ok=True)
+                    self._cq_table[key] = cq
+        return cq
+
+    def consume_queues(self) -> list[ConsumeQueue]:
+        return list(self._cq_table.values())
+
+    def queue_keys(self) -> list[tuple[str, int]]:
+        return sorted(self._cq_table)
+
+    # ------------------------------------------------------------ offsets
+    def min_phy_offset(self) -> int:
+        return self.commitlog.min_offset()
+
+    def max_phy_offset(self) -> int:
+        return self.commitlog.max_offset()
+
+    def confirm_offset(self) -> int:
+        """How far the dispatcher may read: the max offset (async) or what is flushed (sync)."""
+        if self.group_commit is not None:
+            return self.commitlog.queue.flushed_where
+        return self.commitlog.max_offset()
+
+    def dispatch_behind_bytes(self) -> int:
+        return self.reput.behind() if self.reput else 0
+
+    def wait_dispatched(self, timeout: float = 30.0) -> bool:
+        """Block until the dispatcher has caught up with everything written so far."""
+        if self.reput is None:
+            return True
+        if self.group_commit is not None:
+            self.group_commit.submit(self.commitlog.max_offset()).done.wait(timeout)
+        return self.reput.wait_dispatched(self.confirm_offset(), timeout)
+
+    def min_offset_in_queue(self, topic: str, queue_id: int) -> int:
+        cq = self._cq_table.get((topic, queue_id))
+        return cq.min_offset_in_queue if cq else 0
+
+    def max_offset_in_queue(self, topic: str, queue_id: int) -> int:
+        cq = self._cq_table.get((topic, queue_id))
+        return cq.max_offset_in_queue if cq else 0
+
+    # ------------------------------------------------------------ writing
+    def _check_writable(self) -> str | None:
+        if self.closed:
+            raise StoreClosedError(f"{self.root}: store is closed")
+        if self.read_only:
+            raise ReadOnlyStoreError(f"{self.root}: store was opened read-only")
+        return self.running_flags.why_not_writeable()
+
+    def put(self, message: Message) -> PutMessageResult:
+        """Append one message; see RocketMQ's putMessage for the statuses."""
+        return self._put([message], batch=False)
+
+    def put_batch(self, messages: list[Message]) -> PutMessageResult:
+        """Append messages of one topic/queue as one unit (RocketMQ's putMessages with a MessageExtBatch)."""
+        if not messages:
+            return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error="empty batch")
+        first = messages[0]
+        for m in messages:
+            if (m.topic, m.queue_id) != (first.topic, first.queue_id):
+                return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL,
+                                        error="a batch must hold one topic and queue")
+            if m.sys_flag & codec.TRANSACTION_MASK:
+                return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL,
+                                        error="a batch cannot hold transaction messages")
+        return self._put(messages, batch=True)
+
+    def _put(self, messages: list[Message], batch: bool) -> PutMessageResult:
+        why = self._check_writable()
+        if why:
+            return PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=why)
+        cfg = self.config
+        try:
+            records = []
+            for m in messages:
+                err = _illegal(m)
+                if err:
+                    return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error=err)
+                records.append(m.encode(cfg.maxMessageSize, cfg.autoMessageVersionOnTopicLen))
+        except codec.PropertiesTooLarge as e:
+            return PutMessageResult(PutMessageStatus.PROPERTIES_SIZE_EXCEEDED, error=str(e))
+        except (codec.RecordError, ValueError) as e:
+            return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error=str(e))
+        first = messages[0]
+        key = (first.topic, first.queue_id)
+        txn = records[0].transaction_type
+        assigns = txn in (codec.TRANSACTION_NOT_TYPE, codec.TRANSACTION_COMMIT)
+        replay_ts = first.store_timestamp if first.store_timestamp else None
+        commitlog = self.commitlog
+        with commitlog.put_lock:
+            if self.closed:
+                raise StoreClosedError(f"{self.root}: store is closed")
+            qoff = self.topic_queue_table.get(key, 0) if assigns else None
+            try:
+                res = commitlog.append(records, qoff, replay_ts)
+            except codec.MessageTooLarge as e:
+                return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error=str(e))
+            except OSError as e:
+                self.running_flags.make_not_writeable(f"commitlog write failed: {e}")
+                return PutMessageResult(PutMessageStatus.UNKNOWN_ERROR, error=str(e))
+            if assigns:
+                self.topic_queue_table[key] = qoff + len(records)
+        if self.reput is not None:
+            self.reput.wakeup()
+        store_addr, store_port = _store_host(first)
+        ids = [codec.offset_msg_id(store_addr, store_port, o) for o in res.offsets]
+        result = PutMessageResult(PutMessageStatus.PUT_OK, res.wrote_offset, res.wrote_bytes,
+                                  res.queue_offset if assigns else 0, ",".join(ids), res.store_timestamp,
+                                  len(records))
+        if self.group_commit is not None and _wait_store_msg_ok(first):
+            req = self.group_commit.submit(res.wrote_offset + res.wrote_bytes)
+            if not req.done.wait(cfg.syncFlushTimeout / 1000) or not req.ok:
+                result.status = PutMessageStatus.FLUSH_DISK_TIMEOUT
+                result.error = self.flush_error or f"not flushed within syncFlushTimeout {cfg.syncFlushTimeout} ms"
+        elif self.group_commit is not None:
+            self.group_commit.wakeup()
+        return result
+
+    # ------------------------------------------------------------ flushing
+    def flush_commitlog(self, least_pages: int, thorough: bool) -> bool:
+        """One flush round of the commitlog; on an I/O error the store turns read-only."""
+        try:
+            done = self.commitlog.flush(least_pages)
+        except OSError as e:
+            self.flush_error = f"fdatasync of the commitlog failed: {os.strerror(e.errno or 0)} ({e})"
+            self.running_flags.make_not_writeable(self.flush_error)
+            log.error("%s: %s; store is now read-only", self.root, self.flush_error)
+            return False
+        if thorough and self.commitlog.queue.store_timestamp:
+            self.checkpoint.physicMsgTimestamp = self.commitlog.queue.store_timestamp
+        return done
+
+    def flush_checkpoint(self) -> None:
+        try:
+            self.checkpoint.flush()
+        except OSError as e:
+            log.error("%s: checkpoint flush failed: %s", self.paths.checkpoint, e)
+
+    def _on_index_file_full(self, full: Any) -> None:
+        def run() -> None:
+            full.flush()
+            self.checkpoint.indexMsgTimestamp = full.end_timestamp
+            self.flush_checkpoint()
+        threading.Thread(target=run, name="IndexFlush", daemon=True).start()
+
+    # ------------------------------------------------------------ retention
+    def delete_expired_commit_log(self) -> list[str]:
+        """RocketMQ's deleteExpiredCommitLog: request 20 manual rounds and run the first one now."""
+        if self.closed:
+            raise StoreClosedError(f"{self.root}: store is closed")
+        if self.read_only:
+            raise ReadOnlyStoreError(f"{self.root}: store was opened read-only")
+        self.clean_service.request_manual_delete()
+        deleted = self.clean_service.clean_commitlog()
+        self.clean_service.clean_consume_queues()
+        return deleted
+
+    # ------------------------------------------------------------ reading
+    def get(self, topic: str, queue_id: int, offset: int, max_msgs: int = 32,
+            tag_filter: set[int] | None = None, max_total_bytes: int = 128 * 1024 * 1024,
+            read_body: bool = True) -> GetMessageResult:
+        """Read through the consume queue (RocketMQ's getMessage).  ``tag_filter``: tag hash codes or None."""
+        if self.closed:
+            raise StoreClosedError(f"{self.root}: store is closed")
+        cq = self._cq_table.get((topic, queue_id))
+        if cq is None:
+            return GetMessageResult(GetMessageStatus.NO_MESSAGE_IN_QUEUE, 0, 0, 0)
+        lo, hi = cq.min_offset_in_queue, cq.max_offset_in_queue
+        if hi == 0:
+            return GetMessageResult(GetMessageStatus.NO_MESSAGE_IN_QUEUE, 0, lo, hi)
+        if offset < lo:
+            return GetMessageResult(GetMessageStatus.OFFSET_TOO_SMALL, lo, lo, hi)
+        if offset == hi:
+            return GetMessageResult(GetMessageStatus.OFFSET_OVERFLOW_ONE, offset, lo, hi)
+        if offset > hi:
+            return GetMessageResult(GetMessageStatus.OFFSET_OVERFLOW_BADLY, hi, lo, hi)
+        units = cq.units_from(offset)
+        units_per_file = cq.file_size // CQ_STORE_UNIT_SIZE
+        if units is None:
+            nxt = offset + units_per_file - offset % units_per_file
+            return GetMessageResult(GetMessageStatus.OFFSET_FOUND_NULL, nxt, lo, hi)
+        status = GetMessageStatus.NO_MATCHED_MESSAGE
+        nxt = offset
+        out: list[MessageExt] = []
+        total = 0
+        cfg = self.config
+        max_pull = min(max(max_total_bytes, 100), 128 * 1024 * 1024)
+        max_phy = self.commitlog.max_offset()
+        in_memory_limit = self._ram * cfg.accessMessageInMemoryMaxRatio // 100
+        span = max(cfg.maxFilterMessageSize, max_msgs * CQ_STORE_UNIT_SIZE)
+        skip_file_end = -1
+        for idx, phy, size, tags in units[1]:
+            if idx >= hi:
+                break
+            if (idx - offset) * CQ_STORE_UNIT_SIZE >= span:
+                break
+            if out:
+                in_mem = max_phy - phy <= in_memory_limit
+                if len(out) + 1 > max_msgs or total + size > max_pull:
+                    break
+                if in_mem and (total + size > cfg.maxTransferBytesOnMessageInMemory
+                               or len(out) >= cfg.maxTransferCountOnMessageInMemory):
+                    break
+                if not in_mem and (total + size > cfg.maxTransferBytesOnMessageInDisk
+                                   or len(out) >= cfg.maxTransferCountOnMessageInDisk):
+                    break
+            nxt = idx + 1
+            if tag_filter is not None and _signed32(tags) not in tag_filter:
+                if not out:
+                    status = GetMessageStatus.NO_MATCHED_MESSAGE
+                continue
+            if phy < skip_file_end:
+                continue
+            msg = self.commitlog.read_message_or_none(phy, size, read_body=read_body)
+            if msg is None:
+                if not out:
+                    status = GetMessageStatus.MESSAGE_WAS_REMOVING
+                skip_file_end = phy - phy % self.commitlog.file_size + self.commitlog.file_size
+                continue
+            out.append(msg)
+            total += size
+            status = GetMessageStatus.FOUND
+        return GetMessageResult(status, nxt, lo, hi, out)
+
+    def look(self, commit_log_offset: int, *, read_body: bool = True) -> MessageExt:
+        """The message at a commitlog offset (RocketMQ's lookMessageByOffset)."""
+        return self.commitlog.read_message(commit_log_offset, read_body=read_body)
+
+    def query(self, topic: str, key: str, max_num: int = 32, begin: int = 0, end: int = 2 ** 63 - 1,
+              *, read_body: bool = True) -> QueryMessageResult:
+        """Messages by key or UNIQ_KEY through the index (RocketMQ's queryMessage): newest hits, ascending."""
+        limit = min(max_num, self.config.maxMsgsNumBatch)
+        offsets, last_ts, last_phy = self.index_service.query_offset(topic, key, limit, begin, end)
+        offsets.sort()
+        msgs, phys = [], []
+        for off in offsets:
+            f = self.commitlog.queue.find(off)
+            if f is None or off - f.file_from_offset + 4 > f.wrote_position:
+                continue
+            size = codec.read_total_size(f.mm, off - f.file_from_offset)
+            m = self.commitlog.read_message_or_none(off, size, read_body=read_body)
+            if m is not None:
+                msgs.append(m)
+                phys.append(off)
+        if not msgs:
+            last_ts = last_phy = 0
+        return QueryMessageResult(phys, msgs, last_ts, last_phy)
+
+    def offset_by_time(self, topic: str, queue_id: int, timestamp: int, boundary: str = LOWER) -> int:
+        """Queue offset by store time (RocketMQ's getOffsetInQueueByTime)."""
+        cq = self._cq_table.get((topic, queue_id))
+        if cq is None:
+            return 0
+        return cq.offset_by_time(timestamp, boundary, self.commitlog.pickup_store_timestamp,
+                                 self.commitlog.min_offset())
+
+    def messages(self, from_offset: int = -1, *, read_body: bool = True,
+                 check_crc: bool = False) -> Iterator[tuple[int, int, MessageExt | None, str | None]]:
+        """Every record in commitlog order (including ones in no consume queue); see CommitLog.scan."""
+        return self.commitlog.scan(from_offset, read_body=read_body, check_crc=check_crc)
+
+    def state(self) -> dict[str, Any]:
+        queues = []
+        for (topic, qid) in self.queue_keys():
+            cq = self._cq_table[(topic, qid)]
+            queues.append({"topic": topic, "queueId": qid, "minOffsetInQueue": cq.min_offset_in_queue,
+                           "maxOffsetInQueue": cq.max_offset_in_queue,
+                           "messageTotalInQueue": cq.message_total_in_queue})
+        d = {"minPhyOffset": self.min_phy_offset(), "maxPhyOffset": self.max_phy_offset(),
+             "abortFilePresent": self.abort_file_present, "checkpoint": self.checkpoint.to_dict(),
+             "queues": queues}
+        if not self.read_only:
+            d["writeable"] = self.running_flags.why_not_writeable() is None
+            d["notWriteableReason"] = self.running_flags.why_not_writeable()
+            d["dispatchBehindBytes"] = self.dispatch_behind_bytes()
+        return d
+
+    # ------------------------------------------------------------ closing
+    def close(self) -> None:
+        """Stop services, flush everything, delete the abort file when clean, release the lock."""
+        if self.closed:
+            return
+        if self.read_only:
+            self.closed = True
+            self._close_files()
+            return
+        if self.reput is not None:
+            self.wait_dispatched(timeout=30)
+        with self.commitlog.put_lock:
+            self.closed = True
+        for s in reversed(self._services):
+            s.shutdown()
+        clean = self.running_flags.why_not_writeable() is None and self.dispatch_behind_bytes() == 0
+        try:
+            self.index_service.flush()
+            self.flush_checkpoint()
+            self.commitlog.queue.discard_preallocated()
+            if clean and os.path.exists(self.paths.abort):
+                os.unlink(self.paths.abort)
+        finally:
+            self._close_files()
+            self._release_lock()
+
+    def _close_files(self) -> None:
+        for attr in ("commitlog", "index_service"):
+            obj = getattr(self, attr, None)
+            if obj is not None:
+                obj.close()
+        for cq in self._cq_table.values():
+            cq.close()
+
+
+def _signed32(v: int) -> int:
+    v &= 0xFFFFFFFF
+    return v - 0x100000000 if v & 0x80000000 else v
+
+
+def _store_host(m: Message) -> tuple[bytes, int]:
+    from .message import DEFAULT_STORE_HOST, _host
+    return _host(m.store_host, DEFAULT_STORE_HOST)
+
+
+def _wait_store_msg_ok(m: Message) -> bool:
+    v = m.properties.get("WAIT") if m.properties_string is None else codec.parse_properties(
+        m.properties_string).get("WAIT")
+    return v is None or v.lower() == "true"
+
+
+_TOPIC_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789%|-_")
+
+
+def _illegal(m: Message) -> str | None:
+    """The broker-side checks RocketMQ applies before the store: topic name and length, body type."""
+    if not isinstance(m.topic, str) or not m.topic:
+        return "topic is empty"
+    if len(m.topic.encode("utf-8")) > 32767:
+        return "topic is longer than 32767 bytes"
+    if not set(m.topic) <= _TOPIC_CHARS:
+        bad = sorted(set(m.topic) - _TOPIC_CHARS)[:3]
+        return f"topic {m.topic[:40]!r} has illegal characters {bad} (allowed: letters, digits, %|-_)"
+    if not isinstance(m.body, (bytes, bytearray, memoryview)):
+        return f"body must be bytes, not {type(m.body).__name__}"
+    if not 0 <= m.queue_id < 2 ** 31:
+        return f"queue id {m.queue_id} out of range"
+    return None
+
+
+def open_store(path: str, config: StoreConfig | str | None = None, **kw: Any) -> MessageStore:
+    return MessageStore.open(path, config, **kw)
+
+
+def iter_json_lines(path: str) -> Iterable[dict]:
+    import json
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise StoreLoadError(f"{path}:{n}: not a JSON line: {e.msg}") from None
