@@ -232,3 +232,57 @@ class DiskGuardService(ServiceThread):
 
     def run_once(self) -> None:
         self.store.disk_guard.check()
+
+
+def retention_plan(store: "MessageStore") -> dict[str, Any]:
+    """Dry run of the commitlog cleaner: each segment's age and whether (and by which rule) it would go now."""
+    cfg = store.config
+    clean = store.clean_service
+    guard = store.disk_guard
+    th = guard.thresholds()
+    ratio = guard.usage(store.paths.commitlog)
+    time_up = clean.is_time_to_delete()
+    forcibly = cfg.cleanFileForciblyEnable and ratio > th["forcibly"]
+    space = ratio < 0 or ratio > th["max"] or forcibly
+    now_ms = store.clock() * 1000
+    files = store.commitlog.queue.files
+    segments = []
+    stopped = False
+    deleted = 0
+    for i, f in enumerate(files):
+        age_h = (now_ms - _mtime_ms(f.path)) / 3600000
+        expired = now_ms >= _mtime_ms(f.path) + clean.expired_ms()
+        if i == len(files) - 1:
+            would, reason = False, "last segment is never deleted"
+        elif stopped:
+            would, reason = False, "an earlier segment is kept, and deletion never leaves holes"
+        elif deleted >= cfg.deleteFileBatchMax:
+            would, reason = False, f"deleteFileBatchMax {cfg.deleteFileBatchMax} reached this round"
+        elif forcibly:
+            would, reason = True, (f"disk {ratio * 100:.1f} % used > diskSpaceCleanForciblyRatio "
+                                   f"{th['forcibly'] * 100:.0f} %: deleted regardless of age")
+        elif not expired:
+            would = False
+            reason = f"not expired: {cfg.fileReservedTime} h reserve ends in {cfg.fileReservedTime - age_h:.1f} h"
+            stopped = True
+        elif time_up:
+            would, reason = True, f"expired, and the hour is in deleteWhen={cfg.deleteWhen}"
+        elif space:
+            would, reason = True, (f"expired, and disk {ratio * 100:.1f} % used > diskMaxUsedSpaceRatio "
+                                   f"{th['max'] * 100:.0f} %")
+        else:
+            would, reason = False, f"expired; waits for deleteWhen={cfg.deleteWhen}, disk pressure or a manual delete"
+        if would:
+            deleted += 1
+        segments.append({"file": f.path, "fromOffset": f.file_from_offset, "size": f.file_size,
+                         "ageHours": round(age_h, 2), "expired": expired, "wouldDelete": would, "reason": reason})
+    warnings = []
+    doomed_end = max((s["fromOffset"] + s["size"] for s in segments if s["wouldDelete"]), default=-1)
+    if doomed_end > 0:
+        for (topic, qid), consumed in store.consumer_offsets().items():
+            cq = store._cq_table.get((topic, qid))
+            unit = cq.get_unit(consumed) if cq else None
+            if unit is not None and unit[0] < doomed_end:
+                warnings.append(f"{topic}-{qid}: a consumer group is at offset {consumed}, whose message "
+                                f"(commitlog {unit[0]}) is in a segment that would be deleted")
+    return {"segments": segments, "disk": guard.to_json(), "warnings": warnings}

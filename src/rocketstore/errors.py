@@ -29,3 +29,7 @@ class ReadOnlyStoreError(StoreError):
 
 class ConfigError(StoreError):
     """A config value RocketMQ would not accept, or that cannot work with the files present."""
+
+
+class CliError(StoreError):
+    """A user error on the command line: printed as one line, exit status 2."""

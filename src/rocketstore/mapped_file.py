@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 
 OS_PAGE_SIZE = 4096
 
+# The one call that makes data durable; tests replace it to inject EIO/ENOSPC.
+fdatasync = os.fdatasync
+
 
 def file_name(offset: int) -> str:
     return f"{offset:020d}"
@@ -91,7 +94,7 @@ class MappedFile:
         if not self.hold():
             return self.flushed_position
         try:
-            os.fdatasync(self.fd)
+            fdatasync(self.fd)
         finally:
             self.release()
         self.flushed_position = wrote
@@ -192,13 +195,19 @@ class MappedFileQueue:
         """
         if not os.path.isdir(self.directory):
             return
-        names = sorted(os.listdir(self.directory))
+        names = []
+        for name in sorted(os.listdir(self.directory)):
+            if len(name) == 20 and name.isdigit():
+                names.append(name)
+                continue
+            path = os.path.join(self.directory, name)
+            if on_bad_file is None:
+                raise StoreLoadError(f"{path}: file name is not a 20-digit offset")
+            on_bad_file(path, "file name is not a 20-digit offset")
         for i, name in enumerate(names):
             path = os.path.join(self.directory, name)
             reason = None
-            if not (len(name) == 20 and name.isdigit()):
-                reason = "file name is not a 20-digit offset"
-            elif not os.path.isfile(path):
+            if not os.path.isfile(path):
                 reason = "not a regular file"
             else:
                 size = os.path.getsize(path)
@@ -338,7 +347,10 @@ class MappedFileQueue:
                     f.set_positions(offset % self.file_size)
                 else:
                     removed.append(f.path)
-                    f.destroy()
+                    if self.read_only:
+                        f.close()  # a read-only view only forgets the file
+                    else:
+                        f.destroy()
                     self.files.remove(f)
         return removed
 
@@ -348,6 +360,7 @@ class MappedFileQueue:
                 self.files.remove(f)
 
     def close(self) -> None:
-        self.discard_preallocated() if not self.read_only else None
+        if not self.read_only:
+            self.discard_preallocated()
         for f in self.files:
             f.close()

@@ -120,7 +120,8 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     report.process_offset = process
     report.bytes_checked = process - report.start_offset
     report.confirm_offset = last_valid
-    store.checkpoint.confirmPhyOffset = last_valid
+    if writable:
+        store.checkpoint.confirmPhyOffset = last_valid
     if dispatcher is not None and report.abnormal:
         for cq in store.consume_queues():
             cq.flush(0)

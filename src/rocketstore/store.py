@@ -551,6 +551,18 @@ class MessageStore:
         """Every record in commitlog order (including ones in no consume queue); see CommitLog.scan."""
         return self.commitlog.scan(from_offset, read_body=read_body, check_crc=check_crc)
 
+    def consumer_offsets(self) -> dict[tuple[str, int], int]:
+        """Lowest committed offset per queue over all groups, from RocketMQ's config/consumerOffset.json."""
+        from .jsonfile import read_json
+        data = read_json(os.path.join(self.paths.config, "consumerOffset.json"))
+        out: dict[tuple[str, int], int] = {}
+        for key, queues in ((data or {}).get("offsetTable") or {}).items():
+            topic = key.rsplit("@", 1)[0]
+            for qid, off in (queues or {}).items():
+                k = (topic, int(qid))
+                out[k] = min(out.get(k, off), off)
+        return out
+
     def state(self) -> dict[str, Any]:
         queues = []
         for (topic, qid) in self.queue_keys():

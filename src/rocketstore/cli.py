@@ -1,0 +1,84 @@
+"""The ``rocketstore`` command: a thin layer over the Python API.
+
+JSON goes to stdout (one object, or one per line for streams of messages);
+logs and problems go to stderr.  Errors exit with status 2 and one line on
+stderr, never a traceback; ``verify`` exits 1 when it finds problems.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import sys
+from typing import Any, Callable, NoReturn
+
+from .config import StoreConfig
+from .errors import CliError, StoreError
+
+log = logging.getLogger("rocketstore")
+
+# Subcommands that live in other modules: (module, function that adds them to the subparsers).
+PLUGINS = [
+    ("rocketstore.cli_store", "register"),
+    ("rocketstore.spark.cli", "register"),
+    ("rocketstore.broker.cli", "register"),
+    ("rocketstore.bench.cli", "register"),
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"rocketstore: error: {message}\n")
+        raise SystemExit(2)
+
+
+def emit(obj: Any) -> None:
+    """One JSON document on stdout."""
+    sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+
+
+def load_config(path: str | None) -> StoreConfig | None:
+    return StoreConfig.load(path) if path else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="rocketstore", description="RocketMQ-compatible message store tools")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging on stderr")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for module, func in PLUGINS:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name and (e.name == module or module.startswith(e.name + ".")):
+                continue  # that part is not installed in this build
+            raise
+        getattr(mod, func)(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    handler: Callable[[argparse.Namespace], int | None] = args.handler
+    try:
+        return handler(args) or 0
+    except (StoreError, OSError) as e:
+        text = str(e) if not isinstance(e, OSError) or not e.filename else f"{e.filename}: {e.strerror}"
+        sys.stderr.write(f"rocketstore: error: {text}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("rocketstore: interrupted\n")
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Atomic JSON files: every config file the store or broker owns is written through here.
+
+``write_json_atomic`` writes a temp file, fsyncs it, keeps the previous file
+as ``.bak``, renames the temp file over the target and fsyncs the directory,
+so a power cut leaves either the old or the new file.  ``read_json`` falls
+back to ``.bak`` (with a warning) when the file is missing or corrupt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp"
+    data = json.dumps(obj, ensure_ascii=False, indent=2, sort_keys=True).encode("utf-8")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    if os.path.exists(path):
+        bak = f"{path}.bak"
+        try:
+            with open(path, "rb") as src:
+                json.loads(src.read().decode("utf-8"))  # only a good file becomes the backup
+            os.replace(path, bak)
+        except (ValueError, OSError):
+            log.warning("%s: current file is corrupt; keeping the older backup", path)
+    os.replace(tmp, path)
+    _fsync_dir(directory)
+
+
+def read_json(path: str, default: Any = None) -> Any:
+    """The file's JSON, else the backup's (with a warning), else ``default``."""
+    for candidate in (path, f"{path}.bak"):
+        try:
+            with open(candidate, "rb") as fh:
+                value = json.loads(fh.read().decode("utf-8"))
+        except FileNotFoundError:
+            continue
+        except (ValueError, OSError) as e:
+            log.warning("%s: unreadable (%s); trying the backup", candidate, e)
+            continue
+        if candidate != path:
+            log.warning("%s: missing or corrupt; using %s", path, candidate)
+        return value
+    return default

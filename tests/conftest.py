@@ -1,0 +1,62 @@
+"""Shared fixtures: the golden stores (read-only, beside the repo) and writable copies of them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+GOLDEN = REPO.parent / "shared" / "golden"
+GOLDEN_NAMES = ["basic", "ipv6", "batch", "v2", "txn"]
+
+
+def golden_store(name: str) -> Path:
+    return GOLDEN / name / "store"
+
+
+def golden_expected(name: str) -> list[dict]:
+    with open(GOLDEN / name / "expected.jsonl", encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def golden_queries(name: str) -> dict:
+    with open(GOLDEN / name / "queries.json", encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def copy_store(src: Path, dst: Path) -> Path:
+    """A writable copy (the golden files are read-only on disk)."""
+    shutil.copytree(src, dst)
+    for d, dirs, files in os.walk(dst):
+        os.chmod(d, 0o755)
+        for f in files:
+            os.chmod(os.path.join(d, f), stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IROTH)
+    return dst
+
+
+@pytest.fixture
+def basic_copy(tmp_path: Path) -> Path:
+    return copy_store(golden_store("basic"), tmp_path / "store")
+
+
+def run_cli(*args: str, input: bytes | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the real console entry point in a subprocess (exit codes and stderr as a user sees them)."""
+    return subprocess.run([sys.executable, "-m", "rocketstore", *map(str, args)], input=input,
+                          capture_output=True, timeout=timeout)
+
+
+GOLDEN_CONF = "mappedFileSizeCommitLog=1048576\nmappedFileSizeConsumeQueue=6000\nmaxHashSlotNum=1000\nmaxIndexNum=4000\n"
+
+
+@pytest.fixture
+def golden_conf(tmp_path: Path) -> Path:
+    p = tmp_path / "broker.conf"
+    p.write_text(GOLDEN_CONF)
+    return p

@@ -1,0 +1,188 @@
+"""Issue 3: reading RocketMQ's own stores exactly as RocketMQ does (every field, query and time lookup)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from rocketstore import GetMessageStatus, MessageStore, parse_tag_filter
+from conftest import GOLDEN_NAMES, copy_store, golden_expected, golden_queries, golden_store, run_cli
+
+DUMP_FIELDS = ["topic", "queueId", "queueOffset", "commitLogOffset", "size", "sysFlag", "flag", "bodyCrc",
+               "reconsumeTimes", "preparedTransactionOffset", "bornTimestamp", "storeTimestamp", "bornHost",
+               "storeHost", "msgId", "tags", "keys", "properties", "propertiesString", "body", "bodyLength",
+               "magicCode"]
+
+
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
+def test_dump_reproduces_every_field_of_every_message(name):
+    r = run_cli("dump", golden_store(name))
+    assert r.returncode == 0, r.stderr
+    got = [json.loads(line) for line in r.stdout.decode().splitlines()]
+    expected = sorted(golden_expected(name), key=lambda e: e["commitLogOffset"])
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert list(g) == DUMP_FIELDS
+        assert {k: e[k] for k in DUMP_FIELDS} == g
+
+
+def test_dump_options_topic_limit_offset_no_body():
+    store = golden_store("basic")
+    expected = [e for e in golden_expected("basic") if e["topic"] == "TopicB"]
+    r = run_cli("dump", store, "--topic", "TopicB", "--limit", "5", "--no-body")
+    rows = [json.loads(x) for x in r.stdout.decode().splitlines()]
+    assert [x["commitLogOffset"] for x in rows] == [e["commitLogOffset"] for e in expected[:5]]
+    assert all("body" not in x and x["bodyLength"] > 0 for x in rows)
+    start = expected[3]["commitLogOffset"]
+    r = run_cli("dump", store, "--from-offset", start, "--limit", "1")
+    assert json.loads(r.stdout)["commitLogOffset"] == start
+
+
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
+def test_state_equals_recorded_store_state(name):
+    r = run_cli("state", golden_store(name))
+    assert r.returncode == 0, r.stderr
+    state = json.loads(r.stdout)
+    want = golden_queries(name)["storeState"]
+    assert state["minPhyOffset"] == want["minPhyOffset"]
+    assert state["maxPhyOffset"] == want["maxPhyOffset"]
+    assert state["queues"] == want["queues"]
+    assert state["abortFilePresent"] is False
+    with open(golden_store(name) / "checkpoint", "rb") as fh:
+        raw = fh.read(40)
+    cp = state["checkpoint"]
+    assert [cp[k] for k in ("physicMsgTimestamp", "logicsMsgTimestamp", "indexMsgTimestamp",
+                            "masterFlushedOffset", "confirmPhyOffset")] == \
+        [int.from_bytes(raw[i:i + 8], "big", signed=True) for i in range(0, 40, 8)]
+
+
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
+def test_every_recorded_query_message(name):
+    with MessageStore.open(str(golden_store(name)), read_only=True) as store:
+        for q in golden_queries(name)["queryMessage"]:
+            r = store.query(q["topic"], q["key"], q["maxNum"], q["begin"], q["end"])
+            assert r.phy_offsets == q["resultPhyOffsets"], q
+            assert [m.commit_log_offset for m in r.messages] == q["resultPhyOffsets"]
+            assert r.index_last_update_timestamp == q["resultIndexLastUpdateTimestamp"]
+            assert r.index_last_update_phyoffset == q["resultIndexLastUpdatePhyoffset"]
+            raw, _, _ = store.index_service.query_offset(q["topic"], q["key"], min(q["maxNum"], 64), q["begin"],
+                                                         q["end"])
+            assert raw == q["indexServiceQueryOffset_phyOffsets"]
+            hits = [f"{m.topic}#{m.keys}#{m.uniq_key}" for m in r.messages]
+            assert hits == q["resultHits(topic#keys#uniq)"]
+
+
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
+def test_every_recorded_offset_by_time(name):
+    with MessageStore.open(str(golden_store(name)), read_only=True) as store:
+        for q in golden_queries(name)["getOffsetInQueueByTime"]:
+            args = (q["topic"], q["queueId"], q["timestamp"])
+            assert store.offset_by_time(*args) == q["result"], q
+            assert store.offset_by_time(*args, "lower") == q["resultLower"], q
+            assert store.offset_by_time(*args, "upper") == q["resultUpper"], q
+
+
+def test_query_and_offset_by_time_through_the_cli():
+    store = golden_store("basic")
+    for q in golden_queries("basic")["queryMessage"][:8]:
+        r = run_cli("query", store, "--topic", q["topic"], "--key", q["key"], "--max", q["maxNum"],
+                    "--begin", q["begin"], "--end", q["end"], "--no-body")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["phyOffsets"] == q["resultPhyOffsets"]
+        assert [m["commitLogOffset"] for m in out["messages"]] == q["resultPhyOffsets"]
+    for q in golden_queries("basic")["getOffsetInQueueByTime"][:6]:
+        r = run_cli("offset-by-time", store, "--topic", q["topic"], "--queue-id", q["queueId"],
+                    "--timestamp", q["timestamp"], "--boundary", "upper")
+        assert json.loads(r.stdout) == {"offset": q["resultUpper"]}
+
+
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
+def test_consume_queues_hold_the_recorded_units(name):
+    expected = golden_expected(name)
+    with MessageStore.open(str(golden_store(name)), read_only=True) as store:
+        for e in expected:
+            cq = store.find_consume_queue(e["topic"], e["queueId"])
+            if e["cqUnit"] is None:
+                continue
+            assert cq.get_unit(e["queueOffset"]) == (e["cqUnit"]["pos"], e["cqUnit"]["size"],
+                                                      e["cqUnit"]["tagsCode"])
+
+
+def test_get_reads_whole_queues_with_filters_and_statuses():
+    expected = golden_expected("basic")
+    with MessageStore.open(str(golden_store("basic")), read_only=True) as store:
+        for (topic, qid) in store.queue_keys():
+            want = [e for e in expected if (e["topic"], e["queueId"]) == (topic, qid)]
+            got, off = [], 0
+            while True:
+                r = store.get(topic, qid, off, 32)
+                if r.status is not GetMessageStatus.FOUND:
+                    assert r.status is GetMessageStatus.OFFSET_OVERFLOW_ONE
+                    break
+                got += r.messages
+                off = r.next_begin_offset
+            assert [m.commit_log_offset for m in got] == [e["commitLogOffset"] for e in want]
+            assert [m.body for m in got[:3]] == [__import__("base64").b64decode(e["body"]) for e in want[:3]]
+        # tag filter by tagsCode
+        r = store.get("TopicA", 0, 0, 32, parse_tag_filter("TagA || TagB"))
+        assert r.status is GetMessageStatus.FOUND and {m.tags for m in r.messages} <= {"TagA", "TagB"}
+        want = [e for e in expected if (e["topic"], e["queueId"]) == ("TopicA", 0)
+                and e["queueOffset"] < r.next_begin_offset and e["tags"] in ("TagA", "TagB")]
+        assert [m.commit_log_offset for m in r.messages] == [e["commitLogOffset"] for e in want]
+        assert store.get("TopicA", 0, 380, 32).status is GetMessageStatus.OFFSET_OVERFLOW_ONE
+        r = store.get("TopicA", 0, 500, 32)
+        assert (r.status, r.next_begin_offset) == (GetMessageStatus.OFFSET_OVERFLOW_BADLY, 380)
+        r = store.get("NoSuchTopic", 0, 0, 32)
+        assert (r.status, r.next_begin_offset) == (GetMessageStatus.NO_MESSAGE_IN_QUEUE, 0)
+
+
+def test_get_cli_with_tags():
+    r = run_cli("get", golden_store("basic"), "--topic", "TopicC", "--queue-id", 0, "--offset", 600, "--tags",
+                "TagA||TagB||TagC||TagD||TagE", "--no-body")
+    out = json.loads(r.stdout)
+    assert out["status"] == "FOUND" and out["maxOffset"] == 604 and out["nextBeginOffset"] == 604
+    assert all(m["tags"] for m in out["messages"])
+
+
+def test_txn_store_prepared_and_rollback_have_no_queue_entry():
+    r = run_cli("dump", golden_store("txn"), "--no-body")
+    rows = [json.loads(x) for x in r.stdout.decode().splitlines()]
+    assert len(rows) == 24 and {x["sysFlag"] for x in rows} == {0, 4, 8, 12}
+    with MessageStore.open(str(golden_store("txn")), read_only=True) as store:
+        assert store.max_offset_in_queue("TopicTxn", 0) == 12
+
+
+def _tree_digest(root: Path) -> dict[str, tuple[str, float]]:
+    out = {}
+    for d, _dirs, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            out[os.path.relpath(p, root)] = (hashlib.sha1(open(p, "rb").read()).hexdigest(), os.path.getmtime(p))
+    return out
+
+
+def test_read_tools_never_write(tmp_path):
+    store = copy_store(golden_store("basic"), tmp_path / "s")
+    before = _tree_digest(store)
+    for args in (["dump", "--no-body"], ["state"], ["verify"], ["get", "--topic", "TopicA", "--queue-id", "0",
+                 "--offset", "0"], ["query", "--topic", "TopicA", "--key", "hot-key"], ["retention"]):
+        r = run_cli(args[0], store, *args[1:])
+        assert r.returncode == 0, r.stderr
+    assert _tree_digest(store) == before
+    assert not (store / "abort").exists()
+
+
+def test_geometry_is_inferred_and_can_be_overridden(tmp_path):
+    with MessageStore.open(str(golden_store("basic")), read_only=True) as s:
+        assert (s.config.mappedFileSizeCommitLog, s.config.mappedFileSizeConsumeQueue, s.config.maxHashSlotNum,
+                s.config.maxIndexNum) == (1048576, 6000, 1000, 4000)
+    conf = tmp_path / "bad.conf"
+    conf.write_text("mappedFileSizeCommitLog=2097152\n")
+    r = run_cli("state", golden_store("basic"), "--config", conf)
+    assert r.returncode == 2
+    assert b"00000000000000000000: file is 1048576 bytes, expected 2097152" in r.stderr
