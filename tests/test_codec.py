@@ -74,11 +74,11 @@ prop_text = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blackli
        qoff=st.integers(0, 2 ** 62), phy=st.integers(0, 2 ** 62), ts=st.integers(0, 2 ** 62))
 def test_encode_decode_round_trip(topic, body, born, store, props, flag, txn, qoff, phy, ts):
     s = codec.properties_to_string(props)
-    rec = codec.encode(topic, body, queue_id=3, flag=flag, sys_flag=txn, born_timestamp=ts, born_host=born,
-                       store_host=store, reconsume_times=2, prepared_transaction_offset=phy, properties=s)
-    codec.patch(rec.data, 0, rec.store_ts_pos, qoff, phy, ts + 1)
-    size, msg, reason = codec.check(rec.data, 0, len(rec.data), check_crc=True, read_body=True)
-    assert reason is None and size == len(rec.data)
+    data = codec.encode_bytes(topic, body, queue_id=3, flag=flag, sys_flag=txn, born_timestamp=ts, born_host=born,
+                              store_host=store, reconsume_times=2, prepared_transaction_offset=phy, properties=s,
+                              queue_offset=qoff, physical_offset=phy, store_timestamp=ts + 1)
+    size, msg, reason = codec.check(data, 0, len(data), check_crc=True, read_body=True)
+    assert reason is None and size == len(data)
     assert msg.topic == topic and msg.body == body and msg.flag == flag
     assert msg.magic == (codec.MAGIC_V2 if len(topic) > 127 else codec.MAGIC_V1)
     assert (msg.born_addr, msg.born_port) == born and (msg.store_addr, msg.store_port) == store
@@ -92,8 +92,8 @@ def test_encode_decode_round_trip(topic, body, born, store, props, flag, txn, qo
 @pytest.mark.parametrize("size", [0, 4 * 1024 * 1024])
 def test_empty_and_4mib_bodies(size):
     body = bytes(range(256)) * (size // 256)
-    rec = codec.encode("T", body, properties="UNIQ_KEY\x01x\x02")
-    msg = codec.decode(rec.data, 0, len(rec.data), check_crc=True)
+    data = codec.encode_bytes("T", body, properties="UNIQ_KEY\x01x\x02")
+    msg = codec.decode(data, 0, len(data), check_crc=True)
     assert msg.body == body and msg.body_crc == (zlib.crc32(body) & 0x7FFFFFFF if body else 0)
 
 
@@ -105,16 +105,16 @@ def test_oversize_body_and_properties_refused():
 
 
 def test_corrupt_records_are_refused_with_reason():
-    rec = codec.encode("T", b"hello", properties="a\x01b\x02")
-    data = bytearray(rec.data)
+    rec = codec.encode_bytes("T", b"hello", properties="a\x01b\x02")
+    data = bytearray(rec)
     data[-2] ^= 0x20  # inside the properties: CRC does not cover them, length still fine
     assert codec.check(data, 0, len(data), check_crc=True)[0] == len(data)
-    bad = bytearray(rec.data)
+    bad = bytearray(rec)
     bad[90] ^= 0xFF  # inside the body
     size, msg, reason = codec.check(bad, 0, len(bad), check_crc=True)
     assert size == -1 and msg is None and "CRC" in reason
     assert codec.check(bytes(8), 0, 8, check_crc=False)[2].startswith("bad magic")
-    short = bytes(rec.data[:40])
+    short = bytes(rec[:40])
     assert codec.check(short, 0, len(short), check_crc=False)[0] == -1
     blank = codec.blank_record(100)
     assert codec.check(blank + bytes(92), 0, 100, check_crc=False)[0] == 0

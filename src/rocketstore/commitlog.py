@@ -42,7 +42,6 @@ class CommitLog:
         self.put_lock = threading.Lock()
         self.clock = clock
         self.confirm_offset = 0
-        self.on_new_file: Callable[[], None] | None = None
 
     def load(self, on_bad_file=None) -> None:
         self.queue.load(on_bad_file=on_bad_file)
@@ -62,35 +61,28 @@ class CommitLog:
         ``queue_offset`` is the first queue offset to stamp (None for PREPARED and
         ROLLBACK records, which store 0).  Must be called with ``put_lock`` held.
         """
-        total = 0
-        for r in records:
-            total += len(r.data)
+        total = records[0][1] if len(records) == 1 else sum(r[1] for r in records)
         if total + BLANK_RECORD_SIZE > self.file_size:
             raise codec.MessageTooLarge(
                 f"{total} bytes do not fit a {self.file_size}-byte commitlog segment (mappedFileSizeCommitLog)")
         ts = int(self.clock() * 1000) if store_timestamp is None else store_timestamp
         f = self.queue.last_for_append(0)
-        remaining = self.file_size - f.wrote_position
-        if total + BLANK_RECORD_SIZE > remaining:
-            f.append(codec.blank_record(remaining))
+        if total + BLANK_RECORD_SIZE > self.file_size - f.wrote_position:
+            f.append(codec.blank_record(self.file_size - f.wrote_position))
             f.wrote_position = self.file_size
             f = self.queue.last_for_append(0)
-            if self.on_new_file is not None:
-                self.on_new_file()
         base = f.file_from_offset
         pos = f.wrote_position
-        first = base + pos
-        offsets = []
         mm = f.mm
-        q = queue_offset
+        q = queue_offset or 0
+        step = 0 if queue_offset is None else 1
+        offsets = []
         for r in records:
-            n = len(r.data)
-            codec.patch(r.data, 0, r.store_ts_pos, 0 if q is None else q, base + pos, ts)
-            mm[pos:pos + n] = r.data
+            codec.write_record(mm, pos, r, q, base + pos, ts)
             offsets.append(base + pos)
-            pos += n
-            if q is not None:
-                q += 1
+            pos += r[1]
+            q += step
+        first = base + f.wrote_position
         f.wrote_position = pos
         f.store_timestamp = ts
         return AppendResult(first, total, -1 if queue_offset is None else queue_offset, ts, offsets)

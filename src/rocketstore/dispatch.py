@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from . import codec
@@ -22,43 +21,39 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class DispatchRequest:
-    topic: str
-    queue_id: int
-    commit_log_offset: int
-    msg_size: int
-    tags_code: int
-    store_timestamp: int
-    consume_queue_offset: int
-    keys: str | None
-    uniq_key: str | None
-    sys_flag: int
-
-    @classmethod
-    def of(cls, msg: MessageExt) -> "DispatchRequest":
-        props = msg.properties
-        return cls(msg.topic, msg.queue_id, msg.commit_log_offset, msg.size,
-                   codec.dispatch_tags_code(msg.topic, props, msg.store_timestamp), msg.store_timestamp,
-                   msg.queue_offset, props.get("KEYS"), props.get("UNIQ_KEY"), msg.sys_flag)
-
-
 class CommitLogDispatcher:
-    """Builds the consume queue (NOT_TYPE and COMMIT only) and the index (all but ROLLBACK)."""
+    """Builds the consume queue (NOT_TYPE and COMMIT only) and the index (all but ROLLBACK) from a record.
+
+    The request fields come from the record itself (PHYSICALOFFSET, QUEUEOFFSET,
+    TAGS, KEYS, UNIQ_KEY), as RocketMQ's DispatchRequest does.
+    """
 
     def __init__(self, store: "MessageStore") -> None:
         self.store = store
+        self._tags_codes: dict[str, int] = {}
 
-    def dispatch(self, req: DispatchRequest) -> None:
+    def dispatch(self, msg: MessageExt) -> None:
         store = self.store
-        txn = req.sys_flag & codec.TRANSACTION_MASK
-        if txn in (codec.TRANSACTION_NOT_TYPE, codec.TRANSACTION_COMMIT):
-            cq = store.find_consume_queue(req.topic, req.queue_id)
-            cq.put_unit(req.commit_log_offset, req.msg_size, req.tags_code, req.consume_queue_offset)
-            store.checkpoint.logicsMsgTimestamp = req.store_timestamp
+        props = msg.properties
+        txn = msg.sys_flag & codec.TRANSACTION_MASK
+        if txn == codec.TRANSACTION_NOT_TYPE or txn == codec.TRANSACTION_COMMIT:
+            tags = props.get("TAGS")
+            if msg.topic == codec.SCHEDULE_TOPIC:
+                code = codec.dispatch_tags_code(msg.topic, props, msg.store_timestamp)
+            elif not tags:
+                code = 0
+            else:
+                code = self._tags_codes.get(tags)
+                if code is None:
+                    code = self._tags_codes[tags] = codec.java_hash(tags)
+                    if len(self._tags_codes) > 100000:
+                        self._tags_codes.clear()
+            cq = store.find_consume_queue(msg.topic, msg.queue_id)
+            cq.put_unit(msg.commit_log_offset, msg.size, code, msg.queue_offset)
+            store.checkpoint.logicsMsgTimestamp = msg.store_timestamp
         if store.config.messageIndexEnable:
-            store.index_service.build_index(req.topic, req.commit_log_offset, req.store_timestamp, txn,
-                                            req.uniq_key, req.keys)
+            store.index_service.build_index(msg.topic, msg.commit_log_offset, msg.store_timestamp, txn,
+                                            props.get("UNIQ_KEY"), props.get("KEYS"))
 
 
 class ReputMessageService(ServiceThread):
@@ -105,7 +100,7 @@ class ReputMessageService(ServiceThread):
                         log.error("dispatch stopped at %s position %d: %s", f.path, pos, reason)
                         pos = limit
                         break
-                    self.dispatcher.dispatch(DispatchRequest.of(msg))
+                    self.dispatcher.dispatch(msg)
                     pos += size
                     progressed = True
                 self.reput_from_offset = f.file_from_offset + pos

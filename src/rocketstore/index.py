@@ -113,7 +113,6 @@ class IndexFile:
         self.index_count = n + 1
         self.end_phy_offset = phy_offset
         self.end_timestamp = store_ts
-        self._write_header()
         return True
 
     def time_matched(self, begin: int, end: int) -> bool:
@@ -218,7 +217,12 @@ class IndexService:
 
     def build_index(self, topic: str, phy_offset: int, store_ts: int, sys_flag_txn: int,
                     uniq_key: str | None, keys: str | None) -> None:
-        """Index one dispatched message (ROLLBACK messages are not indexed)."""
+        """Index one dispatched message (ROLLBACK messages are not indexed).
+
+        The header is written once per message rather than once per key: the
+        bytes on disk after the call are the same, and queries use the header
+        fields held in memory.
+        """
         with self.lock:
             f = self._writable_file()
             if phy_offset < f.end_phy_offset or sys_flag_txn == 0xC:
@@ -229,9 +233,11 @@ class IndexService:
                 for token in keys.split(" "):
                     if token:
                         f = self._put(f, f"{topic}#{token}", phy_offset, store_ts)
+            f._write_header()
 
     def _put(self, f: IndexFile, key: str, phy_offset: int, store_ts: int) -> IndexFile:
         while not f.put_key(key, phy_offset, store_ts):
+            f._write_header()
             f = self._writable_file()
         return f
 
@@ -254,10 +260,8 @@ class IndexService:
         return out, last_ts, last_phy
 
     # ------------------------------------------------------------ maintenance
-    def truncate_after(self, phy: int) -> None:
-        """Entries past a recovered end are left in place; queries filter them by readability."""
-
     def delete_expired_file(self, min_offset: int) -> int:
+        """Delete files (never the last) whose end offset is below the commitlog minimum."""
         with self.lock:
             if not self.files or self.files[0].end_phy_offset >= min_offset:
                 return 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -76,15 +75,6 @@ class Message:
             props["KEYS"] = self.keys if isinstance(self.keys, str) else " ".join(self.keys)
         return codec.properties_to_string(props)
 
-    def encode(self, max_message_size: int, auto_v2: bool = True) -> codec.EncodedRecord:
-        return codec.encode(
-            self.topic, bytes(self.body), queue_id=self.queue_id, flag=self.flag, sys_flag=self.sys_flag,
-            born_timestamp=int(time.time() * 1000) if self.born_timestamp is None else self.born_timestamp,
-            born_host=_host(self.born_host, LOCALHOST), store_host=_host(self.store_host, DEFAULT_STORE_HOST),
-            reconsume_times=self.reconsume_times, prepared_transaction_offset=self.prepared_transaction_offset,
-            properties=self.build_properties(), max_message_size=max_message_size, auto_v2=auto_v2,
-            store_timestamp=self.store_timestamp or 0)
-
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Message":
         """A message from one ``dump`` line, keeping every stored field."""
@@ -98,9 +88,8 @@ class Message:
                    store_timestamp=d.get("storeTimestamp"))
 
 
-def _host(h: str | tuple[bytes, int] | None, default: tuple[bytes, int]) -> tuple[bytes, int]:
-    if h is None:
-        return default
+def host_tuple(h: str | tuple[bytes, int]) -> tuple[bytes, int]:
+    """A host as (address bytes, port), from Java's text form or a tuple."""
     if isinstance(h, str):
         return codec.parse_host(h)
     return h

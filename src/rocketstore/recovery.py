@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import codec
-from .dispatch import CommitLogDispatcher, DispatchRequest
+from .dispatch import CommitLogDispatcher
 
 if TYPE_CHECKING:
     from .store import MessageStore
@@ -103,7 +103,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
             last_valid = base + pos
             report.records_checked += 1
             if dispatcher is not None and (report.abnormal or msg.commit_log_offset > max_cq):
-                dispatcher.dispatch(DispatchRequest.of(msg))
+                dispatcher.dispatch(msg)
             pos += size
             if report.records_checked % 4096 == 0 and time.monotonic() >= next_log:
                 next_log = time.monotonic() + PROGRESS_INTERVAL_S

@@ -27,8 +27,8 @@ from .dispatch import ReputMessageService
 from .errors import (ConfigError, ReadOnlyStoreError, StoreClosedError, StoreLoadError, StoreLockedError)
 from .flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeService, GroupCommitService
 from .index import IndexService, index_file_size
-from .message import (GetMessageResult, GetMessageStatus, Message, PutMessageResult, PutMessageStatus,
-                      QueryMessageResult)
+from .message import (DEFAULT_STORE_HOST, LOCALHOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
+                      PutMessageStatus, QueryMessageResult, host_tuple)
 from .recovery import RecoveryReport, recover
 from .running_flags import RunningFlags
 
@@ -131,6 +131,8 @@ class MessageStore:
         self.disk_guard = DiskGuard(self, disk_usage or disk_usage_ratio)
         self.clean_service = CleanService(self)
         self._ram = total_memory_bytes()
+        self._topic_cache: dict[str, tuple[bytes, int]] = {}
+        self._id_prefixes: dict[tuple[bytes, int], str] = {}
 
         if not os.path.isdir(root):
             if read_only:
@@ -268,7 +270,6 @@ class MessageStore:
         self._services += [self.clean_service, DiskGuardService(self)]
         for s in self._services:
             s.start()
-        self.commitlog.on_new_file = None
         previous = b""
         if os.path.exists(self.paths.abort):
             with open(self.paths.abort, "rb") as fh:
@@ -357,34 +358,56 @@ class MessageStore:
                                         error="a batch cannot hold transaction messages")
         return self._put(messages, batch=True)
 
+    def _encode(self, m: Message, now_ms: int) -> codec.EncodedRecord:
+        """Validate and encode one message (raises codec.RecordError subclasses or ValueError)."""
+        topic = self._topic_cache.get(m.topic)
+        if topic is None:
+            err = _illegal_topic(m.topic)
+            if err:
+                raise codec.RecordError(err)
+            topic = codec.topic_tail(m.topic, self.config.autoMessageVersionOnTopicLen)
+            if len(self._topic_cache) > 10000:
+                self._topic_cache.clear()
+            self._topic_cache[m.topic] = topic
+        body = m.body
+        if type(body) is not bytes:
+            if not isinstance(body, (bytearray, memoryview)):
+                raise codec.RecordError(f"body must be bytes, not {type(body).__name__}")
+            body = bytes(body)
+        if not 0 <= m.queue_id < 2 ** 31:
+            raise codec.RecordError(f"queue id {m.queue_id} out of range")
+        props = m.properties_string if m.properties_string is not None else m.build_properties()
+        born_addr, born_port = LOCALHOST if m.born_host is None else host_tuple(m.born_host)
+        store_addr, store_port = DEFAULT_STORE_HOST if m.store_host is None else host_tuple(m.store_host)
+        sys_flag = m.sys_flag
+        if sys_flag & 0x30 or len(born_addr) != 4 or len(store_addr) != 4:
+            sys_flag = codec.with_host_flags(sys_flag, born_addr, store_addr)
+        return codec.encode_with_tail(topic, body, props.encode("utf-8"), m.queue_id, m.flag, sys_flag,
+                                      now_ms if m.born_timestamp is None else m.born_timestamp, born_addr, born_port,
+                                      store_addr, store_port, m.reconsume_times, m.prepared_transaction_offset,
+                                      self.config.maxMessageSize)
+
     def _put(self, messages: list[Message], batch: bool) -> PutMessageResult:
-        why = self._check_writable()
-        if why:
+        if self.closed or self.read_only or not self.running_flags.is_writeable():
+            why = self._check_writable()
             return PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=why)
-        cfg = self.config
+        now_ms = int(self.clock() * 1000)
         try:
-            records = []
-            for m in messages:
-                err = _illegal(m)
-                if err:
-                    return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error=err)
-                records.append(m.encode(cfg.maxMessageSize, cfg.autoMessageVersionOnTopicLen))
+            records = [self._encode(m, now_ms) for m in messages]
         except codec.PropertiesTooLarge as e:
             return PutMessageResult(PutMessageStatus.PROPERTIES_SIZE_EXCEEDED, error=str(e))
         except (codec.RecordError, ValueError) as e:
             return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error=str(e))
         first = messages[0]
         key = (first.topic, first.queue_id)
-        txn = records[0].transaction_type
-        assigns = txn in (codec.TRANSACTION_NOT_TYPE, codec.TRANSACTION_COMMIT)
-        replay_ts = first.store_timestamp if first.store_timestamp else None
+        assigns = records[0][6] & codec.TRANSACTION_MASK in _QUEUED_TXN
         commitlog = self.commitlog
         with commitlog.put_lock:
             if self.closed:
                 raise StoreClosedError(f"{self.root}: store is closed")
             qoff = self.topic_queue_table.get(key, 0) if assigns else None
             try:
-                res = commitlog.append(records, qoff, replay_ts)
+                res = commitlog.append(records, qoff, first.store_timestamp or None)
             except codec.MessageTooLarge as e:
                 return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error=str(e))
             except OSError as e:
@@ -392,21 +415,29 @@ class MessageStore:
                 return PutMessageResult(PutMessageStatus.UNKNOWN_ERROR, error=str(e))
             if assigns:
                 self.topic_queue_table[key] = qoff + len(records)
-        if self.reput is not None:
-            self.reput.wakeup()
-        store_addr, store_port = _store_host(first)
-        ids = [codec.offset_msg_id(store_addr, store_port, o) for o in res.offsets]
+        prefix = self._msg_id_prefix(records[0][10], records[0][11])
+        msg_id = prefix + f"{res.wrote_offset:016X}" if len(records) == 1 else \
+            ",".join(prefix + f"{o:016X}" for o in res.offsets)
         result = PutMessageResult(PutMessageStatus.PUT_OK, res.wrote_offset, res.wrote_bytes,
-                                  res.queue_offset if assigns else 0, ",".join(ids), res.store_timestamp,
-                                  len(records))
-        if self.group_commit is not None and _wait_store_msg_ok(first):
-            req = self.group_commit.submit(res.wrote_offset + res.wrote_bytes)
-            if not req.done.wait(cfg.syncFlushTimeout / 1000) or not req.ok:
-                result.status = PutMessageStatus.FLUSH_DISK_TIMEOUT
-                result.error = self.flush_error or f"not flushed within syncFlushTimeout {cfg.syncFlushTimeout} ms"
-        elif self.group_commit is not None:
-            self.group_commit.wakeup()
+                                  qoff if assigns else 0, msg_id, res.store_timestamp, len(records))
+        gc = self.group_commit
+        if gc is not None:
+            if _wait_store_msg_ok(first):
+                req = gc.submit(res.wrote_offset + res.wrote_bytes)
+                if not req.done.wait(self.config.syncFlushTimeout / 1000) or not req.ok:
+                    result.status = PutMessageStatus.FLUSH_DISK_TIMEOUT
+                    result.error = self.flush_error or \
+                        f"not flushed within syncFlushTimeout {self.config.syncFlushTimeout} ms"
+            else:
+                gc.wakeup()
         return result
+
+    def _msg_id_prefix(self, addr: bytes, port: int) -> str:
+        key = (addr, port)
+        prefix = self._id_prefixes.get(key)
+        if prefix is None:
+            prefix = self._id_prefixes[key] = codec.offset_msg_id(addr, port, 0)[:-16]
+        return prefix
 
     # ------------------------------------------------------------ flushing
     def flush_commitlog(self, least_pages: int, thorough: bool) -> bool:
@@ -619,11 +650,6 @@ def _signed32(v: int) -> int:
     return v - 0x100000000 if v & 0x80000000 else v
 
 
-def _store_host(m: Message) -> tuple[bytes, int]:
-    from .message import DEFAULT_STORE_HOST, _host
-    return _host(m.store_host, DEFAULT_STORE_HOST)
-
-
 def _wait_store_msg_ok(m: Message) -> bool:
     v = m.properties.get("WAIT") if m.properties_string is None else codec.parse_properties(
         m.properties_string).get("WAIT")
@@ -631,21 +657,16 @@ def _wait_store_msg_ok(m: Message) -> bool:
 
 
 _TOPIC_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789%|-_")
+_QUEUED_TXN = (codec.TRANSACTION_NOT_TYPE, codec.TRANSACTION_COMMIT)
 
 
-def _illegal(m: Message) -> str | None:
-    """The broker-side checks RocketMQ applies before the store: topic name and length, body type."""
-    if not isinstance(m.topic, str) or not m.topic:
+def _illegal_topic(topic: object) -> str | None:
+    """The topic checks RocketMQ's broker applies before the store: present and of legal characters."""
+    if not isinstance(topic, str) or not topic:
         return "topic is empty"
-    if len(m.topic.encode("utf-8")) > 32767:
-        return "topic is longer than 32767 bytes"
-    if not set(m.topic) <= _TOPIC_CHARS:
-        bad = sorted(set(m.topic) - _TOPIC_CHARS)[:3]
-        return f"topic {m.topic[:40]!r} has illegal characters {bad} (allowed: letters, digits, %|-_)"
-    if not isinstance(m.body, (bytes, bytearray, memoryview)):
-        return f"body must be bytes, not {type(m.body).__name__}"
-    if not 0 <= m.queue_id < 2 ** 31:
-        return f"queue id {m.queue_id} out of range"
+    if not set(topic) <= _TOPIC_CHARS:
+        bad = sorted(set(topic) - _TOPIC_CHARS)[:3]
+        return f"topic {topic[:40]!r} has illegal characters {bad} (allowed: letters, digits, %|-_)"
     return None
 
 

@@ -1,0 +1,243 @@
+"""Issue 4: the write path produces RocketMQ's bytes and serves what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from rocketstore import (ConfigError, GetMessageStatus, Message, MessageStore, PutMessageStatus, StoreClosedError,
+                         StoreConfig, StoreLoadError, StoreLockedError)
+from rocketstore.config import golden_config
+from rocketstore.importer import import_messages
+from conftest import GOLDEN, GOLDEN_NAMES, golden_expected, golden_queries, golden_store, run_cli
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    out = {}
+    for d, _dirs, names in os.walk(root):
+        for n in names:
+            p = Path(d) / n
+            out[str(p.relative_to(root))] = p.read_bytes()
+    return out
+
+
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
+def test_import_reproduces_rocketmq_files_byte_for_byte(name, tmp_path, golden_conf):
+    target = tmp_path / "store"
+    r = run_cli("import", target, "--from", GOLDEN / name / "expected.jsonl", "--config", golden_conf)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["imported"] == len(golden_expected(name))
+    want, got = golden_store(name), target
+    for sub in ("commitlog", "consumequeue"):
+        w, g = _files(want / sub), _files(got / sub)
+        assert sorted(w) == sorted(g)
+        for k in w:
+            assert w[k] == g[k], f"{sub}/{k} differs"
+    assert (got / "lock").read_bytes() == b"lock" and not (got / "abort").exists()
+    with MessageStore.open(str(got), read_only=True) as store:
+        for q in golden_queries(name)["queryMessage"]:
+            r = store.query(q["topic"], q["key"], q["maxNum"], q["begin"], q["end"])
+            assert r.phy_offsets == q["resultPhyOffsets"], q
+        assert store.state()["queues"] == golden_queries(name)["storeState"]["queues"]
+
+
+def test_put_get_look_query_and_offsets(tmp_path):
+    with MessageStore.open(str(tmp_path / "s"), golden_config()) as store:
+        results = [store.put(Message("Orders", f"body-{i}".encode(), queue_id=i % 2, tags="TagA" if i % 3 else "TagB",
+                                     keys=[f"order-{i}", "shared"], properties={"city": "東京"}))
+                   for i in range(50)]
+        assert all(r.status is PutMessageStatus.PUT_OK for r in results)
+        assert [r.queue_offset for r in results if r.commit_log_offset >= 0][:4] == [0, 0, 1, 1]
+        assert results[1].commit_log_offset == results[0].commit_log_offset + results[0].wrote_bytes
+        assert len(results[0].msg_id) == 32 and results[0].store_timestamp > 0
+        store.wait_dispatched()
+        assert store.dispatch_behind_bytes() == 0
+        assert store.max_offset_in_queue("Orders", 0) == 25 and store.max_offset_in_queue("Orders", 1) == 25
+        got = store.get("Orders", 1, 0, 100)
+        assert got.status is GetMessageStatus.FOUND and [m.body for m in got.messages][:2] == [b"body-1", b"body-3"]
+        assert got.messages[0].properties["city"] == "東京" and got.messages[0].keys == "order-1 shared"
+        m = store.look(results[7].commit_log_offset)
+        assert m.body == b"body-7" and m.msg_id == results[7].msg_id
+        q = store.query("Orders", "order-7")
+        assert [x.body for x in q.messages] == [b"body-7"]
+        assert len(store.query("Orders", "shared", max_num=100).messages) == 50
+        ts = results[10].store_timestamp
+        assert store.offset_by_time("Orders", 0, ts) <= 5
+        uniq = store.query("Orders", got.messages[0].uniq_key or "none")
+        assert uniq.messages == [] or uniq.messages[0].body == b"body-1"
+
+
+def test_segments_roll_over_with_a_blank_record_and_preallocate(tmp_path):
+    cfg = StoreConfig(mappedFileSizeCommitLog=64 * 1024, mappedFileSizeConsumeQueue=200)
+    with MessageStore.open(str(tmp_path / "s"), cfg) as store:
+        for i in range(200):
+            assert store.put(Message("Roll", os.urandom(1000), keys=f"k{i}")).ok
+        store.wait_dispatched()
+        files = sorted(os.listdir(tmp_path / "s" / "commitlog"))
+        assert len(files) >= 4  # three full segments, the current one, and maybe the pre-allocated next
+        assert store.max_offset_in_queue("Roll", 0) == 200
+        bodies = []
+        off = 0
+        while True:
+            r = store.get("Roll", 0, off, 32)
+            if r.status is not GetMessageStatus.FOUND:
+                break
+            bodies += r.messages
+            off = r.next_begin_offset
+        assert len(bodies) == 200
+    dump = [json.loads(x) for x in run_cli("dump", tmp_path / "s", "--no-body").stdout.decode().splitlines()]
+    assert len(dump) == 200
+    seg0 = (tmp_path / "s" / "commitlog" / "00000000000000000000").read_bytes()
+    last = max(d["commitLogOffset"] + d["size"] for d in dump if d["commitLogOffset"] < 65536)
+    assert int.from_bytes(seg0[last + 4:last + 8], "big") == 0xCBD43194  # the blank record
+    assert int.from_bytes(seg0[last:last + 4], "big") == 65536 - last
+    used = {f"{(d['commitLogOffset'] // 65536) * 65536:020d}" for d in dump}
+    assert sorted(os.listdir(tmp_path / "s" / "commitlog")) == sorted(used)  # pre-allocated file removed at close
+
+
+def test_transactions_prepared_and_rollback_get_no_queue_offset(tmp_path):
+    with MessageStore.open(str(tmp_path / "s"), golden_config()) as store:
+        kinds = [0, 4, 8, 12, 0]
+        rs = [store.put(Message("Txn", b"x", sys_flag=k, keys=f"k{i}")) for i, k in enumerate(kinds)]
+        assert [r.queue_offset for r in rs] == [0, 0, 1, 0, 2]
+        store.wait_dispatched()
+        assert store.max_offset_in_queue("Txn", 0) == 3
+        assert [m.sys_flag for m in store.get("Txn", 0, 0, 10).messages] == [0, 8, 0]
+        assert len(store.query("Txn", "k1").messages) == 1  # PREPARED is indexed
+        assert store.query("Txn", "k3").messages == []  # ROLLBACK is not
+
+
+def test_put_batch_is_one_unit_with_consecutive_offsets(tmp_path):
+    with MessageStore.open(str(tmp_path / "s"), golden_config()) as store:
+        store.put(Message("B", b"first"))
+        r = store.put_batch([Message("B", f"m{i}".encode(), keys=f"b{i}") for i in range(10)])
+        assert r.ok and r.msg_num == 10 and r.queue_offset == 1 and len(r.msg_id.split(",")) == 10
+        store.wait_dispatched()
+        assert [m.body for m in store.get("B", 0, 1, 32).messages] == [f"m{i}".encode() for i in range(10)]
+        bad = store.put_batch([Message("B", b"1"), Message("C", b"2")])
+        assert bad.status is PutMessageStatus.MESSAGE_ILLEGAL
+
+
+def test_sixteen_producer_threads_lose_and_duplicate_nothing(tmp_path):
+    per_thread, threads = 400, 16
+    with MessageStore.open(str(tmp_path / "s"), StoreConfig(mappedFileSizeCommitLog=256 * 1024,
+                                                            mappedFileSizeConsumeQueue=2000)) as store:
+        errors = []
+
+        def produce(t: int) -> None:
+            for i in range(per_thread):
+                r = store.put(Message("Load", f"{t}:{i}".encode(), queue_id=i % 4))
+                if not r.ok:
+                    errors.append(r)
+        ts = [threading.Thread(target=produce, args=(t,)) for t in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert not errors
+        store.wait_dispatched()
+        seen = []
+        for q in range(4):
+            off = 0
+            while True:
+                r = store.get("Load", q, off, 32)
+                if r.status is not GetMessageStatus.FOUND:
+                    break
+                assert [m.queue_offset for m in r.messages] == list(range(off, off + len(r.messages)))
+                seen += [m.body for m in r.messages]
+                off = r.next_begin_offset
+            assert off == store.max_offset_in_queue("Load", q)
+        assert len(seen) == len(set(seen)) == per_thread * threads
+    assert run_cli("verify", tmp_path / "s").returncode == 0
+
+
+def test_lock_and_abort_file(tmp_path):
+    path = str(tmp_path / "s")
+    store = MessageStore.open(path, golden_config())
+    try:
+        assert (tmp_path / "s" / "abort").read_text() == str(os.getpid())
+        with pytest.raises(StoreLockedError, match="already open"):
+            MessageStore.open(path, golden_config())
+        code = f"from rocketstore import MessageStore\nMessageStore.open({path!r})"
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+        assert r.returncode != 0 and b"locked by another process" in r.stderr
+        r = run_cli("put", path, "--topic", "T", "--body", "x")
+        assert r.returncode == 2 and b"locked by another process" in r.stderr
+    finally:
+        store.close()
+    assert not (tmp_path / "s" / "abort").exists() and (tmp_path / "s" / "abort.bak").exists()
+    MessageStore.open(path).close()  # the lock is free again
+
+
+def test_bad_puts_get_clear_statuses_and_write_nothing(tmp_path):
+    cfg = StoreConfig(mappedFileSizeCommitLog=64 * 1024, maxMessageSize=1024)
+    with MessageStore.open(str(tmp_path / "s"), cfg) as store:
+        assert store.put(Message("T", b"ok")).ok
+        before = store.max_phy_offset()
+        r = store.put(Message("T", b"x" * 1025))
+        assert r.status is PutMessageStatus.MESSAGE_ILLEGAL and "maxMessageSize" in r.error
+        r = store.put(Message("T", b"x", properties={"k": "v" * 40000}))
+        assert r.status is PutMessageStatus.PROPERTIES_SIZE_EXCEEDED
+        r = store.put(Message("bad topic!", b"x"))
+        assert r.status is PutMessageStatus.MESSAGE_ILLEGAL and "illegal characters" in r.error
+        r = store.put(Message("", b"x"))
+        assert r.status is PutMessageStatus.MESSAGE_ILLEGAL
+        r = store.put(Message("T", "text"))  # type: ignore[arg-type]
+        assert r.status is PutMessageStatus.MESSAGE_ILLEGAL and "bytes" in r.error
+        assert store.max_phy_offset() == before
+    store2 = MessageStore.open(str(tmp_path / "s2"), StoreConfig(mappedFileSizeCommitLog=4096))
+    with store2:
+        r = store2.put(Message("T", b"x" * 5000))
+        assert r.status is PutMessageStatus.MESSAGE_ILLEGAL and "do not fit" in r.error
+    with pytest.raises(StoreClosedError):
+        store2.put(Message("T", b"x"))
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"mappedFileSizeCommitLog": 100}, "at least 4096"),
+    ({"mappedFileSizeConsumeQueue": 6001}, "multiple of the 20-byte unit"),
+    ({"flushDiskType": "SOMETIMES"}, "ASYNC_FLUSH or SYNC_FLUSH"),
+])
+def test_impossible_config_values(changes, needle):
+    with pytest.raises(ConfigError, match=needle):
+        StoreConfig(**changes)
+
+
+def test_directory_that_is_not_a_store(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(StoreLoadError, match="not a message store"):
+        MessageStore.open(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]
+
+
+def test_broker_conf_loading(tmp_path):
+    p = tmp_path / "broker.conf"
+    p.write_text("# comment\nbrokerName=b1\nmappedFileSizeCommitLog=1048576\nflushDiskType=SYNC_FLUSH\n"
+                 "messageIndexEnable=false\n")
+    cfg = StoreConfig.load(str(p))
+    assert (cfg.mappedFileSizeCommitLog, cfg.flushDiskType, cfg.messageIndexEnable) == (1048576, "SYNC_FLUSH", False)
+    p.write_text("mappedFileSizeCommitLog\n")
+    with pytest.raises(ConfigError, match="broker.conf:1: expected key=value"):
+        StoreConfig.load(str(p))
+
+
+def test_put_cli(tmp_path, golden_conf):
+    r = run_cli("put", tmp_path / "s", "--topic", "Cli", "--tags", "TagA", "--keys", "k1 k2", "--property",
+                "a=b", "--body", "hello", "--config", golden_conf)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["status"] == "PUT_OK" and res["queueOffset"] == 0
+    r = run_cli("put", tmp_path / "s", "--topic", "Cli", "--config", golden_conf, input=b"from stdin")
+    assert json.loads(r.stdout)["queueOffset"] == 1
+    got = json.loads(run_cli("query", tmp_path / "s", "--topic", "Cli", "--key", "k2").stdout)
+    assert [m["properties"]["a"] for m in got["messages"]] == ["b"]
+    r = run_cli("put", tmp_path / "s", "--topic", "Cli", "--property", "novalue", "--body", "x")
+    assert r.returncode == 2 and b"expected key=value" in r.stderr
+    r = run_cli("put", tmp_path / "s", "--topic", "bad topic", "--body", "x")
+    assert r.returncode == 2 and b"MESSAGE_ILLEGAL" in r.stderr
