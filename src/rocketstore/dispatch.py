@@ -32,7 +32,8 @@ class CommitLogDispatcher:
         self.store = store
         self._tags_codes: dict[str, int] = {}
 
-    def dispatch(self, msg: MessageExt) -> None:
+    def dispatch(self, msg: MessageExt, index: bool = True) -> None:
+        """Apply one record; ``index=False`` builds only the consume queue (duplicates are skipped there)."""
         store = self.store
         props = msg.properties
         txn = msg.sys_flag & codec.TRANSACTION_MASK
@@ -51,7 +52,7 @@ class CommitLogDispatcher:
             cq = store.find_consume_queue(msg.topic, msg.queue_id)
             cq.put_unit(msg.commit_log_offset, msg.size, code, msg.queue_offset)
             store.checkpoint.logicsMsgTimestamp = msg.store_timestamp
-        if store.config.messageIndexEnable:
+        if index and store.config.messageIndexEnable:
             store.index_service.build_index(msg.topic, msg.commit_log_offset, msg.store_timestamp, txn,
                                             props.get("UNIQ_KEY"), props.get("KEYS"))
 

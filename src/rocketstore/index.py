@@ -176,16 +176,23 @@ class IndexService:
         self.on_file_full = on_file_full
         self.lock = threading.RLock()
 
-    def load(self, last_exit_ok: bool, index_msg_timestamp: int) -> list[str]:
+    def load(self, last_exit_ok: bool, index_msg_timestamp: int,
+             on_bad_file: Callable[[str, str], None] | None = None) -> list[str]:
         """Open the files in name order; after an unclean exit drop those newer than the checkpoint."""
         dropped: list[str] = []
         if not os.path.isdir(self.directory):
             return dropped
         for name in sorted(os.listdir(self.directory)):
             path = os.path.join(self.directory, name)
-            if not (len(name) == 17 and name.isdigit()) or not os.path.isfile(path):
-                raise StoreLoadError(f"{path}: not an index file (expected a yyyyMMddHHmmssSSS name)")
-            f = IndexFile(path, self.slots, self.entries, read_only=self.read_only)
+            try:
+                if not (len(name) == 17 and name.isdigit()) or not os.path.isfile(path):
+                    raise StoreLoadError(f"{path}: not an index file (expected a yyyyMMddHHmmssSSS name)")
+                f = IndexFile(path, self.slots, self.entries, read_only=self.read_only)
+            except StoreLoadError as e:
+                if on_bad_file is None:
+                    raise
+                on_bad_file(path, str(e).split(": ", 1)[-1])
+                continue
             if not last_exit_ok and f.end_timestamp > index_msg_timestamp:
                 dropped.append(path)
                 if self.read_only:
@@ -209,7 +216,11 @@ class IndexService:
             now += 1
             name = index_file_name(now)
         prev = (last.end_phy_offset, last.end_timestamp) if last else (0, 0)
-        f = IndexFile(os.path.join(self.directory, name), self.slots, self.entries, create=True, prev_end=prev)
+        path = os.path.join(self.directory, name)
+        tmp = path + ".tmp"
+        IndexFile(tmp, self.slots, self.entries, create=True, prev_end=prev).close()
+        os.replace(tmp, path)  # a crash never leaves a half-created index file under a real name
+        f = IndexFile(path, self.slots, self.entries)
         self.files.append(f)
         if last is not None and self.on_file_full is not None:
             self.on_file_full(last)

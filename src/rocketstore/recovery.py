@@ -2,7 +2,9 @@
 
 Clean (no ``abort`` file): each consume queue checks its last three files; the
 CommitLog is re-checked from the segment holding the queues' highest offset and
-only records past that offset are re-dispatched.
+records past that offset are re-indexed.  Unlike RocketMQ, every record from
+that segment on is offered to the consume queues, which skip what they hold,
+so a lost or torn queue tail is rebuilt.
 
 Unclean (``abort`` present): the CommitLog is CRC-checked from the newest
 segment whose first record is older than the checkpoint's minimum time (3 s of
@@ -39,7 +41,6 @@ class RecoveryReport:
     start_offset: int = 0
     process_offset: int = 0
     confirm_offset: int = 0
-    max_offset_before: int = 0
     bytes_checked: int = 0
     records_checked: int = 0
     stopped_because: str | None = None
@@ -47,14 +48,13 @@ class RecoveryReport:
     index_files_dropped: list[str] = field(default_factory=list)
     queues_truncated: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    zeroed_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {"abnormal": self.abnormal, "startOffset": self.start_offset, "processOffset": self.process_offset,
-                "confirmOffset": self.confirm_offset, "maxOffsetBefore": self.max_offset_before,
-                "truncatedBytes": max(0, self.max_offset_before - self.process_offset),
-                "bytesChecked": self.bytes_checked, "recordsChecked": self.records_checked,
+                "confirmOffset": self.confirm_offset, "bytesChecked": self.bytes_checked, "recordsChecked": self.records_checked,
                 "stoppedBecause": self.stopped_because, "deletedFiles": self.deleted_files,
-                "indexFilesDropped": self.index_files_dropped, "queuesTruncated": self.queues_truncated,
+                "indexFilesDropped": self.index_files_dropped, "queuesTruncated": self.queues_truncated, "zeroedBytes": self.zeroed_bytes,
                 "seconds": round(self.seconds, 3)}
 
 
@@ -74,7 +74,6 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
                 cq.queue.truncate_dirty(0)
         store.recover_topic_queue_table()
         return report
-    report.max_offset_before = files[-1].end_offset
     start_idx = _start_file(store, last_exit_ok, max_cq)
     start = files[start_idx]
     report.start_offset = start.file_from_offset
@@ -89,9 +88,11 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
         f = files[idx]
         mm, pos, base = f.mm, 0, f.file_from_offset
         stop = None
+        blank = False
         while pos < file_size:
             size, msg, reason = codec.check(mm, pos, file_size, check_crc=check_crc, read_body=False)
             if size == 0:
+                blank = True
                 break
             if msg is None:
                 if mm[pos:pos + 8] != ZERO8:  # zeros are the normal end of the written data
@@ -102,8 +103,11 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
                 break
             last_valid = base + pos
             report.records_checked += 1
-            if dispatcher is not None and (report.abnormal or msg.commit_log_offset > max_cq):
-                dispatcher.dispatch(msg)
+            if dispatcher is not None:
+                # Every record goes to the consume queues (they skip what they hold, and so rebuild a lost
+                # tail); the index takes what RocketMQ re-dispatches: everything after a crash, else the
+                # records past the queues' highest offset.
+                dispatcher.dispatch(msg, index=report.abnormal or msg.commit_log_offset > max_cq)
             pos += size
             if report.records_checked % 4096 == 0 and time.monotonic() >= next_log:
                 next_log = time.monotonic() + PROGRESS_INTERVAL_S
@@ -114,7 +118,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
         if stop is not None:
             report.stopped_because = f"{f.path} at file position {pos}: {stop}"
             break
-        if idx + 1 >= len(files):
+        if not blank or idx + 1 >= len(files):  # only a blank record leads on to the next segment
             break
         idx += 1
     report.process_offset = process
@@ -132,11 +136,37 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
                 report.queues_truncated[f"{cq.topic}-{cq.queue_id}"] = n
     commitlog.queue.flushed_where = process
     report.deleted_files += commitlog.queue.truncate_dirty(process)
+    if writable and report.stopped_because:
+        report.zeroed_bytes = _zero_stale_tail(commitlog, process)
     store.recover_topic_queue_table()
     report.seconds = time.monotonic() - t0
     if report.stopped_because and report.abnormal:
         log.warning("recovery truncated the commitlog at %d: %s", process, report.stopped_because)
     return report
+
+
+def _zero_stale_tail(commitlog, offset: int) -> int:
+    """Zero the bytes left after the recovered end of the last segment (RocketMQ leaves them).
+
+    Stale records there could otherwise pass every check after the next write
+    lands just before them.  Only chunks holding non-zero bytes are written.
+    """
+    f = commitlog.queue.find(offset)
+    if f is None:
+        return 0
+    zeroed = 0
+    pos = offset - f.file_from_offset
+    chunk = 1 << 20
+    while pos < f.file_size:
+        end = min(f.file_size, (pos // chunk + 1) * chunk)
+        if f.mm[pos:end].count(0) != end - pos:
+            f.mm[pos:end] = bytes(end - pos)
+            zeroed += end - pos
+        pos = end
+    if zeroed:
+        f.flushed_position = 0
+        f.flush(0)
+    return zeroed
 
 
 def _start_file(store: "MessageStore", last_exit_ok: bool, max_cq: int) -> int:
@@ -157,5 +187,22 @@ def _start_file(store: "MessageStore", last_exit_ok: bool, max_cq: int) -> int:
             continue
         ts = codec.read_store_timestamp(mm, 0)
         if ts != 0 and ts <= bound:
+            return i
+    # RocketMQ falls back to the first file here and may re-check the whole log.  The consume queues
+    # know how far dispatch got, and the index how far it was built: start one segment before the
+    # earlier of the two (the segment before covers a loss that spans a segment boundary).
+    start = max(0, _file_index(files, max_cq) - 1) if max_cq >= 0 else 0
+    if store.config.messageIndexEnable:
+        built = store.index_service.files
+        start = min(start, _file_index(files, built[-1].end_phy_offset) if built else 0)
+    if start:
+        log.info("checkpoint times give no start segment; starting at %s (consume queues reach %d)",
+                 files[start].path, max_cq)
+    return start
+
+
+def _file_index(files: list, offset: int) -> int:
+    for i in range(len(files) - 1, -1, -1):
+        if files[i].file_from_offset <= offset:
             return i
     return 0

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from .config import StoreConfig
-from .store import MessageStore, StorePaths
+from .store import MessageStore, StorePaths, infer_config
 from .verify import verify_store
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ def repair_store(path: str, config: StoreConfig | None = None) -> dict[str, Any]
     if not os.path.isdir(paths.commitlog):
         from .errors import StoreLoadError
         raise StoreLoadError(f"{path}: no commitlog directory; not a store")
+    config = infer_config(path, config)  # before the files it is inferred from are moved aside
     backup = os.path.join(path, f".repair-backup-{int(time.time() * 1000)}")
     os.makedirs(backup)
     old = {}

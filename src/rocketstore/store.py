@@ -220,7 +220,8 @@ class MessageStore:
         self.checkpoint = StoreCheckpoint.load(self.paths.checkpoint, read_only=ro, on_bad=self._on_bad_file)
         self.index_service = IndexService(self.paths.index, cfg.maxHashSlotNum, cfg.maxIndexNum, read_only=ro,
                                           clock=self.clock, on_file_full=self._on_index_file_full)
-        dropped = self.index_service.load(self.last_exit_ok or ro, self.checkpoint.indexMsgTimestamp)
+        dropped = self.index_service.load(self.last_exit_ok or ro, self.checkpoint.indexMsgTimestamp,
+                                          on_bad_file=self._on_bad_file)
         self.recovery_report = recover(self, self.last_exit_ok)
         self.recovery_report.index_files_dropped = dropped
         self.commitlog.confirm_offset = self.commitlog.max_offset()

@@ -156,7 +156,7 @@ def verify_store(store: MessageStore, progress: Any = None) -> dict[str, Any]:
         if progress is not None:
             progress.update(f.file_size)
     report = store.recovery_report
-    if report is not None and report.stopped_because:
+    if report is not None and report.abnormal and report.stopped_because:
         findings.append(finding("torn-tail", store.paths.commitlog, report.process_offset,
                                 f"{report.stopped_because} (recovery ends the commitlog here)"))
     cross, counts = cross_check(store, records)
