@@ -147,6 +147,7 @@ class CleanService(ServiceThread):
     # ------------------------------------------------------------ consume queues and index
     def clean_consume_queues(self) -> int:
         store, cfg = self.store, self.store.config
+        store.apply_topic_retention()
         m = store.commitlog.min_offset()
         if m <= self.last_physical_min_offset:
             return 0
@@ -285,4 +286,14 @@ def retention_plan(store: "MessageStore") -> dict[str, Any]:
             if unit is not None and unit[0] < doomed_end:
                 warnings.append(f"{topic}-{qid}: a consumer group is at offset {consumed}, whose message "
                                 f"(commitlog {unit[0]}) is in a segment that would be deleted")
-    return {"segments": segments, "disk": guard.to_json(), "warnings": warnings}
+    topics = []
+    limits = cfg.topic_retention()
+    for (topic, qid) in store.queue_keys():
+        if topic in limits:
+            cq = store.find_consume_queue(topic, qid)
+            physical = cq.physical_min_offset
+            logical = cq.min_offset_in_queue
+            topics.append({"topic": topic, "queueId": qid, "topicRetentionMs": limits[topic],
+                           "physicalMinOffset": physical, "logicalMinOffset": logical,
+                           "maxOffset": cq.max_offset_in_queue})
+    return {"segments": segments, "disk": guard.to_json(), "warnings": warnings, "topicRetention": topics}

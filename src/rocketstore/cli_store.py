@@ -49,19 +49,30 @@ def open_writable(args: argparse.Namespace, **kw: Any) -> MessageStore:
 # ---------------------------------------------------------------- readers
 
 def cmd_dump(args: argparse.Namespace) -> int:
+    import json
+    limit = args.max_messages if args.max_messages is not None else args.limit
     with open_read_only(args) as store:
-        n = 0
+        if args.from_offset is not None:
+            start = args.from_offset
+        else:
+            start = store.seek_offset(args.topic, args.from_time)
+        n = size = 0
         out = sys.stdout
-        import json
-        for _off, _size, msg, problem in store.messages(args.from_offset if args.from_offset is not None else -1,
-                                                        read_body=not args.no_body):
+        if limit == 0:
+            return 0
+        for _off, _size, msg, problem in store.messages(start, read_body=not args.no_body, drop_cache=True):
             if msg is None:
                 raise CliError(f"scan stopped: {problem}")
+            if args.to_time is not None and msg.store_timestamp > args.to_time:
+                break  # store times ascend in commitlog order (stamped under the put lock)
             if args.topic is not None and msg.topic != args.topic:
+                continue
+            if args.from_time is not None and msg.store_timestamp < args.from_time:
                 continue
             out.write(json.dumps(msg.to_json(not args.no_body), ensure_ascii=False) + "\n")
             n += 1
-            if args.limit is not None and n >= args.limit:
+            size += msg.size
+            if (limit is not None and n >= limit) or (args.max_bytes is not None and size >= args.max_bytes):
                 return 0
         report = store.recovery_report
         if report is not None and report.stopped_because:
@@ -202,6 +213,56 @@ def cmd_delete_expired(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stats(args: argparse.Namespace) -> int:
+    import os
+    import time
+    from .metrics import read_metrics
+    if not os.path.isdir(args.store):
+        raise CliError(f"{args.store}: no such store directory")
+    if not args.live:
+        with open_read_only(args) as store:
+            state = store.state()
+            segments = len(store.commitlog.queue.files)
+            disk = store.disk_guard.to_json()
+        topics: dict[str, int] = {}
+        for q in state["queues"]:
+            topics[q["topic"]] = topics.get(q["topic"], 0) + q["messageTotalInQueue"]
+        out = {"segments": segments, "minPhyOffset": state["minPhyOffset"], "maxPhyOffset": state["maxPhyOffset"],
+               "topics": topics, "disk": disk, "live": read_metrics(args.store)}
+        if args.json:
+            emit(out)
+        else:
+            for t, n in sorted(topics.items()):
+                sys.stdout.write(f"{t:<40} {n:>12,} messages\n")
+            sys.stdout.write(f"{'commitlog':<40} {out['maxPhyOffset'] - out['minPhyOffset']:>12,} bytes in "
+                             f"{segments} segment(s)\n")
+            sys.stdout.write(f"{'disk used':<40} {disk['usedRatio'] * 100:>11.1f} %\n")
+        return 0
+    shown = 0
+    header = f"{'time':<9} {'puts':>10} {'put p50/p99 ms':>16} {'lock p99 ms':>12} {'flush lag':>12} " \
+             f"{'dispatch lag':>13} {'disk':>6}  state"
+    while args.count is None or shown < args.count:
+        m = read_metrics(args.store)
+        if m is None:
+            raise CliError(f"{args.store}: no live metrics (is the store open in a running process?)")
+        if args.json:
+            emit(m)
+        else:
+            if shown % 20 == 0:
+                sys.stdout.write(header + "\n")
+            pl, lh = m["putLatency"], m["lockHold"]
+            sys.stdout.write(
+                f"{time.strftime('%H:%M:%S', time.localtime(m['time'] / 1000)):<9} {m['puts']:>10} "
+                f"{pl.get('p50Ms', 0):>7.3f}/{pl.get('p99Ms', 0):<8.3f} {lh.get('p99Ms', 0):>12.4f} "
+                f"{m['flushLagBytes']:>12} {m['dispatchBehindBytes']:>13} {m['disk']['usedRatio'] * 100:>5.1f}%  "
+                f"{'writeable' if m['writeable'] else 'REFUSING: ' + str(m['notWriteableReason'])}\n")
+            sys.stdout.flush()
+        shown += 1
+        if args.count is None or shown < args.count:
+            time.sleep(args.interval)
+    return 0
+
+
 # ---------------------------------------------------------------- wiring
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -218,6 +279,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--topic", help="only this topic")
     p.add_argument("--from-offset", type=_nonneg, metavar="N", help="start at this commitlog offset")
     p.add_argument("--limit", type=_nonneg, metavar="N", help="at most N messages")
+    p.add_argument("--max-messages", type=_nonneg, metavar="N", help="at most N messages (same as --limit)")
+    p.add_argument("--max-bytes", type=_positive, metavar="N", help="stop once N bytes of records are written")
+    p.add_argument("--from-time", type=_int, metavar="MS", help="store timestamp to start at (seeks by queue)")
+    p.add_argument("--to-time", type=_int, metavar="MS", help="store timestamp to stop after")
 
     add("state", cmd_state, "offsets, checkpoint and queues as JSON")
 
@@ -264,6 +329,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = add("retention", cmd_retention, "dry run of expired-file cleaning: what would be deleted and why")
     p.add_argument("--json", action="store_true")
+
+    p = add("stats", cmd_stats, "messages per topic and disk use; --live: put latency, lock hold, flush and "
+            "dispatch lag of the process that has the store open")
+    p.add_argument("--live", action="store_true", help="follow the live metrics of the open store")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--interval", type=float, default=1.0, metavar="S")
+    p.add_argument("--count", type=_positive, metavar="N", help="stop after N samples")
 
     admin = sub.add_parser("admin", help="administrative commands (mqadmin counterparts)")
     asub = admin.add_subparsers(dest="admin_command", metavar="ADMIN_COMMAND")

@@ -127,11 +127,15 @@ class CommitLog:
         return codec.read_store_timestamp(f.mm, offset - f.file_from_offset)
 
     def scan(self, from_offset: int = -1, *, check_crc: bool = False, read_body: bool = True,
-             end: int | None = None) -> Iterator[tuple[int, int, MessageExt | None, str | None]]:
+             end: int | None = None, drop_cache: bool = False
+             ) -> Iterator[tuple[int, int, MessageExt | None, str | None]]:
         """Walk records in commitlog order as (offset, size, message, problem).
 
         Blank records are skipped silently.  The walk stops at the first record
         that is not valid, yielding it once with ``message`` None and the reason.
+        ``drop_cache`` asks the kernel to drop the pages of every finished segment
+        except the last (the hot tail), so a long scan of a live store does not
+        push its working set out of the page cache.
         """
         files = list(self.queue.files)
         if not files:
@@ -144,8 +148,8 @@ class CommitLog:
                 return
             if not f.hold():
                 return
+            start_pos = pos = offset - f.file_from_offset
             try:
-                pos = offset - f.file_from_offset
                 limit = f.wrote_position
                 mm = f.mm
                 while pos < limit and f.file_from_offset + pos < stop:
@@ -158,6 +162,8 @@ class CommitLog:
                         return
                     yield f.file_from_offset + pos, size, msg, None
                     pos += size
+                if drop_cache and f is not self.queue.last():
+                    f.drop_cache(start_pos, min(pos, f.file_size) - start_pos)
             finally:
                 f.release()
             if pos < self.file_size:

@@ -60,6 +60,7 @@ class StoreConfig:
     diskSpaceCleanForciblyRatio: int = 85  # percent
     diskMinFreeBytes: int = 0  # rocketstore: refuse puts below this many free bytes (0 = off)
     cleanFileForciblyEnable: bool = True
+    topicRetentionMs: str = ""  # rocketstore: logical per-topic retention, "TopicA:3600000;TopicB:60000"
     maxTransferBytesOnMessageInMemory: int = 256 * 1024
     maxTransferCountOnMessageInMemory: int = 32
     maxTransferBytesOnMessageInDisk: int = 64 * 1024
@@ -96,9 +97,24 @@ class StoreConfig:
                     "cleanResourceInterval", "fileReservedTime", "deleteFileBatchMax"):
             need(getattr(self, key) >= 0, key, "must not be negative")
         try:
+            self.topic_retention()
+        except ValueError:
+            raise ConfigError(f"topicRetentionMs={self.topicRetentionMs}: expected TOPIC:MILLIS;TOPIC:MILLIS") from None
+        try:
             [int(h) for h in self.deleteWhen.split(";") if h.strip()]
         except ValueError:
             raise ConfigError(f"deleteWhen={self.deleteWhen}: hours must be numbers separated by ';'") from None
+
+    def topic_retention(self) -> dict[str, int]:
+        """topicRetentionMs as {topic: milliseconds}."""
+        out = {}
+        for item in self.topicRetentionMs.split(";"):
+            if item.strip():
+                topic, sep, ms = item.strip().rpartition(":")
+                if not sep or not topic or int(ms) <= 0:
+                    raise ValueError(item)
+                out[topic] = int(ms)
+        return out
 
     # ------------------------------------------------------------ loading
     @classmethod

@@ -40,6 +40,7 @@ class ConsumeQueue:
         self.directory = os.path.join(root, topic, str(queue_id))
         self.queue = MappedFileQueue(self.directory, file_size, read_only=read_only)
         self.min_logic_offset = 0
+        self.retention_min_offset = 0  # per-topic logical retention, in units (rocketstore extension)
         self.max_physic_offset = -1
         self._time_cache: dict[str, tuple[int, int]] = {}
 
@@ -51,8 +52,13 @@ class ConsumeQueue:
         return self.queue.max_offset()
 
     @property
-    def min_offset_in_queue(self) -> int:
+    def physical_min_offset(self) -> int:
         return self.min_logic_offset // CQ_STORE_UNIT_SIZE
+
+    @property
+    def min_offset_in_queue(self) -> int:
+        return min(max(self.min_logic_offset // CQ_STORE_UNIT_SIZE, self.retention_min_offset),
+                   self.max_offset_in_queue)
 
     @property
     def max_offset_in_queue(self) -> int:

@@ -108,6 +108,18 @@ class MappedFile:
             return wrote // OS_PAGE_SIZE - flushed // OS_PAGE_SIZE >= least_pages
         return wrote > flushed
 
+    def drop_cache(self, pos: int, length: int) -> None:
+        """Unmap and drop the page-cache pages of a range this process has finished reading."""
+        if length <= 0 or not self.read_only:
+            return
+        start = pos - pos % mmap.PAGESIZE
+        length += pos - start
+        try:
+            self.mm.madvise(mmap.MADV_DONTNEED, start, min(length, self.file_size - start))
+            os.posix_fadvise(self.fd, start, length, os.POSIX_FADV_DONTNEED)
+        except (OSError, ValueError, AttributeError):
+            pass  # advice only
+
     # ------------------------------------------------------------ references
     def hold(self) -> bool:
         with self._ref_lock:

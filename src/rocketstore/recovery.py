@@ -109,7 +109,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
                 # records past the queues' highest offset.
                 dispatcher.dispatch(msg, index=report.abnormal or msg.commit_log_offset > max_cq)
             pos += size
-            if report.records_checked % 4096 == 0 and time.monotonic() >= next_log:
+            if report.records_checked % 1024 == 0 and time.monotonic() >= next_log:
                 next_log = time.monotonic() + PROGRESS_INTERVAL_S
                 done = base + pos - report.start_offset
                 log.info("recovery: %d bytes checked (%.1f MB/s), segment %s", done,

@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from time import perf_counter
 from typing import Any, Callable, Iterable, Iterator
 
 from . import codec
@@ -29,6 +30,7 @@ from .flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeSer
 from .index import IndexService, index_file_size
 from .message import (DEFAULT_STORE_HOST, LOCALHOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
                       PutMessageStatus, QueryMessageResult, host_tuple)
+from .metrics import MetricsService, StoreMetrics
 from .recovery import RecoveryReport, recover
 from .running_flags import RunningFlags
 
@@ -131,6 +133,7 @@ class MessageStore:
         self.disk_guard = DiskGuard(self, disk_usage or disk_usage_ratio)
         self.clean_service = CleanService(self)
         self._ram = total_memory_bytes()
+        self.metrics = StoreMetrics()
         self._topic_cache: dict[str, tuple[bytes, int]] = {}
         self._id_prefixes: dict[tuple[bytes, int], str] = {}
 
@@ -258,6 +261,25 @@ class MessageStore:
             table[key] = cq.max_offset_in_queue
             cq.correct_min_offset(min_phy)
         self.topic_queue_table = table
+        self.apply_topic_retention()
+
+    def apply_topic_retention(self) -> dict[tuple[str, int], int]:
+        """Per-topic logical retention (topicRetentionMs): advance a queue's minimum past messages older
+        than its topic's limit.  Files are untouched; RocketMQ's rules still decide what is deleted."""
+        limits = self.config.topic_retention()
+        moved: dict[tuple[str, int], int] = {}
+        if not limits:
+            return moved
+        now_ms = int(self.clock() * 1000)
+        for (topic, qid), cq in list(self._cq_table.items()):
+            ms = limits.get(topic)
+            if ms is None:
+                continue
+            idx = self.offset_by_time(topic, qid, now_ms - ms, LOWER)
+            if idx > cq.retention_min_offset:
+                cq.retention_min_offset = idx
+                moved[(topic, qid)] = idx
+        return moved
 
     def _start(self) -> None:
         cfg = self.config
@@ -268,7 +290,7 @@ class MessageStore:
             self._services.append(FlushRealTimeService(self))
         self.reput = ReputMessageService(self, self.commitlog.max_offset())
         self._services += [self.reput, FlushConsumeQueueService(self), CheckpointService(self)]
-        self._services += [self.clean_service, DiskGuardService(self)]
+        self._services += [self.clean_service, DiskGuardService(self), MetricsService(self)]
         for s in self._services:
             s.start()
         previous = b""
@@ -392,6 +414,7 @@ class MessageStore:
         if self.closed or self.read_only or not self.running_flags.is_writeable():
             why = self._check_writable()
             return PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=why)
+        t0 = perf_counter()
         now_ms = int(self.clock() * 1000)
         try:
             records = [self._encode(m, now_ms) for m in messages]
@@ -404,6 +427,7 @@ class MessageStore:
         assigns = records[0][6] & codec.TRANSACTION_MASK in _QUEUED_TXN
         commitlog = self.commitlog
         with commitlog.put_lock:
+            t1 = perf_counter()
             if self.closed:
                 raise StoreClosedError(f"{self.root}: store is closed")
             qoff = self.topic_queue_table.get(key, 0) if assigns else None
@@ -416,6 +440,7 @@ class MessageStore:
                 return PutMessageResult(PutMessageStatus.UNKNOWN_ERROR, error=str(e))
             if assigns:
                 self.topic_queue_table[key] = qoff + len(records)
+            t2 = perf_counter()
         prefix = self._msg_id_prefix(records[0][10], records[0][11])
         msg_id = prefix + f"{res.wrote_offset:016X}" if len(records) == 1 else \
             ",".join(prefix + f"{o:016X}" for o in res.offsets)
@@ -431,6 +456,9 @@ class MessageStore:
                         f"not flushed within syncFlushTimeout {self.config.syncFlushTimeout} ms"
             else:
                 gc.wakeup()
+        metrics = self.metrics
+        metrics.lock_hold.add(t2 - t1)
+        metrics.put_latency.add(perf_counter() - t0)
         return result
 
     def _msg_id_prefix(self, addr: bytes, port: int) -> str:
@@ -578,10 +606,29 @@ class MessageStore:
         return cq.offset_by_time(timestamp, boundary, self.commitlog.pickup_store_timestamp,
                                  self.commitlog.min_offset())
 
-    def messages(self, from_offset: int = -1, *, read_body: bool = True,
-                 check_crc: bool = False) -> Iterator[tuple[int, int, MessageExt | None, str | None]]:
+    def messages(self, from_offset: int = -1, *, read_body: bool = True, check_crc: bool = False,
+                 drop_cache: bool = False) -> Iterator[tuple[int, int, MessageExt | None, str | None]]:
         """Every record in commitlog order (including ones in no consume queue); see CommitLog.scan."""
-        return self.commitlog.scan(from_offset, read_body=read_body, check_crc=check_crc)
+        return self.commitlog.scan(from_offset, read_body=read_body, check_crc=check_crc, drop_cache=drop_cache)
+
+    def seek_offset(self, topic: str | None = None, from_time: int | None = None) -> int:
+        """Where a scan for a topic and/or from a store time can start, found through the consume queues.
+
+        The lowest commitlog offset among the matching queues' first units at or
+        after ``from_time`` (or their first units).  Records in no consume queue
+        (PREPARED/ROLLBACK transaction halves) before that point are skipped.
+        """
+        if topic is None and from_time is None:
+            return self.min_phy_offset()
+        best = None
+        for (t, qid), cq in list(self._cq_table.items()):
+            if topic is not None and t != topic:
+                continue
+            idx = cq.min_offset_in_queue if from_time is None else self.offset_by_time(t, qid, from_time, LOWER)
+            unit = cq.get_unit(idx)
+            if unit is not None and (best is None or unit[0] < best):
+                best = unit[0]
+        return self.max_phy_offset() if best is None else max(best, self.min_phy_offset())
 
     def consumer_offsets(self) -> dict[tuple[str, int], int]:
         """Lowest committed offset per queue over all groups, from RocketMQ's config/consumerOffset.json."""
