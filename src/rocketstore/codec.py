@@ -147,23 +147,33 @@ def _hashmap_capacity(n: int, initial: int) -> int:
     return cap
 
 
+_ORDER_CACHE: dict[tuple[tuple[str, ...], int], tuple[int, ...]] = {}
+
+
 def properties_to_string(props: Mapping[str, str], capacity: int = 16) -> str:
     """Serialise in Java ``HashMap`` iteration order, as a producer's message map would.
 
     RocketMQ stores the string it is given; producers build it by iterating a
     HashMap (initial capacity 16 for a client message), so buckets ascend and
-    keys sharing a bucket keep insertion order.  Null values are skipped.
+    keys sharing a bucket keep insertion order.  Null values are skipped.  The
+    order depends only on the names, so it is computed once per name tuple.
     """
-    items = [(k, v) for k, v in props.items() if v is not None]
-    cap = _hashmap_capacity(len(items), capacity)
-    mask = cap - 1
+    if not props:
+        return ""
+    names = tuple(k for k, v in props.items() if v is not None)
+    order = _ORDER_CACHE.get((names, capacity))
+    if order is None:
+        cap = _hashmap_capacity(len(names), capacity)
 
-    def bucket(k: str) -> int:
-        h = java_hash(k) & 0xFFFFFFFF
-        return (h ^ (h >> 16)) & mask
+        def bucket(i: int) -> tuple[int, int]:
+            h = java_hash(names[i]) & 0xFFFFFFFF
+            return ((h ^ (h >> 16)) & (cap - 1), i)
 
-    ordered = sorted(enumerate(items), key=lambda e: (bucket(e[1][0]), e[0]))
-    return "".join(f"{k}\x01{v}\x02" for _, (k, v) in ordered)
+        order = tuple(sorted(range(len(names)), key=bucket))
+        if len(_ORDER_CACHE) > 4096:
+            _ORDER_CACHE.clear()
+        _ORDER_CACHE[(names, capacity)] = order
+    return "".join([f"{names[i]}\x01{props[names[i]]}\x02" for i in order])
 
 
 # ---------------------------------------------------------------- hosts

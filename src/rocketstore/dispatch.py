@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from typing import TYPE_CHECKING
 
 from . import codec
@@ -58,16 +59,29 @@ class CommitLogDispatcher:
 
 
 class ReputMessageService(ServiceThread):
-    """Follows the CommitLog from ``reput_from_offset`` to its confirmed end and dispatches each record."""
+    """Follows the CommitLog from ``reput_from_offset`` to its confirmed end and dispatches each record.
+
+    The put path hands over what it already knows of each record it appends
+    (``hand_over``: offset, size, topic, queue, queue offset, tagsCode, store
+    time, keys, UNIQ_KEY, transaction type), so the common case needs no
+    re-decoding.  Anything not handed over (after a restart, replayed imports,
+    delay-topic records) is decoded from the CommitLog, as RocketMQ does.
+    Either way a record is dispatched only once it is below the confirmed end.
+    """
 
     name = "ReputMessageService"
 
-    def __init__(self, store: "MessageStore", from_offset: int) -> None:
-        super().__init__(interval=0.001)
+    def __init__(self, store: "MessageStore", from_offset: int, interval: float = 0.001) -> None:
+        super().__init__(interval=interval)
         self.store = store
         self.reput_from_offset = from_offset
         self.dispatcher = CommitLogDispatcher(store)
         self.caught_up = threading.Condition()
+        self.handed_over: deque[tuple] = deque()
+
+    def hand_over(self, item: tuple) -> None:
+        """Called under the put lock, in commitlog order."""
+        self.handed_over.append(item)
 
     def behind(self) -> int:
         return max(0, self.store.confirm_offset() - self.reput_from_offset)
@@ -79,39 +93,74 @@ class ReputMessageService(ServiceThread):
             self.reput_from_offset = commitlog.min_offset()
         end = store.confirm_offset()
         progressed = False
+        pending = self.handed_over
         while self.reput_from_offset < end and not self.stopped:
+            while pending and pending[0][0] < self.reput_from_offset:
+                pending.popleft()  # already dispatched from the log
+            if pending and pending[0][0] == self.reput_from_offset:
+                progressed |= self._dispatch_handed_over(pending, end)
+                continue
             before = self.reput_from_offset
-            f = commitlog.queue.find(self.reput_from_offset)
-            if f is None or not f.hold():
-                break
-            try:
-                pos = self.reput_from_offset - f.file_from_offset
-                limit = min(f.wrote_position, end - f.file_from_offset)
-                mm = f.mm
-                while pos < limit:
-                    size, msg, reason = codec.check(mm, pos, limit, check_crc=False, read_body=False)
-                    if size == 0:
-                        pos = f.file_size
-                        break
-                    if msg is None:
-                        if size > 0:
-                            log.error("[BUG] %s at %d: %s; skipped", f.path, pos, reason)
-                            pos += size
-                            continue
-                        log.error("dispatch stopped at %s position %d: %s", f.path, pos, reason)
-                        pos = limit
-                        break
-                    self.dispatcher.dispatch(msg)
-                    pos += size
-                    progressed = True
-                self.reput_from_offset = f.file_from_offset + pos
-            finally:
-                f.release()
+            stop_at = min(end, pending[0][0]) if pending else end
+            progressed |= self._dispatch_from_log(stop_at)
             if self.reput_from_offset == before:
                 break
         if progressed or self.reput_from_offset >= end:
             with self.caught_up:
                 self.caught_up.notify_all()
+
+    def _dispatch_handed_over(self, pending: deque, end: int) -> bool:
+        cq_table = self.store._cq_table
+        index = self.store.index_service if self.store.config.messageIndexEnable else None
+        checkpoint = self.store.checkpoint
+        done = False
+        while pending and pending[0][0] == self.reput_from_offset:
+            offset, size, topic, qid, qoff, code, ts, keys, uniq, txn = pending[0]
+            if offset + size > end:
+                break
+            pending.popleft()
+            if qoff >= 0:
+                cq = cq_table.get((topic, qid)) or self.store.find_consume_queue(topic, qid)
+                cq.put_unit(offset, size, code, qoff)
+                checkpoint.logicsMsgTimestamp = ts
+            if index is not None:
+                index.build_index(topic, offset, ts, txn, uniq, keys)
+            self.reput_from_offset = offset + size
+            done = True
+        return done
+
+    def _dispatch_from_log(self, end: int) -> bool:
+        commitlog = self.store.commitlog
+        f = commitlog.queue.find(self.reput_from_offset)
+        if f is None or not f.hold():
+            return False
+        progressed = False
+        try:
+            pos = self.reput_from_offset - f.file_from_offset
+            limit = min(f.wrote_position, end - f.file_from_offset)
+            mm = f.mm
+            while pos < limit:
+                size, msg, reason = codec.check(mm, pos, limit, check_crc=False, read_body=False)
+                if size == 0:
+                    pos = f.file_size
+                    break
+                if msg is None:
+                    if size > 0:
+                        log.error("[BUG] %s at %d: %s; skipped", f.path, pos, reason)
+                        pos += size
+                        continue
+                    if limit < f.wrote_position:
+                        break  # the rest of the record is not confirmed yet (sync flush)
+                    log.error("dispatch stopped at %s position %d: %s", f.path, pos, reason)
+                    pos = limit
+                    break
+                self.dispatcher.dispatch(msg)
+                pos += size
+                progressed = True
+            self.reput_from_offset = f.file_from_offset + pos
+        finally:
+            f.release()
+        return progressed
 
     def wait_dispatched(self, offset: int, timeout: float) -> bool:
         """Block until everything before ``offset`` is dispatched (or the timeout passes)."""

@@ -68,6 +68,8 @@ class Message:
     def build_properties(self) -> str:
         if self.properties_string is not None:
             return self.properties_string
+        if self.tags is None and self.keys is None:
+            return codec.properties_to_string(self.properties)
         props = dict(self.properties)
         if self.tags is not None:
             props["TAGS"] = self.tags

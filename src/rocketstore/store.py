@@ -136,6 +136,7 @@ class MessageStore:
         self.metrics = StoreMetrics()
         self._topic_cache: dict[str, tuple[bytes, int]] = {}
         self._id_prefixes: dict[tuple[bytes, int], str] = {}
+        self._tags_codes: dict[str, int] = {}
 
         if not os.path.isdir(root):
             if read_only:
@@ -425,6 +426,7 @@ class MessageStore:
         first = messages[0]
         key = (first.topic, first.queue_id)
         assigns = records[0][6] & codec.TRANSACTION_MASK in _QUEUED_TXN
+        hand_over = [self._dispatch_info(m) for m in messages] if self.reput is not None else None
         commitlog = self.commitlog
         with commitlog.put_lock:
             t1 = perf_counter()
@@ -440,6 +442,15 @@ class MessageStore:
                 return PutMessageResult(PutMessageStatus.UNKNOWN_ERROR, error=str(e))
             if assigns:
                 self.topic_queue_table[key] = qoff + len(records)
+            if hand_over is not None:
+                q = qoff if assigns else -1
+                for rec, off, h in zip(records, res.offsets, hand_over):
+                    if h is None:
+                        break  # the dispatcher decodes this one (and what follows) from the log
+                    self.reput.hand_over((off, rec[1], first.topic, first.queue_id, q, h[0], res.store_timestamp,
+                                          h[1], h[2], rec[6] & codec.TRANSACTION_MASK))
+                    if assigns:
+                        q += 1
             t2 = perf_counter()
         prefix = self._msg_id_prefix(records[0][10], records[0][11])
         msg_id = prefix + f"{res.wrote_offset:016X}" if len(records) == 1 else \
@@ -460,6 +471,30 @@ class MessageStore:
         metrics.lock_hold.add(t2 - t1)
         metrics.put_latency.add(perf_counter() - t0)
         return result
+
+    def _dispatch_info(self, m: Message) -> tuple[int, str | None, str | None] | None:
+        """(tagsCode, KEYS, UNIQ_KEY) as dispatch would parse them from the stored properties, or None when
+        only the stored record can tell (a verbatim properties string, the delay topic, separator characters)."""
+        if m.properties_string is not None or m.topic == codec.SCHEDULE_TOPIC:
+            return None
+        props = m.properties
+        tags = m.tags if m.tags is not None else props.get("TAGS")
+        keys = m.keys if m.keys is None or isinstance(m.keys, str) else " ".join(m.keys)
+        if keys is None:
+            keys = props.get("KEYS")
+        uniq = props.get("UNIQ_KEY")
+        for v in (tags, keys, uniq):
+            if v is not None and ("\x01" in v or "\x02" in v):
+                return None
+        if not tags:
+            code = 0
+        else:
+            code = self._tags_codes.get(tags)
+            if code is None:
+                if len(self._tags_codes) > 100000:
+                    self._tags_codes.clear()
+                code = self._tags_codes[tags] = codec.java_hash(tags)
+        return code, keys or None, uniq or None
 
     def _msg_id_prefix(self, addr: bytes, port: int) -> str:
         key = (addr, port)
