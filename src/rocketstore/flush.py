@@ -44,55 +44,58 @@ class FlushRealTimeService(ServiceThread):
                 break
 
 
-class _Request:
-    __slots__ = ("next_offset", "done", "ok")
-
-    def __init__(self, next_offset: int) -> None:
-        self.next_offset = next_offset
-        self.done = threading.Event()
-        self.ok = False
-
-
 class GroupCommitService(ServiceThread):
-    """SYNC_FLUSH: one fdatasync serves every producer waiting when it starts."""
+    """SYNC_FLUSH: one fdatasync serves every producer waiting when it starts.
+
+    Producers publish how far they need the log flushed and wait on one
+    condition; the service flushes up to the furthest request and wakes them all.
+    """
 
     name = "GroupCommitService"
 
     def __init__(self, store: "MessageStore") -> None:
         super().__init__(interval=0.01)
         self.store = store
-        self._lock = threading.Lock()
-        self._requests: list[_Request] = []
+        self._cond = threading.Condition()
+        self._wanted = 0
+        self.failed = False
 
-    def submit(self, next_offset: int) -> _Request:
-        req = _Request(next_offset)
-        with self._lock:
-            self._requests.append(req)
+    def wait_flushed(self, next_offset: int, timeout: float) -> bool:
+        """Block until the log is durable up to ``next_offset``; False on timeout or a flush error."""
+        queue = self.store.commitlog.queue
+        with self._cond:
+            if next_offset > self._wanted:
+                self._wanted = next_offset
+            self.wakeup()
+            self._cond.wait_for(lambda: queue.flushed_where >= next_offset or self.failed or self.stopped, timeout)
+            return queue.flushed_where >= next_offset and not self.failed
+
+    def request(self, next_offset: int) -> None:
+        """Ask for a flush without waiting (WAIT=false messages)."""
+        with self._cond:
+            if next_offset > self._wanted:
+                self._wanted = next_offset
         self.wakeup()
-        return req
 
     def run_once(self) -> None:
-        with self._lock:
-            batch, self._requests = self._requests, []
-        if not batch:
-            return
-        target = max(r.next_offset for r in batch)
         store = self.store
-        ok = True
+        queue = store.commitlog.queue
+        target = self._wanted
+        if queue.flushed_where >= target:
+            return
         for _ in range(1000):
-            if store.commitlog.queue.flushed_where >= target:
+            if queue.flushed_where >= target:
                 break
-            if not store.flush_commitlog(0, True):
-                if store.flush_error:
-                    ok = False
-                    break
-        flushed = store.commitlog.queue.flushed_where
-        for r in batch:
-            r.ok = ok and flushed >= r.next_offset
-            r.done.set()
+            if not store.flush_commitlog(0, True) and store.flush_error:
+                self.failed = True
+                break
+        with self._cond:
+            self._cond.notify_all()
 
     def on_shutdown(self) -> None:
         self.run_once()
+        with self._cond:
+            self._cond.notify_all()
 
 
 class FlushConsumeQueueService(ServiceThread):

@@ -345,7 +345,7 @@ class MessageStore:
         if self.reput is None:
             return True
         if self.group_commit is not None:
-            self.group_commit.submit(self.commitlog.max_offset()).done.wait(timeout)
+            self.group_commit.wait_flushed(self.commitlog.max_offset(), timeout)
         return self.reput.wait_dispatched(self.confirm_offset(), timeout)
 
     def min_offset_in_queue(self, topic: str, queue_id: int) -> int:
@@ -460,13 +460,12 @@ class MessageStore:
         gc = self.group_commit
         if gc is not None:
             if _wait_store_msg_ok(first):
-                req = gc.submit(res.wrote_offset + res.wrote_bytes)
-                if not req.done.wait(self.config.syncFlushTimeout / 1000) or not req.ok:
+                if not gc.wait_flushed(res.wrote_offset + res.wrote_bytes, self.config.syncFlushTimeout / 1000):
                     result.status = PutMessageStatus.FLUSH_DISK_TIMEOUT
                     result.error = self.flush_error or \
                         f"not flushed within syncFlushTimeout {self.config.syncFlushTimeout} ms"
             else:
-                gc.wakeup()
+                gc.request(res.wrote_offset + res.wrote_bytes)
         metrics = self.metrics
         metrics.lock_hold.add(t2 - t1)
         metrics.put_latency.add(perf_counter() - t0)
