@@ -26,7 +26,7 @@ import operator
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 MAGIC_V1 = 0xDAA320A7
 MAGIC_V2 = 0xDAA320AB
@@ -391,6 +391,27 @@ def check(buf: Any, pos: int, limit: int, *, check_crc: bool,
             return total, None, reason
         return -1, None, reason
     return total, msg, None
+
+
+def walk(buf: Any, pos: int, limit: int, *, check_crc: bool,
+         read_body: bool = False) -> Iterator[tuple[int, int, MessageExt | None, str | None]]:
+    """Records of one segment from ``pos`` as (position, size, message, problem), per :func:`check`.
+
+    Ends after a blank record (size 0), or after the first record that is not
+    valid (message None, with the reason); all-zero bytes end it silently, as
+    the normal end of written data.
+    """
+    while pos < limit:
+        size, msg, reason = check(buf, pos, limit, check_crc=check_crc, read_body=read_body)
+        if msg is None and size != 0 and buf[pos:pos + 8] == _ZERO8:
+            return
+        yield pos, size, msg, reason
+        if msg is None:
+            return
+        pos += size
+
+
+_ZERO8 = bytes(8)
 
 
 def read_store_timestamp(buf: Any, pos: int) -> int:

@@ -148,20 +148,21 @@ class CommitLog:
                 return
             if not f.hold():
                 return
-            start_pos = pos = offset - f.file_from_offset
+            start_pos = end = offset - f.file_from_offset
             try:
-                limit = f.wrote_position
-                mm = f.mm
-                while pos < limit and f.file_from_offset + pos < stop:
-                    size, msg, reason = codec.check(mm, pos, limit, check_crc=check_crc, read_body=read_body)
+                for pos, size, msg, reason in codec.walk(f.mm, start_pos, f.wrote_position, check_crc=check_crc,
+                                                         read_body=read_body):
+                    if f.file_from_offset + pos >= stop:
+                        break
                     if size == 0:
-                        pos = limit = self.file_size  # blank: the rest of the file is unused
+                        end = self.file_size  # blank: the rest of the file is unused
                         break
                     if msg is None:
                         yield f.file_from_offset + pos, size, None, f"{f.path} at file position {pos}: {reason}"
                         return
                     yield f.file_from_offset + pos, size, msg, None
-                    pos += size
+                    end = pos + size
+                pos = end
                 if drop_cache and f is not self.queue.last():
                     f.drop_cache(start_pos, min(pos, f.file_size) - start_pos)
             finally:

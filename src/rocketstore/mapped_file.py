@@ -290,13 +290,18 @@ class MappedFileQueue:
         create_at = start_offset - start_offset % self.file_size if last is None else last.end_offset
         return self._create(create_at)
 
-    def _create(self, offset: int) -> MappedFile:
+    def _take_preallocated(self) -> MappedFile | None:
+        """Wait for a pre-allocation under way and take its file (None if there is none)."""
         with self._lock:
             t = self._next_thread
         if t is not None:
             t.join()
         with self._lock:
             nxt, self._next, self._next_thread = self._next, None, None
+        return nxt
+
+    def _create(self, offset: int) -> MappedFile:
+        nxt = self._take_preallocated()
         if nxt is not None and nxt.file_from_offset == offset:
             mf = nxt
         else:
@@ -325,12 +330,7 @@ class MappedFileQueue:
 
     def discard_preallocated(self) -> None:
         """Delete a pre-allocated file that was never handed out (done at clean shutdown)."""
-        with self._lock:
-            t = self._next_thread
-        if t is not None:
-            t.join()
-        with self._lock:
-            nxt, self._next, self._next_thread = self._next, None, None
+        nxt = self._take_preallocated()
         if nxt is not None:
             nxt.destroy()
 

@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 PROGRESS_INTERVAL_S = 3.0
-ZERO8 = bytes(8)
 
 
 @dataclass
@@ -86,21 +85,20 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     idx = start_idx
     while True:
         f = files[idx]
-        mm, pos, base = f.mm, 0, f.file_from_offset
+        mm, end, base = f.mm, 0, f.file_from_offset  # end: where the valid records of this file end
         stop = None
         blank = False
-        while pos < file_size:
-            size, msg, reason = codec.check(mm, pos, file_size, check_crc=check_crc, read_body=False)
+        for pos, size, msg, reason in codec.walk(mm, 0, file_size, check_crc=check_crc):
             if size == 0:
                 blank = True
                 break
             if msg is None:
-                if mm[pos:pos + 8] != ZERO8:  # zeros are the normal end of the written data
-                    stop = reason or "invalid record"
+                stop = reason or "invalid record"
                 break
             if msg.commit_log_offset != base + pos:
                 stop = f"PHYSICALOFFSET {msg.commit_log_offset} differs from the record's position {base + pos}"
                 break
+            end = pos + size
             last_valid = base + pos
             report.records_checked += 1
             if dispatcher is not None:
@@ -108,15 +106,14 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
                 # tail); the index takes what RocketMQ re-dispatches: everything after a crash, else the
                 # records past the queues' highest offset.
                 dispatcher.dispatch(msg, index=report.abnormal or msg.commit_log_offset > max_cq)
-            pos += size
             if report.records_checked % 1024 == 0 and time.monotonic() >= next_log:
                 next_log = time.monotonic() + PROGRESS_INTERVAL_S
                 done = base + pos - report.start_offset
                 log.info("recovery: %d bytes checked (%.1f MB/s), segment %s", done,
                          done / 1e6 / max(time.monotonic() - t0, 1e-9), f.path)
-        process = base + pos
+        process = base + end
         if stop is not None:
-            report.stopped_because = f"{f.path} at file position {pos}: {stop}"
+            report.stopped_because = f"{f.path} at file position {end}: {stop}"
             break
         if not blank or idx + 1 >= len(files):  # only a blank record leads on to the next segment
             break

@@ -58,23 +58,26 @@ def summarize(msg: codec.MessageExt) -> RecordSummary:
 def check_segment(buf: Any, path: str, base: int, limit: int, file_size: int, is_last: bool) -> SegmentResult:
     """CRC-check the records of one segment up to ``limit`` (its written end)."""
     res = SegmentResult(path)
-    pos = 0
-    while pos < limit:
-        size, msg, reason = codec.check(buf, pos, limit, check_crc=True, read_body=False)
+    end = 0
+    ended = False  # by a blank record or a bad one
+    for pos, size, msg, reason in codec.walk(buf, 0, limit, check_crc=True):
         if size == 0:
-            pos = file_size
+            ended = True
+            end = file_size
             break
         if msg is None:
             res.findings.append(finding("bad-record", path, base + pos, reason or "invalid record"))
+            ended = True
+            end = pos
             break
         if msg.commit_log_offset != base + pos:
             res.findings.append(finding("bad-record", path, base + pos,
                                         f"PHYSICALOFFSET field says {msg.commit_log_offset}"))
         res.records.append(summarize(msg))
-        pos += size
-    else:
-        if not is_last and pos < file_size:
-            res.findings.append(finding("bad-record", path, base + pos, "segment ends without a blank record"))
+        end = pos + size
+    if not ended and not is_last and end < file_size:
+        res.findings.append(finding("bad-record", path, base + end, "segment ends without a blank record"))
+    pos = end
     res.bytes_checked = min(pos, limit)
     return res
 
