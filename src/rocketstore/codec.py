@@ -25,7 +25,6 @@ import ipaddress
 import operator
 import struct
 import zlib
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 MAGIC_V1 = 0xDAA320A7
@@ -213,31 +212,51 @@ def record_length(body_len: int, topic_len: int, props_len: int, sys_flag: int, 
 
 # ---------------------------------------------------------------- records
 
-@dataclass(slots=True)
-class MessageExt:
-    """One decoded CommitLog record (RocketMQ's MessageExt)."""
+def _field(i: int, doc: str) -> property:
+    return property(lambda self: self._h[i], doc=doc)
 
-    topic: str
-    queue_id: int
-    queue_offset: int
-    commit_log_offset: int
-    size: int
-    sys_flag: int
-    flag: int
-    body_crc: int
-    reconsume_times: int
-    prepared_transaction_offset: int
-    born_timestamp: int
-    store_timestamp: int
-    born_addr: bytes
-    born_port: int
-    store_addr: bytes
-    store_port: int
-    properties_string: str
-    magic: int
-    body: bytes | None = None
-    body_length: int = 0
-    _props: dict[str, str] | None = field(default=None, repr=False)
+
+class MessageExt:
+    """One decoded CommitLog record (RocketMQ's MessageExt).
+
+    The fixed fields stay in the tuple that one ``unpack_from`` produced and are
+    read through properties, so decoding a message builds one small object.
+    """
+
+    __slots__ = ("_h", "topic", "properties_string", "body", "_props")
+
+    def __init__(self, header: tuple, topic: str, properties_string: str, body: bytes | None) -> None:
+        self._h = header
+        self.topic = topic
+        self.properties_string = properties_string
+        self.body = body
+        self._props: dict[str, str] | None = None
+
+    size = _field(0, "TOTALSIZE")
+    magic = _field(1, "MAGICCODE")
+    body_crc = _field(2, "BODYCRC")
+    queue_id = _field(3, "QUEUEID")
+    flag = _field(4, "FLAG")
+    queue_offset = _field(5, "QUEUEOFFSET")
+    commit_log_offset = _field(6, "PHYSICALOFFSET")
+    sys_flag = _field(7, "SYSFLAG")
+    born_timestamp = _field(8, "BORNTIMESTAMP")
+    born_addr = _field(9, "BORNHOST address")
+    born_port = _field(10, "BORNHOST port")
+    store_timestamp = _field(11, "STORETIMESTAMP")
+    store_addr = _field(12, "STOREHOST address")
+    store_port = _field(13, "STOREHOST port")
+    reconsume_times = _field(14, "RECONSUMETIMES")
+    prepared_transaction_offset = _field(15, "PREPARED TRANSACTION OFFSET")
+    body_length = _field(16, "BODYLENGTH")
+
+    def __repr__(self) -> str:
+        return (f"MessageExt(topic={self.topic!r}, queue_id={self.queue_id}, queue_offset={self.queue_offset}, "
+                f"commit_log_offset={self.commit_log_offset}, size={self.size})")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MessageExt) and (self._h, self.topic, self.properties_string, self.body) == (
+            other._h, other.topic, other.properties_string, other.body)
 
     @property
     def properties(self) -> dict[str, str]:
@@ -312,56 +331,59 @@ def decode(buf: Any, pos: int, limit: int, *, check_crc: bool = False, read_body
 
     Raises :class:`RecordError` with the reason when RocketMQ would refuse the
     record.  A blank (end-of-file) record is reported by :func:`check`; here it
-    is an error because it holds no message.
+    is an error because it holds no message.  One ``unpack_from`` reads the
+    whole fixed part; the host family comes from the low byte of SYSFLAG.
     """
     try:
-        if limit - pos < PREFIX_SIZE:
+        header = _HEADERS[buf[pos + _SYSFLAG_POS + 3] & 0x30]
+        if limit - pos < header.size:
             raise RecordError("record header runs past the readable end")
-        total, magic = _HEAD8.unpack_from(buf, pos)
+        h = header.unpack_from(buf, pos)
+    except (IndexError, struct.error):
+        raise RecordError("record header runs past the readable end") from None
+    total, magic, crc, sys_flag, body_len = h[0], h[1], h[2], h[7], h[16]
+    if magic != MAGIC_V1 and magic != MAGIC_V2:
         if magic == BLANK_MAGIC:
             raise RecordError("blank end-of-file record")
-        if magic != MAGIC_V1 and magic != MAGIC_V2:
-            raise RecordError(f"bad magic code 0x{magic:08X}")
-        if total < 0 or total > limit - pos:
-            raise RecordError(f"record size {total} runs past the readable end")
-        header = _HEADERS[_INT.unpack_from(buf, pos + _SYSFLAG_POS)[0] & 0x30]
-        if total < header.size:
-            raise RecordError(f"record size {total} is shorter than its header")
-        (total, magic, crc, queue_id, flag, queue_offset, phy, sys_flag, born_ts, born_addr, born_port, store_ts,
-         store_addr, store_port, reconsume, prepared, body_len) = header.unpack_from(buf, pos)
-        end = pos + total
-        p = pos + header.size
-        if body_len < 0 or p + body_len > end:
-            raise RecordError(f"body length {body_len} runs past the record")
-        body = None
-        if read_body or check_crc:
-            body = bytes(buf[p:p + body_len])
-            if check_crc and body_len > 0 and (zlib.crc32(body) & 0x7FFFFFFF) != crc:
-                raise RecordError("body CRC mismatch")
-        p += body_len
-        if magic == MAGIC_V2:
+        raise RecordError(f"bad magic code 0x{magic:08X}")
+    end = pos + total
+    if total < header.size or end > limit:
+        raise RecordError(f"record size {total} runs past the readable end")
+    p = pos + header.size
+    if body_len < 0 or p + body_len > end:
+        raise RecordError(f"body length {body_len} runs past the record")
+    body = None
+    if read_body or check_crc:
+        body = buf[p:p + body_len]
+        if type(body) is not bytes:
+            body = bytes(body)
+        if check_crc and body_len > 0 and (zlib.crc32(body) & 0x7FFFFFFF) != crc:
+            raise RecordError("body CRC mismatch")
+    p += body_len
+    try:
+        if magic == MAGIC_V1:
+            topic_len = buf[p]
+            if topic_len > 127:
+                topic_len -= 256
+            p += 1
+        else:
             topic_len = _SHORT.unpack_from(buf, p)[0]
             p += 2
-        else:
-            topic_len = _BYTE.unpack_from(buf, p)[0]
-            p += 1
         if topic_len < 0 or p + topic_len > end:
             raise RecordError(f"topic length {topic_len} runs past the record")
         topic = str(buf[p:p + topic_len], "utf-8", "replace")
         p += topic_len
         props_len = _SHORT.unpack_from(buf, p)[0]
-        p += 2
-        if props_len < 0 or p + props_len > end:
-            raise RecordError(f"properties length {props_len} runs past the record")
-        props = str(buf[p:p + props_len], "utf-8", "replace") if props_len else ""
-    except struct.error as e:
-        raise RecordError(f"truncated record: {e}") from None
+    except (IndexError, struct.error):
+        raise RecordError("record fields run past the readable end") from None
+    p += 2
+    if props_len < 0 or p + props_len > end:
+        raise RecordError(f"properties length {props_len} runs past the record")
     if p + props_len != end:
         expect = record_length(body_len, topic_len, props_len, sys_flag, magic == MAGIC_V2)
         raise RecordError(f"record size {total} disagrees with its fields ({expect})")
-    return MessageExt(topic, queue_id, queue_offset, phy, total, sys_flag, flag, crc, reconsume,
-                      prepared, born_ts, store_ts, born_addr, born_port, store_addr, store_port,
-                      props, magic, body if read_body else None, body_len)
+    props = str(buf[p:end], "utf-8", "replace") if props_len else ""
+    return MessageExt(h, topic, props, body if read_body else None)
 
 
 def check(buf: Any, pos: int, limit: int, *, check_crc: bool,

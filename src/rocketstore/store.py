@@ -575,6 +575,7 @@ class MessageStore:
         in_memory_limit = self._ram * cfg.accessMessageInMemoryMaxRatio // 100
         span = max(cfg.maxFilterMessageSize, max_msgs * CQ_STORE_UNIT_SIZE)
         skip_file_end = -1
+        seg, seg_start, seg_end = None, 0, -1  # the commitlog segment held while reading from it
         for idx, phy, size, tags in units[1]:
             if idx >= hi:
                 break
@@ -597,7 +598,20 @@ class MessageStore:
                 continue
             if phy < skip_file_end:
                 continue
-            msg = self.commitlog.read_message_or_none(phy, size, read_body=read_body)
+            if not (seg_start <= phy < seg_end):
+                if seg is not None:
+                    seg.release()
+                seg = self.commitlog.queue.find(phy)
+                if seg is None or not seg.hold():
+                    seg, seg_start, seg_end = None, 0, -1
+                else:
+                    seg_start, seg_end = seg.file_from_offset, seg.end_offset
+            msg = None
+            if seg is not None and phy - seg_start + size <= seg.wrote_position:
+                try:
+                    msg = codec.decode(seg.mm, phy - seg_start, phy - seg_start + size, read_body=read_body)
+                except codec.RecordError:
+                    msg = None
             if msg is None:
                 if not out:
                     status = GetMessageStatus.MESSAGE_WAS_REMOVING
@@ -606,6 +620,8 @@ class MessageStore:
             out.append(msg)
             total += size
             status = GetMessageStatus.FOUND
+        if seg is not None:
+            seg.release()
         return GetMessageResult(status, nxt, lo, hi, out)
 
     def look(self, commit_log_offset: int, *, read_body: bool = True) -> MessageExt:
