@@ -571,26 +571,16 @@ class MessageStore:
         total = 0
         cfg = self.config
         max_pull = min(max(max_total_bytes, 100), 128 * 1024 * 1024)
-        max_phy = self.commitlog.max_offset()
-        in_memory_limit = self._ram * cfg.accessMessageInMemoryMaxRatio // 100
+        count_cap, byte_cap = max_msgs, max_pull  # narrowed once the first message says hot or cold
         span = max(cfg.maxFilterMessageSize, max_msgs * CQ_STORE_UNIT_SIZE)
+        stop_idx = min(hi, offset + -(-span // CQ_STORE_UNIT_SIZE))
         skip_file_end = -1
         seg, seg_start, seg_end = None, 0, -1  # the commitlog segment held while reading from it
         for idx, phy, size, tags in units[1]:
-            if idx >= hi:
+            if idx >= stop_idx:
                 break
-            if (idx - offset) * CQ_STORE_UNIT_SIZE >= span:
+            if out and (len(out) >= count_cap or total + size > byte_cap):
                 break
-            if out:
-                in_mem = max_phy - phy <= in_memory_limit
-                if len(out) + 1 > max_msgs or total + size > max_pull:
-                    break
-                if in_mem and (total + size > cfg.maxTransferBytesOnMessageInMemory
-                               or len(out) >= cfg.maxTransferCountOnMessageInMemory):
-                    break
-                if not in_mem and (total + size > cfg.maxTransferBytesOnMessageInDisk
-                                   or len(out) >= cfg.maxTransferCountOnMessageInDisk):
-                    break
             nxt = idx + 1
             if tag_filter is not None and _signed32(tags) not in tag_filter:
                 if not out:
@@ -617,6 +607,13 @@ class MessageStore:
                     status = GetMessageStatus.MESSAGE_WAS_REMOVING
                 skip_file_end = phy - phy % self.commitlog.file_size + self.commitlog.file_size
                 continue
+            if not out:
+                # "In memory" (within 40 % of RAM of the log's end): 32 messages / 256 KiB a call, else 8 / 64 KiB.
+                in_mem = self.commitlog.max_offset() - phy <= self._ram * cfg.accessMessageInMemoryMaxRatio // 100
+                count_cap = min(max_msgs, cfg.maxTransferCountOnMessageInMemory if in_mem
+                                else cfg.maxTransferCountOnMessageInDisk)
+                byte_cap = min(max_pull, cfg.maxTransferBytesOnMessageInMemory if in_mem
+                               else cfg.maxTransferBytesOnMessageInDisk)
             out.append(msg)
             total += size
             status = GetMessageStatus.FOUND
