@@ -241,3 +241,29 @@ def test_put_cli(tmp_path, golden_conf):
     assert r.returncode == 2 and b"expected key=value" in r.stderr
     r = run_cli("put", tmp_path / "s", "--topic", "bad topic", "--body", "x")
     assert r.returncode == 2 and b"MESSAGE_ILLEGAL" in r.stderr
+
+
+def test_full_disk_when_a_segment_is_created(tmp_path, monkeypatch):
+    """A full disk is an error the put reports (never a SIGBUS from a sparse page), and the store stays usable."""
+    import errno
+    from rocketstore import mapped_file
+    cfg = StoreConfig(mappedFileSizeCommitLog=64 * 1024, mappedFileSizeConsumeQueue=2000)
+    with MessageStore.open(str(tmp_path / "s"), cfg) as store:
+        assert store.put(Message("D", b"x" * 1000)).ok
+        store.commitlog.queue.discard_preallocated()
+
+        def no_space(fd, offset, length):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(mapped_file.os, "posix_fallocate", no_space)
+        results = [store.put(Message("D", b"x" * 1000)) for _ in range(80)]
+        failed = [r for r in results if not r.ok]
+        assert failed and failed[0].status is PutMessageStatus.CREATE_MAPPED_FILE_FAILED
+        assert "No space left on device" in failed[0].error and "00000000000000065536" in failed[0].error
+        assert not (tmp_path / "s" / "commitlog" / "00000000000000065536").exists()
+        monkeypatch.undo()
+        r = store.put(Message("D", b"after"))
+        assert r.ok and r.commit_log_offset == 65536
+        store.wait_dispatched()
+        ok = sum(1 for x in results if x.ok) + 2
+        assert store.max_offset_in_queue("D", 0) == ok
+    assert run_cli("verify", tmp_path / "s").returncode == 0

@@ -27,6 +27,7 @@ from typing import Callable
 
 from .codec import index_key_hash
 from .errors import StoreLoadError
+from .mapped_file import allocate
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class IndexFile:
         fd = os.open(path, flags, 0o644)
         try:
             if create:
-                os.ftruncate(fd, size)
+                allocate(fd, size)
             elif os.fstat(fd).st_size != size:
                 raise StoreLoadError(f"{path}: index file is {os.fstat(fd).st_size} bytes, expected {size} "
                                      f"(maxHashSlotNum={slots}, maxIndexNum={entries})")

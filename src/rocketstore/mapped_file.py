@@ -7,6 +7,7 @@ to 20 digits.  A file is created at full size (sparse) before it is written.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -22,6 +23,21 @@ OS_PAGE_SIZE = 4096
 
 # The one call that makes data durable; tests replace it to inject EIO/ENOSPC.
 fdatasync = os.fdatasync
+
+
+def allocate(fd: int, size: int) -> None:
+    """Reserve the file's disk blocks up front.
+
+    A sparse file would take its blocks when a page is first written through
+    the map, and a full disk then kills the process with SIGBUS.  Allocating at
+    creation turns that into an ENOSPC error here, where it can be reported.
+    """
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, size)  # a file system without fallocate
 
 
 def file_name(offset: int) -> str:
@@ -42,15 +58,21 @@ class MappedFile:
         self.file_from_offset = int(os.path.basename(path))
         self.read_only = read_only
         flags = os.O_RDONLY if read_only else os.O_RDWR
+        created = create and not os.path.exists(path)
         if create:
             flags |= os.O_CREAT
         self.fd = os.open(path, flags, 0o644)
         try:
             if create and os.fstat(self.fd).st_size < file_size:
-                os.ftruncate(self.fd, file_size)
+                try:
+                    allocate(self.fd, file_size)
+                except OSError as e:
+                    raise OSError(e.errno, e.strerror, path) from None
             self.mm = mmap.mmap(self.fd, file_size, access=mmap.ACCESS_READ if read_only else mmap.ACCESS_WRITE)
-        except Exception:
+        except BaseException:
             os.close(self.fd)
+            if created:
+                os.unlink(path)  # never leave a half-made segment behind
             raise
         self.wrote_position = 0
         self.flushed_position = 0

@@ -43,13 +43,16 @@ class ServiceThread:
         if self.initial_delay:
             self._stopped.wait(self.initial_delay)
         while not self._stopped.is_set():
+            failed = False
             try:
                 self.run_once()
             except Exception:  # a service must survive one bad round; the log says why
                 log.exception("%s failed a round", self.name)
+                failed = True
             if self._stopped.is_set():
                 break
-            self.wait_for_running(self.interval)
+            # After a failure (a full disk, say) retry no faster than once a second.
+            self.wait_for_running(max(self.interval, 1.0) if failed else self.interval)
         try:
             self.on_shutdown()
         except Exception:

@@ -438,8 +438,9 @@ class MessageStore:
             except codec.MessageTooLarge as e:
                 return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error=str(e))
             except OSError as e:
-                self.running_flags.make_not_writeable(f"commitlog write failed: {e}")
-                return PutMessageResult(PutMessageStatus.UNKNOWN_ERROR, error=str(e))
+                where = e.filename or self.paths.commitlog
+                return PutMessageResult(PutMessageStatus.CREATE_MAPPED_FILE_FAILED,
+                                        error=f"cannot create commitlog segment {where}: {e.strerror or e}")
             if assigns:
                 self.topic_queue_table[key] = qoff + len(records)
             if hand_over is not None:
