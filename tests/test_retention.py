@@ -195,3 +195,12 @@ def test_retention_warns_about_unconsumed_messages(basic_copy):
         plan = retention_plan(store)
         assert [s["wouldDelete"] for s in plan["segments"]] == [True, True, True, False]
         assert any("TopicA-0" in w for w in plan["warnings"])
+
+
+def test_clean_service_schedule_and_clean_stop(tmp_path):
+    cfg_store = MessageStore.open(str(tmp_path / "s"), disk_usage=Disk())
+    svc = cfg_store.clean_service
+    assert (svc.initial_delay, svc.interval) == (60.0, 10.0)  # first run 60 s after open, then cleanResourceInterval
+    t = time.time()
+    cfg_store.close()  # stops the service (sleeping in its initial delay) at once
+    assert time.time() - t < 5 and svc.stopped

@@ -79,8 +79,10 @@ def test_segments_roll_over_with_a_blank_record_and_preallocate(tmp_path):
         for i in range(200):
             assert store.put(Message("Roll", os.urandom(1000), keys=f"k{i}")).ok
         store.wait_dispatched()
-        files = sorted(os.listdir(tmp_path / "s" / "commitlog"))
-        assert len(files) >= 4  # three full segments, the current one, and maybe the pre-allocated next
+        current = store.commitlog.queue.last()
+        ready = store.commitlog.queue.preallocated()  # made by the allocator thread, not the put path
+        assert ready is not None and ready.file_from_offset == current.end_offset
+        assert f"{current.end_offset:020d}" in os.listdir(tmp_path / "s" / "commitlog")
         assert store.max_offset_in_queue("Roll", 0) == 200
         bodies = []
         off = 0

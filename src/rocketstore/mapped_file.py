@@ -314,13 +314,18 @@ class MappedFileQueue:
 
     def _take_preallocated(self) -> MappedFile | None:
         """Wait for a pre-allocation under way and take its file (None if there is none)."""
+        self.preallocated()
+        with self._lock:
+            nxt, self._next, self._next_thread = self._next, None, None
+        return nxt
+
+    def preallocated(self) -> MappedFile | None:
+        """The next segment made ahead of time, once the allocator has finished it."""
         with self._lock:
             t = self._next_thread
         if t is not None:
             t.join()
-        with self._lock:
-            nxt, self._next, self._next_thread = self._next, None, None
-        return nxt
+        return self._next
 
     def _create(self, offset: int) -> MappedFile:
         nxt = self._take_preallocated()
