@@ -1,0 +1,168 @@
+"""Broker: one open store plus the state a RocketMQ broker keeps beside it.
+
+It owns the topic and group tables, consumer offsets, the pop state, the
+timer (delay messages), transactions and the connected clients, and runs the
+periodic work: writing state files, renewing auto-renewed receipts, expiring
+clients.  Everything runs on one asyncio loop; blocking store writes run in a
+thread pool (in SYNC_FLUSH mode a put waits for the group commit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ..errors import StoreError
+from ..message import Message, PutMessageResult, PutMessageStatus
+from .clients import ClientRegistry
+from .config import BrokerConfig
+from .offsets import ConsumerOffsetManager
+from .pop import PopService
+from .timer import TimerService
+from .topics import TopicManager
+from .transaction import TransactionService
+
+log = logging.getLogger(__name__)
+
+
+class Broker:
+    def __init__(self, store: Any, cfg: BrokerConfig, store_host: tuple[bytes, int] = (b"\x7f\x00\x00\x01", 8081)):
+        self.store = store
+        self.cfg = cfg
+        self.store_host = store_host
+        self.config_dir = store.paths.config
+        os.makedirs(self.config_dir, exist_ok=True)
+        self.topics = TopicManager(self.config_dir, auto_create_topics=cfg.autoCreateTopicEnable,
+                                   default_queues=cfg.defaultTopicQueueNums,
+                                   auto_create_groups=cfg.autoCreateSubscriptionGroup,
+                                   default_retry_max_times=cfg.defaultRetryMaxTimes)
+        self.offsets = ConsumerOffsetManager(self.config_dir)
+        self.clients = ClientRegistry(cfg.clientExpireTime)
+        self.executor = ThreadPoolExecutor(max_workers=cfg.storeThreads, thread_name_prefix="store-put")
+        self.io_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-writer")
+        self.pop: PopService | None = None
+        self.timer: TimerService | None = None
+        self.transactions: TransactionService | None = None
+        self._waiters: dict[str, asyncio.Event] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._persist_lock: asyncio.Lock | None = None
+        self.started = False
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Load the state (must run on the loop that will serve)."""
+        self._persist_lock = asyncio.Lock()
+        self.pop = PopService(self.store, self.offsets, self.config_dir, consume_from=self.cfg.consumeFromWhere,
+                              auto_renew_ms=self.cfg.popAutoRenewInvisibleTime,
+                              renew_ahead_ms=self.cfg.popRenewAheadTime, renew_max_ms=self.cfg.popRenewMaxTime,
+                              max_span=self.cfg.popMaxSpan)
+        self.timer = TimerService(self.store, self.config_dir, self.store_host, self.put, self.notify)
+        self.transactions = TransactionService(self.store, self.offsets, self.cfg, self.store_host, self.put,
+                                               self.notify, self.clients.send_to_producer)
+        self.timer.start()
+        self.transactions.start()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._persist_loop(), name="persist"),
+                       loop.create_task(self._housekeeping_loop(), name="housekeeping")]
+        self.started = True
+
+    async def stop(self) -> None:
+        """Stop the services and write every state file (the store stays open)."""
+        if not self.started:
+            return
+        self.started = False
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self.timer:
+            await self.timer.stop()
+            await self.timer.persist()
+        if self.transactions:
+            await self.transactions.stop()
+        self.clients.close_all()
+        await self.persist()
+        self.executor.shutdown(wait=True)
+        self.io_executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------ store access
+    async def put(self, msg: Message) -> PutMessageResult:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self.executor, self.store.put, msg)
+        except StoreError as e:
+            return PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=str(e))
+        except RuntimeError as e:  # executor shut down
+            return PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=str(e))
+
+    # ------------------------------------------------------------ long polling
+    def notify(self, topic: str) -> None:
+        ev = self._waiters.pop(topic, None)
+        if ev is not None:
+            ev.set()
+
+    async def wait_for_messages(self, topic: str, timeout: float) -> bool:
+        """Until a message for ``topic`` is stored or ``timeout`` seconds pass; True if notified."""
+        if timeout <= 0:
+            return False
+        ev = self._waiters.get(topic)
+        if ev is None:
+            ev = self._waiters[topic] = asyncio.Event()
+        try:
+            await asyncio.wait_for(ev.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    # ------------------------------------------------------------ state files
+    async def persist(self) -> None:
+        assert self._persist_lock is not None
+        async with self._persist_lock:
+            pop_snap = self.pop.snapshot() if self.pop else None
+            off_snap = self.offsets.snapshot()
+            if pop_snap is None and off_snap is None:
+                return
+            loop = asyncio.get_running_loop()
+
+            def write() -> None:
+                if pop_snap is not None:
+                    self.pop.write(pop_snap)
+                if off_snap is not None:
+                    self.offsets.write(off_snap)
+
+            try:
+                await loop.run_in_executor(self.io_executor, write)
+            except OSError as e:
+                log.error("writing consumer state failed: %s", e)
+                if pop_snap is not None:
+                    self.pop.dirty = True
+                self.offsets.dirty = True
+
+    async def _persist_loop(self) -> None:
+        period = self.cfg.flushConsumerOffsetInterval / 1000
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.persist()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("persisting consumer state failed")
+
+    async def _housekeeping_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                self.pop.renew(self.clients.alive)
+                for cid in self.clients.expired():
+                    log.info("client %s expired (no heartbeat, no Telemetry stream)", cid)
+                    self.clients.remove(cid)
+                    self.pop.release_client(cid)
+            except Exception:
+                log.exception("housekeeping failed")

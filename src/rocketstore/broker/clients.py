@@ -1,0 +1,117 @@
+"""Connected clients: their settings, Telemetry streams and liveness (keyed by ``x-mq-client-id``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+STREAM_QUEUE_SIZE = 256
+
+
+class TelemetryStream:
+    """Server-to-client commands of one Telemetry call.  Writes never block the broker: a stream whose
+    client stopped reading fills its queue and further commands to it are dropped."""
+
+    def __init__(self, client_id: str) -> None:
+        self.client_id = client_id
+        self.queue: asyncio.Queue = asyncio.Queue(STREAM_QUEUE_SIZE)
+        self.closed = False
+
+    def send(self, cmd: Any) -> bool:
+        if self.closed:
+            return False
+        try:
+            self.queue.put_nowait(cmd)
+            return True
+        except asyncio.QueueFull:
+            log.warning("client %s does not read its Telemetry stream; command dropped", self.client_id)
+            return False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                self.queue.put_nowait(None)
+            except asyncio.QueueFull:
+                pass
+
+
+@dataclass
+class ClientInfo:
+    client_id: str
+    client_type: int = 0
+    group: str | None = None
+    publishing: set[str] = field(default_factory=set)
+    subscriptions: dict[str, tuple[int, str]] = field(default_factory=dict)
+    streams: list[TelemetryStream] = field(default_factory=list)
+    last_seen: float = field(default_factory=time.monotonic)
+    language: str = ""
+    version: str = ""
+
+
+class ClientRegistry:
+    def __init__(self, expire_ms: int) -> None:
+        self.expire = expire_ms / 1000
+        self.clients: dict[str, ClientInfo] = {}
+
+    def touch(self, client_id: str) -> ClientInfo:
+        c = self.clients.get(client_id)
+        if c is None:
+            c = self.clients[client_id] = ClientInfo(client_id)
+        c.last_seen = time.monotonic()
+        return c
+
+    def alive(self, client_id: str) -> bool:
+        c = self.clients.get(client_id)
+        if c is None:
+            return False
+        return any(not s.closed for s in c.streams) or time.monotonic() - c.last_seen < self.expire
+
+    def add_stream(self, client_id: str, stream: TelemetryStream) -> None:
+        self.touch(client_id).streams.append(stream)
+
+    def remove_stream(self, client_id: str, stream: TelemetryStream) -> None:
+        stream.close()
+        c = self.clients.get(client_id)
+        if c is not None and stream in c.streams:
+            c.streams.remove(stream)
+            c.last_seen = time.monotonic()
+
+    def remove(self, client_id: str) -> ClientInfo | None:
+        c = self.clients.pop(client_id, None)
+        if c is not None:
+            for s in c.streams:
+                s.close()
+        return c
+
+    def expired(self) -> list[str]:
+        now = time.monotonic()
+        return [cid for cid, c in self.clients.items()
+                if not any(not s.closed for s in c.streams) and now - c.last_seen >= self.expire]
+
+    def producer_streams(self, topic: str) -> list[TelemetryStream]:
+        """Open streams of producers that declared ``topic``; any producer's when none did."""
+        from .proto import pb
+        matching, others = [], []
+        for c in self.clients.values():
+            if c.client_type != pb.ClientType.PRODUCER:
+                continue
+            streams = [s for s in c.streams if not s.closed]
+            (matching if topic in c.publishing else others).extend(streams)
+        return matching or others
+
+    def send_to_producer(self, topic: str, cmd: Any) -> bool:
+        streams = self.producer_streams(topic)
+        random.shuffle(streams)
+        return any(s.send(cmd) for s in streams)
+
+    def close_all(self) -> None:
+        for c in self.clients.values():
+            for s in c.streams:
+                s.close()

@@ -1,0 +1,259 @@
+"""Between gRPC ``apache.rocketmq.v2.Message`` and stored records, the way RocketMQ's proxy maps them.
+
+System properties become RocketMQ message properties: tag -> ``TAGS``, keys ->
+``KEYS`` (space separated), message_id -> ``UNIQ_KEY``, message_group ->
+``__SHARDINGKEY``, delivery_timestamp -> ``TIMER_DELIVER_MS``, a transaction ->
+``TRAN_MSG``.  User properties are stored as they are; their names may not be
+one of RocketMQ's reserved property names.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import ipaddress
+import zlib
+from typing import Mapping
+
+from .. import codec
+from ..codec import MessageExt
+from .proto import pb
+
+Code = pb.Code
+
+P_TAGS = "TAGS"
+P_KEYS = "KEYS"
+P_UNIQ = "UNIQ_KEY"
+P_SHARDING = "__SHARDINGKEY"
+P_TIMER_DELIVER = "TIMER_DELIVER_MS"
+P_TRAN = "TRAN_MSG"
+P_PGROUP = "PGROUP"
+P_REAL_TOPIC = "REAL_TOPIC"
+P_REAL_QID = "REAL_QID"
+P_TRACE = "TRACE_CONTEXT"
+P_CHECK_IMMUNITY = "CHECK_IMMUNITY_TIME_IN_SECONDS"
+P_DLQ_TOPIC = "DLQ_ORIGIN_TOPIC"
+P_DLQ_MSG_ID = "DLQ_ORIGIN_MESSAGE_ID"
+P_RETRY_TOPIC = "RETRY_TOPIC"
+P_ORIGIN_MSG_ID = "ORIGIN_MESSAGE_ID"
+P_RECONSUME = "RECONSUME_TIME"
+P_MAX_RECONSUME = "MAX_RECONSUME_TIMES"
+P_STARTDELIVER = "__STARTDELIVERTIME"
+P_TIMER_DELAY_SEC = "TIMER_DELAY_SEC"
+P_DELAY = "DELAY"
+
+# RocketMQ's MessageConst.STRING_HASH_SET (the names a user property may not take), plus 5.x additions.
+RESERVED = frozenset("""
+TRACE_ON MSG_REGION KEYS TAGS WAIT DELAY RETRY_TOPIC REAL_TOPIC REAL_QID TRAN_MSG PGROUP MIN_OFFSET
+MAX_OFFSET BUYER_ID ORIGIN_MESSAGE_ID TRANSFER_FLAG CORRECTION_FLAG MQ2_FLAG RECONSUME_TIME UNIQ_KEY
+MAX_RECONSUME_TIMES CONSUME_START_TIME POP_CK POP_CK_OFFSET 1ST_POP_TIME TRAN_PREPARED_QUEUE_OFFSET DUP_INFO
+EXTEND_UNIQ_INFO INSTANCE_ID CORRELATION_ID REPLY_TO_CLIENT TTL ARRIVE_TIME PUSH_REPLY_TIME CLUSTER MSG_TYPE
+__SHARDINGKEY __STARTDELIVERTIME TIMER_DELAY_SEC TIMER_DELIVER_MS TIMER_ENQUEUE_MS TIMER_DEQUEUE_MS
+TIMER_ROLL_TIMES TIMER_OUT_MS TIMER_DEL_UNIQKEY TIMER_DELAY_LEVEL CHECK_IMMUNITY_TIME_IN_SECONDS
+TRANSACTION_CHECK_TIMES INNER_MULTI_DISPATCH INNER_MULTI_QUEUE_OFFSET TRACE_CONTEXT DLQ_ORIGIN_TOPIC
+DLQ_ORIGIN_MESSAGE_ID INNER_NUM INNER_BASE BORN_HOST BORN_TIMESTAMP
+""".split())
+
+MT = pb.MessageType
+TYPE_NAMES = {MT.NORMAL: "NORMAL", MT.FIFO: "FIFO", MT.DELAY: "DELAY", MT.TRANSACTION: "TRANSACTION"}
+
+
+class BadMessage(Exception):
+    """A message the broker refuses: carries the RocketMQ status code."""
+
+    def __init__(self, code: int, text: str) -> None:
+        super().__init__(text)
+        self.code = code
+
+
+def _has_control(s: str) -> bool:
+    return any(ord(c) < 32 or ord(c) == 127 for c in s)
+
+
+def ts_ms(ts) -> int:
+    """A google.protobuf.Timestamp as epoch milliseconds."""
+    return ts.seconds * 1000 + ts.nanos // 1_000_000
+
+
+def set_ts(ts, ms: int) -> None:
+    ts.seconds, ts.nanos = divmod(ms, 1000)
+    ts.nanos *= 1_000_000
+
+
+def message_type_of(m) -> int:
+    """The declared type, or the one implied by the system properties."""
+    sp = m.system_properties
+    if sp.message_type in TYPE_NAMES:
+        return sp.message_type
+    if sp.message_type not in (MT.MESSAGE_TYPE_UNSPECIFIED,):
+        return sp.message_type  # LITE, PRIORITY, ...: refused by the caller
+    if sp.HasField("message_group"):
+        return MT.FIFO
+    if sp.HasField("delivery_timestamp"):
+        return MT.DELAY
+    return MT.NORMAL
+
+
+def validate(m, max_body: int) -> tuple[int, bytes]:
+    """Check one SendMessage entry; returns (message type, body) or raises BadMessage."""
+    sp = m.system_properties
+    if not sp.message_id or not sp.message_id.strip() or len(sp.message_id) > 128 or _has_control(sp.message_id):
+        raise BadMessage(Code.ILLEGAL_MESSAGE_ID, "message_id is blank or malformed")
+    body = m.body
+    if sp.body_encoding == pb.Encoding.GZIP:
+        try:
+            body = gzip.decompress(body) if body[:2] == b"\x1f\x8b" else zlib.decompress(body)
+        except (OSError, zlib.error, EOFError):
+            raise BadMessage(Code.MESSAGE_CORRUPTED, "body is not valid gzip") from None
+    if not body:
+        raise BadMessage(Code.MESSAGE_BODY_EMPTY, "message body is empty")
+    if len(body) > max_body:
+        raise BadMessage(Code.MESSAGE_BODY_TOO_LARGE,
+                         f"message body of {len(body)} bytes exceeds the limit of {max_body} bytes")
+    if sp.HasField("tag"):
+        if not sp.tag.strip() or "|" in sp.tag or _has_control(sp.tag):
+            raise BadMessage(Code.ILLEGAL_MESSAGE_TAG, "tag is blank or contains '|' or control characters")
+    for k in sp.keys:
+        if not k.strip() or _has_control(k):
+            raise BadMessage(Code.ILLEGAL_MESSAGE_KEY, "a key is blank or contains control characters")
+    if sp.HasField("message_group"):
+        g = sp.message_group
+        if not g.strip() or len(g) > 64 or _has_control(g):
+            raise BadMessage(Code.ILLEGAL_MESSAGE_GROUP, "message group is blank, longer than 64 or has control characters")
+    for k, v in m.user_properties.items():
+        if not k or k in RESERVED or _has_control(k):
+            raise BadMessage(Code.ILLEGAL_MESSAGE_PROPERTY_KEY, f"property name {k[:40]!r} is reserved or malformed")
+        if "\x01" in v or "\x02" in v:
+            raise BadMessage(Code.ILLEGAL_MESSAGE_PROPERTY_KEY, f"property {k[:40]!r} has a control character value")
+    mtype = message_type_of(m)
+    if mtype not in TYPE_NAMES:
+        raise BadMessage(Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE,
+                         f"message type {pb.MessageType.Name(mtype)} is not supported")
+    if mtype == MT.TRANSACTION and (sp.HasField("message_group") or sp.HasField("delivery_timestamp")):
+        raise BadMessage(Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE,
+                         "a transactional message cannot carry a message group or a delivery timestamp")
+    if mtype == MT.FIFO and not sp.HasField("message_group"):
+        raise BadMessage(Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE, "a FIFO message needs a message group")
+    if mtype == MT.DELAY and not sp.HasField("delivery_timestamp"):
+        raise BadMessage(Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE, "a DELAY message needs a delivery timestamp")
+    return mtype, body
+
+
+def store_properties(m, mtype: int) -> dict[str, str]:
+    """The stored properties of a SendMessage entry (before any system-topic rewriting)."""
+    sp = m.system_properties
+    props = dict(m.user_properties)
+    if sp.HasField("tag"):
+        props[P_TAGS] = sp.tag
+    if sp.keys:
+        props[P_KEYS] = " ".join(sp.keys)
+    props[P_UNIQ] = sp.message_id
+    if sp.HasField("message_group"):
+        props[P_SHARDING] = sp.message_group
+    if sp.HasField("delivery_timestamp"):
+        props[P_TIMER_DELIVER] = str(ts_ms(sp.delivery_timestamp))
+    if sp.HasField("trace_context") and sp.trace_context:
+        props[P_TRACE] = sp.trace_context
+    if mtype == MT.TRANSACTION:
+        props[P_TRAN] = "true"
+        props[P_PGROUP] = m.topic.name  # the proxy's producer group for gRPC clients is the topic
+        if sp.HasField("orphaned_transaction_recovery_duration"):
+            d = sp.orphaned_transaction_recovery_duration
+            props[P_CHECK_IMMUNITY] = str(max(1, d.seconds))
+    return props
+
+
+def host_from(text: str, fallback: tuple[bytes, int]) -> tuple[bytes, int]:
+    """An IP text (optionally with a port) as (address bytes, port); the fallback when it is no IP."""
+    t = (text or "").strip()
+    try:
+        return ipaddress.ip_address(t).packed, fallback[1]
+    except ValueError:
+        pass
+    try:
+        return codec.parse_host(t)
+    except ValueError:
+        return fallback
+
+
+def peer_host(peer: str) -> tuple[bytes, int]:
+    """grpc's ``context.peer()`` (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``) as (address bytes, port)."""
+    try:
+        kind, _, rest = peer.partition(":")
+        if kind == "ipv6":
+            rest = rest.replace("%5B", "[").replace("%5D", "]")
+            if not rest.startswith("["):
+                addr, _, port = rest.rpartition(":")
+                rest = f"[{addr}]:{port}"
+        return codec.parse_host(rest)
+    except (ValueError, AttributeError):
+        return b"\x7f\x00\x00\x01", 0
+
+
+def _user_properties(props: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in props.items() if k not in RESERVED}
+
+
+def derived_type(props: Mapping[str, str]) -> int:
+    if props.get(P_TRAN) == "true":
+        return MT.TRANSACTION
+    if P_SHARDING in props:
+        return MT.FIFO
+    if P_TIMER_DELIVER in props or P_STARTDELIVER in props or P_TIMER_DELAY_SEC in props or P_DELAY in props:
+        return MT.DELAY
+    return MT.NORMAL
+
+
+def to_pb(msg: MessageExt, out, *, namespace: str = "", receipt_handle: str | None = None,
+          delivery_attempt: int | None = None, invisible_ms: int | None = None) -> None:
+    """Fill ``out`` (a pb.Message) from a stored message."""
+    props = msg.properties
+    out.topic.name = msg.topic
+    out.topic.resource_namespace = namespace
+    body = msg.body or b""
+    if msg.sys_flag & codec.SYSFLAG_COMPRESSED:
+        try:
+            body = zlib.decompress(body)
+        except zlib.error:
+            pass
+    out.body = body
+    for k, v in _user_properties(props).items():
+        out.user_properties[k] = v
+    sp = out.system_properties
+    sp.message_id = props.get(P_UNIQ) or msg.msg_id
+    tags = props.get(P_TAGS)
+    if tags:
+        sp.tag = tags
+    keys = props.get(P_KEYS)
+    if keys:
+        sp.keys.extend(k for k in keys.split(" ") if k)
+    sp.body_digest.type = pb.DigestType.MD5
+    sp.body_digest.checksum = hashlib.md5(body).hexdigest().upper()
+    sp.body_encoding = pb.Encoding.IDENTITY
+    sp.message_type = derived_type(props)
+    set_ts(sp.born_timestamp, msg.born_timestamp)
+    sp.born_host = codec.format_host(msg.born_addr, msg.born_port).rsplit(":", 1)[0].strip("[]")
+    set_ts(sp.store_timestamp, msg.store_timestamp)
+    sp.store_host = codec.format_host(msg.store_addr, msg.store_port)
+    sp.queue_id = msg.queue_id
+    sp.queue_offset = msg.queue_offset
+    deliver = props.get(P_TIMER_DELIVER)
+    if deliver and deliver.lstrip("-").isdigit():
+        set_ts(sp.delivery_timestamp, int(deliver))
+    group = props.get(P_SHARDING)
+    if group:
+        sp.message_group = group
+    trace = props.get(P_TRACE)
+    if trace:
+        sp.trace_context = trace
+    if receipt_handle is not None:
+        sp.receipt_handle = receipt_handle
+    if delivery_attempt is not None:
+        sp.delivery_attempt = delivery_attempt
+    if invisible_ms is not None:
+        sp.invisible_duration.seconds, ms = divmod(invisible_ms, 1000)
+        sp.invisible_duration.nanos = ms * 1_000_000
+    origin = props.get(P_DLQ_TOPIC)
+    if origin:
+        sp.dead_letter_queue.topic = origin
+        sp.dead_letter_queue.message_id = props.get(P_DLQ_MSG_ID) or sp.message_id

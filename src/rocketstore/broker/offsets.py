@@ -1,0 +1,93 @@
+"""Consumer group progress in RocketMQ's ``config/consumerOffset.json`` (ConsumerOffsetManager).
+
+Layout: ``{"offsetTable": {"<topic>@<group>": {"<queueId>": <offset>}}, "dataVersion": {...}}``.  The
+offset is the first queue offset the group has not consumed.  RocketMQ writes
+the file with fastjson, whose integer map keys come out unquoted
+(``{0:12,1:7}``); such files are read too.  Writes go through
+:func:`rocketstore.jsonfile.write_json_atomic` (temp file, fsync, rename, ``.bak``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from typing import Any
+
+from ..jsonfile import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+_UNQUOTED_INT_KEY = re.compile(r'([{,]\s*)(-?\d+)(\s*:)')
+
+
+def loads_lenient(text: str) -> Any:
+    """JSON, or fastjson's JSON with bare integer map keys."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return json.loads(_UNQUOTED_INT_KEY.sub(r'\1"\2"\3', text))
+
+
+def read_json_lenient(path: str) -> Any:
+    """Like jsonfile.read_json (falls back to ``.bak`` with a warning) but accepting fastjson output."""
+    for candidate in (path, f"{path}.bak"):
+        try:
+            with open(candidate, encoding="utf-8") as fh:
+                value = loads_lenient(fh.read())
+        except FileNotFoundError:
+            continue
+        except (ValueError, OSError, UnicodeDecodeError) as e:
+            log.warning("%s: unreadable (%s); trying the backup", candidate, e)
+            continue
+        if candidate != path:
+            log.warning("%s: missing or corrupt; using %s", path, candidate)
+        return value
+    return None
+
+
+class ConsumerOffsetManager:
+    """Committed offsets per (topic, group, queue)."""
+
+    def __init__(self, config_dir: str) -> None:
+        self.path = os.path.join(config_dir, "consumerOffset.json")
+        self.table: dict[str, dict[int, int]] = {}
+        self.version = 0
+        self.dirty = False
+        data = read_json_lenient(self.path) or {}
+        if isinstance(data, dict):
+            self.version = int((data.get("dataVersion") or {}).get("counter", 0) or 0)
+            for key, queues in (data.get("offsetTable") or {}).items():
+                if not isinstance(queues, dict) or "@" not in key:
+                    continue
+                try:
+                    self.table[key] = {int(q): int(o) for q, o in queues.items()}
+                except (TypeError, ValueError):
+                    log.warning("%s: ignoring bad entry %s", self.path, key)
+
+    @staticmethod
+    def key(topic: str, group: str) -> str:
+        return f"{topic}@{group}"
+
+    def get(self, topic: str, group: str, queue_id: int) -> int | None:
+        return self.table.get(self.key(topic, group), {}).get(queue_id)
+
+    def commit(self, topic: str, group: str, queue_id: int, offset: int) -> None:
+        queues = self.table.setdefault(self.key(topic, group), {})
+        if queues.get(queue_id) != offset:
+            queues[queue_id] = offset
+            self.dirty = True
+
+    def snapshot(self) -> dict[str, Any] | None:
+        """The file's content if something changed since the last snapshot, else None."""
+        if not self.dirty:
+            return None
+        self.dirty = False
+        self.version += 1
+        return {"offsetTable": {k: {str(q): o for q, o in sorted(v.items())} for k, v in sorted(self.table.items())},
+                "dataVersion": {"counter": self.version, "stateVersion": 0, "timestamp": int(time.time() * 1000)}}
+
+    def write(self, snapshot: dict[str, Any]) -> None:
+        write_json_atomic(self.path, snapshot)

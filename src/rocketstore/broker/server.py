@@ -1,0 +1,150 @@
+"""Run the broker: open the store, serve gRPC (plaintext or TLS), stop cleanly on SIGTERM/SIGINT.
+
+Shutdown order: stop accepting RPCs (in-flight ones get a short grace), stop the
+broker's services and write its state files, then close the store, which
+flushes and removes the ``abort`` file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+
+from ..config import StoreConfig
+from ..errors import CliError
+from ..store import MessageStore
+from .broker import Broker
+from .config import BrokerConfig
+from .proto import svc_grpc
+from .service import MessagingService
+from .topics import GroupConfig, TopicConfig
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.so_reuseport", 0),
+]
+
+
+@dataclass
+class ServeOptions:
+    store: str
+    host: str = "127.0.0.1"
+    port: int = 8081
+    store_config: StoreConfig | None = None
+    broker_config: BrokerConfig | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    topics: tuple[TopicConfig, ...] = ()
+    groups: tuple[GroupConfig, ...] = ()
+    grace: float = 3.0
+
+
+def bind_address(host: str, port: int) -> str:
+    try:
+        if ipaddress.ip_address(host.strip("[]")).version == 6:
+            return f"[{host.strip('[]')}]:{port}"
+    except ValueError:
+        pass
+    return f"{host}:{port}"
+
+
+def store_host_of(host: str, port: int) -> tuple[bytes, int]:
+    """The STOREHOST written into records: the bind address when it is an IP, else 127.0.0.1."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+        if not ip.is_unspecified:
+            return ip.packed, port
+    except ValueError:
+        pass
+    return b"\x7f\x00\x00\x01", port
+
+
+async def serve_async(opts: ServeOptions, *, ready: Callable[[str, int], None] | None = None,
+                      stop_event: asyncio.Event | None = None) -> None:
+    bcfg = opts.broker_config or BrokerConfig()
+    store = MessageStore.open(opts.store, opts.store_config)
+    try:
+        await _serve_store(store, bcfg, opts, ready, stop_event)
+    finally:
+        store.close()
+        log.info("store %s closed", opts.store)
+
+
+async def _serve_store(store: MessageStore, bcfg: BrokerConfig, opts: ServeOptions,
+                       ready: Callable[[str, int], None] | None, stop_event: asyncio.Event | None) -> None:
+    limit = max(store.config.maxMessageSize * 2 + 1024 * 1024, 8 * 1024 * 1024)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
+                                      ("grpc.max_send_message_length", -1), *KEEPALIVE_OPTIONS])
+    address = bind_address(opts.host, opts.port)
+    try:
+        if opts.tls_cert or opts.tls_key:
+            if not (opts.tls_cert and opts.tls_key):
+                raise CliError("TLS needs both --tls-cert and --tls-key")
+            try:
+                with open(opts.tls_key, "rb") as fh:
+                    key = fh.read()
+                with open(opts.tls_cert, "rb") as fh:
+                    cert = fh.read()
+            except OSError as e:
+                raise CliError(f"{e.filename}: {e.strerror}") from None
+            port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise CliError(f"cannot listen on {address}: {e}") from None
+    if not port:
+        raise CliError(f"cannot listen on {address}")
+    broker = Broker(store, bcfg, store_host_of(opts.host, port))
+    for t in opts.topics:
+        broker.topics.put_topic(t)
+    for g in opts.groups:
+        broker.topics.put_group(g)
+    await broker.start()
+    service = MessagingService(broker, opts.host, port)
+    svc_grpc.add_MessagingServiceServicer_to_server(service, server)
+    stop = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    installed = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass  # not the main thread
+    try:
+        await server.start()
+        log.info("serving apache.rocketmq.v2.MessagingService on %s (%s) for store %s",
+                 bind_address(opts.host, port), "TLS" if opts.tls_cert else "plaintext", opts.store)
+        if ready:
+            ready(opts.host, port)
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        await server.stop(opts.grace)
+        await broker.stop()
+
+
+def serve(opts: ServeOptions, *, announce: bool = True) -> int:
+    """Serve until SIGTERM/SIGINT.  With ``announce``, print one JSON line when listening."""
+    def ready(host: str, port: int) -> None:
+        if announce:
+            sys.stdout.write(json.dumps({"listening": bind_address(host, port), "host": host, "port": port,
+                                         "store": opts.store}) + "\n")
+            sys.stdout.flush()
+
+    asyncio.run(serve_async(opts, ready=ready))
+    return 0

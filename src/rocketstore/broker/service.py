@@ -1,0 +1,607 @@
+"""The gRPC service ``apache.rocketmq.v2.MessagingService`` over a :class:`~rocketstore.broker.broker.Broker`.
+
+Every reply carries its outcome as a body ``Status`` (gRPC status OK), as
+RocketMQ's proxy does; the clients map the codes to exceptions.  The contract
+each RPC follows is described in ``grpc-broker.md`` (QueryRoute, Telemetry,
+Heartbeat, SendMessage, ReceiveMessage, AckMessage, ChangeInvisibleDuration,
+ForwardMessageToDeadLetterQueue, EndTransaction, QueryAssignment,
+NotifyClientTermination).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import ipaddress
+import itertools
+import logging
+import time
+import zlib
+from collections import OrderedDict
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+
+from ..message import Message, PutMessageStatus
+from .broker import Broker
+from .convert import (P_DLQ_MSG_ID, P_DLQ_TOPIC, P_ORIGIN_MSG_ID, P_RECONSUME, P_RETRY_TOPIC, TYPE_NAMES, BadMessage,
+                      Code, host_from, peer_host, set_ts, store_properties, to_pb, ts_ms, validate)
+from .pop import DeadLetter, Delivery, TagFilter, now_ms
+from .proto import pb, svc, svc_grpc
+from .topics import (MAX_GROUP_LEN, MAX_TOPIC_LEN, TopicConfig, illegal_name,
+                     is_system_topic)
+
+log = logging.getLogger(__name__)
+
+DEDUP_CAPACITY = 100_000
+
+_PUT_CODES = {
+    PutMessageStatus.PUT_OK: Code.OK,
+    PutMessageStatus.FLUSH_DISK_TIMEOUT: Code.MASTER_PERSISTENCE_TIMEOUT,
+    PutMessageStatus.FLUSH_SLAVE_TIMEOUT: Code.SLAVE_PERSISTENCE_TIMEOUT,
+    PutMessageStatus.SLAVE_NOT_AVAILABLE: Code.HA_NOT_AVAILABLE,
+    PutMessageStatus.SERVICE_NOT_AVAILABLE: Code.INTERNAL_SERVER_ERROR,
+    PutMessageStatus.CREATE_MAPPED_FILE_FAILED: Code.INTERNAL_SERVER_ERROR,
+    PutMessageStatus.MESSAGE_ILLEGAL: Code.BAD_REQUEST,
+    PutMessageStatus.PROPERTIES_SIZE_EXCEEDED: Code.MESSAGE_PROPERTIES_TOO_LARGE,
+    PutMessageStatus.OS_PAGE_CACHE_BUSY: Code.TOO_MANY_REQUESTS,
+    PutMessageStatus.UNKNOWN_ERROR: Code.INTERNAL_SERVER_ERROR,
+}
+
+
+def _metadata(context: Any) -> dict[str, str]:
+    out = {}
+    for item in context.invocation_metadata() or ():
+        k, v = item[0], item[1]
+        out[k.lower()] = v if isinstance(v, str) else v.decode("latin-1")
+    return out
+
+
+def _set(status: Any, code: int, text: str = "") -> None:
+    status.code = code
+    status.message = text or pb.Code.Name(code)
+
+
+def guarded(response_type: Callable[[], Any]) -> Callable:
+    """Turn an unexpected exception of a unary handler into INTERNAL_SERVER_ERROR in the body."""
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        async def inner(self: "MessagingService", request: Any, context: Any) -> Any:
+            try:
+                return await fn(self, request, context)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.exception("%s failed", fn.__name__)
+                resp = response_type()
+                _set(resp.status, Code.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}"[:500])
+                return resp
+        return inner
+    return wrap
+
+
+def make_endpoints(out: Any, host: str, port: int) -> None:
+    try:
+        ip = ipaddress.ip_address(host)
+        out.scheme = pb.AddressScheme.IPv4 if ip.version == 4 else pb.AddressScheme.IPv6
+    except ValueError:
+        out.scheme = pb.AddressScheme.DOMAIN_NAME
+    a = out.addresses.add()
+    a.host, a.port = host, port
+
+
+class MessagingService(svc_grpc.MessagingServiceServicer):
+    def __init__(self, broker: Broker, host: str, port: int) -> None:
+        self.broker = broker
+        self.cfg = broker.cfg
+        self.topics = broker.topics
+        adv = host
+        if host in ("0.0.0.0", "", "::", "[::]"):
+            adv = "127.0.0.1"
+        self.advertised = (adv.strip("[]"), port)
+        self._rr: dict[str, itertools.count] = {}
+        self._recent: OrderedDict[tuple[str, str], tuple[int, str]] = OrderedDict()
+
+    # ------------------------------------------------------------ helpers
+    def _endpoints_for(self, requested: Any, out: Any) -> None:
+        if requested is not None and requested.addresses and requested.scheme:
+            out.CopyFrom(requested)
+        else:
+            make_endpoints(out, *self.advertised)
+
+    def _client_id(self, context: Any) -> str:
+        return _metadata(context).get("x-mq-client-id", "").strip()
+
+    def _topic_for(self, name: str, *, create: bool, status: Any) -> TopicConfig | None:
+        why = illegal_name(name, "topic", MAX_TOPIC_LEN)
+        if why:
+            _set(status, Code.ILLEGAL_TOPIC, why)
+            return None
+        if is_system_topic(name):
+            _set(status, Code.ILLEGAL_TOPIC, f"{name} is a system topic")
+            return None
+        t = self.topics.get_topic(name, create=create)
+        if t is None:
+            _set(status, Code.TOPIC_NOT_FOUND, f"topic {name} does not exist")
+        return t
+
+    def _group_for(self, name: str, status: Any, orderly_hint: bool = False):
+        why = illegal_name(name, "group", MAX_GROUP_LEN)
+        if why:
+            _set(status, Code.ILLEGAL_CONSUMER_GROUP, why)
+            return None
+        g = self.topics.get_group(name, create=True, orderly_hint=orderly_hint)
+        if g is None:
+            _set(status, Code.CONSUMER_GROUP_NOT_FOUND, f"consumer group {name} does not exist")
+        elif not g.consume_enable:
+            _set(status, Code.FORBIDDEN, f"consumer group {name} may not consume")
+            return None
+        return g
+
+    def _fill_queue(self, mq: Any, t: TopicConfig, qid: int, namespace: str, endpoints: Any) -> None:
+        mq.topic.name = t.name
+        mq.topic.resource_namespace = namespace
+        mq.id = qid
+        r = t.readable and (qid < 0 or qid < t.read_queue_nums)
+        w = t.writable and (qid < 0 or qid < t.write_queue_nums)
+        mq.permission = (pb.Permission.READ_WRITE if r and w else pb.Permission.READ if r
+                         else pb.Permission.WRITE if w else pb.Permission.NONE)
+        mq.broker.name = self.cfg.brokerName
+        mq.broker.id = 0
+        self._endpoints_for(endpoints, mq.broker.endpoints)
+
+    # ------------------------------------------------------------ route, liveness, settings
+    @guarded(svc.QueryRouteResponse)
+    async def QueryRoute(self, request: Any, context: Any) -> Any:
+        resp = svc.QueryRouteResponse()
+        t = self._topic_for(request.topic.name, create=True, status=resp.status)
+        if t is None:
+            return resp
+        for qid in range(t.queue_count):
+            mq = resp.message_queues.add()
+            self._fill_queue(mq, t, qid, request.topic.resource_namespace, request.endpoints)
+            mq.accept_message_types.extend(getattr(pb.MessageType, n) for n in t.accepts())
+        _set(resp.status, Code.OK)
+        return resp
+
+    @guarded(svc.HeartbeatResponse)
+    async def Heartbeat(self, request: Any, context: Any) -> Any:
+        resp = svc.HeartbeatResponse()
+        cid = self._client_id(context)
+        if not cid:
+            _set(resp.status, Code.CLIENT_ID_REQUIRED, "x-mq-client-id is missing")
+            return resp
+        c = self.broker.clients.touch(cid)
+        if request.client_type:
+            c.client_type = request.client_type
+        if request.HasField("group") and request.group.name:
+            if self._group_for(request.group.name, resp.status) is None:
+                return resp
+            c.group = request.group.name
+        _set(resp.status, Code.OK)
+        return resp
+
+    def _settings_reply(self, cid: str, cmd: Any) -> Any:
+        s = cmd.settings
+        reply = svc.TelemetryCommand()
+        c = self.broker.clients.touch(cid)
+        if s.HasField("client_type"):
+            c.client_type = s.client_type
+        c.language = pb.Language.Name(s.user_agent.language) if s.user_agent.language in pb.Language.values() else ""
+        c.version = s.user_agent.version
+        out = reply.settings
+        out.CopyFrom(s)
+        if s.HasField("publishing"):
+            c.publishing = {r.name for r in s.publishing.topics}
+            out.publishing.max_body_size = self.broker.store.config.maxMessageSize
+            out.publishing.validate_message_type = True
+            bp = out.backoff_policy
+            bp.max_attempts = 3
+            bp.exponential_backoff.initial.nanos = 10_000_000
+            bp.exponential_backoff.max.seconds = 1
+            bp.exponential_backoff.multiplier = 2
+        elif s.HasField("subscription"):
+            sub = s.subscription
+            group = sub.group.name
+            c.subscriptions = {e.topic.name: (e.expression.type, e.expression.expression) for e in sub.subscriptions}
+            fifo_topics = any((t := self.topics.topics.get(name)) is not None and t.message_type == "FIFO"
+                              for name in c.subscriptions)
+            g = self._group_for(group, reply.status, fifo_topics)
+            if g is None:
+                return reply
+            c.group = group
+            out.subscription.fifo = g.orderly
+            out.subscription.receive_batch_size = self.cfg.maxReceiveBatchSize
+            if s.client_type == pb.ClientType.PUSH_CONSUMER or not sub.HasField("long_polling_timeout") \
+                    or sub.long_polling_timeout.seconds <= 0:
+                out.subscription.long_polling_timeout.seconds = max(1, self.cfg.longPollingTimeout // 1000)
+            bp = out.backoff_policy
+            bp.max_attempts = g.max_attempts
+            for sec in self.cfg.delay_levels_seconds():
+                bp.customized_backoff.next.add().seconds = sec
+        else:
+            _set(reply.status, Code.BAD_REQUEST, "settings carry neither publishing nor subscription")
+            return reply
+        out.metric.on = False
+        _set(reply.status, Code.OK)
+        return reply
+
+    async def Telemetry(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
+        from .clients import TelemetryStream
+        cid = self._client_id(context)
+        if not cid:
+            reply = svc.TelemetryCommand()
+            _set(reply.status, Code.CLIENT_ID_REQUIRED, "x-mq-client-id is missing")
+            yield reply
+            return
+        stream = TelemetryStream(cid)
+        clients = self.broker.clients
+        clients.add_stream(cid, stream)
+
+        async def read() -> None:
+            try:
+                async for cmd in request_iterator:
+                    clients.touch(cid)
+                    if cmd.HasField("settings"):
+                        stream.send(self._settings_reply(cid, cmd))
+                    # thread_stack_trace / verify_message_result replies need no answer
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the client went away, or sent garbage
+                log.debug("telemetry stream of %s ended: %s", cid, e)
+            finally:
+                stream.close()
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while True:
+                item = await stream.queue.get()
+                if item is None:
+                    break
+                yield item
+        finally:
+            reader.cancel()
+            clients.remove_stream(cid, stream)
+
+    @guarded(svc.NotifyClientTerminationResponse)
+    async def NotifyClientTermination(self, request: Any, context: Any) -> Any:
+        resp = svc.NotifyClientTerminationResponse()
+        cid = self._client_id(context)
+        if cid:
+            n = self.broker.pop.release_client(cid)
+            self.broker.clients.remove(cid)
+            log.debug("client %s terminated; %d messages released", cid, n)
+        _set(resp.status, Code.OK)
+        return resp
+
+    # ------------------------------------------------------------ producing
+    @guarded(svc.SendMessageResponse)
+    async def SendMessage(self, request: Any, context: Any) -> Any:
+        resp = svc.SendMessageResponse()
+        if not self._client_id(context):
+            _set(resp.status, Code.CLIENT_ID_REQUIRED, "x-mq-client-id is missing")
+            return resp
+        if not request.messages:
+            _set(resp.status, Code.BAD_REQUEST, "no message to send")
+            return resp
+        if len(request.messages) > 1024:
+            _set(resp.status, Code.BAD_REQUEST, "more than 1024 messages in one request")
+            return resp
+        peer = peer_host(context.peer() or "")
+        for m in request.messages:
+            entry = resp.entries.add()
+            await self._send_one(m, entry, peer)
+        codes = {e.status.code for e in resp.entries}
+        if len(codes) == 1:
+            resp.status.CopyFrom(resp.entries[0].status)
+        else:
+            _set(resp.status, Code.MULTIPLE_RESULTS, "entries have different results")
+        return resp
+
+    async def _send_one(self, m: Any, entry: Any, peer: tuple[bytes, int]) -> None:
+        sp = m.system_properties
+        entry.message_id = sp.message_id
+        t = self._topic_for(m.topic.name, create=True, status=entry.status)
+        if t is None:
+            return
+        if not t.writable or t.write_queue_nums <= 0:
+            _set(entry.status, Code.FORBIDDEN, f"topic {t.name} is not writable")
+            return
+        try:
+            mtype, body = validate(m, self.broker.store.config.maxMessageSize)
+        except BadMessage as e:
+            _set(entry.status, e.code, str(e))
+            return
+        tname = TYPE_NAMES[mtype]
+        if tname not in t.accepts():
+            _set(entry.status, Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE,
+                 f"topic {t.name} accepts {'/'.join(t.accepts())} messages, not {tname}")
+            return
+        now = now_ms()
+        deliver_at = ts_ms(sp.delivery_timestamp) if mtype == pb.MessageType.DELAY else 0
+        if deliver_at and deliver_at > now + self.cfg.maxDelayTime:
+            _set(entry.status, Code.ILLEGAL_DELIVERY_TIME,
+                 f"delivery time is more than {self.cfg.maxDelayTime} ms ahead")
+            return
+        key = (t.name, sp.message_id)
+        seen = self._recent.get(key)
+        if seen is not None:  # a client resend of a message already stored
+            entry.offset, entry.transaction_id = seen
+            _set(entry.status, Code.OK)
+            return
+        if mtype == pb.MessageType.FIFO:
+            qid = zlib.crc32(sp.message_group.encode("utf-8")) % t.write_queue_nums
+        else:
+            rr = self._rr.get(t.name)
+            if rr is None:
+                rr = self._rr[t.name] = itertools.count()
+            qid = next(rr) % t.write_queue_nums
+        born = ts_ms(sp.born_timestamp) if sp.HasField("born_timestamp") and sp.born_timestamp.seconds else now
+        msg = Message(topic=t.name, body=body, queue_id=qid, properties=store_properties(m, mtype),
+                      born_timestamp=born, born_host=host_from(sp.born_host, peer),
+                      store_host=self.broker.store_host)
+        txid = ""
+        if mtype == pb.MessageType.TRANSACTION:
+            res, txid = await self.broker.transactions.submit(msg)
+        elif deliver_at > now:
+            res = await self.broker.timer.submit(msg, deliver_at)
+        else:
+            res = await self.broker.put(msg)
+            if res.ok:
+                self.broker.notify(t.name)
+        code = _PUT_CODES.get(res.status, Code.INTERNAL_SERVER_ERROR)
+        if res.status is PutMessageStatus.MESSAGE_ILLEGAL and res.error and "maxMessageSize" in res.error:
+            code = Code.MESSAGE_BODY_TOO_LARGE
+        if code != Code.OK:
+            _set(entry.status, code, f"{res.status.value}: {res.error or ''}".strip(": "))
+            log.warning("send to %s failed: %s %s", t.name, res.status.value, res.error or "")
+            return
+        entry.offset = res.queue_offset if res.queue_offset >= 0 else 0
+        entry.transaction_id = txid
+        self._recent[key] = (entry.offset, txid)
+        if len(self._recent) > DEDUP_CAPACITY:
+            self._recent.popitem(last=False)
+        _set(entry.status, Code.OK)
+
+    @guarded(svc.EndTransactionResponse)
+    async def EndTransaction(self, request: Any, context: Any) -> Any:
+        resp = svc.EndTransactionResponse()
+        code, text = await self.broker.transactions.end(request.topic.name, request.message_id,
+                                                        request.transaction_id, request.resolution, request.source)
+        _set(resp.status, code, text)
+        return resp
+
+    @guarded(svc.RecallMessageResponse)
+    async def RecallMessage(self, request: Any, context: Any) -> Any:
+        resp = svc.RecallMessageResponse()
+        _set(resp.status, Code.UNSUPPORTED, "recalling delay messages is not supported")
+        return resp
+
+    # ------------------------------------------------------------ consuming
+    @guarded(svc.QueryAssignmentResponse)
+    async def QueryAssignment(self, request: Any, context: Any) -> Any:
+        resp = svc.QueryAssignmentResponse()
+        t = self._topic_for(request.topic.name, create=False, status=resp.status)
+        if t is None:
+            return resp
+        g = self._group_for(request.group.name, resp.status, t.message_type == "FIFO")
+        if g is None:
+            return resp
+        if not t.readable or t.read_queue_nums <= 0:
+            _set(resp.status, Code.FORBIDDEN, f"topic {t.name} is not readable")
+            return resp
+        ns = request.topic.resource_namespace
+        for qid in (range(t.read_queue_nums) if g.orderly else (-1,)):
+            a = resp.assignments.add()
+            self._fill_queue(a.message_queue, t, qid, ns, request.endpoints)
+        _set(resp.status, Code.OK)
+        return resp
+
+    async def ReceiveMessage(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        started = time.monotonic()
+        first = svc.ReceiveMessageResponse()
+        try:
+            plan = self._receive_plan(request, context, first.status)
+        except Exception as e:
+            log.exception("ReceiveMessage failed")
+            plan = None
+            _set(first.status, Code.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}"[:500])
+        if plan is None:
+            yield first
+            return
+        deliveries: list[Delivery] = []
+        group, t, qids, batch, inv, flt, fifo, attempts, cid, auto_renew, poll = plan
+        pop = self.broker.pop
+        deadline = started + poll
+        sent = False
+        try:
+            while True:
+                deliveries, dead = pop.receive(group, t.name, qids, batch, inv, flt, fifo=fifo,
+                                               max_attempts=attempts, client=cid, auto_renew=auto_renew)
+                for d in dead:
+                    asyncio.get_running_loop().create_task(self._dead_letter(d))
+                if deliveries:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                await self.broker.wait_for_messages(t.name, min(left, 0.1))
+            ns = request.group.resource_namespace
+            if deliveries:
+                _set(first.status, Code.OK)
+                yield first
+                for d in deliveries:
+                    r = svc.ReceiveMessageResponse()
+                    to_pb(d.message, r.message, namespace=ns, receipt_handle=d.handle,
+                          delivery_attempt=max(1, d.entry.attempts), invisible_ms=inv)
+                    yield r
+            else:
+                _set(first.status, Code.MESSAGE_NOT_FOUND, "no new message")
+                yield first
+            sent = True
+            r = svc.ReceiveMessageResponse()
+            set_ts(r.delivery_timestamp, now_ms())
+            yield r
+        finally:
+            if deliveries and not sent:
+                # The client is gone before it got them: make them visible again right away.
+                pop.release(deliveries, group, t.name)
+
+    def _receive_plan(self, request: Any, context: Any, status: Any) -> tuple | None:
+        cid = self._client_id(context)
+        if not cid:
+            _set(status, Code.CLIENT_ID_REQUIRED, "x-mq-client-id is missing")
+            return None
+        t = self._topic_for(request.message_queue.topic.name, create=False, status=status)
+        if t is None:
+            return None
+        g = self._group_for(request.group.name, status, t.message_type == "FIFO")
+        if g is None:
+            return None
+        if not t.readable or t.read_queue_nums <= 0:
+            _set(status, Code.FORBIDDEN, f"topic {t.name} is not readable")
+            return None
+        fe = request.filter_expression
+        if fe.type == pb.FilterType.SQL:
+            _set(status, Code.ILLEGAL_FILTER_EXPRESSION, "SQL92 filters are not supported; use a TAG expression")
+            return None
+        flt = TagFilter(fe.expression)
+        if request.batch_size <= 0:
+            _set(status, Code.BAD_REQUEST, "batch_size must be positive")
+            return None
+        batch = min(request.batch_size, self.cfg.maxReceiveBatchSize)
+        auto_renew = bool(request.auto_renew)
+        if request.HasField("invisible_duration"):
+            d = request.invisible_duration
+            inv = d.seconds * 1000 + d.nanos // 1_000_000
+            if not self.cfg.minInvisibleTime <= inv <= self.cfg.maxInvisibleTime:
+                _set(status, Code.ILLEGAL_INVISIBLE_TIME,
+                     f"invisible duration must be within [{self.cfg.minInvisibleTime}, "
+                     f"{self.cfg.maxInvisibleTime}] ms")
+                return None
+        else:
+            inv = self.cfg.popAutoRenewInvisibleTime
+        if request.HasField("long_polling_timeout"):
+            d = request.long_polling_timeout
+            poll = (d.seconds * 1000 + d.nanos // 1_000_000) / 1000
+        else:
+            poll = self.cfg.longPollingTimeout / 1000
+        poll = max(0.0, min(poll, self.cfg.maxLongPollingTimeout / 1000))
+        remaining = context.time_remaining()
+        if remaining is not None:
+            poll = max(0.0, min(poll, remaining - 0.5))
+        qid = request.message_queue.id
+        if auto_renew and g.orderly and 0 <= qid < t.read_queue_nums:
+            qids = [qid]  # a FIFO push consumer's own queue assignment
+        else:
+            qids = list(range(t.read_queue_nums))
+        return (g.name, t, qids, batch, inv, flt, g.orderly, g.max_attempts, cid, auto_renew, poll)
+
+    async def _dead_letter(self, d: DeadLetter) -> bool:
+        pop = self.broker.pop
+        try:
+            m = self.broker.store.look(d.entry.phy)
+        except Exception as e:
+            log.error("message at %d for %s unreadable (%s); dropped instead of dead-lettered", d.entry.phy,
+                      d.group, e)
+            pop.finish_dlq(d, True)
+            return True
+        dlq = self.topics.dlq_topic(d.group)
+        props = dict(m.properties)
+        uniq = props.get("UNIQ_KEY") or m.msg_id
+        props.setdefault(P_DLQ_TOPIC, d.topic)
+        props.setdefault(P_DLQ_MSG_ID, uniq)
+        props.setdefault(P_ORIGIN_MSG_ID, uniq)
+        props[P_RETRY_TOPIC] = d.topic
+        props[P_RECONSUME] = str(d.entry.attempts)
+        msg = Message(topic=dlq.name, body=m.body or b"", queue_id=0, properties=props, flag=m.flag,
+                      sys_flag=m.sys_flag & ~0xC, born_timestamp=m.born_timestamp,
+                      born_host=(m.born_addr, m.born_port), store_host=self.broker.store_host,
+                      reconsume_times=d.entry.attempts)
+        res = await self.broker.put(msg)
+        pop.finish_dlq(d, res.ok)
+        if res.ok:
+            log.info("message %s of %s moved to %s after %d deliveries", uniq, d.topic, dlq.name, d.entry.attempts)
+            self.broker.notify(dlq.name)
+        else:
+            log.error("moving message %s to %s failed: %s", uniq, dlq.name, res.status.value)
+        return res.ok
+
+    def _ack_target(self, request: Any, status: Any) -> tuple[str, str] | None:
+        why = illegal_name(request.group.name, "group", MAX_GROUP_LEN)
+        if why:
+            _set(status, Code.ILLEGAL_CONSUMER_GROUP, why)
+            return None
+        why = illegal_name(request.topic.name, "topic", MAX_TOPIC_LEN)
+        if why:
+            _set(status, Code.ILLEGAL_TOPIC, why)
+            return None
+        return request.group.name, request.topic.name
+
+    @guarded(svc.AckMessageResponse)
+    async def AckMessage(self, request: Any, context: Any) -> Any:
+        resp = svc.AckMessageResponse()
+        target = self._ack_target(request, resp.status)
+        if target is None:
+            return resp
+        if not request.entries:
+            _set(resp.status, Code.BAD_REQUEST, "no entry to ack")
+            return resp
+        group, topic = target
+        for e in request.entries:
+            r = resp.entries.add()
+            r.message_id, r.receipt_handle = e.message_id, e.receipt_handle
+            if self.broker.pop.ack(group, topic, e.receipt_handle):
+                _set(r.status, Code.OK)
+            else:
+                _set(r.status, Code.INVALID_RECEIPT_HANDLE, "receipt handle is unknown, expired or superseded")
+        codes = {r.status.code for r in resp.entries}
+        if len(codes) == 1:
+            resp.status.CopyFrom(resp.entries[0].status)
+        else:
+            _set(resp.status, Code.MULTIPLE_RESULTS, "entries have different results")
+        return resp
+
+    @guarded(svc.ChangeInvisibleDurationResponse)
+    async def ChangeInvisibleDuration(self, request: Any, context: Any) -> Any:
+        resp = svc.ChangeInvisibleDurationResponse()
+        resp.receipt_handle = request.receipt_handle  # the client keeps whatever we answer
+        target = self._ack_target(request, resp.status)
+        if target is None:
+            return resp
+        d = request.invisible_duration
+        inv = d.seconds * 1000 + d.nanos // 1_000_000
+        if not 0 <= inv <= self.cfg.maxInvisibleTime:
+            _set(resp.status, Code.ILLEGAL_INVISIBLE_TIME,
+                 f"invisible duration must be within [0, {self.cfg.maxInvisibleTime}] ms")
+            return resp
+        handle = self.broker.pop.change_invisible(*target, request.receipt_handle, inv,
+                                                  bool(request.HasField("suspend") and request.suspend))
+        if handle is None:
+            _set(resp.status, Code.INVALID_RECEIPT_HANDLE, "receipt handle is unknown, expired or superseded")
+            return resp
+        resp.receipt_handle = handle
+        _set(resp.status, Code.OK)
+        return resp
+
+    @guarded(svc.ForwardMessageToDeadLetterQueueResponse)
+    async def ForwardMessageToDeadLetterQueue(self, request: Any, context: Any) -> Any:
+        resp = svc.ForwardMessageToDeadLetterQueueResponse()
+        target = self._ack_target(request, resp.status)
+        if target is None:
+            return resp
+        d = self.broker.pop.take_for_dlq(*target, request.receipt_handle)
+        if d is None:
+            _set(resp.status, Code.INVALID_RECEIPT_HANDLE, "receipt handle is unknown, expired or superseded")
+            return resp
+        if await self._dead_letter(d):
+            _set(resp.status, Code.OK)
+        else:
+            _set(resp.status, Code.INTERNAL_SERVER_ERROR, "could not write to the dead letter queue")
+        return resp
+
+    # ------------------------------------------------------------ not offered
+    async def _unsupported(self, request: Any, context: Any) -> Any:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not supported by rocketstore")
+
+    PullMessage = UpdateOffset = GetOffset = QueryOffset = SyncLiteSubscription = _unsupported
