@@ -80,7 +80,7 @@ def test_smoke_writes_reports(smoke_run):
                "floor.append.1024", "floor.read.1024", "floor.fdatasync", "crc32.recovery",
                "sqlite.txn.normal", "sqlite.txn.off", "sqlite.txn.full", "sqlite.batch32.off",
                "sqlite.consume32", "sqlite.lookup"):
-        assert ms[id]["status"] == "ok", ms.get(id)
+        assert ms[id]["status"] == "ok", (id, ms[id]["note"])
     for peer in ("persist-queue", "diskcache", "litequeue", "redis"):
         assert f"{peer}.put" in ms and f"{peer}.consume" in ms
     # Every ratio shown refers to a measurement of the same run.
@@ -130,7 +130,8 @@ def test_profile_summary_of_collapsed_stacks():
     text = profiling.summarize_raw(raw)
     assert "samples: 40" in text
     assert " 75.0%  encode (rocketstore/codec.py:5)" in text
-    assert "100.0%  put (rocketstore/store.py:10)" in text
+    assert " 75.0%  encode (rocketstore/codec.py)" in text
+    assert "100.0%  put (rocketstore/store.py)" in text
     assert profiling.summarize_raw("") == "no samples\n"
 
 

@@ -1,0 +1,175 @@
+"""rocketstore's own workloads: put (single, batched, threads, sync), consume, lookup."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from contextlib import contextmanager
+from typing import Iterator
+
+from rocketstore.config import StoreConfig
+from rocketstore.message import Message
+from rocketstore.store import MessageStore
+
+from .floors import make_body
+from .harness import Measurement, Results, rate_measurement, timed, timed_threads
+
+TOPIC = "BenchTopic"
+BATCH = 32
+
+
+def key_of(i: int) -> str:
+    return f"order-{i:09d}"
+
+
+@contextmanager
+def fresh_store(workdir: str, name: str, **cfg) -> Iterator[MessageStore]:
+    path = os.path.join(workdir, name)
+    shutil.rmtree(path, ignore_errors=True)
+    store = MessageStore.open(path, StoreConfig(**cfg))
+    try:
+        yield store
+    finally:
+        store.close()
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _check(r) -> int:
+    if not r.ok:
+        raise RuntimeError(f"put failed: {r.status.value} {r.error or ''}")
+    return r.msg_num
+
+
+def put(res: Results, workdir: str, *, body_size: int, threads: int, flush: str, seconds: float,
+        batch: int = 1) -> Measurement:
+    """Single puts (batch=1) or put_batch of ``batch`` messages from ``threads`` producer threads."""
+    body = make_body(body_size)
+    kind = "put" if batch == 1 else f"batch{batch}"
+    fl = "sync" if flush == "SYNC_FLUSH" else "async"
+    id = f"rs.{kind}.{fl}.t{threads}.{body_size}"
+    label = (f"put, {fl} flush, {threads} thread{'s' if threads > 1 else ''}, {body_size} B" if batch == 1 else
+             f"put_batch({batch}), {fl} flush, {threads} thread{'s' if threads > 1 else ''}, {body_size} B")
+    with fresh_store(workdir, id, flushDiskType=flush) as store:
+        def make_step(i: int):
+            if batch == 1:
+                msg = Message(TOPIC, body, queue_id=i)
+                chunk = 200 if flush == "ASYNC_FLUSH" else 5
+
+                def step() -> int:
+                    p = store.put
+                    for _ in range(chunk):
+                        r = p(msg)
+                    _check(r)
+                    return chunk
+            else:
+                msgs = [Message(TOPIC, body, queue_id=i) for _ in range(batch)]
+                chunk = 10 if flush == "ASYNC_FLUSH" else 1
+
+                def step() -> int:
+                    for _ in range(chunk):
+                        r = store.put_batch(msgs)
+                    return _check(r) * chunk
+            return step
+
+        if threads == 1:
+            n, elapsed = timed(make_step(0), seconds)
+        else:
+            n, elapsed = timed_threads(make_step, threads, seconds)
+    if flush == "SYNC_FLUSH":
+        ref = "floor.fdatasync" if threads == 1 else f"rs.{kind}.sync.t1.{body_size}"
+    else:
+        ref = f"floor.append.{body_size}" if threads == 1 else f"rs.{kind}.async.t1.{body_size}"
+    return res.add(rate_measurement(id, "rocketstore", label, n, elapsed, ref=ref,
+                                    bytes_per_msg=body_size, body_size=body_size, threads=threads,
+                                    flush=flush, batch=batch))
+
+
+class Dataset:
+    """The same ``n`` messages (1 KiB bodies, unique keys) in a rocketstore store and in a SQLite table."""
+
+    def __init__(self, workdir: str, n: int, body_size: int = 1024) -> None:
+        self.n = n
+        self.body_size = body_size
+        self.store_path = os.path.join(workdir, "dataset-store")
+        self.sqlite_path = os.path.join(workdir, "dataset.sqlite")
+        self.store: MessageStore | None = None
+        self.build_seconds: dict[str, float] = {}
+
+    def build(self) -> None:
+        import time
+        from . import peers
+        body = make_body(self.body_size)
+        shutil.rmtree(self.store_path, ignore_errors=True)
+        t0 = time.perf_counter()
+        self.store = MessageStore.open(self.store_path, StoreConfig())
+        for start in range(0, self.n, BATCH):
+            msgs = [Message(TOPIC, body, keys=key_of(i)) for i in range(start, min(self.n, start + BATCH))]
+            _check(self.store.put_batch(msgs))
+        if not self.store.wait_dispatched(timeout=300):
+            raise RuntimeError("dispatch did not catch up within 300 s")
+        self.build_seconds["rocketstore"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        peers.sqlite_build_dataset(self.sqlite_path, self.n, body, key_of)
+        self.build_seconds["sqlite"] = time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+
+def consume(res: Results, ds: Dataset, seconds: float, per_call: int = 32) -> Measurement:
+    store = ds.store
+    assert store is not None
+    n_total = ds.n
+    state = [0]
+
+    def step() -> int:
+        off = state[0]
+        got = 0
+        for _ in range(20):
+            if off >= n_total:
+                off = 0
+            r = store.get(TOPIC, 0, off, per_call)
+            k = len(r.messages)
+            if not k:
+                raise RuntimeError(f"get at {off} returned {r.status.value}")
+            got += k
+            off = r.next_begin_offset
+        state[0] = off
+        return got
+
+    n, elapsed = timed(step, seconds)
+    return res.add(rate_measurement("rs.consume32", "rocketstore",
+                                    f"consume through consume queue, {per_call} per call",
+                                    n, elapsed, ref=f"floor.read.{ds.body_size}",
+                                    bytes_per_msg=ds.body_size,
+                                    messages=ds.n, per_call=per_call))
+
+
+def lookup_keys(ds: Dataset, count: int) -> list[str]:
+    rnd = random.Random(42)
+    return [key_of(rnd.randrange(ds.n)) for _ in range(count)]
+
+
+def lookup(res: Results, ds: Dataset, seconds: float, count: int) -> Measurement:
+    store = ds.store
+    assert store is not None
+    keys = lookup_keys(ds, count)
+    state = [0]
+
+    def step() -> int:
+        i = state[0]
+        for _ in range(50):
+            k = keys[i % len(keys)]
+            r = store.query(TOPIC, k, 1)
+            if len(r.messages) != 1 or r.messages[0].properties.get("KEYS") != k:
+                raise RuntimeError(f"lookup of {k} found {len(r.messages)} messages")
+            i += 1
+        state[0] = i
+        return 50
+
+    n, elapsed = timed(step, seconds)
+    return res.add(rate_measurement("rs.lookup", "rocketstore", "lookup by key (index), body read", n, elapsed,
+                                    ref="sqlite.lookup", unit="lookups/s", messages=ds.n))
