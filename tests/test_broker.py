@@ -22,7 +22,7 @@ from rocketstore.broker.harness import BrokerProcess, collect, run_client, start
 FAST_CONF = {
     "transactionTimeOut": 1500,
     "transactionCheckInterval": 1000,
-    "messageDelayLevel": "1s 1s 2s",
+    "messageDelayLevel": "1s 2s 3s",
     "longPollingTimeout": 3000,
     "flushConsumerOffsetInterval": 200,
 }
@@ -241,3 +241,169 @@ def test_restart_keeps_offsets_and_inflight(tmp_path):
         assert got[0]["attempt"] == 2
     finally:
         b.stop()
+
+
+@pytest.mark.timeout(120)
+def test_fifo_order_and_withholding(shared):
+    out = client(shared, '''
+        p = Producer(cfg(), ("Fifo1",)); p.startup()
+        for i in range(5):
+            for g in ("g1", "g2", "g3"):
+                p.send(msg("Fifo1", f"{g}-{i}", group=g))
+        c = SimpleConsumer(cfg(), "FifoG", {"Fifo1": FilterExpression()}, await_duration=1); c.startup()
+        first = []
+        for _ in range(5):
+            first += c.receive(32, 20)
+            if len(first) >= 3: break
+        emit({"first": [m.body.decode() for m in first]})
+        held = [m for m in first if m.message_group == "g1"]
+        for m in first:
+            if m.message_group != "g1": c.ack(m)
+        second = []
+        for _ in range(5):
+            second += c.receive(32, 20)
+            if len(second) >= 2: break
+        emit({"second": [m.body.decode() for m in second]})
+        for m in held + second: c.ack(m)
+        order = [m.body.decode() for m in first + second]
+        idle = 0
+        while idle < 3:
+            ms = c.receive(32, 20)
+            idle = 0 if ms else idle + 1
+            for m in ms:
+                order.append(m.body.decode()); c.ack(m)
+        emit({"order": order})
+        p.shutdown(); c.shutdown()
+    ''', timeout=90)
+    first, second, order = (o[k] for o, k in zip(out, ("first", "second", "order")))
+    assert sorted(first) == ["g1-0", "g2-0", "g3-0"], "only the head of each message group is in flight"
+    assert sorted(second) == ["g2-1", "g3-1"], "g1-1 waits until g1-0 is acked"
+    for g in ("g1", "g2", "g3"):
+        seq = [int(b.split("-")[1]) for b in order if b.startswith(g)]
+        assert seq == list(range(5)), f"{g} out of order: {seq}"
+
+
+@pytest.mark.timeout(120)
+def test_delay_messages(shared):
+    out = client(shared, '''
+        p = Producer(cfg(), ("Delay1",)); p.startup()
+        at = int(time.time()) + 3
+        r = p.send(msg("Delay1", "later", deliver_at=at))
+        now_msg = p.send(msg("Delay1", "past", deliver_at=int(time.time()) - 5))
+        c = SimpleConsumer(cfg(), "Delay1G", {"Delay1": FilterExpression()}, await_duration=1); c.startup()
+        seen = {}
+        t0 = time.time()
+        while len(seen) < 2 and time.time() - t0 < 20:
+            for m in c.receive(16, 10):
+                seen[m.body.decode()] = {"at": time.time(), "deliver_at": m.delivery_timestamp}
+                c.ack(m)
+        emit({"at": at, "seen": seen})
+        p.shutdown(); c.shutdown()
+    ''')
+    (res,) = out
+    seen = res["seen"]
+    assert set(seen) == {"later", "past"}
+    assert seen["later"]["at"] >= res["at"] - 0.05, "delivered before its time"
+    assert seen["later"]["at"] < res["at"] + 3
+    assert seen["later"]["deliver_at"] == res["at"] * 1000
+
+
+@pytest.mark.timeout(120)
+def test_transactions_commit_rollback_and_check(shared):
+    out = client(shared, '''
+        checks = []
+        class Checker(TransactionChecker):
+            def check(self, message):
+                checks.append(message.body.decode())
+                return TransactionResolution.COMMIT if message.body == b"t3" else TransactionResolution.ROLLBACK
+        p = Producer(cfg(), ("Txn1",), checker=Checker()); p.startup()
+        c = SimpleConsumer(cfg(), "Txn1G", {"Txn1": FilterExpression()}, await_duration=1); c.startup()
+        ids = {}
+        for body in ("t1", "t2", "t3", "t4"):
+            tx = p.begin_transaction()
+            r = p.send(msg("Txn1", body), tx)
+            ids[body] = r.message_id
+            if body == "t1": tx.commit()
+            if body == "t2": tx.rollback()
+        emit({"ids": ids})
+        early = [m.body.decode() for m in c.receive(16, 10)]
+        for m in []: pass
+        seen = list(early)
+        t0 = time.time()
+        while time.time() - t0 < 8 and ("t3" not in seen or time.time() - t0 < 4):
+            ms = c.receive(16, 10)
+            seen += [m.body.decode() for m in ms]
+            for m in ms: c.ack(m)
+        emit({"early": early, "seen": seen, "checks": checks})
+        p.shutdown(); c.shutdown()
+    ''', timeout=90)
+    ids, res = out[0]["ids"], out[1]
+    assert len(set(ids.values())) == 4
+    assert res["early"] == ["t1"], "only the committed message is visible at once"
+    assert sorted(res["seen"]) == ["t1", "t3"]
+    assert "t3" in res["checks"] and "t4" in res["checks"]
+    assert "t1" not in res["checks"] and "t2" not in res["checks"]
+
+
+@pytest.mark.timeout(120)
+def test_retries_then_dead_letter_queue(shared):
+    out = client(shared, '''
+        p = Producer(cfg(), ("Dlq1",)); p.startup()
+        r = p.send(msg("Dlq1", "poison", tag="bad"))
+        c = SimpleConsumer(cfg(), "DlqG", {"Dlq1": FilterExpression()}, await_duration=1); c.startup()
+        attempts = []
+        t0 = time.time()
+        while time.time() - t0 < 10:
+            for m in c.receive(16, 1):
+                attempts.append(m.delivery_attempt)   # never acked
+        d = SimpleConsumer(cfg(), "DlqReader", {"%DLQ%DlqG": FilterExpression()}, await_duration=1); d.startup()
+        dead = []
+        t0 = time.time()
+        while not dead and time.time() - t0 < 10:
+            dead = d.receive(16, 10)
+        for m in dead: d.ack(m)
+        emit({"id": r.message_id, "attempts": attempts, "dead": [info(m) for m in dead]})
+        p.shutdown(); c.shutdown(); d.shutdown()
+    ''', timeout=90)
+    (res,) = out
+    assert res["attempts"] == [1, 2], "retryMaxTimes=1: two deliveries, then the DLQ"
+    assert len(res["dead"]) == 1
+    dead = res["dead"][0]
+    assert dead["id"] == res["id"] and dead["body"] == "poison" and dead["tag"] == "bad"
+    assert dead["topic"] == "%DLQ%DlqG"
+
+
+@pytest.mark.timeout(120)
+def test_push_consumer_nack_backoff_and_ack(shared):
+    out = client(shared, '''
+        p = Producer(cfg(), ("Push1",)); p.startup()
+        ids = [p.send(msg("Push1", f"p{i}")).message_id for i in range(5)]
+        seen = {}
+        lock = threading.Lock()
+        class L(MessageListener):
+            def consume(self, m):
+                with lock:
+                    seen.setdefault(m.body.decode(), []).append((time.time(), m.delivery_attempt))
+                    n = len(seen[m.body.decode()])
+                if m.body == b"p0" and n < 3:
+                    return ConsumeResult.FAILURE
+                return ConsumeResult.SUCCESS
+        c = PushConsumer(cfg(), "Push1G", L(), {"Push1": FilterExpression()}); c.startup()
+        t0 = time.time()
+        while time.time() - t0 < 30:
+            with lock:
+                if len(seen) == 5 and len(seen["p0"]) >= 3: break
+            time.sleep(0.2)
+        time.sleep(1.5)
+        emit({"seen": seen})
+        c.shutdown(); p.shutdown()
+    ''', timeout=90)
+    seen = out[0]["seen"]
+    assert sorted(seen) == [f"p{i}" for i in range(5)]
+    for k, v in seen.items():
+        if k != "p0":
+            assert [a for _, a in v] == [1], f"{k} delivered {v}"
+    p0 = seen["p0"]
+    assert [a for _, a in p0] == [1, 2, 3]
+    gaps = [p0[1][0] - p0[0][0], p0[2][0] - p0[1][0]]
+    assert gaps[0] >= 0.9 and gaps[1] >= 1.9, f"NACK delays should grow (1 s, 2 s): {gaps}"
