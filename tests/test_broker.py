@@ -35,7 +35,8 @@ def shared(tmp_path_factory):
     b = BrokerProcess(str(root / "store"), conf=FAST_CONF,
                       args=["--topic", "Fifo1:4:FIFO", "--group", "FifoG:orderly=true",
                             "--topic", "Txn1:4:TRANSACTION", "--topic", "Delay1:4:DELAY",
-                            "--group", "DlqG:retryMaxTimes=1", "--topic", "Normal1:4:NORMAL"])
+                            "--group", "DlqG:retryMaxTimes=1", "--topic", "Normal1:4:NORMAL",
+                            "--topic", "FifoP:2:FIFO", "--group", "FifoPG:orderly=true,retryMaxTimes=1"])
     b.start()
     b.home = str(root / "home")
     yield b
@@ -407,3 +408,43 @@ def test_push_consumer_nack_backoff_and_ack(shared):
     assert [a for _, a in p0] == [1, 2, 3]
     gaps = [p0[1][0] - p0[0][0], p0[2][0] - p0[1][0]]
     assert gaps[0] >= 0.9 and gaps[1] >= 1.9, f"NACK delays should grow (1 s, 2 s): {gaps}"
+
+
+@pytest.mark.timeout(120)
+def test_fifo_push_consumer_order_and_forward_to_dlq(shared):
+    out = client(shared, '''
+        p = Producer(cfg(), ("FifoP",)); p.startup()
+        for i in range(5):
+            for g in ("g1", "g2"):
+                p.send(msg("FifoP", f"{g}-{i}", group=g))
+        seen = []
+        lock = threading.Lock()
+        class L(MessageListener):
+            def consume(self, m):
+                with lock: seen.append(m.body.decode())
+                return ConsumeResult.FAILURE if m.body == b"g1-1" else ConsumeResult.SUCCESS
+        c = PushConsumer(cfg(), "FifoPG", L(), {"FifoP": FilterExpression()}); c.startup()
+        t0 = time.time()
+        while time.time() - t0 < 30:
+            with lock:
+                if "g1-4" in seen and "g2-4" in seen: break
+            time.sleep(0.2)
+        d = SimpleConsumer(cfg(), "FifoPDlqReader", {"%DLQ%FifoPG": FilterExpression()}, await_duration=1)
+        d.startup()
+        dead = []
+        t0 = time.time()
+        while not dead and time.time() - t0 < 10:
+            dead = d.receive(16, 10)
+        for m in dead: d.ack(m)
+        emit({"seen": seen, "fifo": c.fifo, "dead": [m.body.decode() for m in dead]})
+        c.shutdown(); d.shutdown(); p.shutdown()
+    ''', timeout=90)
+    res = out[0]
+    assert res["fifo"] is True
+    seen = res["seen"]
+    for g in ("g1", "g2"):
+        seq = [b for b in seen if b.startswith(g)]
+        firsts = list(dict.fromkeys(seq))
+        assert firsts == [f"{g}-{i}" for i in range(5)], seq
+    assert seen.count("g1-1") == 2, "two local attempts (retryMaxTimes=1), then the DLQ"
+    assert res["dead"] == ["g1-1"]

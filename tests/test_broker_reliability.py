@@ -148,3 +148,35 @@ def test_sigkill_mid_run_loses_no_acknowledged_message(tmp_path):
             order[g].append(int(i))
     for g, seq in order.items():
         assert seq == sorted(seq), f"FIFO group {g} out of order: {seq[:50]}"
+
+
+@pytest.mark.timeout(90)
+def test_tls(tmp_path):
+    import shutil
+    import subprocess
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    r = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                        "-out", str(cert), "-days", "2", "-subj", "/CN=127.0.0.1",
+                        "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], capture_output=True, timeout=60)
+    if r.returncode != 0:
+        pytest.skip(f"openssl could not make a certificate: {r.stderr.decode()[-300:]}")
+    b = _broker(tmp_path, args=["--tls-cert", str(cert), "--tls-key", str(key)])
+    try:
+        out = run_client(b.endpoint, '''
+            p = Producer(cfg(), ("Tls1",), tls_enable=True); p.startup()
+            r = p.send(msg("Tls1", "secret"))
+            c = SimpleConsumer(cfg(), "TlsG", {"Tls1": FilterExpression()}, await_duration=1, tls_enable=True)
+            c.startup()
+            got = []
+            for _ in range(5):
+                got += c.receive(4, 10)
+                if got: break
+            for m in got: c.ack(m)
+            emit({"sent": r.message_id, "got": [m.message_id for m in got]})
+            p.shutdown(); c.shutdown()
+        ''', b.home, timeout=60, env={"GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": str(cert)})
+        assert out[0]["got"] == [out[0]["sent"]]
+    finally:
+        b.stop()

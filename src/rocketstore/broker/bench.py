@@ -1,0 +1,131 @@
+"""Throughput through the official client: ``rocketstore serve`` with producer and consumer processes.
+
+Two phases on one broker (topic ``BenchT``, 8 queues): first every producer
+process sends its share of 1 KiB messages (``send_async`` with a window of
+outstanding sends), then consumer processes (SimpleConsumer, several threads
+each, receive 32 and ack every message) drain the topic.  Each phase starts
+when every process of it has started up (a "go" file), and its rate is
+messages / (last finish - go).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from typing import Any
+
+from .harness import BrokerProcess, collect, start_client
+
+PRODUCER = '''
+import sys
+n, size, window, go = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+from collections import deque
+p = Producer(cfg(10), ("BenchT",)); p.startup()
+p.send(msg("BenchT", b"w" * size))  # route and channel ready
+open(sys.argv[5], "w").close()
+while not os.path.exists(go): time.sleep(0.005)
+body = os.urandom(size)
+t0 = time.time(); pending = deque(); errors = 0
+for i in range(n):
+    m = Message(); m.topic = "BenchT"; m.body = body; m.tag = "bench"
+    pending.append(p.send_async(m))
+    while len(pending) >= window:
+        try: pending.popleft().result(timeout=60)
+        except Exception: errors += 1
+while pending:
+    try: pending.popleft().result(timeout=60)
+    except Exception: errors += 1
+emit({"n": n - errors, "errors": errors, "start": t0, "end": time.time()})
+p.shutdown()
+'''
+
+CONSUMER = '''
+import sys
+threads_n, go, ready, idle_s = int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
+c = SimpleConsumer(cfg(10), "BenchG", {"BenchT": FilterExpression("bench")}, await_duration=1); c.startup()
+open(ready, "w").close()
+while not os.path.exists(go): time.sleep(0.005)
+counts = []; lock = threading.Lock(); last = [time.time()]
+def run():
+    n = 0; idle = time.time()
+    while time.time() - idle < idle_s:
+        try: ms = c.receive(32, 30)
+        except Exception: time.sleep(0.1); continue
+        for m in ms:
+            c.ack(m); n += 1
+        if ms:
+            idle = time.time()
+            with lock: last[0] = max(last[0], idle)
+    counts.append(n)
+ts = [threading.Thread(target=run) for _ in range(threads_n)]
+[t.start() for t in ts]; [t.join() for t in ts]
+emit({"n": sum(counts), "end": last[0]})
+c.shutdown()
+'''
+
+
+def _wait_files(paths: list[str], procs: list[Any], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(p) for p in paths):
+        for pr in procs:
+            if pr.poll() is not None and pr.returncode != 0:
+                raise RuntimeError(f"a benchmark client exited with {pr.returncode}: "
+                                   f"{pr.stderr.read().decode('utf-8', 'replace')[-2000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError("benchmark clients did not start in time")
+        time.sleep(0.02)
+
+
+def bench_client_throughput(workdir: str, messages: int = 20000, producers: int = 4, *, consumers: int = 2,
+                            consumer_threads: int = 4, body_size: int = 1024, window: int = 64,
+                            flush_disk_type: str = "ASYNC_FLUSH", timeout: float = 600.0) -> dict[str, Any]:
+    """Produce then consume ``messages`` 1 KiB messages through the official Python client; rates in msg/s."""
+    if os.path.exists(workdir):
+        shutil.rmtree(workdir)
+    home = os.path.join(workdir, "home")
+    os.makedirs(home)
+    broker = BrokerProcess(os.path.join(workdir, "store"), conf={"flushDiskType": flush_disk_type},
+                           args=["--topic", "BenchT:8:NORMAL"]).start()
+    try:
+        share = [messages // producers + (1 if i < messages % producers else 0) for i in range(producers)]
+        go = os.path.join(workdir, "go-produce")
+        ready = [os.path.join(workdir, f"ready-p{i}") for i in range(producers)]
+        procs = [start_client(broker.endpoint, PRODUCER, home, args=[n, body_size, window, go, r])
+                 for n, r in zip(share, ready)]
+        _wait_files(ready, procs, 120)
+        t_go = time.time()
+        open(go, "w").close()
+        results = [collect(p, timeout)[0][-1] for p in procs]
+        produced = sum(r["n"] for r in results)
+        produce_s = max(r["end"] for r in results) - t_go
+
+        go = os.path.join(workdir, "go-consume")
+        ready = [os.path.join(workdir, f"ready-c{i}") for i in range(consumers)]
+        procs = [start_client(broker.endpoint, CONSUMER, home, args=[consumer_threads, go, r, 3])
+                 for r in ready]
+        _wait_files(ready, procs, 120)
+        t_go = time.time()
+        open(go, "w").close()
+        results = [collect(p, timeout)[0][-1] for p in procs]
+        consumed = sum(r["n"] for r in results)
+        consume_s = max(r["end"] for r in results) - t_go
+    finally:
+        broker.stop()
+    return {
+        "produce_msgs_per_s": produced / produce_s if produce_s > 0 else 0.0,
+        "consume_msgs_per_s": consumed / consume_s if consume_s > 0 else 0.0,
+        "produced": produced, "produce_seconds": produce_s,
+        "consumed": consumed, "consume_seconds": consume_s,
+        "producers": producers, "consumers": consumers, "consumer_threads": consumer_threads,
+        "body_size": body_size, "send_window": window, "flush_disk_type": flush_disk_type,
+        "client": "rocketmq-python-client", "protocol": "gRPC (apache.rocketmq.v2)",
+    }
+
+
+if __name__ == "__main__":
+    import sys
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 5000
+    print(json.dumps(bench_client_throughput(sys.argv[2] if len(sys.argv) > 2 else "/tmp/rs-broker-bench", n),
+                     indent=2))
