@@ -50,10 +50,10 @@ MODES: dict[str, Mode] = {
                   broker_messages=500, raw_write_bytes=16 * MiB),
     "quick": Mode("quick", seconds=0.4, sizes=(128, 1024, 4096), dataset_msgs=50000, lookups=5000,
                   recovery_bytes=256 * MiB, memory_bytes=1 * GiB, spark=True, broker=True, install_redis=True,
-                  broker_messages=5000, raw_write_bytes=256 * MiB, rounds=2),
+                  broker_messages=2000, raw_write_bytes=256 * MiB, rounds=2),
     "full": Mode("full", seconds=1.0, sizes=(128, 1024, 4096), dataset_msgs=200000, lookups=20000,
                  recovery_bytes=1 * GiB, memory_bytes=4 * GiB, spark=True, broker=True, install_redis=True,
-                 broker_messages=20000, raw_write_bytes=1 * GiB, rounds=3),
+                 broker_messages=8000, raw_write_bytes=1 * GiB, rounds=3),
 }
 
 
@@ -279,6 +279,9 @@ def machine_info(workdir: str) -> dict[str, Any]:
     try:
         info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                             timeout=5, cwd=os.path.dirname(__file__)).stdout.strip() or None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], capture_output=True, text=True,
+                               timeout=5, cwd=os.path.dirname(os.path.dirname(__file__))).stdout.strip()
+        info["git_dirty_files"] = len(dirty.splitlines()) if dirty else 0
     except (OSError, subprocess.SubprocessError):
         info["git_commit"] = None
     return info

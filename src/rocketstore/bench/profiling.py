@@ -178,7 +178,7 @@ def summarize_raw(raw: str, top: int = 25) -> str:
             continue
         n = int(count)
         total += n
-        frames = [_short(f) for f in stack.split(";")]
+        frames = [_short(f) for f in stack.split(";") if not f.startswith("process ")]
         thread = "all threads"
         if frames and frames[0].startswith("thread ("):
             thread = _thread_group(frames.pop(0))
@@ -280,6 +280,47 @@ def profile_workload(workload: str, seconds: float, out_path: str) -> str | None
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def profile_spark(out_path: str, segment: int = 256 * MiB) -> str | None:
+    """py-spy over the Spark job (driver, JVM-launched Python workers) scanning a fresh 256 MiB store.
+
+    The summary keeps only the samples of Spark's Python workers, where the data source runs.
+    """
+    spy = find_py_spy()
+    if spy is None:
+        return None
+    import signal
+    tmp = tempfile.mkdtemp(prefix="rocketstore-profile-")
+    try:
+        path = os.path.join(tmp, "store")
+        proc = subprocess.Popen([sys.executable, "-m", "rocketstore.bench.child", "write-crash", path,
+                                 str(segment - 4 * MiB), str(segment)], stdout=subprocess.PIPE)
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        if not line.startswith("READY"):
+            return None
+        subprocess.run([sys.executable, "-m", "rocketstore.bench.child", "recover", path, str(segment)],
+                       capture_output=True, timeout=900, check=True)
+        raw = os.path.join(tmp, "raw.txt")
+        job = subprocess.run([spy, "record", "--subprocesses", "--rate", "200", "--format", "raw", "--output", raw,
+                              "--", sys.executable, "-m", "rocketstore.bench.spark_job", path, tmp, "2"],
+                             capture_output=True, text=True, timeout=1800)
+        done = next((ln for ln in job.stdout.splitlines() if ln.startswith("DONE ")), "no result")
+        if not os.path.exists(raw):
+            return None
+        with open(raw, encoding="utf-8", errors="replace") as fh:
+            workers = "\n".join(ln for ln in fh.read().splitlines() if "daemon.py" in ln)
+        text = (f"# profile of 'spark' ({done[:400]}); py-spy record --subprocesses at 200 Hz, samples of "
+                f"Spark's Python workers only (where the rocketstore data source runs)\n" + summarize_raw(workers))
+        with open(out_path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        return out_path
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def profile_missed(res: Results, targets: list[dict[str, Any]], out_dir: str, stem: str, mode: Mode) -> None:
     wanted = []
     for t in targets:
@@ -288,7 +329,7 @@ def profile_missed(res: Results, targets: list[dict[str, Any]], out_dir: str, st
     for w in wanted:
         path = os.path.join(out_dir, f"{stem}-profile-{w}.txt")
         try:
-            got = profile_workload(w, max(2.0, mode.seconds), path)
+            got = profile_spark(path) if w == "spark" else profile_workload(w, max(2.0, mode.seconds), path)
         except Exception as e:
             res.note(f"profile of {w} failed: {e}")
             continue

@@ -83,7 +83,8 @@ def build_markdown(res: Results, meta: dict[str, Any], targets: list[dict[str, A
     unmeasured = sum(1 for t in targets if t["met"] is None)
     out = [f"# rocketstore benchmarks: {meta['date']}, {meta['host']} ({meta['mode']} mode)", "",
            f"Machine: {machine_line(meta)}.", "",
-           f"Run took {meta['duration_s']:.0f} s (git {meta.get('git_commit') or '?'}). "
+           f"Run took {meta['duration_s']:.0f} s (git {meta.get('git_commit') or '?'}"
+           f"{' with uncommitted changes' if meta.get('git_dirty_files') else ''}). "
            f"Targets: {met} met, {missed} missed, {unmeasured} not measured. "
            "Every ratio divides two figures taken in this run; absolute figures vary 20-40 % between runs "
            "and several-fold between machines of the same kind.", "",
@@ -101,12 +102,17 @@ def build_markdown(res: Results, meta: dict[str, Any], targets: list[dict[str, A
     return "\n".join(out)
 
 
-def doc_block(meta: dict[str, Any], targets: list[dict[str, Any]], stem: str) -> str:
+def doc_block(meta: dict[str, Any], targets: list[dict[str, Any]], stem: str, notes: list[str] | None = None) -> str:
     """The table that docs/bench.md and README.md show between the bench markers."""
-    return "\n".join([DOC_START,
-                      f"Latest full run: **{meta['date']}** on `{meta['host']}` - {machine_line(meta)}. "
-                      f"Full results: `bench/results/{stem}.md` (JSON and plots beside it).", "",
-                      *targets_table(targets), DOC_END])
+    met = sum(1 for t in targets if t["met"])
+    missed = sum(1 for t in targets if t["met"] is False)
+    lines = [DOC_START,
+             f"Latest full run: **{meta['date']}** on `{meta['host']}`: {machine_line(meta)}. "
+             f"{met} targets met, {missed} missed. Every figure and plot: `bench/results/{stem}.md`.", "",
+             *targets_table(targets)]
+    if notes:
+        lines += ["", *[f"Note: {n}" for n in notes]]
+    return "\n".join(lines + [DOC_END])
 
 
 def update_doc(path: str, block: str) -> bool:

@@ -184,7 +184,7 @@ def workloads(mode: Mode) -> dict[str, list[str]]:
         "recovery": ["recovery"],
         "spark": ["recovery", "spark"],
         "memory": ["memory"],
-        "broker": ["rs.put.async.t4.1024", "broker"],
+        "broker": ["rs.put.async.t4.1024", "rs.consume32", "broker"],
     }
     for p in ("persist-queue", "diskcache", "litequeue", "redis"):
         w[p] = [*peer_refs, p]
@@ -288,7 +288,7 @@ def run_suite(mode_name: str = "full", out_dir: str | None = None, only: list[st
     updated = []
     root = repo_root()
     if update_docs and root is not None:
-        block = doc_block(meta, targets, stem)
+        block = doc_block(meta, targets, stem, [n for n in ctx.res.notes if "busy" in n or "skipped" in n])
         for doc in (root / "docs" / "bench.md", root / "README.md"):
             if update_doc(str(doc), block):
                 updated.append(str(doc))

@@ -203,60 +203,93 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def spark_scan(res: Results, workdir: str, store_path: str | None, mode: Mode) -> None:
-    label = "Spark body-less scan, local[2]"
-    plabel = "Spark reading the same messages exported to Parquet, local[2]"
+    """rocketstore's Spark scan (bodies left out) against Spark over the same rows exported to Parquet.
+
+    ``rocketstore.spark.bench.bench_spark_scan`` is used when it exists and reports both figures;
+    otherwise the suite's own job (:mod:`rocketstore.bench.spark_job`) scans through the data source.
+    """
+    label = "Spark body-less scan, local[2] (rocketstore data source)"
+    plabel = "Spark reading the same rows exported to Parquet, local[2]"
     if not mode.spark:
         res.skip("spark.scan", "rocketstore", label, "rows/s", f"not run in {mode.name} mode")
         res.skip("parquet.scan", "spark-parquet", plabel, "rows/s", f"not run in {mode.name} mode")
         return
     if store_path is None:
-        res.skip("spark.scan", "rocketstore", label, "rows/s", "no store to scan (the recovery workload failed)",
-                 status="failed")
-        return
-    try:
-        from rocketstore.spark.bench import bench_spark_scan  # type: ignore[import-not-found]
-    except ImportError as e:
-        res.skip("spark.scan", "rocketstore", label, "rows/s",
-                 f"rocketstore.spark.bench is not importable yet ({e})")
-        res.skip("parquet.scan", "spark-parquet", plabel, "rows/s", "skipped with the rocketstore scan")
+        for id, sys_, lab in (("spark.scan", "rocketstore", label), ("parquet.scan", "spark-parquet", plabel)):
+            res.skip(id, sys_, lab, "rows/s", "no store to scan (the recovery workload failed)", status="failed")
         return
     sdir = os.path.join(workdir, "spark")
     os.makedirs(sdir, exist_ok=True)
-    t0 = time.perf_counter()
+    plugin: dict[str, Any] | None = None
     try:
-        d = bench_spark_scan(store_path, sdir)
-    except Exception as e:  # another team's code: report, never abort the suite
-        log.exception("bench_spark_scan failed")
-        res.skip("spark.scan", "rocketstore", label, "rows/s", f"bench_spark_scan failed: {e}", status="failed")
+        from rocketstore.spark.bench import bench_spark_scan  # type: ignore[import-not-found]
+    except ImportError as e:
+        why = f"rocketstore.spark.bench is not importable ({e})"
+    else:
+        try:
+            plugin = bench_spark_scan(store_path, sdir)
+            why = None
+        except Exception as e:  # another team's code: report, never abort the suite
+            log.exception("bench_spark_scan failed")
+            why = f"bench_spark_scan failed: {e}"
+    if plugin is not None:
+        res.series["spark_plugin"] = plugin
+        rs = _pick_rate(plugin, "rocketstore") or _pick_rate(plugin, "scan")
+        pq = _pick_rate(plugin, "parquet")
+        if rs and pq:
+            res.add(Measurement("spark.scan", "rocketstore", label, rs[1], "rows/s", ref="parquet.scan",
+                                extra={"source": "rocketstore.spark.bench", "key": rs[0]}))
+            res.add(Measurement("parquet.scan", "spark-parquet", plabel, pq[1], "rows/s",
+                                extra={"source": "rocketstore.spark.bench", "key": pq[0]}))
+            return
+        why = f"bench_spark_scan reported no pair of figures ({sorted(plugin)})"
+    import importlib.util
+    missing = [m for m in ("pyspark", "rocketstore.spark") if importlib.util.find_spec(m) is None]
+    if missing:
+        e = f"{', '.join(missing)} not installed"
+        for id, sys_, lab in (("spark.scan", "rocketstore", label), ("parquet.scan", "spark-parquet", plabel)):
+            res.skip(id, sys_, lab, "rows/s", f"{why}; and no Spark data source to scan with ({e})")
         return
+    if why:
+        res.note(f"Spark scan: {why}; the suite ran its own scan through the rocketstore data source.")
+    repeats = 2 if mode.name == "full" else 1
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "rocketstore.bench.spark_job", store_path, sdir, str(repeats)],
+                         capture_output=True, text=True, timeout=1800, env=_env())
     wall = time.perf_counter() - t0
+    done = next((ln for ln in out.stdout.splitlines() if ln.startswith("DONE ")), None)
+    if out.returncode != 0 or done is None:
+        err = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        for id, sys_, lab in (("spark.scan", "rocketstore", label), ("parquet.scan", "spark-parquet", plabel)):
+            res.skip(id, sys_, lab, "rows/s", f"Spark job failed: {err[-300:]}", status="failed")
+        return
+    d = json.loads(done[5:])
     res.series["spark"] = d
-    rs = _pick_rate(d, "rocketstore") or _pick_rate(d, "scan")
-    pq = _pick_rate(d, "parquet")
-    if rs is None:
-        res.skip("spark.scan", "rocketstore", label, "rows/s", f"no rate in bench_spark_scan's result: {sorted(d)}",
-                 status="failed")
-    else:
-        res.add(Measurement("spark.scan", "rocketstore", label, rs[1], "rows/s", seconds=wall, ref="parquet.scan",
-                            extra={"source_key": rs[0], "result": d}))
-    if pq is None:
-        res.skip("parquet.scan", "spark-parquet", plabel, "rows/s",
-                 "bench_spark_scan reported no Parquet figure", status="failed")
-    else:
-        res.add(Measurement("parquet.scan", "spark-parquet", plabel, pq[1], "rows/s", extra={"source_key": pq[0]}))
+    res.add(Measurement("spark.scan", "rocketstore", label, d["rocketstore_rows_per_s"], "rows/s", n=d["rows"],
+                        seconds=d["rocketstore_seconds"], ref="parquet.scan",
+                        params={"columns": d["columns"], "repeats": repeats},
+                        extra={"source": "rocketstore.bench.spark_job", "job_wall_seconds": wall}))
+    res.add(Measurement("parquet.scan", "spark-parquet", plabel, d["parquet_rows_per_s"], "rows/s",
+                        n=d["parquet_rows"], seconds=d["parquet_seconds"],
+                        extra={"parquet_bytes": d["parquet_bytes"], "export_seconds": d["export_seconds"]}))
 
 
 def broker_client(res: Results, workdir: str, mode: Mode) -> None:
-    label = "gRPC broker, Python client producers (4)"
+    """The gRPC broker with the official Python client (``rocketstore.broker.bench``, another package)."""
+    labels = {"produce": "gRPC broker: official Python client producers (4), send_async",
+              "consume": "gRPC broker: official Python client SimpleConsumers, receive 32 + ack"}
+    refs = {"produce": "rs.put.async.t4.1024", "consume": "rs.consume32"}
+
+    def skip_all(note: str, status: str = "skipped") -> None:
+        for k in labels:
+            res.skip(f"broker.{k}", "rocketstore", labels[k], "msg/s", note, status=status)
+
     if not mode.broker:
-        res.skip("broker.client", "rocketstore", label, "msg/s", f"not run in {mode.name} mode")
-        return
+        return skip_all(f"not run in {mode.name} mode")
     try:
         from rocketstore.broker.bench import bench_client_throughput  # type: ignore[import-not-found]
     except ImportError as e:
-        res.skip("broker.client", "rocketstore", label, "msg/s",
-                 f"rocketstore.broker.bench is not importable yet ({e})")
-        return
+        return skip_all(f"rocketstore.broker.bench is not importable ({e})")
     bdir = os.path.join(workdir, "broker")
     os.makedirs(bdir, exist_ok=True)
     t0 = time.perf_counter()
@@ -264,15 +297,14 @@ def broker_client(res: Results, workdir: str, mode: Mode) -> None:
         d = bench_client_throughput(bdir, mode.broker_messages, producers=4)
     except Exception as e:
         log.exception("bench_client_throughput failed")
-        res.skip("broker.client", "rocketstore", label, "msg/s", f"bench_client_throughput failed: {e}",
-                 status="failed")
-        return
+        return skip_all(f"bench_client_throughput failed: {e}", "failed")
     wall = time.perf_counter() - t0
-    r = _pick_rate(d, "") if d else None
     res.series["broker"] = d
-    if r is None:
-        res.skip("broker.client", "rocketstore", label, "msg/s", f"no rate in the result: {sorted(d or {})}",
-                 status="failed")
-        return
-    res.add(Measurement("broker.client", "rocketstore", label, r[1], "msg/s", n=mode.broker_messages, seconds=wall,
-                        ref="rs.put.async.t4.1024", extra={"source_key": r[0], "result": d}))
+    for k in labels:
+        r = _pick_rate(d or {}, k)
+        if r is None:
+            res.skip(f"broker.{k}", "rocketstore", labels[k], "msg/s", f"no {k} rate in the result: {sorted(d or {})}",
+                     status="failed")
+            continue
+        res.add(Measurement(f"broker.{k}", "rocketstore", labels[k], r[1], "msg/s", n=mode.broker_messages,
+                            seconds=wall, ref=refs[k], bytes_per_msg=1024, extra={"source_key": r[0]}))

@@ -51,7 +51,7 @@ TARGETS: list[Target] = [
     Target("recovery.vs.crc32", "abnormal recovery", "rs.recovery", "crc32.recovery", 0.3,
            ">= 30 % of zlib.crc32 speed over the same bytes", profile="recovery"),
     Target("spark.vs.parquet", "Spark body-less scan, local[2]", "spark.scan", "parquet.scan", 0.5,
-           ">= 0.5x Spark over the same messages in Parquet"),
+           ">= 0.5x Spark over the same messages in Parquet", profile="spark"),
     Target("memory", "memory while writing", "rs.memory", None, 300.0, "private memory < 300 MB", ceiling=True),
 ]
 
