@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import ipaddress
+import re
 import zlib
 from typing import Mapping
 
@@ -66,8 +67,11 @@ class BadMessage(Exception):
         self.code = code
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def _has_control(s: str) -> bool:
-    return any(ord(c) < 32 or ord(c) == 127 for c in s)
+    return _CONTROL.search(s) is not None
 
 
 def ts_ms(ts) -> int:
@@ -163,17 +167,21 @@ def store_properties(m, mtype: int) -> dict[str, str]:
     return props
 
 
-def host_from(text: str, fallback: tuple[bytes, int]) -> tuple[bytes, int]:
-    """An IP text (optionally with a port) as (address bytes, port); the fallback when it is no IP."""
+def host_from(text: str, peer: str) -> tuple[bytes, int]:
+    """The born host: an IP text (optionally with a port), else the gRPC peer's address."""
     t = (text or "").strip()
+    port = 0
+    if peer:
+        _, _, p = peer.rpartition(":")
+        port = int(p) if p.isdigit() else 0
     try:
-        return ipaddress.ip_address(t).packed, fallback[1]
+        return ipaddress.ip_address(t).packed, port
     except ValueError:
         pass
     try:
         return codec.parse_host(t)
     except ValueError:
-        return fallback
+        return peer_host(peer)
 
 
 def peer_host(peer: str) -> tuple[bytes, int]:

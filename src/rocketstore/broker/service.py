@@ -25,7 +25,7 @@ import grpc
 from ..message import Message, PutMessageStatus
 from .broker import Broker
 from .convert import (P_DLQ_MSG_ID, P_DLQ_TOPIC, P_ORIGIN_MSG_ID, P_RECONSUME, P_RETRY_TOPIC, TYPE_NAMES, BadMessage,
-                      Code, host_from, peer_host, set_ts, store_properties, to_pb, ts_ms, validate)
+                      Code, host_from, set_ts, store_properties, to_pb, ts_ms, validate)
 from .pop import DeadLetter, Delivery, TagFilter, now_ms
 from .proto import pb, svc, svc_grpc
 from .topics import (MAX_GROUP_LEN, MAX_TOPIC_LEN, TopicConfig, illegal_name,
@@ -49,12 +49,12 @@ _PUT_CODES = {
 }
 
 
-def _metadata(context: Any) -> dict[str, str]:
-    out = {}
+def _header(context: Any, name: str) -> str:
     for item in context.invocation_metadata() or ():
-        k, v = item[0], item[1]
-        out[k.lower()] = v if isinstance(v, str) else v.decode("latin-1")
-    return out
+        if item[0] == name:
+            v = item[1]
+            return v if isinstance(v, str) else v.decode("latin-1")
+    return ""
 
 
 def _set(status: Any, code: int, text: str = "") -> None:
@@ -110,7 +110,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             make_endpoints(out, *self.advertised)
 
     def _client_id(self, context: Any) -> str:
-        return _metadata(context).get("x-mq-client-id", "").strip()
+        return _header(context, "x-mq-client-id").strip()
 
     def _topic_for(self, name: str, *, create: bool, status: Any) -> TopicConfig | None:
         why = illegal_name(name, "topic", MAX_TOPIC_LEN)
@@ -287,7 +287,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         if len(request.messages) > 1024:
             _set(resp.status, Code.BAD_REQUEST, "more than 1024 messages in one request")
             return resp
-        peer = peer_host(context.peer() or "")
+        peer = context.peer() or ""
         for m in request.messages:
             entry = resp.entries.add()
             await self._send_one(m, entry, peer)
@@ -298,7 +298,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             _set(resp.status, Code.MULTIPLE_RESULTS, "entries have different results")
         return resp
 
-    async def _send_one(self, m: Any, entry: Any, peer: tuple[bytes, int]) -> None:
+    async def _send_one(self, m: Any, entry: Any, peer: str) -> None:
         sp = m.system_properties
         entry.message_id = sp.message_id
         t = self._topic_for(m.topic.name, create=True, status=entry.status)
