@@ -14,7 +14,7 @@ import logging
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import grpc
 
@@ -73,20 +73,22 @@ def store_host_of(host: str, port: int) -> tuple[bytes, int]:
 
 async def serve_async(opts: ServeOptions, *, ready: Callable[[str, int], None] | None = None,
                       stop_event: asyncio.Event | None = None) -> None:
+    """Listen first (a busy port leaves the store untouched), then open the store and serve."""
     bcfg = opts.broker_config or BrokerConfig()
+    limit_cfg = opts.store_config or StoreConfig()
+    limit = max(limit_cfg.maxMessageSize * 2 + 1024 * 1024, 8 * 1024 * 1024)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
+                                      ("grpc.max_send_message_length", -1), *KEEPALIVE_OPTIONS])
+    port = _bind(server, opts)
     store = MessageStore.open(opts.store, opts.store_config)
     try:
-        await _serve_store(store, bcfg, opts, ready, stop_event)
+        await _serve_store(server, port, store, bcfg, opts, ready, stop_event)
     finally:
         store.close()
         log.info("store %s closed", opts.store)
 
 
-async def _serve_store(store: MessageStore, bcfg: BrokerConfig, opts: ServeOptions,
-                       ready: Callable[[str, int], None] | None, stop_event: asyncio.Event | None) -> None:
-    limit = max(store.config.maxMessageSize * 2 + 1024 * 1024, 8 * 1024 * 1024)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
-                                      ("grpc.max_send_message_length", -1), *KEEPALIVE_OPTIONS])
+def _bind(server: Any, opts: ServeOptions) -> int:
     address = bind_address(opts.host, opts.port)
     try:
         if opts.tls_cert or opts.tls_key:
@@ -106,6 +108,11 @@ async def _serve_store(store: MessageStore, bcfg: BrokerConfig, opts: ServeOptio
         raise CliError(f"cannot listen on {address}: {e}") from None
     if not port:
         raise CliError(f"cannot listen on {address}")
+    return port
+
+
+async def _serve_store(server: Any, port: int, store: MessageStore, bcfg: BrokerConfig, opts: ServeOptions,
+                       ready: Callable[[str, int], None] | None, stop_event: asyncio.Event | None) -> None:
     broker = Broker(store, bcfg, store_host_of(opts.host, port))
     for t in opts.topics:
         broker.topics.put_topic(t)

@@ -175,7 +175,10 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         if request.client_type:
             c.client_type = request.client_type
         if request.HasField("group") and request.group.name:
-            if self._group_for(request.group.name, resp.status) is None:
+            # Only check the name: the group is created by settings or a receive, which know its topics.
+            why = illegal_name(request.group.name, "group", MAX_GROUP_LEN)
+            if why:
+                _set(resp.status, Code.ILLEGAL_CONSUMER_GROUP, why)
                 return resp
             c.group = request.group.name
         _set(resp.status, Code.OK)
