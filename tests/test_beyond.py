@@ -255,3 +255,25 @@ def _conf(tmp_path, text):
     p = tmp_path / "r.conf"
     p.write_text("mappedFileSizeCommitLog=1048576\n" + text)
     return p
+
+
+def test_index_survives_a_process_crash_but_is_rebuilt_after_a_reboot(tmp_path):
+    from test_recovery import _run_writer
+    path = tmp_path / "s"
+    acked, _ = _run_writer(path, "ASYNC_FLUSH", 0, 100000, kill_after=1.2)
+    assert (path / "abort").exists() and (path / "abort.bootid").exists()
+    import shutil
+    shutil.copytree(path, tmp_path / "rebooted")
+    (tmp_path / "rebooted" / "abort.bootid").write_text("another-boot")
+    keys = [f"key-{n}" for n in sorted(acked)[:: max(1, len(acked) // 50)]]
+    found = {}
+    for name in ("s", "rebooted"):
+        with MessageStore.open(str(tmp_path / name), start_services=False) as store:
+            rep = store.recovery_report
+            if name == "s":
+                assert rep.index_files_dropped == []  # same boot: the maps' bytes are all there
+            else:
+                assert rep.index_files_dropped  # rebooted: index files newer than the checkpoint are rebuilt
+            found[name] = [store.query("Kill", k).phy_offsets for k in keys]
+        assert not (tmp_path / name / "abort.bootid").exists()
+    assert found["s"] == found["rebooted"] and all(len(x) == 1 for x in found["s"])

@@ -326,13 +326,13 @@ _HEADERS = {
 _SYSFLAG_POS = 36
 
 
-def decode(buf: Any, pos: int, limit: int, *, check_crc: bool = False, read_body: bool = True) -> MessageExt:
-    """Decode the record at ``pos``; ``limit`` is the end of readable bytes.
+def parse(buf: Any, pos: int, limit: int, *, check_crc: bool = False) -> tuple[tuple, int, int, int]:
+    """Validate the record at ``pos`` without building strings: (header tuple, topic position,
+    topic length, properties length).  The body starts at ``pos + header size``.
 
     Raises :class:`RecordError` with the reason when RocketMQ would refuse the
-    record.  A blank (end-of-file) record is reported by :func:`check`; here it
-    is an error because it holds no message.  One ``unpack_from`` reads the
-    whole fixed part; the host family comes from the low byte of SYSFLAG.
+    record.  One ``unpack_from`` reads the whole fixed part; the host family
+    comes from the low byte of SYSFLAG.  ``limit`` is the end of readable bytes.
     """
     try:
         header = _HEADERS[buf[pos + _SYSFLAG_POS + 3] & 0x30]
@@ -352,13 +352,8 @@ def decode(buf: Any, pos: int, limit: int, *, check_crc: bool = False, read_body
     p = pos + header.size
     if body_len < 0 or p + body_len > end:
         raise RecordError(f"body length {body_len} runs past the record")
-    body = None
-    if read_body or check_crc:
-        body = buf[p:p + body_len]
-        if type(body) is not bytes:
-            body = bytes(body)
-        if check_crc and body_len > 0 and (zlib.crc32(body) & 0x7FFFFFFF) != crc:
-            raise RecordError("body CRC mismatch")
+    if check_crc and body_len > 0 and (zlib.crc32(buf[p:p + body_len]) & 0x7FFFFFFF) != crc:
+        raise RecordError("body CRC mismatch")
     p += body_len
     try:
         if magic == MAGIC_V1:
@@ -371,19 +366,30 @@ def decode(buf: Any, pos: int, limit: int, *, check_crc: bool = False, read_body
             p += 2
         if topic_len < 0 or p + topic_len > end:
             raise RecordError(f"topic length {topic_len} runs past the record")
-        topic = str(buf[p:p + topic_len], "utf-8", "replace")
-        p += topic_len
-        props_len = _SHORT.unpack_from(buf, p)[0]
+        props_len = _SHORT.unpack_from(buf, p + topic_len)[0]
     except (IndexError, struct.error):
         raise RecordError("record fields run past the readable end") from None
-    p += 2
-    if props_len < 0 or p + props_len > end:
-        raise RecordError(f"properties length {props_len} runs past the record")
-    if p + props_len != end:
+    if props_len < 0 or p + topic_len + 2 + props_len != end:
+        if props_len < 0 or p + topic_len + 2 + props_len > end:
+            raise RecordError(f"properties length {props_len} runs past the record")
         expect = record_length(body_len, topic_len, props_len, sys_flag, magic == MAGIC_V2)
         raise RecordError(f"record size {total} disagrees with its fields ({expect})")
-    props = str(buf[p:end], "utf-8", "replace") if props_len else ""
-    return MessageExt(h, topic, props, body if read_body else None)
+    return h, p, topic_len, props_len
+
+
+def decode(buf: Any, pos: int, limit: int, *, check_crc: bool = False, read_body: bool = True) -> MessageExt:
+    """Decode the record at ``pos`` (see :func:`parse` for what is checked)."""
+    h, p, topic_len, props_len = parse(buf, pos, limit, check_crc=check_crc)
+    body = None
+    if read_body:
+        b = pos + _HEADERS[h[7] & 0x30].size
+        body = buf[b:b + h[16]]
+        if type(body) is not bytes:
+            body = bytes(body)
+    topic = str(buf[p:p + topic_len], "utf-8", "replace")
+    q = p + topic_len + 2
+    props = str(buf[q:q + props_len], "utf-8", "replace") if props_len else ""
+    return MessageExt(h, topic, props, body)
 
 
 def check(buf: Any, pos: int, limit: int, *, check_crc: bool,
@@ -415,22 +421,39 @@ def check(buf: Any, pos: int, limit: int, *, check_crc: bool,
     return total, msg, None
 
 
-def walk(buf: Any, pos: int, limit: int, *, check_crc: bool,
-         read_body: bool = False) -> Iterator[tuple[int, int, MessageExt | None, str | None]]:
+def walk(buf: Any, pos: int, limit: int, *, check_crc: bool, read_body: bool = False,
+         parsed: bool = False) -> Iterator[tuple[int, int, Any, str | None]]:
     """Records of one segment from ``pos`` as (position, size, message, problem), per :func:`check`.
 
     Ends after a blank record (size 0), or after the first record that is not
     valid (message None, with the reason); all-zero bytes end it silently, as
-    the normal end of written data.
+    the normal end of written data.  ``parsed=True`` yields :func:`parse`'s
+    tuple instead of a message, for walks that decode only what they need.
     """
     while pos < limit:
-        size, msg, reason = check(buf, pos, limit, check_crc=check_crc, read_body=read_body)
+        if parsed:
+            size, msg, reason = _check_parsed(buf, pos, limit, check_crc)
+        else:
+            size, msg, reason = check(buf, pos, limit, check_crc=check_crc, read_body=read_body)
         if msg is None and size != 0 and buf[pos:pos + 8] == _ZERO8:
             return
         yield pos, size, msg, reason
         if msg is None:
             return
         pos += size
+
+
+def _check_parsed(buf: Any, pos: int, limit: int, check_crc: bool) -> tuple[int, Any, str | None]:
+    if limit - pos < 8:
+        return -1, None, "record header runs past the readable end"
+    total, magic = _HEAD8.unpack_from(buf, pos)
+    if magic == BLANK_MAGIC:
+        return 0, None, None
+    try:
+        return total, parse(buf, pos, limit, check_crc=check_crc), None
+    except RecordError as e:
+        reason = str(e)
+        return (total if "disagrees" in reason else -1), None, reason
 
 
 _ZERO8 = bytes(8)

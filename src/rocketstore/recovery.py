@@ -82,30 +82,37 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     process = start.file_from_offset
     next_log = time.monotonic() + PROGRESS_INTERVAL_S
     file_size = commitlog.file_size
+    index_enabled = store.config.messageIndexEnable
+    topics: dict[bytes, str] = {}
     idx = start_idx
     while True:
         f = files[idx]
         mm, end, base = f.mm, 0, f.file_from_offset  # end: where the valid records of this file end
         stop = None
         blank = False
-        for pos, size, msg, reason in codec.walk(mm, 0, file_size, check_crc=check_crc):
+        for pos, size, parsed, reason in codec.walk(mm, 0, file_size, check_crc=check_crc, parsed=True):
             if size == 0:
                 blank = True
                 break
-            if msg is None:
+            if parsed is None:
                 stop = reason or "invalid record"
                 break
-            if msg.commit_log_offset != base + pos:
-                stop = f"PHYSICALOFFSET {msg.commit_log_offset} differs from the record's position {base + pos}"
+            h = parsed[0]
+            phy = h[6]
+            if phy != base + pos:
+                stop = f"PHYSICALOFFSET {phy} differs from the record's position {base + pos}"
                 break
             end = pos + size
             last_valid = base + pos
             report.records_checked += 1
             if dispatcher is not None:
-                # Every record goes to the consume queues (they skip what they hold, and so rebuild a lost
-                # tail); the index takes what RocketMQ re-dispatches: everything after a crash, else the
-                # records past the queues' highest offset.
-                dispatcher.dispatch(msg, index=report.abnormal or msg.commit_log_offset > max_cq)
+                # Every record is offered to its consume queue (which rebuilds a lost tail); the index takes
+                # what RocketMQ re-dispatches: everything after a crash, else the records past the queues'
+                # highest offset.  Only records that something still needs are decoded.
+                index = (report.abnormal or phy > max_cq) and index_enabled and \
+                    h[7] & codec.TRANSACTION_MASK != codec.TRANSACTION_ROLLBACK and phy >= _index_end(store)
+                if index or _queue_needs(store, mm, parsed, size, topics):
+                    dispatcher.dispatch(codec.decode(mm, pos, pos + size, read_body=False), index=index)
             if report.records_checked % 1024 == 0 and time.monotonic() >= next_log:
                 next_log = time.monotonic() + PROGRESS_INTERVAL_S
                 done = base + pos - report.start_offset
@@ -140,6 +147,25 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     if report.stopped_because and report.abnormal:
         log.warning("recovery truncated the commitlog at %d: %s", process, report.stopped_because)
     return report
+
+
+def _index_end(store: "MessageStore") -> int:
+    files = store.index_service.files
+    return files[-1].end_phy_offset if files else 0
+
+
+def _queue_needs(store: "MessageStore", mm, parsed: tuple, size: int, topics: dict[bytes, str]) -> bool:
+    """Whether a record belongs in a consume queue that does not hold it yet."""
+    h, tp, tl, _ = parsed
+    txn = h[7] & codec.TRANSACTION_MASK
+    if txn != codec.TRANSACTION_NOT_TYPE and txn != codec.TRANSACTION_COMMIT:
+        return False
+    raw = mm[tp:tp + tl]
+    topic = topics.get(raw)
+    if topic is None:
+        topic = topics[raw] = raw.decode("utf-8", "replace")
+    cq = store._cq_table.get((topic, h[3]))
+    return cq is None or h[6] + size > cq.max_physic_offset
 
 
 def _zero_stale_tail(commitlog, offset: int) -> int:

@@ -52,6 +52,7 @@ class StorePaths:
         self.lock = os.path.join(root, "lock")
         self.abort = os.path.join(root, "abort")
         self.abort_bak = os.path.join(root, "abort.bak")
+        self.abort_boot = os.path.join(root, "abort.bootid")  # rocketstore: the OS boot the abort file is from
         self.config = os.path.join(root, "config")
         self.quarantine = os.path.join(root, "quarantine")
 
@@ -178,6 +179,7 @@ class MessageStore:
 
     def _refuse_foreign_directory(self) -> None:
         known = {"commitlog", "consumequeue", "index", "checkpoint", "lock", "abort", "abort.bak", "config",
+                 "abort.bootid", "metrics.json",
                  "quarantine", "compaction", "timerwheel", "timerlog", "timercheck", "timermetrics"}
         entries = [e for e in os.listdir(self.root) if not e.startswith(".")]
         if entries and not any(e in known for e in entries):
@@ -215,6 +217,10 @@ class MessageStore:
         cfg, ro = self.config, self.read_only
         self.last_exit_ok = not os.path.exists(self.paths.abort)
         self.abort_file_present = not self.last_exit_ok
+        # After a crash of the process alone (same OS boot), every byte written through the maps is intact,
+        # so the index files need not be dropped and rebuilt; after a reboot or power loss they may be torn.
+        self.process_crash_only = self.abort_file_present and _boot_id() is not None and \
+            _read_text(self.paths.abort_boot) == _boot_id()
         if not ro:
             os.makedirs(self.paths.commitlog, exist_ok=True)
             os.makedirs(self.paths.consumequeue, exist_ok=True)
@@ -224,7 +230,8 @@ class MessageStore:
         self.checkpoint = StoreCheckpoint.load(self.paths.checkpoint, read_only=ro, on_bad=self._on_bad_file)
         self.index_service = IndexService(self.paths.index, cfg.maxHashSlotNum, cfg.maxIndexNum, read_only=ro,
                                           clock=self.clock, on_file_full=self._on_index_file_full)
-        dropped = self.index_service.load(self.last_exit_ok or ro, self.checkpoint.indexMsgTimestamp,
+        dropped = self.index_service.load(self.last_exit_ok or ro or self.process_crash_only,
+                                          self.checkpoint.indexMsgTimestamp,
                                           on_bad_file=self._on_bad_file)
         self.recovery_report = recover(self, self.last_exit_ok)
         self.recovery_report.index_files_dropped = dropped
@@ -302,6 +309,10 @@ class MessageStore:
             fh.write(previous)
         with open(self.paths.abort, "wb") as fh:
             fh.write(str(os.getpid()).encode())
+        boot = _boot_id()
+        if boot is not None:
+            with open(self.paths.abort_boot, "w", encoding="ascii") as fh:
+                fh.write(boot)
 
     # ------------------------------------------------------------ queues
     def find_consume_queue(self, topic: str, queue_id: int) -> ConsumeQueue:
@@ -728,6 +739,8 @@ class MessageStore:
             self.commitlog.queue.discard_preallocated()
             if clean and os.path.exists(self.paths.abort):
                 os.unlink(self.paths.abort)
+                if os.path.exists(self.paths.abort_boot):
+                    os.unlink(self.paths.abort_boot)
         finally:
             self._close_files()
             self._release_lock()
@@ -739,6 +752,18 @@ class MessageStore:
                 obj.close()
         for cq in self._cq_table.values():
             cq.close()
+
+
+def _boot_id() -> str | None:
+    return _read_text("/proc/sys/kernel/random/boot_id")
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii") as fh:
+            return fh.read().strip()
+    except (OSError, ValueError):
+        return None
 
 
 def _signed32(v: int) -> int:
