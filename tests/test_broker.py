@@ -150,21 +150,16 @@ def test_tag_filters(shared):
 def test_two_groups_and_shared_group_without_duplicates(shared):
     n = 60
     home = shared.home
-    prod = start_client(shared.endpoint, f'''
-        p = Producer(cfg(), ("Groups1",)); p.startup()
-        ids = [p.send(msg("Groups1", f"m{{i}}")).message_id for i in range({n})]
-        emit({{"ids": ids}})
-        p.shutdown()
-    ''', home)
-    ids = collect(prod, 60)[0][0]["ids"]
     consumer = '''
         import sys
         group, quiet = sys.argv[1], float(sys.argv[2])
         c = SimpleConsumer(cfg(), group, {"Groups1": FilterExpression()}, await_duration=1); c.startup()
-        seen = []; last = time.time()
-        while time.time() - last < quiet:
-            ms = c.receive(8, 20)
+        emit({"ready": True})
+        seen = []; last = None; t0 = time.time()
+        while time.time() - t0 < 40 and (last is None or time.time() - last < quiet):
+            ms = c.receive(4, 20)
             for m in ms:
+                time.sleep(0.02)  # some work per message
                 c.ack(m); seen.append(m.message_id)
             if ms: last = time.time()
         emit({"seen": seen}); c.shutdown()
@@ -172,6 +167,15 @@ def test_two_groups_and_shared_group_without_duplicates(shared):
     procs = [start_client(shared.endpoint, consumer, home, args=["GroupsX", 3]),
              start_client(shared.endpoint, consumer, home, args=["GroupsY", 3]),
              start_client(shared.endpoint, consumer, home, args=["GroupsY", 3])]
+    for p in procs:  # every consumer is up before the first message is sent
+        assert p.stdout.readline().strip() == b'{"ready": true}'
+    prod = start_client(shared.endpoint, f'''
+        p = Producer(cfg(), ("Groups1",)); p.startup()
+        ids = [p.send(msg("Groups1", f"m{{i}}")).message_id for i in range({n})]
+        emit({{"ids": ids}})
+        p.shutdown()
+    ''', home)
+    ids = collect(prod, 60)[0][0]["ids"]
     results = [collect(p, 90)[0][0]["seen"] for p in procs]
     x, y1, y2 = results
     assert sorted(x) == sorted(ids)
