@@ -109,6 +109,9 @@ def test_consumer_offsets_fastjson_and_backup(tmp_path):
     assert om.get("TopicTest", "g1", 0) == 250 and om.get("TopicTest", "g1", 5) is None
     om.commit("TopicTest", "g1", 1, 4)
     om.write(om.snapshot())
+    assert (d / "consumerOffset.json.bak").read_text().startswith('{"offsetTable":{"TopicTest@g1":{0:250'), \
+        "RocketMQ's original file is kept as the backup"
+    assert json.loads((d / "consumerOffset.json").read_text())["offsetTable"]["TopicTest@g1"] == {"0": 250, "1": 4}
     assert om.snapshot() is None, "nothing changed since"
     om.commit("TopicTest", "g1", 1, 5)
     om.write(om.snapshot())

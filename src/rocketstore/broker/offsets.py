@@ -56,6 +56,14 @@ class ConsumerOffsetManager:
         self.table: dict[str, dict[int, int]] = {}
         self.version = 0
         self.dirty = False
+        self._fastjson = False
+        try:
+            with open(self.path, encoding="utf-8") as fh:
+                json.loads(fh.read())
+        except ValueError:
+            self._fastjson = True  # RocketMQ's own file: kept as the .bak on the first write
+        except OSError:
+            pass
         data = read_json_lenient(self.path) or {}
         if isinstance(data, dict):
             self.version = int((data.get("dataVersion") or {}).get("counter", 0) or 0)
@@ -90,4 +98,10 @@ class ConsumerOffsetManager:
                 "dataVersion": {"counter": self.version, "stateVersion": 0, "timestamp": int(time.time() * 1000)}}
 
     def write(self, snapshot: dict[str, Any]) -> None:
+        if self._fastjson:
+            self._fastjson = False
+            try:
+                os.replace(self.path, f"{self.path}.bak")
+            except OSError:
+                pass
         write_json_atomic(self.path, snapshot)

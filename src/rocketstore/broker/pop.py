@@ -557,18 +557,3 @@ class PopService:
         if n:
             self.dirty = True
         return n
-
-    # ------------------------------------------------------------ info
-    def lag(self, group: str, topic: str, queue_ids: Iterable[int]) -> dict[str, int]:
-        """Messages not yet acked by the group and those in flight."""
-        backlog = inflight = 0
-        for qid in queue_ids:
-            qs = self.queues.get((group, topic, qid))
-            hi = self.store.max_offset_in_queue(topic, qid)
-            if qs is None:
-                lo = self.store.min_offset_in_queue(topic, qid) if self.consume_from == "FIRST" else hi
-                backlog += hi - lo
-                continue
-            backlog += hi - qs.next + len(qs.entries)
-            inflight += sum(1 for e in qs.entries.values() if not e.blocked)
-        return {"backlog": backlog, "inflight": inflight}

@@ -30,10 +30,10 @@ from .. import codec
 from ..codec import MessageExt
 from ..message import GetMessageStatus, Message, PutMessageResult
 from .config import BrokerConfig
-from .convert import P_CHECK_IMMUNITY, P_REAL_QID, P_REAL_TOPIC, P_TRAN, Code
+from .convert import P_CHECK_IMMUNITY, P_REAL_QID, P_REAL_TOPIC, P_TRAN, Code, to_pb
 from .offsets import ConsumerOffsetManager
 from .pop import now_ms
-from .proto import pb
+from .proto import pb, svc
 from .timer import restore
 from .topics import TRANS_GROUP, TRANS_HALF_TOPIC, TRANS_OP_HALF_TOPIC
 
@@ -264,8 +264,8 @@ class TransactionService:
 
     @staticmethod
     def check_command(m: MessageExt) -> Any:
-        from .convert import to_pb
-        cmd = pb_service().TelemetryCommand()
+        """The Telemetry command that asks a producer about a half message."""
+        cmd = svc.TelemetryCommand()
         rec = cmd.recover_orphaned_transaction_command
         to_pb(m, rec.message)
         rec.message.topic.name = m.properties.get(P_REAL_TOPIC, m.topic)
@@ -273,7 +273,3 @@ class TransactionService:
         rec.transaction_id = codec.offset_msg_id(m.store_addr, m.store_port, m.commit_log_offset)
         return cmd
 
-
-def pb_service() -> Any:
-    from .proto import svc
-    return svc
