@@ -218,3 +218,31 @@ def test_topic_config_roundtrip_keeps_unknown_fields():
     assert d["custom"] == 1 and d["attributes"] == {"other": "v"}
     g = GroupConfig.from_json("G", {"groupName": "G", "retryMaxTimes": 2, "brokerId": 3})
     assert g.to_json()["brokerId"] == 3 and g.max_attempts == 3
+
+
+def test_pop_auto_renew_release_and_restart(store):
+    put(store, "P", 3)
+    pop, _ = pop_service(store, auto_renew_ms=2000, renew_ahead_ms=1500)
+    out, _ = pop.receive("PG", "P", [0], 3, 2000, TagFilter("*"), fifo=False, max_attempts=5, client="push1",
+                         auto_renew=True)
+    assert len(out) == 3
+    before = out[0].entry.visible_at
+    time.sleep(0.6)
+    assert pop.renew(lambda c: c == "push1") == 3
+    assert out[0].entry.visible_at > before, "renewed while the client is alive"
+    out[0].entry.visible_at = int(time.time() * 1000) + 500
+    assert pop.renew(lambda c: False) == 0
+    assert out[0].entry.auto_renew is False, "a dead client's receipts are no longer renewed"
+    out[1].entry.auto_renew = True
+    assert pop.release_client("push1", delay_ms=0) == 1
+    again, _ = recv(pop, "PG", "P", batch=3)
+    assert [d.entry.offset for d in again] == [1]
+    # after a restart, an auto-renewed receipt (its client is gone) comes back within a second
+    out[2].entry.auto_renew = True
+    out[2].entry.visible_at = int(time.time() * 1000) + 60_000
+    pop.dirty = True
+    pop.write(pop.snapshot())
+    pop2, _ = pop_service(store)
+    time.sleep(1.05)
+    back, _ = recv(pop2, "PG", "P", batch=3)
+    assert 2 in [d.entry.offset for d in back]

@@ -215,6 +215,7 @@ class PopService:
                 if e.auto_renew:  # its client is gone with the old process; give it back soon
                     e.auto_renew = False
                     e.visible_at = min(e.visible_at, now + 1000)
+            qs.recompute_due()
         if self.queues:
             log.info("consumer state: %d queues of %d groups", len(self.queues),
                      len({k[0] for k in self.queues}))
@@ -544,15 +545,17 @@ class PopService:
         now = now_ms()
         n = 0
         for qs in self.queues.values():
+            renewed = False
             for e in qs.entries.values():
                 if not e.auto_renew or e.blocked or e.visible_at - now > self.renew_ahead_ms:
                     continue
                 if alive(e.client) and now - e.first_pop < self.renew_max_ms:
                     e.visible_at = now + self.auto_renew_ms
                     n += 1
+                    renewed = True
                 else:
                     e.auto_renew = False
-            if n:
+            if renewed:
                 qs.recompute_due()
         if n:
             self.dirty = True
