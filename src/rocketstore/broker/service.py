@@ -101,6 +101,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         self.advertised = (adv.strip("[]"), port)
         self._rr: dict[str, itertools.count] = {}
         self._recent: OrderedDict[tuple[str, str], tuple[int, str]] = OrderedDict()
+        self._tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------ helpers
     def _endpoints_for(self, requested: Any, out: Any) -> None:
@@ -418,37 +419,49 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         deadline = started + poll
         sent = False
         try:
-            while True:
-                deliveries, dead = pop.receive(group, t.name, qids, batch, inv, flt, fifo=fifo,
-                                               max_attempts=attempts, client=cid, auto_renew=auto_renew)
-                for d in dead:
-                    asyncio.get_running_loop().create_task(self._dead_letter(d))
-                if deliveries:
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                await self.broker.wait_for_messages(t.name, min(left, 0.1))
-            ns = request.group.resource_namespace
-            if deliveries:
-                _set(first.status, Code.OK)
-                yield first
+            replies: list[Any] = []
+            try:
+                while True:
+                    deliveries, dead = pop.receive(group, t.name, qids, batch, inv, flt, fifo=fifo,
+                                                   max_attempts=attempts, client=cid, auto_renew=auto_renew)
+                    for d in dead:
+                        self._background(self._dead_letter(d))
+                    if deliveries:
+                        break
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    await self.broker.wait_for_messages(t.name, min(left, 0.1))
+                ns = request.group.resource_namespace
                 for d in deliveries:
                     r = svc.ReceiveMessageResponse()
                     to_pb(d.message, r.message, namespace=ns, receipt_handle=d.handle,
                           delivery_attempt=max(1, d.entry.attempts), invisible_ms=inv)
-                    yield r
-            else:
-                _set(first.status, Code.MESSAGE_NOT_FOUND, "no new message")
-                yield first
-            sent = True
+                    replies.append(r)
+                if deliveries:
+                    _set(first.status, Code.OK)
+                else:
+                    _set(first.status, Code.MESSAGE_NOT_FOUND, "no new message")
+            except Exception as e:
+                log.exception("ReceiveMessage failed")
+                replies = []
+                _set(first.status, Code.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}"[:500])
+            yield first
+            for r in replies:
+                yield r
+            sent = bool(replies)
             r = svc.ReceiveMessageResponse()
             set_ts(r.delivery_timestamp, now_ms())
             yield r
         finally:
             if deliveries and not sent:
-                # The client is gone before it got them: make them visible again right away.
+                # The client is gone before it got them (or they could not be sent): visible again at once.
                 pop.release(deliveries, group, t.name)
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _receive_plan(self, request: Any, context: Any, status: Any) -> tuple | None:
         cid = self._client_id(context)
