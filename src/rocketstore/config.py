@@ -133,27 +133,32 @@ class StoreConfig:
     @classmethod
     def load(cls, path: str) -> "StoreConfig":
         """Read a ``broker.conf`` style file: ``key=value`` lines, ``#`` comments."""
-        try:
-            with open(path, encoding="utf-8") as fh:
-                lines = fh.read().splitlines()
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
-        values: dict[str, str] = {}
-        for n, line in enumerate(lines, 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            if "=" not in line:
-                raise ConfigError(f"{path}:{n}: expected key=value, got {line!r}")
-            k, _, v = line.partition("=")
-            values[k.strip()] = v.strip()
-        return cls.from_mapping(values, source=path)
+        return cls.from_mapping(read_conf_file(path), source=path)
 
     def replace(self, **changes: Any) -> "StoreConfig":
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def read_conf_file(path: str) -> dict[str, str]:
+    """The ``key=value`` lines of a ``broker.conf`` style file (``#`` starts a comment line)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
+    values: dict[str, str] = {}
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "=" not in line:
+            raise ConfigError(f"{path}:{n}: expected key=value, got {line!r}")
+        k, _, v = line.partition("=")
+        values[k.strip()] = v.strip()
+    return values
 
 
 def _convert(raw: Any, typ: Any, where: str) -> Any:
