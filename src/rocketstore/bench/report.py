@@ -143,13 +143,12 @@ def make_plots(res: Results, targets: list[dict[str, Any]], out_dir: str, stem: 
 
     def save(fig, name: str) -> None:
         p = os.path.join(out_dir, f"{stem}-{name}.png")
-        fig.tight_layout()
-        fig.savefig(p, dpi=110)
+        fig.savefig(p, dpi=110, bbox_inches="tight")
         plt.close(fig)
         paths.append(p)
 
     # 1. Targets: how far each ratio is from its target (1.0 = exactly on target).
-    fig, ax = plt.subplots(figsize=(12, 0.36 * len(targets) + 1.2))
+    fig, ax = plt.subplots(figsize=(7, 0.36 * len(targets) + 1.2))
     labels, values, colors = [], [], []
     for t in reversed(targets):
         labels.append(f"{t['workload']}: {t['target']}")
@@ -167,8 +166,6 @@ def make_plots(res: Results, targets: list[dict[str, Any]], out_dir: str, stem: 
     ax.set_xscale("log")
     ax.set_xlabel("ratio / target (>= 1 met; log scale; grey = not measured)")
     ax.set_title("Targets, each a ratio taken in this run")
-    fig.tight_layout()
-    fig.subplots_adjust(left=0.5)
     save(fig, "targets")
 
     # 2. Put throughput by body size: single, batched, the bare-append floor.
