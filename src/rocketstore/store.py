@@ -299,6 +299,8 @@ class MessageStore:
         self.reput = ReputMessageService(self, self.commitlog.max_offset())
         self._services += [self.reput, FlushConsumeQueueService(self), CheckpointService(self)]
         self._services += [self.clean_service, DiskGuardService(self), MetricsService(self)]
+        if not self.commitlog.queue.files:
+            self.commitlog.queue.start_preallocation(0)  # the first segment too is made off the put path
         for s in self._services:
             s.start()
         previous = b""
