@@ -26,10 +26,40 @@ CQ_STORE_UNIT_SIZE = 20
 _UNIT = struct.Struct(">qiq")
 PRE_BLANK_UNIT = _UNIT.pack(0, 0x7FFFFFFF, 0)
 
+_ZERO_UNIT = bytes(CQ_STORE_UNIT_SIZE)
+
 LOWER = "lower"
 UPPER = "upper"
 
 TimestampReader = Callable[[int, int], int]  # (commitlog offset, size) -> storeTimestamp or -1
+
+
+def _valid_prefix(mm, file_size: int) -> tuple[int, tuple[int, int, int] | None]:
+    """Bytes of valid units (offset >= 0, size > 0) at the start of a file, and the last valid unit.
+
+    The written part ends at the first all-zero unit (found by ``find`` in C; a
+    valid unit has a non-zero size, so 20 zero bytes never straddle two valid
+    units); the units before it are then checked in one ``iter_unpack`` pass.
+    """
+    end = 0
+    while True:
+        hit = mm.find(_ZERO_UNIT, end)
+        if hit < 0:
+            end = file_size
+            break
+        aligned = hit - hit % CQ_STORE_UNIT_SIZE
+        if mm[aligned:aligned + CQ_STORE_UNIT_SIZE] == _ZERO_UNIT:
+            end = aligned
+            break
+        end = aligned + CQ_STORE_UNIT_SIZE
+    last = None
+    n = 0
+    for unit in struct.iter_unpack(">qiq", mm[:end]):
+        if unit[0] < 0 or unit[1] <= 0:
+            break
+        last = unit
+        n += 1
+    return n * CQ_STORE_UNIT_SIZE, last
 
 
 class ConsumeQueue:
@@ -115,17 +145,11 @@ class ConsumeQueue:
             return []
         idx = max(0, len(files) - 3)
         max_phy = -1
-        process = files[idx].file_from_offset
         while True:
             f = files[idx]
-            mm, valid = f.mm, 0
-            while valid + CQ_STORE_UNIT_SIZE <= self.file_size:
-                off, size, _ = _UNIT.unpack_from(mm, valid)
-                if off >= 0 and size > 0:
-                    valid += CQ_STORE_UNIT_SIZE
-                    max_phy = off + size
-                else:
-                    break
+            valid, last = _valid_prefix(f.mm, self.file_size)
+            if last is not None:
+                max_phy = last[0] + last[1]
             process = f.file_from_offset + valid
             if valid == self.file_size and idx + 1 < len(files):
                 idx += 1
@@ -151,12 +175,18 @@ class ConsumeQueue:
                 else:
                     f.destroy()
                 continue
-            p = 0
-            while p + CQ_STORE_UNIT_SIZE <= self.file_size:
-                off, size, _ = _UNIT.unpack_from(f.mm, p)
-                if off >= phy or not (off >= 0 and size > 0):
-                    break
-                p += CQ_STORE_UNIT_SIZE
+            valid, _ = _valid_prefix(f.mm, self.file_size)
+            # the units before the cut are ascending: find the first one at or past ``phy``
+            lo, hi = 0, valid // CQ_STORE_UNIT_SIZE
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if _UNIT.unpack_from(f.mm, mid * CQ_STORE_UNIT_SIZE)[0] >= phy:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            p = lo * CQ_STORE_UNIT_SIZE
+            if p:
+                off, size, _ = _UNIT.unpack_from(f.mm, p - CQ_STORE_UNIT_SIZE)
                 self.max_physic_offset = off + size
             f.set_positions(p)
             break
