@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from ..config import StoreConfig, _convert
+from ..config import StoreConfig, _convert, read_conf_file
 from ..errors import ConfigError
 
 DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
@@ -124,29 +124,11 @@ def parse_duration_ms(text: str) -> int:
     raise ValueError(f"bad duration {text!r}: expected e.g. 500ms, 1s, 2m, 1h")
 
 
-def read_conf_lines(path: str) -> dict[str, str]:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            lines = fh.read().splitlines()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
-    values: dict[str, str] = {}
-    for n, line in enumerate(lines, 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if "=" not in line:
-            raise ConfigError(f"{path}:{n}: expected key=value, got {line!r}")
-        k, _, v = line.partition("=")
-        values[k.strip()] = v.strip()
-    return values
-
-
 def load_broker_conf(path: str | None) -> tuple[StoreConfig | None, BrokerConfig]:
     """Split one ``broker.conf`` into the store's settings (None when it sets none) and the broker's."""
     if not path:
         return None, BrokerConfig()
-    values = read_conf_lines(path)
+    values = read_conf_file(path)
     broker = {k: v for k, v in values.items() if k in BROKER_KEYS}
     store = {k: v for k, v in values.items() if k not in BROKER_KEYS}
     store_cfg = StoreConfig.from_mapping(store, source=path)  # refuses unknown keys
