@@ -47,8 +47,12 @@ class FlushRealTimeService(ServiceThread):
 class GroupCommitService(ServiceThread):
     """SYNC_FLUSH: one fdatasync serves every producer waiting when it starts.
 
-    Producers publish how far they need the log flushed and wait on one
-    condition; the service flushes up to the furthest request and wakes them all.
+    Leader/follower: the first producer that finds no flush under way calls
+    ``fdatasync`` itself, for everything written so far; producers arriving
+    meanwhile wait on one condition and are all released when it returns
+    (the next leader steps up if their bytes came too late).  There is no
+    hand-off to another thread on the hot path.  The service thread only
+    flushes for messages put with ``WAIT=false``.
     """
 
     name = "GroupCommitService"
@@ -57,45 +61,58 @@ class GroupCommitService(ServiceThread):
         super().__init__(interval=0.01)
         self.store = store
         self._cond = threading.Condition()
+        self._flushing = False
         self._wanted = 0
         self.failed = False
 
     def wait_flushed(self, next_offset: int, timeout: float) -> bool:
         """Block until the log is durable up to ``next_offset``; False on timeout or a flush error."""
         queue = self.store.commitlog.queue
-        with self._cond:
-            if next_offset > self._wanted:
-                self._wanted = next_offset
-            self.wakeup()
-            self._cond.wait_for(lambda: queue.flushed_where >= next_offset or self.failed or self.stopped, timeout)
-            return queue.flushed_where >= next_offset and not self.failed
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._cond:
+                while queue.flushed_where < next_offset and not self.failed and self._flushing:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    self._cond.wait(remaining)
+                if queue.flushed_where >= next_offset or self.failed:
+                    return not self.failed and queue.flushed_where >= next_offset
+                self._flushing = True  # this producer leads the next flush
+            self._flush_up_to(self.store.commitlog.max_offset())
 
     def request(self, next_offset: int) -> None:
         """Ask for a flush without waiting (WAIT=false messages)."""
-        with self._cond:
-            if next_offset > self._wanted:
-                self._wanted = next_offset
+        self._wanted = max(self._wanted, next_offset)
         self.wakeup()
 
-    def run_once(self) -> None:
+    def _flush_up_to(self, target: int) -> None:
+        """Flush as the leader (``_flushing`` is set), then release every waiter."""
         store = self.store
-        queue = store.commitlog.queue
-        target = self._wanted
-        if queue.flushed_where >= target:
+        try:
+            for _ in range(1000):
+                if store.commitlog.queue.flushed_where >= target:
+                    break
+                if not store.flush_commitlog(0, True) and store.flush_error:
+                    self.failed = True
+                    break
+        finally:
+            with self._cond:
+                self._flushing = False
+                self._cond.notify_all()
+
+    def run_once(self) -> None:
+        if self.store.commitlog.queue.flushed_where >= self._wanted:
             return
-        for _ in range(1000):
-            if queue.flushed_where >= target:
-                break
-            if not store.flush_commitlog(0, True) and store.flush_error:
-                self.failed = True
-                break
         with self._cond:
-            self._cond.notify_all()
+            if self._flushing:
+                return
+            self._flushing = True
+        self._flush_up_to(self._wanted)
 
     def on_shutdown(self) -> None:
+        self._wanted = self.store.commitlog.max_offset()
         self.run_once()
-        with self._cond:
-            self._cond.notify_all()
 
 
 class FlushConsumeQueueService(ServiceThread):
