@@ -39,7 +39,7 @@ LOCALHOST = (b"\x7f\x00\x00\x01", 0)
 DEFAULT_STORE_HOST = (b"\x7f\x00\x00\x01", 10911)
 
 
-@dataclass
+@dataclass(slots=True)
 class Message:
     """A message to put.  ``tags``/``keys`` are shorthands for the TAGS/KEYS properties.
 
@@ -97,7 +97,7 @@ def host_tuple(h: str | tuple[bytes, int]) -> tuple[bytes, int]:
     return h
 
 
-@dataclass
+@dataclass(slots=True)
 class PutMessageResult:
     status: PutMessageStatus
     commit_log_offset: int = -1
@@ -121,7 +121,7 @@ class PutMessageResult:
         return d
 
 
-@dataclass
+@dataclass(slots=True)
 class GetMessageResult:
     status: GetMessageStatus
     next_begin_offset: int
@@ -135,7 +135,7 @@ class GetMessageResult:
                 "messages": [m.to_json(with_body) for m in self.messages]}
 
 
-@dataclass
+@dataclass(slots=True)
 class QueryMessageResult:
     phy_offsets: list[int]
     messages: list[MessageExt]
