@@ -269,3 +269,19 @@ def test_full_disk_when_a_segment_is_created(tmp_path, monkeypatch):
         ok = sum(1 for x in results if x.ok) + 2
         assert store.max_offset_in_queue("D", 0) == ok
     assert run_cli("verify", tmp_path / "s").returncode == 0
+
+
+def test_warm_mapped_file_enable_warms_only_files_no_writer_has(tmp_path, monkeypatch):
+    from rocketstore import mapped_file
+    warmed = []
+    real = mapped_file.warm
+    monkeypatch.setattr(mapped_file, "warm", lambda mf: warmed.append(mf.file_from_offset) or real(mf))
+    cfg = StoreConfig(mappedFileSizeCommitLog=64 * 1024, warmMapedFileEnable=True)
+    with MessageStore.open(str(tmp_path / "s"), cfg) as store:
+        for _ in range(150):
+            assert store.put(Message("W", b"w" * 1000)).ok
+        store.commitlog.queue.preallocated()
+        assert warmed and all(off % 65536 == 0 for off in warmed)
+        assert store.get("W", 0, 0, 1).messages[0].body == b"w" * 1000  # nothing a writer wrote was zeroed
+    with MessageStore.open(str(tmp_path / "s"), cfg, read_only=True) as store:
+        assert sum(1 for _o, _s, m, _p in store.messages(read_body=False) if m) == 150

@@ -35,10 +35,11 @@ class AppendResult:
 
 class CommitLog:
     def __init__(self, directory: str, file_size: int, *, read_only: bool = False,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, warm: bool = False) -> None:
         self.directory = directory
         self.file_size = file_size
-        self.queue = MappedFileQueue(directory, file_size, read_only=read_only, preallocate=not read_only)
+        self.queue = MappedFileQueue(directory, file_size, read_only=read_only, preallocate=not read_only,
+                                     warm=warm)
         self.put_lock = threading.Lock()
         self.clock = clock
         self.confirm_offset = 0
