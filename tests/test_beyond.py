@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig
 from rocketstore.jsonfile import read_json, write_json_atomic

@@ -15,7 +15,7 @@ import pytest
 
 from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig, StoreLoadError
 from rocketstore import mapped_file
-from conftest import REPO, copy_store, golden_expected, golden_store, run_cli
+from conftest import REPO, golden_expected, golden_store, run_cli
 
 WRITER = REPO / "tests" / "helpers" / "writer.py"
 

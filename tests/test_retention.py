@@ -6,7 +6,6 @@ import json
 import os
 import time
 
-import pytest
 
 from rocketstore import GetMessageStatus, Message, MessageStore, PutMessageStatus
 from conftest import golden_expected, run_cli

@@ -14,7 +14,6 @@ import pytest
 from rocketstore import (ConfigError, GetMessageStatus, Message, MessageStore, PutMessageStatus, StoreClosedError,
                          StoreConfig, StoreLoadError, StoreLockedError)
 from rocketstore.config import golden_config
-from rocketstore.importer import import_messages
 from conftest import GOLDEN, GOLDEN_NAMES, golden_expected, golden_queries, golden_store, run_cli
 
 

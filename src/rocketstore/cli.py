@@ -16,7 +16,7 @@ import sys
 from typing import Any, Callable, NoReturn
 
 from .config import StoreConfig
-from .errors import CliError, StoreError
+from .errors import StoreError
 
 log = logging.getLogger("rocketstore")
 

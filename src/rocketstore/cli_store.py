@@ -6,7 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from .cli import CliError, emit, load_config
+from .cli import emit, load_config
+from .errors import CliError
 from .config import StoreConfig
 from .consume_queue import LOWER, UPPER
 from .message import Message, parse_tag_filter

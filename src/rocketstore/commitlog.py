@@ -10,7 +10,6 @@ to the next segment.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -181,10 +180,3 @@ class CommitLog:
 
     def close(self) -> None:
         self.queue.close()
-
-    def segment_paths(self) -> list[str]:
-        return [f.path for f in self.queue.files]
-
-    @staticmethod
-    def segment_start(path: str) -> int:
-        return int(os.path.basename(path))

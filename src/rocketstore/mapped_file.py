@@ -312,9 +312,6 @@ class MappedFileQueue:
         last = self.last()
         return last.file_from_offset + last.wrote_position if last else 0
 
-    def max_wrote_offset(self) -> int:
-        return self.max_offset()
-
     def __iter__(self) -> Iterator[MappedFile]:
         return iter(list(self.files))
 

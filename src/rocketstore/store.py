@@ -794,10 +794,6 @@ def _illegal_topic(topic: object) -> str | None:
     return None
 
 
-def open_store(path: str, config: StoreConfig | str | None = None, **kw: Any) -> MessageStore:
-    return MessageStore.open(path, config, **kw)
-
-
 def iter_json_lines(path: str) -> Iterable[dict]:
     import json
     with open(path, encoding="utf-8") as fh:
