@@ -1,0 +1,153 @@
+"""Scan throughput of the data source against Spark reading the same messages from Parquet.
+
+:func:`bench_spark_scan` exports the store to Parquet once, then times a
+body-less scan of every row through each: all ``dump`` fields except the
+body, materialised by Spark's ``noop`` sink (so every column is decoded and
+converted, as any query that uses them would).  Both are timed best of
+``repeats`` after a warm-up run, and the CPU seconds of the Spark JVM and its
+Python workers are reported too, since wall time on a shared machine is noisy.
+
+    python -m rocketstore.spark.bench STORE [--workdir DIR] [--messages N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from typing import Any
+
+
+def make_bench_store(path: str, messages: int, *, seed: int = 7, segment_bytes: int = 64 * 1024 * 1024) -> str:
+    """A store of ``messages`` messages shaped like the golden ones (3 topics, 4 queues, tags, keys, UNIQ_KEY)."""
+    from ..config import StoreConfig
+    from ..message import Message
+    from ..store import MessageStore
+    shutil.rmtree(path, ignore_errors=True)
+    rnd = random.Random(seed)
+    cfg = StoreConfig(mappedFileSizeCommitLog=segment_bytes)
+    with MessageStore.open(path, cfg) as store:
+        for i in range(messages):
+            m = Message(topic=f"Topic{'ABC'[i % 3]}", body=rnd.randbytes(rnd.randint(1, 512)), queue_id=i % 4,
+                        tags=f"Tag{'ABCDE'[i % 5]}", keys=f"order-{i} user-{i % 1000}",
+                        properties={"UNIQ_KEY": f"FD{i:030X}", "WAIT": "true", "CLUSTER": "DefaultCluster"},
+                        born_host=f"127.0.0.1:{40000 + i % 1000}")
+            r = store.put(m)
+            if not r.ok:
+                raise RuntimeError(f"bench store: put {i} refused: {r.status.value} {r.error}")
+        store.wait_dispatched()
+    return path
+
+
+def _process_cpu(root_pid: int) -> float:
+    """CPU seconds (user + system) of every descendant of ``root_pid`` (the Spark JVM and its Python workers)."""
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[-1].split()
+        except OSError:
+            continue
+        pid = int(name)
+        children.setdefault(int(fields[1]), []).append(pid)
+        ticks[pid] = int(fields[11]) + int(fields[12])
+    total, stack = 0, [root_pid]
+    while stack:
+        for c in children.get(stack.pop(), []):
+            total += ticks.get(c, 0)
+            stack.append(c)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _timed(df: Any) -> tuple[float, float]:
+    have_proc = os.path.isdir("/proc")
+    c0 = _process_cpu(os.getpid()) if have_proc else 0.0
+    t0 = time.perf_counter()
+    df.write.format("noop").mode("overwrite").save()
+    wall = time.perf_counter() - t0
+    cpu = (_process_cpu(os.getpid()) - c0) if have_proc else 0.0
+    return wall, cpu
+
+
+def bench_spark_scan(store_path: str, workdir: str, *, spark: Any = None, repeats: int = 3) -> dict[str, Any]:
+    """Rows/s of a body-less scan through the ``rocketstore`` source and through Parquet, on local[2].
+
+    Uses ``spark`` if given (its master is kept), else starts a local[2] session
+    (stopped at the end).  The Parquet copy is written to ``workdir``.
+    """
+    from . import jobs
+    own = spark is None
+    if own:
+        spark = jobs.session("local[2]", {"spark.ui.enabled": "false", "spark.driver.memory": "2g"},
+                             app_name="rocketstore bench")
+    try:
+        root = os.path.abspath(store_path)
+        os.makedirs(workdir, exist_ok=True)
+        parquet = os.path.join(workdir, "export.parquet")
+        t0 = time.perf_counter()
+        exported = jobs.export(spark, root, parquet, mode="overwrite")
+        export_s = time.perf_counter() - t0
+        rows = exported["rows"]
+
+        def rs() -> Any:
+            return spark.read.format("rocketstore").option("withBody", "false").load(root)
+
+        def pq() -> Any:
+            return spark.read.parquet(parquet).drop("body")
+        _timed(rs())  # warm-up: JVM JIT, Python workers
+        _timed(pq())
+        runs: dict[str, list[tuple[float, float]]] = {"rocketstore": [], "parquet": []}
+        for _ in range(max(1, repeats)):
+            runs["rocketstore"].append(_timed(rs()))
+            runs["parquet"].append(_timed(pq()))
+        best = {k: min(w for w, _ in v) for k, v in runs.items()}
+        cpu = {k: min(c for _, c in v) for k, v in runs.items()}
+        out: dict[str, Any] = {
+            "rows": rows, "master": spark.sparkContext.master, "exportSeconds": round(export_s, 2),
+            "rocketstoreRowsPerSec": round(rows / best["rocketstore"]),
+            "parquetRowsPerSec": round(rows / best["parquet"]),
+            "ratio": round(best["parquet"] / best["rocketstore"], 3),
+            "runs": {k: [{"seconds": round(w, 3), "cpuSeconds": round(c, 3)} for w, c in v] for k, v in runs.items()},
+        }
+        if all(cpu.values()):
+            cores = _cores(spark.sparkContext.master)
+            out["cpuRowsPerSec"] = {k: round(rows * cores / v) for k, v in cpu.items()}
+            out["cpuRatio"] = round(cpu["parquet"] / cpu["rocketstore"], 3)
+        return out
+    finally:
+        if own:
+            spark.stop()
+
+
+def _cores(master: str) -> int:
+    import re
+    m = re.match(r"local\[(\d+)\]", master or "")
+    if m:
+        return int(m.group(1))
+    return os.cpu_count() or 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rocketstore.spark.bench", description=__doc__.splitlines()[0])
+    p.add_argument("store", metavar="STORE", help="store to scan (created with --messages if given)")
+    p.add_argument("--workdir", default=None, metavar="DIR")
+    p.add_argument("--messages", type=int, default=None, help="first create a bench store of N messages")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    if args.messages:
+        make_bench_store(args.store, args.messages)
+    import tempfile
+    workdir = args.workdir or tempfile.mkdtemp(prefix="rocketstore-spark-bench-")
+    sys.stdout.write(json.dumps(bench_spark_scan(args.store, workdir, repeats=args.repeats)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

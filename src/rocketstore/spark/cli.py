@@ -1,0 +1,202 @@
+"""``rocketstore spark ...``: the distributed jobs from the command line.
+
+    rocketstore spark verify STORE [--json]
+    rocketstore spark rebuild STORE
+    rocketstore spark export STORE --to DIR [--format parquet] [--partition-by topic,date]
+    rocketstore spark import STORE --from DIR [--replay]
+    rocketstore spark stats STORE [--json] [--plot traffic.png]
+    rocketstore spark package [--out DIR]
+
+Every job takes ``--master`` (default ``local[*]``, or spark-submit's) and
+``--conf key=value``.  Under spark-submit the same arguments follow the
+launcher script (:mod:`rocketstore.spark.package`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from typing import Any, Callable, NoReturn
+
+from ..errors import CliError, StoreError
+
+log = logging.getLogger(__name__)
+
+
+def _conf(items: list[str]) -> dict[str, str]:
+    out = {}
+    for kv in items:
+        k, sep, v = kv.partition("=")
+        if not sep or not k.strip():
+            raise CliError(f"--conf {kv!r}: expected key=value")
+        out[k.strip()] = v
+    return out
+
+
+def _emit(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, ensure_ascii=False, default=str) + "\n")
+
+
+def _spark_error(e: BaseException) -> StoreError:
+    """One line for a failure that happened inside Spark (a Python worker's error is buried in its text)."""
+    text = str(e)
+    m = re.search(r"rocketstore\.[\w.]*(?:Error|Exception): (.+)", text) or \
+        re.search(r"(?:StoreError|StoreLoadError|StoreLockedError|RecordFormatError): (.+)", text)
+    line = m.group(1).strip() if m else next((ln.strip() for ln in text.splitlines() if ln.strip()), repr(e))
+    return StoreError(line[:2000])
+
+
+def _run(args: argparse.Namespace, job: Callable[[Any, argparse.Namespace], int]) -> int:
+    from . import jobs
+    conf = _conf(args.conf or [])
+    try:
+        spark = jobs.session(args.master, conf, app_name=f"rocketstore {args.spark_command}")
+    except StoreError:
+        raise
+    except Exception as e:  # noqa: BLE001 - no JVM, bad master...
+        raise StoreError(f"cannot start Spark: {_spark_error(e)}") from None
+    try:
+        return job(spark, args)
+    except StoreError:
+        raise
+    except Exception as e:  # noqa: BLE001 - PySpark wraps worker errors; report the first useful line
+        from pyspark.errors import PySparkException
+        from py4j.protocol import Py4JJavaError
+        if isinstance(e, (PySparkException, Py4JJavaError)):
+            raise _spark_error(e) from None
+        raise
+    finally:
+        if not args.keep_session:
+            spark.stop()
+
+
+def _verify(spark: Any, args: argparse.Namespace) -> int:
+    from . import jobs
+    result = jobs.verify(spark, args.store, args.config)
+    if args.json:
+        _emit(result)
+    else:
+        try:
+            from ..cli_store import _print_verify_table  # the table `rocketstore verify` prints
+        except ImportError:
+            _emit(result)
+        else:
+            _print_verify_table(result)
+    return 0 if result["ok"] else 1
+
+
+def _rebuild(spark: Any, args: argparse.Namespace) -> int:
+    from . import jobs
+    _emit(jobs.rebuild(spark, args.store, args.config))
+    return 0
+
+
+def _export(spark: Any, args: argparse.Namespace) -> int:
+    from . import jobs
+    opts = {} if not args.no_body else {"withBody": "false"}
+    _emit(jobs.export(spark, args.store, args.to, fmt=args.format, partition_by=(args.partition_by or "").split(","),
+                      mode=args.mode, options=opts))
+    return 0
+
+
+def _import(spark: Any, args: argparse.Namespace) -> int:
+    from . import jobs
+    opts = {"config": args.config} if args.config else {}
+    _emit(jobs.import_files(spark, args.source, args.store, fmt=args.format, replay=args.replay, options=opts))
+    return 0
+
+
+def _stats(spark: Any, args: argparse.Namespace) -> int:
+    from . import jobs
+    result = jobs.stats(spark, args.store, plot=args.plot)
+    if args.json:
+        _emit(result)
+    else:
+        sys.stdout.write(jobs.stats_table(result))
+    return 0
+
+
+def _package(args: argparse.Namespace) -> int:
+    from .package import build
+    _emit(build(args.out))
+    return 0
+
+
+def add_jobs(ssub: argparse._SubParsersAction) -> None:
+    def add(name: str, job: Callable[[Any, argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+        p = ssub.add_parser(name, help=help, description=help)
+        p.add_argument("store", metavar="STORE", help="store root directory (every executor must see it)")
+        p.add_argument("--master", default=None, help="Spark master (default local[*], or spark-submit's)")
+        p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE", help="Spark configuration")
+        p.add_argument("--keep-session", action="store_true", help=argparse.SUPPRESS)
+        p.set_defaults(handler=lambda args, job=job: _run(args, job), spark_command=name)
+        return p
+
+    p = add("verify", _verify, "parallel CRC check of every record, cross-check of consume queues and index "
+            "(exit 1 if not OK)")
+    p.add_argument("--config", metavar="FILE", help="broker.conf style file (geometry)")
+    p.add_argument("--json", action="store_true", help="JSON instead of a table")
+
+    p = add("rebuild", _rebuild, "rebuild consume queues and index from the commitlog (store must not be open)")
+    p.add_argument("--config", metavar="FILE", help="broker.conf style file (geometry, when the files are gone)")
+
+    p = add("export", _export, "every message as Parquet (or ORC) files")
+    p.add_argument("--to", required=True, metavar="DIR")
+    p.add_argument("--format", default="parquet", choices=["parquet", "orc"])
+    p.add_argument("--partition-by", metavar="COLS", help="comma-separated: topic, queueId, date, hour (UTC)")
+    p.add_argument("--mode", default="errorifexists", choices=["errorifexists", "overwrite", "append", "ignore"])
+    p.add_argument("--no-body", action="store_true", help="leave bodies out")
+
+    p = add("import", _import, "append the messages of an export (Parquet/ORC with topic and body) to a store")
+    p.add_argument("--from", dest="source", required=True, metavar="DIR")
+    p.add_argument("--format", default="parquet", choices=["parquet", "orc"])
+    p.add_argument("--replay", action="store_true",
+                   help="keep store times, hosts and exact properties, in commitLogOffset order")
+    p.add_argument("--config", metavar="FILE", help="broker.conf for a new store's geometry")
+
+    p = add("stats", _stats, "messages and bytes per topic, queue and hour, body sizes, keys, dispatch lag")
+    p.add_argument("--json", action="store_true", help="JSON instead of a table")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw traffic over time")
+
+    p = ssub.add_parser("package", help="zip rocketstore for spark-submit --py-files, with a launcher script")
+    p.add_argument("--out", default="dist", metavar="DIR")
+    p.set_defaults(handler=_package, spark_command="package")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``rocketstore spark ...`` to the main command."""
+    p = sub.add_parser("spark", help="distributed jobs on Spark: verify, rebuild, export, import, stats",
+                       description="distributed jobs on Spark (pyspark needed)")
+    ssub = p.add_subparsers(dest="spark_command", metavar="JOB", parser_class=type(p))
+    ssub.required = True
+    add_jobs(ssub)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"rocketstore spark: error: {message}\n")
+        raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The jobs without the ``rocketstore`` command around them (spark-submit's launcher calls this)."""
+    parser = _Parser(prog="rocketstore spark", description="distributed jobs on Spark")
+    parser.add_argument("-v", "--verbose", action="count", default=0)
+    ssub = parser.add_subparsers(dest="spark_command", metavar="JOB", parser_class=_Parser)
+    ssub.required = True
+    add_jobs(ssub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.handler(args) or 0
+    except (StoreError, OSError) as e:
+        sys.stderr.write(f"rocketstore: error: {e}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

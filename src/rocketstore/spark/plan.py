@@ -1,0 +1,404 @@
+"""Driver-side planning: which commitlog segments a scan must read, and where the live end of a store is.
+
+A batch scan opens each store read-only (recovery runs in memory, nothing is
+written) to learn its segments and readable end, then prunes segments:
+
+* ``commitLogOffset`` ranges: by segment offset range;
+* ``storeTimestamp`` ranges: by segment time range, the store time of its
+  first record up to that of the next segment's first record (store times
+  ascend in commitlog order: they are stamped under the put lock);
+* ``topic`` / ``queueId``: by the consume queues.  A segment is skipped only
+  if the consume-queue units of *all* queues cover it completely (so it holds
+  no record outside a queue, such as a PREPARED or ROLLBACK transaction half)
+  and none of them belongs to a wanted queue;
+* ``keys``: by the index, on segments the consume queues cover completely
+  (ROLLBACK halves are not indexed) and that the index covers.
+
+Stream offsets are commitlog offsets found by walking record headers from the
+previous end; see :func:`find_tail`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import codec
+from ..consume_queue import CQ_STORE_UNIT_SIZE
+from ..errors import StoreError, StoreLoadError
+from ..store import MessageStore
+from .segment import RowFilter, Segment, first_store_timestamp, store_times, walk
+
+log = logging.getLogger(__name__)
+
+_UNIT_DTYPE = np.dtype([("off", ">i8"), ("size", ">i4"), ("tags", ">i8")])
+
+
+@dataclass
+class SegmentInfo:
+    path: str
+    base: int  # commitlog offset of the file start
+    file_size: int
+    end: int  # readable end, as a file position
+    first_ts: int | None = None  # store time (ms) of the first record
+
+
+@dataclass
+class ScanTask:
+    """One partition: a piece of one segment file."""
+
+    store: str
+    path: str
+    base: int
+    start: int  # file positions
+    end: int
+    boundary_known: bool = True
+    filter: RowFilter | None = None
+
+
+@dataclass
+class PlanReport:
+    store: str
+    segments: int = 0
+    selected: int = 0
+    pruned: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"store": self.store, "segments": self.segments, "selected": self.selected, "pruned": self.pruned}
+
+
+def store_roots(options: dict[str, str]) -> list[str]:
+    """The store directories of ``load(path)`` or ``load([p1, p2])``."""
+    import json
+    paths: list[str] = []
+    if options.get("paths"):
+        try:
+            value = json.loads(options["paths"])
+        except ValueError:
+            value = [options["paths"]]
+        paths += [value] if isinstance(value, str) else list(value)
+    if options.get("path"):
+        paths.append(options["path"])
+    out = []
+    for p in paths:
+        if p.startswith("file://"):
+            p = p[len("file://"):]
+        elif p.startswith("file:"):
+            p = p[len("file:"):]
+        out.append(os.path.abspath(os.path.expanduser(p)))
+    seen: set[str] = set()
+    return [p for p in out if not (p in seen or seen.add(p))]
+
+
+def open_read_only(root: str) -> MessageStore:
+    if not os.path.isdir(os.path.join(root, "commitlog")):
+        raise StoreLoadError(f"{root}: not a message store (no commitlog directory)")
+    return MessageStore.open(root, read_only=True)
+
+
+def _segment_times(segs: list[SegmentInfo]) -> None:
+    for s in segs:
+        s.first_ts = first_store_timestamp(s.path)
+
+
+def _cq_units(store: MessageStore) -> dict[tuple[str, int], np.ndarray]:
+    """Every consume-queue unit (offset, size) of every queue, as numpy arrays."""
+    out = {}
+    min_phy = store.min_phy_offset()
+    for cq in store.consume_queues():
+        parts = []
+        for f in list(cq.queue.files):
+            start = max(0, cq.min_logic_offset - f.file_from_offset)
+            count = (f.wrote_position - start) // CQ_STORE_UNIT_SIZE
+            if count <= 0:
+                continue
+            units = np.frombuffer(f.mm, dtype=_UNIT_DTYPE, count=count, offset=start)
+            parts.append(np.stack([units["off"].astype(np.int64), units["size"].astype(np.int64)], axis=1))
+        if parts:
+            u = np.concatenate(parts)
+            u = u[(u[:, 0] >= min_phy) & (u[:, 1] > 0)]
+            out[(cq.topic, cq.queue_id)] = u
+    return out
+
+
+def _covered_segments(segs: list[SegmentInfo], units: dict[tuple[str, int], np.ndarray],
+                      file_size: int) -> dict[int, tuple[int, int]]:
+    """Segments whose records all have a consume-queue unit: base -> (first, last record offset)."""
+    if not units:
+        return {}
+    allu = np.concatenate(list(units.values()))
+    if not len(allu):
+        return {}
+    allu = allu[np.argsort(allu[:, 0], kind="stable")]
+    seg_of = allu[:, 0] // file_size
+    uniq, first_idx = np.unique(seg_of, return_index=True)
+    sums = np.add.reduceat(allu[:, 1], first_idx)
+    last_idx = np.append(first_idx[1:], len(allu)) - 1
+    info = {s.base: s for s in segs}
+    out = {}
+    for k, i0, i1, total in zip(uniq.tolist(), first_idx.tolist(), last_idx.tolist(), sums.tolist()):
+        base = k * file_size
+        s = info.get(base)
+        if s is None:
+            continue
+        first, last = int(allu[i0, 0]), int(allu[i1, 0])
+        last_end = last + int(allu[i1, 1])
+        if first != base or total != last_end - base:
+            continue
+        end_pos = last_end - base
+        if end_pos != s.end:
+            if end_pos + 8 > s.end or s.end != s.file_size:
+                continue
+            with open(s.path, "rb") as fh:
+                fh.seek(end_pos)
+                head = fh.read(8)
+            if len(head) < 8 or struct.unpack(">iI", head)[1] != codec.BLANK_MAGIC:
+                continue
+        out[base] = (first, last)
+    return out
+
+
+def _index_hits(store: MessageStore, topics: list[str], keys: frozenset[str]) -> tuple[set[int] | None, tuple[int, int]]:
+    """Commitlog offsets the index gives for the first token of each KEYS value, and the range it covers."""
+    files = list(store.index_service.files)
+    if not files:
+        return None, (0, -1)
+    hits: set[int] = set()
+    for value in keys:
+        tokens = [t for t in value.split(" ") if t]
+        if not tokens:
+            return None, (0, -1)
+        for topic in topics:
+            out: list[int] = []
+            for f in files:
+                f.select(out, f"{topic}#{tokens[0]}", 1 << 62, 0, 2 ** 63 - 1)
+            hits.update(out)
+    lo = files[0].begin_phy_offset
+    if lo < store.min_phy_offset() + store.commitlog.file_size:
+        lo = store.min_phy_offset()
+    return hits, (lo, files[-1].end_phy_offset)
+
+
+def list_segments(root: str) -> list[SegmentInfo]:
+    """The segments holding records and their readable ends, without opening the store.
+
+    Every segment but the newest ends at its blank record; the newest ends
+    after its last complete record (:func:`find_tail`), so a store being
+    written, or one whose tail was torn by a crash, reads up to its last whole
+    record, as recovery would leave it.
+    """
+    files = _segment_files(root)
+    if not files:
+        return []
+    size = _file_size(files)
+    tail = find_tail(root)
+    out = []
+    for base, path in files:
+        if base >= tail:
+            break
+        out.append(SegmentInfo(path, base, size, min(size, tail - base)))
+    return out
+
+
+def plan_scan(root: str, flt: RowFilter, *, report: PlanReport | None = None) -> list[ScanTask]:
+    """The partitions of a batch scan of one store: one per segment that may hold a matching record."""
+    report = report or PlanReport(root)
+    if not os.path.isdir(os.path.join(root, "commitlog")):
+        if not os.path.exists(root):
+            raise StoreLoadError(f"{root}: no such store directory")
+        raise StoreLoadError(f"{root}: not a message store (no commitlog directory)")
+    segs = list_segments(root)
+    report.segments = len(segs)
+    if flt.empty():
+        report.pruned["emptyFilter"] = len(segs)
+        return []
+    keep = segs
+
+    def drop(reason: str, kept: list[SegmentInfo]) -> list[SegmentInfo]:
+        if len(kept) < len(keep):
+            report.pruned[reason] = report.pruned.get(reason, 0) + len(keep) - len(kept)
+        return kept
+
+    if flt.offset_lo is not None or flt.offset_hi is not None:
+        lo = -1 if flt.offset_lo is None else flt.offset_lo
+        hi = 2 ** 63 if flt.offset_hi is None else flt.offset_hi
+        keep = drop("commitLogOffset", [s for s in keep if s.base + s.end > lo and s.base <= hi])
+    if (flt.ts_lo is not None or flt.ts_hi is not None) and keep:
+        _segment_times(segs)
+        kept = []
+        for i, s in enumerate(segs):
+            if s not in keep:
+                continue
+            nxt = segs[i + 1].first_ts if i + 1 < len(segs) else None
+            if s.first_ts is not None and flt.ts_hi is not None and s.first_ts * 1000 > flt.ts_hi:
+                continue
+            if nxt is not None and flt.ts_lo is not None and nxt * 1000 < flt.ts_lo:
+                continue
+            kept.append(s)
+        keep = drop("storeTimestamp", kept)
+    if (flt.topics is not None or flt.queue_ids is not None or flt.keys is not None) and keep:
+        with open_read_only(root) as store:
+            file_size = store.commitlog.file_size
+            units = _cq_units(store)
+            covered = _covered_segments(segs, units, file_size)
+            if flt.topics is not None or flt.queue_ids is not None:
+                hit: set[int] = set()
+                for (t, q), u in units.items():
+                    if (flt.topics is None or t in flt.topics) and (flt.queue_ids is None or q in flt.queue_ids):
+                        hit.update((np.unique(u[:, 0] // file_size) * file_size).tolist())
+                keep = drop("consumeQueue", [s for s in keep if s.base in hit or s.base not in covered])
+            if flt.keys is not None and keep:
+                topics = sorted(flt.topics) if flt.topics is not None else sorted({t for t, _ in units})
+                hits, (ilo, ihi) = _index_hits(store, topics, flt.keys)
+                if hits is not None:
+                    hit_segs = {h // file_size * file_size for h in hits}
+                    kept = []
+                    for s in keep:
+                        c = covered.get(s.base)
+                        if s.base in hit_segs or c is None or not (ilo <= c[0] and c[1] <= ihi):
+                            kept.append(s)
+                    keep = drop("index", kept)
+    tasks = []
+    for s in keep:
+        start, known = 0, True
+        if flt.offset_lo is not None and s.base < flt.offset_lo < s.base + s.end:
+            start, known = _boundary(s, flt.offset_lo)
+        tasks.append(ScanTask(root, s.path, s.base, start, s.end, known, flt))
+    report.selected = len(tasks)
+    log.info("scan of %s: %d of %d segments (%s)", root, len(tasks), len(segs), report.pruned or "no pruning")
+    return tasks
+
+
+def _boundary(s: SegmentInfo, offset: int) -> tuple[int, bool]:
+    """Start a walk at ``offset`` if a record starts there (its PHYSICALOFFSET says so), else at the file start."""
+    with Segment(s.path) as seg:
+        _size, msg, _ = codec.check(seg.mm, offset - s.base, s.end, check_crc=False)
+        if msg is not None and msg.commit_log_offset == offset:
+            return offset - s.base, True
+    return 0, False
+
+
+# ---------------------------------------------------------------- live ends (streaming)
+
+def _segment_files(root: str) -> list[tuple[int, str]]:
+    d = os.path.join(root, "commitlog")
+    try:
+        names = sorted(n for n in os.listdir(d) if len(n) == 20 and n.isdigit())
+    except FileNotFoundError:
+        raise StoreLoadError(f"{root}: not a message store (no commitlog directory)") from None
+    return [(int(n), os.path.join(d, n)) for n in names]
+
+
+def earliest_offset(root: str) -> int:
+    files = _segment_files(root)
+    return files[0][0] if files else 0
+
+
+def _file_size(files: list[tuple[int, str]]) -> int:
+    return os.path.getsize(files[0][1])
+
+
+def find_tail(root: str, start: int | None = None, max_bytes: int | None = None) -> int:
+    """The commitlog offset just past the last complete record, walking record headers from ``start``.
+
+    ``start`` must be a record boundary (a previous tail); None starts at the
+    newest segment that holds a record.  ``max_bytes`` bounds how far one call
+    goes (at least one record).  A single writer finishes a record before it
+    starts the next, so only the last record found can be incomplete: it is
+    CRC-checked and left for the next call if it does not check out yet.
+    """
+    files = _segment_files(root)
+    if not files:
+        return 0 if start is None else start
+    if start is None:
+        start = files[0][0]
+        for base, path in reversed(files):
+            if first_store_timestamp(path) is not None:
+                start = base
+                break
+    size = _file_size(files)
+    by_base = dict(files)
+    budget = max_bytes
+    pos = start
+    while True:
+        base = pos - pos % size
+        path = by_base.get(base)
+        if path is None:
+            return pos
+        with Segment(path) as seg:
+            w = walk(seg.mm, pos - base, seg.size, zeros_end=True, max_bytes=budget, path=path)
+            if w.problem:
+                log.debug("tail of %s: %s", root, w.problem)
+            end = w.end
+            if len(w.positions) and not w.blank:
+                last = int(w.positions[-1])
+                _size, msg, reason = codec.check(seg.mm, last, end, check_crc=True)
+                if msg is None:
+                    log.debug("tail of %s: record at %d not complete yet (%s)", root, base + last, reason)
+                    end = last
+        if not w.blank:
+            return base + end
+        if budget is not None:
+            budget -= end - (pos - base)
+            if budget <= 0:
+                return base + size
+        pos = base + size
+
+
+def offset_for_timestamp(root: str, ts_ms: int) -> int:
+    """Commitlog offset of the first record stored at or after ``ts_ms`` (the tail when there is none)."""
+    files = _segment_files(root)
+    start_i = 0
+    for i, (_base, path) in enumerate(files):
+        t = first_store_timestamp(path)
+        if t is not None and t < ts_ms:
+            start_i = i
+    for base, path in files[start_i:]:
+        with Segment(path) as seg:
+            w = walk(seg.mm, 0, seg.size, zeros_end=True, path=path)
+            times = store_times(seg, w.positions)
+            hit = np.flatnonzero(times >= ts_ms)
+            if len(hit):
+                return base + int(w.positions[hit[0]])
+            if not w.blank:
+                break
+    return find_tail(root)
+
+
+def check_boundary(root: str, offset: int) -> int:
+    """``offset`` if a record (or a segment, or the tail) starts there; a stream can only start at one."""
+    files = _segment_files(root)
+    if not files or any(offset == b for b, _ in files):
+        return offset
+    size = _file_size(files)
+    path = dict(files).get(offset - offset % size)
+    if path is not None:
+        with Segment(path) as seg:
+            pos = offset - seg.base
+            got, msg, _ = codec.check(seg.mm, pos, seg.size, check_crc=False)
+            if msg is not None and msg.commit_log_offset == offset:
+                return offset
+    if offset == find_tail(root):
+        return offset
+    raise StoreError(f"{root}: no record starts at commitlog offset {offset}; a stream must start at a record "
+                     "(use an offset a batch read returned as commitLogOffset, earliest, latest or "
+                     "startingTimestamp)")
+
+
+def stream_tasks(root: str, start: int, end: int, flt: RowFilter | None) -> list[ScanTask]:
+    """Partitions for the commitlog range [start, end): one per segment piece; both ends are record boundaries."""
+    if end <= start:
+        return []
+    files = _segment_files(root)
+    tasks = []
+    for base, path in files:
+        size = os.path.getsize(path)
+        lo, hi = max(start, base), min(end, base + size)
+        if lo < hi:
+            tasks.append(ScanTask(root, path, base, lo - base, hi - base, True, flt))
+    return tasks

@@ -1,0 +1,458 @@
+"""The ``rocketstore`` Spark data source: batch and streaming reads, and appends.
+
+Registered with :func:`rocketstore.spark.register`.  Every class here is
+pickled to Python workers, so all state is plain data (paths, offsets,
+filters); files are opened inside ``read``/``write`` on the executors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from datetime import date, datetime, timedelta, timezone
+from typing import Any, Iterator
+
+from pyspark.sql.datasource import (DataSource, DataSourceArrowWriter, DataSourceReader, DataSourceStreamReader,
+                                    EqualNullSafe, EqualTo, Filter, GreaterThan, GreaterThanOrEqual, In,
+                                    InputPartition, LessThan, LessThanOrEqual, WriterCommitMessage)
+from pyspark.sql.streaming.datasource import (ReadAllAvailable, ReadLimit, ReadMaxBytes,
+                                              SupportsTriggerAvailableNow)
+from pyspark.sql.types import (BinaryType, IntegerType, LongType, MapType, StringType, StructField, StructType,
+                               TimestampType)
+
+from ..errors import StoreError
+from . import plan as planner
+from . import segment
+from .segment import RowFilter
+
+log = logging.getLogger(__name__)
+
+FORMAT = "rocketstore"
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_SPARK_TYPES = {"string": StringType(), "int": IntegerType(), "bigint": LongType(), "timestamp": TimestampType(),
+                "binary": BinaryType(), "map<string,string>": MapType(StringType(), StringType())}
+
+
+def spark_schema(with_body: bool = True) -> StructType:
+    """The rows' schema: the fields of ``rocketstore dump`` (body omitted with ``withBody=false``)."""
+    return StructType([StructField(n, _SPARK_TYPES[t]) for n, t, _ in segment.COLUMNS if with_body or n != "body"])
+
+
+# ---------------------------------------------------------------- options
+
+class Options:
+    """Case-insensitive view of the reader/writer options (Spark lower-cases the keys)."""
+
+    def __init__(self, options: Any) -> None:
+        self.raw = {str(k).lower(): v for k, v in dict(options or {}).items()}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.raw.get(key.lower(), default)
+
+    def flag(self, key: str, default: bool) -> bool:
+        v = self.get(key)
+        if v is None:
+            return default
+        s = str(v).strip().lower()
+        if s not in ("true", "false"):
+            raise StoreError(f"option {key}={v!r}: expected true or false")
+        return s == "true"
+
+    def int(self, key: str, default: int | None = None) -> int | None:
+        v = self.get(key)
+        if v is None or str(v).strip() == "":
+            return default
+        try:
+            return int(str(v).strip())
+        except ValueError:
+            raise StoreError(f"option {key}={v!r}: expected an integer") from None
+
+    def topics(self) -> frozenset[str] | None:
+        v = self.get("topics")
+        if v is None:
+            return None
+        ts = frozenset(t.strip() for t in str(v).split(",") if t.strip())
+        if not ts:
+            raise StoreError("option topics: expected a comma-separated list of topics")
+        return ts
+
+    def roots(self) -> list[str]:
+        roots = planner.store_roots({"path": self.get("path"), "paths": self.get("paths")})
+        if not roots:
+            raise StoreError("rocketstore: no store path given (load(path) or option path)")
+        return roots
+
+    def config_options(self) -> dict[str, str]:
+        from dataclasses import fields as dc_fields
+
+        from ..config import StoreConfig
+        names = {f.name.lower(): f.name for f in dc_fields(StoreConfig)}
+        out = {names[k]: v for k, v in self.raw.items() if k in names}
+        for k in ("replay", "lockTimeoutMs", "config"):
+            if self.get(k) is not None:
+                out[k] = self.get(k)
+        return out
+
+
+EARLIEST, LATEST = "earliest", "latest"
+
+
+def parse_offsets(value: Any, roots: list[str], name: str, default: str) -> dict[str, int | str]:
+    """``earliest`` / ``latest`` / a commitlog offset / JSON ``{"<store path>": offset}`` (-2 earliest, -1 latest)."""
+    out: dict[str, int | str] = {r: default for r in roots}
+    if value is None:
+        return out
+    text = str(value).strip()
+    if text.lower() in (EARLIEST, LATEST):
+        return {r: text.lower() for r in roots}
+    if text.lstrip("-").isdigit():
+        v = int(text)
+        return {r: _special(v, name) for r in roots}
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise StoreError(f"option {name}={text!r}: expected earliest, latest, a commitlog offset or "
+                         '{"<store path>": offset}') from None
+    if not isinstance(data, dict):
+        raise StoreError(f"option {name}: expected a JSON object of store path to offset")
+    for k, v in data.items():
+        root = planner.store_roots({"path": k})[0]
+        if root not in out:
+            raise StoreError(f"option {name}: {k} is not one of the stores read ({', '.join(roots)})")
+        if isinstance(v, str) and v.lower() in (EARLIEST, LATEST):
+            out[root] = v.lower()
+        elif isinstance(v, int) and not isinstance(v, bool):
+            out[root] = _special(v, name)
+        else:
+            raise StoreError(f"option {name}: offset of {k} must be an integer, earliest or latest")
+    return out
+
+
+def _special(v: int, name: str) -> int | str:
+    if v == -2:
+        return EARLIEST
+    if v == -1:
+        return LATEST
+    if v < 0:
+        raise StoreError(f"option {name}: offset {v} is negative")
+    return v
+
+
+def options_filter(opts: Options, roots: list[str]) -> dict[str, RowFilter]:
+    """The rows a batch read is limited to by its options, per store."""
+    starts = parse_offsets(opts.get("startingOffsets"), roots, "startingOffsets", EARLIEST)
+    ends = parse_offsets(opts.get("endingOffsets"), roots, "endingOffsets", LATEST)
+    t0 = opts.int("startingTimestamp")
+    t1 = opts.int("endingTimestamp")
+    topics = opts.topics()
+    out = {}
+    for r in roots:
+        s, e = starts[r], ends[r]
+        if s == LATEST:
+            raise StoreError("startingOffsets=latest is for streams; a batch read starts at earliest or an offset")
+        if e == EARLIEST:
+            raise StoreError("endingOffsets=earliest is not allowed for a batch read")
+        out[r] = RowFilter(offset_lo=None if s == EARLIEST else int(s), offset_hi=None if e == LATEST else int(e) - 1,
+                           ts_lo=None if t0 is None else t0 * 1000, ts_hi=None if t1 is None else t1 * 1000 - 1,
+                           topics=topics)
+    return out
+
+
+# ---------------------------------------------------------------- filter pushdown
+
+def _micros(v: Any) -> int | None:
+    if isinstance(v, datetime):
+        if v.tzinfo is None:
+            v = v.replace(tzinfo=timezone.utc)
+        return (v - _EPOCH) // timedelta(microseconds=1)
+    if isinstance(v, date):
+        return (datetime(v.year, v.month, v.day, tzinfo=timezone.utc) - _EPOCH) // timedelta(microseconds=1)
+    return None
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+_RANGE_COLUMNS = {"commitLogOffset": ("offset_lo", "offset_hi", _int),
+                  "storeTimestamp": ("ts_lo", "ts_hi", _micros)}
+_SET_COLUMNS = {"topic": ("topics", lambda v: v if isinstance(v, str) else None),
+                "queueId": ("queue_ids", _int),
+                "keys": ("keys", lambda v: v if isinstance(v, str) else None)}
+
+
+def filter_to_rows(f: Filter) -> tuple[RowFilter | None, bool]:
+    """A pushed Spark filter as a RowFilter, and whether the scan applies it exactly."""
+    col = f.attribute[0] if len(getattr(f, "attribute", ())) == 1 else None
+    if col is None:
+        return None, False
+    if col == "msgId" and isinstance(f, (EqualTo, EqualNullSafe)) and isinstance(f.value, str):
+        text = f.value
+        if len(text) in (32, 56) and all(c in "0123456789ABCDEFabcdef" for c in text):
+            off = int(text[-16:], 16)
+            return RowFilter(offset_lo=off, offset_hi=off), False
+        return RowFilter(topics=frozenset()), True  # not an offset message id: no row has it
+    if col in _RANGE_COLUMNS:
+        lo_name, hi_name, conv = _RANGE_COLUMNS[col]
+        v = conv(getattr(f, "value", None))
+        if v is None:
+            return None, False
+        if isinstance(f, (EqualTo, EqualNullSafe)):
+            return RowFilter(**{lo_name: v, hi_name: v}), True
+        if isinstance(f, GreaterThan):
+            return RowFilter(**{lo_name: v + 1}), True
+        if isinstance(f, GreaterThanOrEqual):
+            return RowFilter(**{lo_name: v}), True
+        if isinstance(f, LessThan):
+            return RowFilter(**{hi_name: v - 1}), True
+        if isinstance(f, LessThanOrEqual):
+            return RowFilter(**{hi_name: v}), True
+        if isinstance(f, In):
+            vals = [conv(x) for x in f.value]
+            if vals and all(x is not None for x in vals):
+                return RowFilter(**{lo_name: min(vals), hi_name: max(vals)}), False
+        return None, False
+    if col in _SET_COLUMNS:
+        name, conv = _SET_COLUMNS[col]
+        if isinstance(f, (EqualTo, EqualNullSafe)):
+            vals = [f.value]
+        elif isinstance(f, In):
+            vals = list(f.value)
+        else:
+            return None, False
+        conv_vals = [conv(x) for x in vals if x is not None]
+        if any(x is None for x in conv_vals):
+            return None, False
+        return RowFilter(**{name: frozenset(conv_vals)}), True
+    return None, False
+
+
+# ---------------------------------------------------------------- batch reads
+
+class ScanPartition(InputPartition):
+    """One piece of one commitlog segment (a :class:`rocketstore.spark.plan.ScanTask`)."""
+
+    def __init__(self, task: planner.ScanTask) -> None:
+        super().__init__(task)
+
+
+def _check_schema(schema: StructType) -> list[str]:
+    expected = {f.name: f.dataType for f in spark_schema()}
+    names = []
+    for f in schema.fields:
+        if f.name not in expected:
+            raise StoreError(f"rocketstore: no column {f.name!r} (columns: {', '.join(expected)})")
+        if f.dataType != expected[f.name]:
+            raise StoreError(f"rocketstore: column {f.name} is {expected[f.name].simpleString()}, "
+                             f"not {f.dataType.simpleString()}")
+        names.append(f.name)
+    return names
+
+
+def _arrow_schema(schema: StructType):
+    from pyspark.sql.pandas.types import to_arrow_schema
+    return to_arrow_schema(schema, timezone="UTC")
+
+
+def read_task(task: planner.ScanTask | None, names: list[str], arrow_schema: Any, batch_rows: int) -> Iterator[Any]:
+    if task is None:
+        return
+    import pyarrow as pa
+    for b in segment.read_range(task.path, task.start, task.end, names, task.filter, batch_rows=batch_rows,
+                                boundary_known=task.boundary_known):
+        if b.schema.equals(arrow_schema):
+            yield b
+        else:
+            yield pa.RecordBatch.from_arrays(b.columns, schema=arrow_schema)
+
+
+class RocketStoreReader(DataSourceReader):
+    def __init__(self, options: Any, schema: StructType) -> None:
+        opts = Options(options)
+        self.roots = opts.roots()
+        self.names = _check_schema(schema)
+        self.arrow_schema = _arrow_schema(schema)
+        self.base = options_filter(opts, self.roots)
+        self.pushed = RowFilter()
+        self.batch_rows = opts.int("batchRows", segment.DEFAULT_BATCH_ROWS)
+
+    def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
+        for f in filters:
+            rows, exact = filter_to_rows(f)
+            if rows is not None:
+                self.pushed = self.pushed.intersect(rows)
+            if rows is None or not exact:
+                yield f
+
+    def plan(self) -> tuple[list[planner.ScanTask], list[planner.PlanReport]]:
+        tasks: list[planner.ScanTask] = []
+        reports = []
+        for root in self.roots:
+            rep = planner.PlanReport(root)
+            tasks += planner.plan_scan(root, self.base[root].intersect(self.pushed), report=rep)
+            reports.append(rep)
+        return tasks, reports
+
+    def partitions(self) -> list[InputPartition]:
+        tasks, _ = self.plan()
+        return [ScanPartition(t) for t in tasks]
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        return read_task(partition.value, self.names, self.arrow_schema, self.batch_rows)
+
+
+# ---------------------------------------------------------------- streaming reads
+
+class RocketStoreStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Follows the stores' commitlogs; offsets are ``{"<store path>": commitlog offset}``."""
+
+    def __init__(self, options: Any, schema: StructType) -> None:
+        opts = Options(options)
+        self.roots = opts.roots()
+        self.names = _check_schema(schema)
+        self.arrow_schema = _arrow_schema(schema)
+        self.starting = parse_offsets(opts.get("startingOffsets"), self.roots, "startingOffsets", LATEST)
+        for r, v in self.starting.items():
+            if v == LATEST and opts.get("startingTimestamp") is not None:
+                self.starting[r] = "timestamp"
+        if opts.get("endingOffsets") is not None:
+            raise StoreError("endingOffsets is for batch reads; a stream follows the store (use "
+                             "trigger(availableNow=True) to stop at the current end)")
+        self.starting_ts = opts.int("startingTimestamp")
+        self.max_bytes = opts.int("maxBytesPerTrigger")
+        if self.max_bytes is not None and self.max_bytes <= 0:
+            raise StoreError("option maxBytesPerTrigger must be positive")
+        self.fail_on_data_loss = opts.flag("failOnDataLoss", True)
+        self.flt = RowFilter(topics=opts.topics())
+        self.batch_rows = opts.int("batchRows", segment.DEFAULT_BATCH_ROWS)
+        self.target: dict[str, int] | None = None
+
+    def initialOffset(self) -> dict:
+        out = {}
+        for r in self.roots:
+            v = self.starting[r]
+            if v == EARLIEST:
+                out[r] = planner.earliest_offset(r)
+            elif v == LATEST:
+                out[r] = planner.find_tail(r)
+            elif v == "timestamp":
+                out[r] = planner.offset_for_timestamp(r, self.starting_ts)
+            else:
+                out[r] = planner.check_boundary(r, int(v))
+        return out
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        return ReadMaxBytes(self.max_bytes) if self.max_bytes else ReadAllAvailable()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self.target = {r: planner.find_tail(r) for r in self.roots}
+
+    def latestOffset(self, start: dict | None = None, limit: ReadLimit | None = None) -> dict:
+        start = start if start is not None else self.initialOffset()
+        budget = limit.max_bytes if isinstance(limit, ReadMaxBytes) else None
+        out = {}
+        for r in self.roots:
+            s = int(start.get(r, planner.earliest_offset(r)))
+            s = self._check_loss(r, s)
+            end = planner.find_tail(r, s, budget)
+            if self.target is not None:
+                end = min(end, max(s, self.target[r]))
+            out[r] = end
+        return out
+
+    def _check_loss(self, root: str, offset: int) -> int:
+        earliest = planner.earliest_offset(root)
+        if offset < earliest:
+            msg = (f"{root}: commitlog offset {offset} is gone (the store now starts at {earliest}); "
+                   "messages were deleted before this query read them")
+            if self.fail_on_data_loss:
+                raise StoreError(msg + " (set failOnDataLoss=false to skip ahead)")
+            log.warning("%s; skipping ahead", msg)
+            return earliest
+        return offset
+
+    def partitions(self, start: dict, end: dict) -> list[InputPartition]:
+        tasks = []
+        for r in self.roots:
+            s, e = int(start.get(r, 0)), int(end.get(r, 0))
+            s = max(s, planner.earliest_offset(r)) if not self.fail_on_data_loss else s
+            tasks += planner.stream_tasks(r, s, e, None if self.flt.trivial() else self.flt)
+        return [ScanPartition(t) for t in tasks]
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        return read_task(partition.value, self.names, self.arrow_schema, self.batch_rows)
+
+    def commit(self, end: dict) -> None:
+        pass
+
+
+# ---------------------------------------------------------------- writes
+
+@dataclass
+class StagedCommit(WriterCommitMessage):
+    part: Any
+
+
+class RocketStoreWriter(DataSourceArrowWriter):
+    def __init__(self, options: Any, schema: StructType) -> None:
+        from .write import STAGING, WriteOptions, check_columns
+        opts = Options(options)
+        roots = opts.roots()
+        if len(roots) != 1:
+            raise StoreError("rocketstore write: save(path) takes exactly one store directory")
+        self.root = roots[0]
+        check_columns(schema.fieldNames())
+        self.opts = WriteOptions.from_options(opts.config_options())
+        cfg = self.opts.store_config()
+        self.max_message_size = cfg.maxMessageSize if cfg else 4 * 1024 * 1024
+        self.staging = os.path.join(self.root, STAGING, uuid.uuid4().hex)
+        os.makedirs(self.staging, exist_ok=True)
+
+    def write(self, iterator: Iterator[Any]) -> WriterCommitMessage:
+        from pyspark import TaskContext
+
+        from .write import stage
+        ctx = TaskContext.get()
+        pid = ctx.partitionId() if ctx else 0
+        attempt = ctx.attemptNumber() if ctx else 0
+        return StagedCommit(stage(iterator, self.staging, pid, attempt, self.opts, self.max_message_size))
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        from .write import cleanup, commit
+        try:
+            parts = [m.part for m in messages if m is not None and m.part.rows]
+            commit(self.root, parts, self.opts)
+        finally:
+            cleanup(self.staging)
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        from .write import cleanup
+        cleanup(self.staging)
+        log.warning("write to %s aborted; nothing was appended", self.root)
+
+
+# ---------------------------------------------------------------- the source
+
+class RocketStoreDataSource(DataSource):
+    """``spark.read.format("rocketstore")``: RocketMQ commitlogs as rows (see docs/spark.md)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return FORMAT
+
+    def schema(self) -> StructType:
+        return spark_schema(Options(self.options).flag("withBody", True))
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return RocketStoreReader(self.options, schema)
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return RocketStoreStreamReader(self.options, schema)
+
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceArrowWriter:
+        if overwrite:
+            raise StoreError("rocketstore write: only mode('append') is supported (a store is append-only)")
+        return RocketStoreWriter(self.options, schema)

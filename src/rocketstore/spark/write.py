@@ -1,0 +1,309 @@
+"""Appending a DataFrame to a store: executors stage validated rows, the driver appends them under the store's lock.
+
+``df.write.format("rocketstore").mode("append").save(path)`` runs in two steps:
+
+1. every task normalises and validates its rows (topic legal and short enough,
+   body and properties within RocketMQ's limits) and writes them as an Arrow
+   IPC file under ``<store>/.spark-staging/<job>/``; a bad row fails the task,
+   so the job aborts and the store is never touched;
+2. the driver's commit opens the store writable, which takes its ``lock`` (one
+   writer at a time; it waits up to ``lockTimeoutMs`` for another writer to
+   finish), appends the staged rows in partition order, waits for dispatch and
+   closes the store cleanly.  If a put is refused half-way, the error names how
+   many messages were written and their commitlog offsets; the store stays
+   readable and consistent (every appended message is a complete record).
+
+``replay=true`` keeps every stored field (store time and host, sysFlag, the
+exact properties string) and appends in ``commitLogOffset`` order when that
+column is present, as ``rocketstore import`` does: exporting a store and
+replaying the export into an empty store of the same geometry reproduces its
+commitlog byte for byte.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .. import codec
+from ..config import StoreConfig
+from ..errors import StoreError, StoreLockedError
+from ..message import Message
+from ..store import MessageStore
+
+log = logging.getLogger(__name__)
+
+STAGING = ".spark-staging"
+
+# Columns a message is built from; the dump columns below that are store-assigned are accepted and ignored.
+CONTENT = ["topic", "body", "queueId", "tags", "keys", "properties", "flag", "bornTimestamp", "bornHost",
+           "reconsumeTimes"]
+REPLAY = ["storeTimestamp", "storeHost", "sysFlag", "preparedTransactionOffset", "propertiesString",
+          "commitLogOffset"]
+IGNORED = {"queueOffset", "commitLogOffset", "size", "bodyCrc", "msgId", "bodyLength", "magicCode",
+           "storeTimestamp", "storeHost", "sysFlag", "preparedTransactionOffset", "propertiesString", "date",
+           "hour", "store"}
+
+STAGED_SCHEMA = pa.schema([
+    ("topic", pa.string()), ("body", pa.binary()), ("queueId", pa.int32()), ("tags", pa.string()),
+    ("keys", pa.string()), ("properties", pa.map_(pa.string(), pa.string())), ("flag", pa.int32()),
+    ("bornTimestamp", pa.int64()), ("bornHost", pa.string()), ("reconsumeTimes", pa.int32()),
+    ("storeTimestamp", pa.int64()), ("storeHost", pa.string()), ("sysFlag", pa.int32()),
+    ("preparedTransactionOffset", pa.int64()), ("propertiesString", pa.string()), ("commitLogOffset", pa.int64()),
+])
+
+
+@dataclass
+class WriteOptions:
+    replay: bool = False
+    lock_timeout_ms: int = 30000
+    config: dict[str, str] | None = None  # StoreConfig fields for a new store (or overriding inference)
+    config_file: str | None = None
+
+    @classmethod
+    def from_options(cls, options: dict[str, str]) -> "WriteOptions":
+        from dataclasses import fields as dc_fields
+        names = {f.name for f in dc_fields(StoreConfig)}
+        cfg = {k: v for k, v in options.items() if k in names}
+        return cls(replay=str(options.get("replay", "false")).lower() == "true",
+                   lock_timeout_ms=int(options.get("lockTimeoutMs", 30000)), config=cfg or None,
+                   config_file=options.get("config"))
+
+    def store_config(self) -> StoreConfig | None:
+        base = StoreConfig.load(self.config_file) if self.config_file else None
+        if self.config:
+            values = base.to_dict() if base else {}
+            values.update(self.config)
+            return StoreConfig.from_mapping(values, source="write options")
+        return base
+
+
+def check_columns(names: Iterable[str]) -> None:
+    """Refuse a DataFrame without topic/body or with columns the writer does not know (typos show)."""
+    names = list(names)
+    missing = [c for c in ("topic", "body") if c not in names]
+    if missing:
+        raise StoreError(f"rocketstore write needs the columns topic and body; missing: {', '.join(missing)}")
+    unknown = [c for c in names if c not in CONTENT and c not in IGNORED]
+    if unknown:
+        raise StoreError(f"rocketstore write: unknown column(s) {', '.join(unknown)} (known: "
+                         f"{', '.join(CONTENT + sorted(IGNORED))})")
+
+
+def _col(batch: pa.RecordBatch, name: str) -> pa.Array | None:
+    i = batch.schema.get_field_index(name)
+    return batch.column(i) if i >= 0 else None
+
+
+def _col_or_nulls(batch: pa.RecordBatch, name: str, typ: pa.DataType) -> pa.Array:
+    a = _col(batch, name)
+    return pa.nulls(batch.num_rows, typ) if a is None else a.cast(typ)
+
+
+def _ms(arr: pa.Array | None, n: int) -> pa.Array:
+    if arr is None:
+        return pa.nulls(n, pa.int64())
+    if pa.types.is_timestamp(arr.type):
+        us = arr.cast(pa.timestamp("us", tz=arr.type.tz)).cast(pa.int64())
+        return pc.divide(us, 1000)  # exact for the millisecond times a store holds
+    return arr.cast(pa.int64())
+
+
+def normalize(batch: pa.RecordBatch, replay: bool) -> pa.RecordBatch:
+    """One input batch in the staged schema (types converted, absent columns null)."""
+    n = batch.num_rows
+    cols: dict[str, pa.Array] = {}
+    topic = _col(batch, "topic")
+    cols["topic"] = topic.cast(pa.string())
+    body = _col(batch, "body")
+    cols["body"] = body.cast(pa.binary()) if not pa.types.is_binary(body.type) else body
+    for name, typ in (("queueId", pa.int32()), ("flag", pa.int32()), ("reconsumeTimes", pa.int32())):
+        a = _col(batch, name)
+        cols[name] = pa.nulls(n, typ) if a is None else a.cast(typ)
+    cols["tags"] = _col_or_nulls(batch, "tags", pa.string())
+    keys = _col(batch, "keys")
+    if keys is None:
+        keys = pa.nulls(n, pa.string())
+    elif pa.types.is_list(keys.type) or pa.types.is_large_list(keys.type):
+        keys = pc.binary_join(keys.cast(pa.list_(pa.string())), " ")
+    cols["keys"] = keys.cast(pa.string())
+    props = _col(batch, "properties")
+    cols["properties"] = pa.nulls(n, STAGED_SCHEMA.field("properties").type) if props is None else props.cast(
+        STAGED_SCHEMA.field("properties").type)
+    cols["bornTimestamp"] = _ms(_col(batch, "bornTimestamp"), n)
+    cols["bornHost"] = _col_or_nulls(batch, "bornHost", pa.string())
+    for name in REPLAY:
+        typ = STAGED_SCHEMA.field(name).type
+        a = _col(batch, name) if replay else None
+        if name == "storeTimestamp":
+            cols[name] = _ms(a, n)
+        else:
+            cols[name] = pa.nulls(n, typ) if a is None else a.cast(typ)
+    return pa.RecordBatch.from_arrays([cols[f.name] for f in STAGED_SCHEMA], schema=STAGED_SCHEMA)
+
+
+def to_message(row: dict[str, Any], replay: bool) -> Message:
+    props = dict(row["properties"] or [])
+    keys = row["keys"]
+    m = Message(topic=row["topic"], body=row["body"], queue_id=row["queueId"] or 0, tags=row["tags"],
+                keys=keys, properties=props, flag=row["flag"] or 0, born_timestamp=row["bornTimestamp"],
+                born_host=row["bornHost"], reconsume_times=row["reconsumeTimes"] or 0)
+    if replay:
+        m.store_timestamp = row["storeTimestamp"]
+        m.store_host = row["storeHost"]
+        m.sys_flag = row["sysFlag"] or 0
+        m.prepared_transaction_offset = row["preparedTransactionOffset"] or 0
+        m.properties_string = row["propertiesString"]
+    return m
+
+
+def validate(row: dict[str, Any], where: str, max_message_size: int, replay: bool) -> None:
+    """The checks the store makes before a put, so that a bad row fails its task rather than the commit."""
+    from ..store import _illegal_topic
+    topic = row["topic"]
+    err = _illegal_topic(topic)
+    if err:
+        raise StoreError(f"{where}: {err}")
+    if row["body"] is None:
+        raise StoreError(f"{where}: body is null (RocketMQ messages need a body)")
+    try:
+        codec.topic_tail(topic)
+        m = to_message(row, replay)
+        props = m.build_properties().encode("utf-8")
+        if len(props) > codec.MAX_PROPERTIES_BYTES:
+            raise codec.PropertiesTooLarge(f"properties are {len(props)} bytes, more than {codec.MAX_PROPERTIES_BYTES}")
+        if len(row["body"]) > max_message_size:
+            raise codec.MessageTooLarge(f"body is {len(row['body'])} bytes, more than maxMessageSize "
+                                        f"{max_message_size}")
+        if not 0 <= m.queue_id < 2 ** 31:
+            raise codec.RecordError(f"queue id {m.queue_id} out of range")
+        for h in (m.born_host, m.store_host):
+            if isinstance(h, str):
+                codec.parse_host(h)
+    except (codec.RecordError, ValueError) as e:
+        raise StoreError(f"{where}: {e}") from None
+
+
+# ---------------------------------------------------------------- executor side
+
+@dataclass
+class StagedPart:
+    path: str
+    rows: int
+    partition: int
+    attempt: int
+
+
+def stage(batches: Iterator[pa.RecordBatch], staging_dir: str, partition: int, attempt: int,
+          opts: WriteOptions, max_message_size: int) -> StagedPart:
+    """Validate and stage one task's rows (sorted by commitLogOffset when replaying)."""
+    os.makedirs(staging_dir, exist_ok=True)
+    path = os.path.join(staging_dir, f"part-{partition:05d}-{attempt}-{uuid.uuid4().hex[:8]}.arrow")
+    tmp = path + ".tmp"
+    rows = 0
+    staged: list[pa.RecordBatch] = []
+    with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, STAGED_SCHEMA) as writer:
+        for batch in batches:
+            if batch.num_rows == 0:
+                continue
+            check_columns(batch.schema.names)
+            nb = normalize(batch, opts.replay)
+            for i, row in enumerate(nb.to_pylist()):
+                validate(row, f"partition {partition} row {rows + i}", max_message_size, opts.replay)
+            rows += nb.num_rows
+            if opts.replay:
+                staged.append(nb)
+            else:
+                writer.write_batch(nb)
+        if staged:
+            table = pa.Table.from_batches(staged, STAGED_SCHEMA)
+            if table.column("commitLogOffset").null_count < table.num_rows:
+                table = table.sort_by([("commitLogOffset", "ascending")])
+            for b in table.to_batches(max_chunksize=8192):
+                writer.write_batch(b)
+    os.replace(tmp, path)
+    return StagedPart(path, rows, partition, attempt)
+
+
+# ---------------------------------------------------------------- driver side
+
+def open_for_append(root: str, opts: WriteOptions) -> MessageStore:
+    """The store, writable; waits up to lockTimeoutMs while another writer holds its lock."""
+    deadline = time.monotonic() + opts.lock_timeout_ms / 1000
+    cfg = opts.store_config()
+    while True:
+        try:
+            return MessageStore.open(root, cfg)
+        except StoreLockedError:
+            if time.monotonic() >= deadline:
+                raise StoreLockedError(f"{root}: another writer holds the store's lock "
+                                       f"(waited {opts.lock_timeout_ms} ms, option lockTimeoutMs)") from None
+            time.sleep(0.1)
+
+
+def _rows(parts: list[StagedPart]) -> Iterator[dict[str, Any]]:
+    for p in parts:
+        with pa.memory_map(p.path) as src:
+            reader = pa.ipc.open_file(src)
+            for i in range(reader.num_record_batches):
+                yield from reader.get_batch(i).to_pylist()
+
+
+def _merged_rows(parts: list[StagedPart]) -> Iterator[dict[str, Any]]:
+    """Staged rows in commitLogOffset order across parts (each part is sorted); rows without one go last."""
+    def keyed(p: StagedPart) -> Iterator[tuple[int, int, int, dict[str, Any]]]:
+        for j, r in enumerate(_rows([p])):
+            off = r["commitLogOffset"]
+            yield (off if off is not None else 2 ** 63, p.partition, j, r)
+    for *_k, row in heapq.merge(*(keyed(p) for p in parts)):
+        yield row
+
+
+def commit(root: str, parts: list[StagedPart], opts: WriteOptions) -> dict[str, Any]:
+    """Append the staged rows; return a summary.  Raises StoreError naming what was written if a put fails."""
+    parts = sorted(parts, key=lambda p: p.partition)
+    total = sum(p.rows for p in parts)
+    written = 0
+    first = last = None
+    t0 = time.monotonic()
+    store = open_for_append(root, opts)
+    try:
+        rows = _merged_rows(parts) if opts.replay else _rows(parts)
+        for row in rows:
+            r = store.put(to_message(row, opts.replay))
+            if not r.ok:
+                where = (f"wrote {written} of {total} messages" +
+                         (f" (commitlog offsets {first}..{last})" if written else "") +
+                         f"; message {written + 1} (topic {row['topic']!r}, queue {row['queueId'] or 0}) "
+                         f"was refused: {r.status.value}: {r.error}")
+                log.error("%s: %s", root, where)
+                raise StoreError(f"{root}: {where}")
+            if first is None:
+                first = r.commit_log_offset
+            last = r.commit_log_offset
+            written += 1
+        store.wait_dispatched()
+    finally:
+        store.close()
+    summary = {"store": root, "messages": written, "firstOffset": first, "lastOffset": last,
+               "seconds": round(time.monotonic() - t0, 3)}
+    log.info("appended %d messages to %s (offsets %s..%s)", written, root, first, last)
+    return summary
+
+
+def cleanup(staging_dir: str) -> None:
+    shutil.rmtree(staging_dir, ignore_errors=True)
+    parent = os.path.dirname(staging_dir)
+    try:
+        os.rmdir(parent)  # only when no other job is staging
+    except OSError:
+        pass
