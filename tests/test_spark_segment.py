@@ -4,23 +4,25 @@ from __future__ import annotations
 
 import base64
 import os
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("pyarrow")
 pytest.importorskip("numpy")
 
-import pyarrow as pa  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+import pyarrow as pa
+from conftest import GOLDEN_NAMES, golden_expected, golden_store
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from rocketstore import MessageStore, codec  # noqa: E402
-from rocketstore.spark import plan, segment  # noqa: E402
-from rocketstore.spark.segment import RowFilter  # noqa: E402
-from conftest import GOLDEN_NAMES, golden_expected, golden_store  # noqa: E402
+from rocketstore import Message, MessageStore, codec
+from rocketstore.errors import StoreError
+from rocketstore.spark import plan, properties, segment
+from rocketstore.spark.segment import RowFilter
 
-EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def as_dump(row: dict) -> dict:
@@ -38,7 +40,7 @@ def read_store(root: str, names=segment.COLUMN_NAMES, flt=None, batch_rows=257) 
     rows = []
     for task in plan.plan_scan(root, flt or RowFilter()):
         for b in segment.read_range(task.path, task.start, task.end, names, task.filter, batch_rows=batch_rows,
-                                    boundary_known=task.boundary_known):
+                                    boundary_known=task.boundary_known, queues=task.queues):
             rows += b.to_pylist()
     return rows
 
@@ -101,10 +103,10 @@ def records(draw):
             props = "".join(f"{k}\x01{v}\x02" for k, v in draw(PAIRS))
         else:
             props = draw(PROP_TEXT)
-        out.append(dict(topic=topic, body=draw(st.binary(max_size=40)), queue_id=draw(st.integers(0, 7)),
-                        flag=draw(st.integers(-5, 5)), sys_flag=draw(st.sampled_from([0, 4, 8, 12])),
-                        born_timestamp=draw(st.integers(0, 2 ** 41)), born_host=draw(HOSTS),
-                        store_host=draw(HOSTS), reconsume_times=draw(st.integers(0, 3)), properties=props))
+        out.append({"topic": topic, "body": draw(st.binary(max_size=40)), "queue_id": draw(st.integers(0, 7)),
+                    "flag": draw(st.integers(-5, 5)), "sys_flag": draw(st.sampled_from([0, 4, 8, 12])),
+                    "born_timestamp": draw(st.integers(0, 2 ** 41)), "born_host": draw(HOSTS),
+                    "store_host": draw(HOSTS), "reconsume_times": draw(st.integers(0, 3)), "properties": props})
     return out
 
 
@@ -148,7 +150,7 @@ def test_properties_map_edge_cases():
     strings = ["", "a\x01b\x02", "a\x01b", "\x01b\x02", "a\x01\x02", "a\x01b\x01c\x02", "k\x01v1\x02k\x01v2\x02",
                "x\x02\x02y\x01z\x02", "TAGS\x01t\x02KEYS\x01k1 k2\x02", "é\x01中\x02"]
     arr = pa.array([s.encode() for s in strings], pa.binary())
-    m, found = segment.properties_map(arr, ("TAGS", "KEYS", "k"))
+    m, found = properties.properties_map(arr, ("TAGS", "KEYS", "k"))
     for s, row in zip(strings, m.to_pylist()):
         assert dict(row) == codec.parse_properties(s)
         assert len(row) == len(codec.parse_properties(s))
@@ -156,43 +158,45 @@ def test_properties_map_edge_cases():
         assert found[name].to_pylist() == [codec.parse_properties(s).get(name) for s in strings]
 
 
+def _simple(body: bytes, props: str) -> dict:
+    return {"topic": "T", "body": body, "queue_id": 0, "flag": 0, "sys_flag": 0, "born_timestamp": 1,
+            "born_host": (b"\x7f\x00\x00\x01", 1), "store_host": (b"\x7f\x00\x00\x01", 2),
+            "reconsume_times": 0, "properties": props}
+
+
 def test_walk_stops_at_blank_zeros_and_garbage(tmp_path):
-    recs = [dict(topic="T", body=b"x" * i, queue_id=0, flag=0, sys_flag=0, born_timestamp=1,
-                 born_host=(b"\x7f\x00\x00\x01", 1), store_host=(b"\x7f\x00\x00\x01", 2), reconsume_times=0,
-                 properties="a\x01b\x02") for i in range(3)]
+    recs = [_simple(b"x" * i, "a\x01b\x02") for i in range(3)]
     path, end = _write_segment(tmp_path, recs)
     with segment.Segment(path) as seg:
         w = segment.walk(seg.mm, 0, seg.size, zeros_end=True)
         assert len(w.positions) == 3 and w.end == end and w.problem is None
         w = segment.walk(seg.mm, 0, seg.size)
         assert w.problem is not None and "file position" in w.problem
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(Path(path).read_bytes())
     data[end:end + 8] = codec.blank_record(len(data) - end)
-    open(path, "wb").write(bytes(data))
+    Path(path).write_bytes(bytes(data))
     with segment.Segment(path) as seg:
         w = segment.walk(seg.mm, 0, seg.size)
         assert w.blank and len(w.positions) == 3 and w.problem is None
     data[0] ^= 0x7F  # TOTALSIZE of the first record
-    open(path, "wb").write(bytes(data))
+    Path(path).write_bytes(bytes(data))
     with pytest.raises(segment.RecordFormatError):
         list(segment.read_range(path, 0, end, ["topic"]))
 
 
 def test_find_tail_ignores_a_record_still_being_written(tmp_path):
-    recs = [dict(topic="T", body=b"x" * 50, queue_id=0, flag=0, sys_flag=0, born_timestamp=1,
-                 born_host=(b"\x7f\x00\x00\x01", 1), store_host=(b"\x7f\x00\x00\x01", 2), reconsume_times=0,
-                 properties="") for _ in range(3)]
+    recs = [_simple(b"x" * 50, "") for _ in range(3)]
     path, end = _write_segment(tmp_path, recs)
     root = str(tmp_path)
     assert plan.find_tail(root) == end
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(Path(path).read_bytes())
     last = end - (end // 3)
     data[last + 100:end] = bytes(end - last - 100)  # the last record's tail not written yet
-    open(path, "wb").write(bytes(data))
+    Path(path).write_bytes(bytes(data))
     assert plan.find_tail(root) == last
     assert plan.find_tail(root, 0, max_bytes=1) == end // 3
     assert plan.check_boundary(root, end // 3) == end // 3
-    with pytest.raises(Exception):
+    with pytest.raises(StoreError, match="no record starts"):
         plan.check_boundary(root, 5)
 
 
@@ -203,3 +207,51 @@ def test_store_opened_by_the_decoder_is_unchanged():
     with MessageStore.open(str(root), read_only=True):
         pass
     assert {p: os.path.getmtime(os.path.join(root, p)) for p in os.listdir(root)} == before
+
+
+def test_append_commit_reports_what_it_wrote_when_a_put_is_refused(tmp_path):
+    from rocketstore import StoreConfig
+    from rocketstore.spark import write
+    root = tmp_path / "store"
+    cfg = StoreConfig(mappedFileSizeCommitLog=16384, mappedFileSizeConsumeQueue=2000, maxHashSlotNum=100,
+                      maxIndexNum=400)
+    with MessageStore.open(str(root), cfg) as store:
+        assert store.put(Message("T", b"first")).ok  # a segment file: the geometry can be measured
+    rows = [{"topic": "T", "body": b"a" * 100}, {"topic": "T", "body": b"b" * 100},
+            {"topic": "T", "body": b"c" * 20000}, {"topic": "T", "body": b"d"}]
+    batch = pa.RecordBatch.from_pylist(rows)
+    opts = write.WriteOptions()
+    with pytest.raises(StoreError, match="segment"):  # staging refuses it: the job would abort untouched
+        write.stage(iter([batch]), str(tmp_path / "stage"), 0, 0, opts, 4 * 1024 * 1024, 16384)
+    # Staged without the segment check (a store whose geometry changed meanwhile): the commit reports.
+    part = write.stage(iter([batch]), str(tmp_path / "stage"), 0, 0, opts, 4 * 1024 * 1024)
+    with pytest.raises(StoreError, match=r"wrote 2 of 4 messages \(commitlog offsets \d+\.\.\d+\); message 3"):
+        write.commit(str(root), [part], opts)
+    with MessageStore.open(str(root), read_only=True) as store:
+        assert [m.body for _, _, m, _ in store.messages()] == [b"first", b"a" * 100, b"b" * 100]
+        assert store.state()["queues"][0]["maxOffsetInQueue"] == 3
+
+
+def test_record_positions_come_from_the_consume_queues_and_are_checked(tmp_path, monkeypatch):
+    from conftest import copy_store
+    expected = sorted(e["commitLogOffset"] for e in golden_expected("basic"))
+    tasks = plan.plan_scan(str(golden_store("basic")), RowFilter())
+    assert all(t.queues for t in tasks)
+
+    def no_walk(*a, **k):
+        raise AssertionError("walked although the consume queues tile every segment")
+    with monkeypatch.context() as m:
+        m.setattr(segment, "walk", no_walk)
+        assert [r["commitLogOffset"] for r in read_store(str(golden_store("basic")), ["commitLogOffset"])] == expected
+    # A damaged unit (wrong size) or a missing queue: the positions do not check out, the walk takes over.
+    store = copy_store(golden_store("basic"), tmp_path / "s")
+    cq = Path(min((store / "consumequeue" / "TopicB" / "1").iterdir()))
+    data = bytearray(cq.read_bytes())
+    data[20 * 7 + 8:20 * 7 + 12] = (99).to_bytes(4, "big")
+    cq.write_bytes(bytes(data))
+    for f in (store / "consumequeue" / "TopicC" / "0").iterdir():
+        f.unlink()
+    rows = [as_dump(r) for r in read_store(str(store))]
+    assert [r["commitLogOffset"] for r in rows] == expected
+    assert rows[1234] == {k: v for k, v in sorted(golden_expected("basic"), key=lambda e: e["commitLogOffset"])[1234]
+                          .items() if k in segment.COLUMN_NAMES}

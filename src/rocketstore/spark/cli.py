@@ -19,7 +19,8 @@ import json
 import logging
 import re
 import sys
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 from ..errors import CliError, StoreError
 
@@ -62,9 +63,9 @@ def _run(args: argparse.Namespace, job: Callable[[Any, argparse.Namespace], int]
         return job(spark, args)
     except StoreError:
         raise
-    except Exception as e:  # noqa: BLE001 - PySpark wraps worker errors; report the first useful line
-        from pyspark.errors import PySparkException
+    except Exception as e:
         from py4j.protocol import Py4JJavaError
+        from pyspark.errors import PySparkException
         if isinstance(e, (PySparkException, Py4JJavaError)):
             raise _spark_error(e) from None
         raise
@@ -80,7 +81,9 @@ def _verify(spark: Any, args: argparse.Namespace) -> int:
         _emit(result)
     else:
         try:
-            from ..cli_store import _print_verify_table  # the table `rocketstore verify` prints
+            from ..cli_store import (
+                _print_verify_table,  # the table `rocketstore verify` prints
+            )
         except ImportError:
             _emit(result)
         else:

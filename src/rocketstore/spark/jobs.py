@@ -16,8 +16,10 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterable
+from datetime import UTC
 from types import SimpleNamespace
-from typing import Any, Iterable
+from typing import Any, Self
 
 from .. import codec
 from ..errors import StoreError, StoreLockedError
@@ -37,7 +39,10 @@ def session(master: str | None = None, conf: dict[str, str] | None = None, app_n
     """
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        raise StoreError("pyspark is not installed (pip install 'rocketstore[spark]')") from None
 
     from . import register
     builder = SparkSession.builder.appName(app_name)
@@ -143,7 +148,7 @@ class _StoreLock:
         self.root = root
         self.fd: int | None = None
 
-    def __enter__(self) -> "_StoreLock":
+    def __enter__(self) -> Self:
         from .. import store as store_mod
         if os.path.realpath(self.root) in getattr(store_mod, "_OPEN_STORES", ()):
             raise StoreLockedError(f"{self.root}/lock: store already open in this process")
@@ -157,7 +162,7 @@ class _StoreLock:
         self.fd = fd
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.fd is not None:
             try:
                 fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, 0)
@@ -208,7 +213,7 @@ def rebuild(spark: Any, store_path: str, config: Any = None) -> dict[str, Any]:
     consume queues or the index are gone and cannot be measured from their files.
     """
     import pyarrow as pa
-    import pyarrow.compute  # noqa: F401 - pa.compute
+    import pyarrow.compute
 
     from ..checkpoint import StoreCheckpoint
     from ..dispatch import CommitLogDispatcher
@@ -319,7 +324,7 @@ def export(spark: Any, store_path: str, to: str, *, fmt: str = "parquet", partit
     rows = files = 0
     for d, _dirs, names in os.walk(to):
         for n in names:
-            if n.endswith("." + fmt) or n.endswith(".snappy.parquet") or (fmt == "orc" and n.endswith(".orc")):
+            if n.endswith(f".{fmt}") and not n.startswith("."):
                 files += 1
                 if fmt == "parquet":
                     import pyarrow.parquet as pq
@@ -480,14 +485,14 @@ def _plot_traffic(series: list[Any], path: str, label: str, bucket_ms: int, root
     """Stacked bars of messages per time bucket and topic, and bytes per bucket below."""
     import matplotlib
     matplotlib.use("Agg")
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
     topics = sorted({r["topic"] for r in series})
     times = sorted({r["t"] for r in series})
     index = {t: i for i, t in enumerate(times)}
-    xs = [mdates.date2num(datetime.fromtimestamp(t / 1000, tz=timezone.utc)) for t in times]
+    xs = [mdates.date2num(datetime.fromtimestamp(t / 1000, tz=UTC)) for t in times]
     width = bucket_ms / 86400000 * 0.9  # matplotlib dates are in days
     msgs = {tp: [0] * len(times) for tp in topics}
     size = [0] * len(times)
@@ -516,8 +521,8 @@ def _plot_traffic(series: list[Any], path: str, label: str, bucket_ms: int, root
 
 def stats_table(result: dict[str, Any]) -> str:
     """The stats as a plain-text table."""
-    lines = [f"store {result['store']}: {result['messages']:,} messages, {result['bytes']:,} bytes "
-             f"({result['bodyBytes']:,} in bodies)"]
+    lines = [(f"store {result['store']}: {result['messages']:,} messages, {result['bytes']:,} bytes "
+              f"({result['bodyBytes']:,} in bodies)")]
     if result.get("firstStoreTimestamp") is not None:
         lines.append(f"store time {_iso(result['firstStoreTimestamp'])} .. {_iso(result['lastStoreTimestamp'])}")
     lines.append("")

@@ -59,6 +59,7 @@ class ScanTask:
     end: int
     boundary_known: bool = True
     filter: RowFilter | None = None
+    queues: list | None = None  # consume-queue slices pointing into the segment (segment.QueueSlice)
 
 
 @dataclass
@@ -263,15 +264,115 @@ def plan_scan(root: str, flt: RowFilter, *, report: PlanReport | None = None) ->
                         if s.base in hit_segs or c is None or not (ilo <= c[0] and c[1] <= ihi):
                             kept.append(s)
                     keep = drop("index", kept)
+    slices = queue_slices(root, keep)
     tasks = []
     for s in keep:
         start, known = 0, True
         if flt.offset_lo is not None and s.base < flt.offset_lo < s.base + s.end:
             start, known = _boundary(s, flt.offset_lo)
-        tasks.append(ScanTask(root, s.path, s.base, start, s.end, known, flt))
+        tasks.append(ScanTask(root, s.path, s.base, start, s.end, known, None if flt.trivial() else flt,
+                              slices.get(s.base)))
     report.selected = len(tasks)
     log.info("scan of %s: %d of %d segments (%s)", root, len(tasks), len(segs), report.pruned or "no pruning")
     return tasks
+
+
+PRE_BLANK = 0x7FFFFFFF  # the size field of the padding units before a queue's first real unit
+_UNIT_HEAD = struct.Struct(">qi")
+
+
+class _QueueFiles:
+    """One consume queue's files, mapped read-only, for binary searches by commitlog offset.
+
+    Units ascend by commitlog offset within a queue, so the units pointing into
+    a segment are one slice, found with two binary searches (a few pages read,
+    however long the queue).  A damaged queue only gives slices that do not
+    check out on the executor, which then walks the records instead.
+    """
+
+    def __init__(self, directory: str, names: list[str], file_size: int) -> None:
+        import mmap as _mmap
+        self.directory = directory
+        self.file_size = file_size
+        self.per_file = file_size // CQ_STORE_UNIT_SIZE
+        self.first_unit = int(names[0]) // CQ_STORE_UNIT_SIZE
+        self.maps = []
+        for n in names:
+            with open(os.path.join(directory, n), "rb") as fh:
+                self.maps.append(_mmap.mmap(fh.fileno(), 0, access=_mmap.ACCESS_READ))
+        end = self.first_unit + self.per_file * (len(names) - 1)
+        # The written end of the last file: units are non-zero up to it, zero after.
+        self.end = end + self._search(0, self.per_file, lambda i: self._unit_at(len(self.maps) - 1, i)[1] == 0)
+        # A queue that started past 0 begins with padding units.
+        self.start = self._search(self.first_unit, self.end, lambda i: self.unit(i)[1] != PRE_BLANK)
+
+    @staticmethod
+    def _search(lo: int, hi: int, pred) -> int:
+        """The first i in [lo, hi) with pred(i) true (pred is monotone), or hi."""
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if pred(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _unit_at(self, file_index: int, i: int) -> tuple[int, int]:
+        mm = self.maps[file_index]
+        if (i + 1) * CQ_STORE_UNIT_SIZE > len(mm):
+            return 0, 0
+        return _UNIT_HEAD.unpack_from(mm, i * CQ_STORE_UNIT_SIZE)
+
+    def unit(self, i: int) -> tuple[int, int]:
+        k = i - self.first_unit
+        return self._unit_at(k // self.per_file, k % self.per_file)
+
+    def lower_bound(self, offset: int) -> int:
+        return self._search(self.start, self.end, lambda i: self.unit(i)[0] >= offset)
+
+    def close(self) -> None:
+        for mm in self.maps:
+            mm.close()
+
+
+def queue_slices(root: str, segs: list[SegmentInfo]) -> dict[int, list[tuple[str, int, int, int]]]:
+    """For each segment, the consume-queue units that point into it: (queue dir, file size, first, end unit).
+
+    The executors read these slices instead of walking the record headers and
+    check them against the records (:func:`segment.positions_from_queues`).
+    """
+    cq_root = os.path.join(root, "consumequeue")
+    if not segs or not os.path.isdir(cq_root):
+        return {}
+    out: dict[int, list[tuple[str, int, int, int]]] = {}
+    for topic in sorted(os.listdir(cq_root)):
+        tdir = os.path.join(cq_root, topic)
+        if not os.path.isdir(tdir):
+            continue
+        for qid in sorted(os.listdir(tdir)):
+            qdir = os.path.join(tdir, qid)
+            try:
+                names = sorted(n for n in os.listdir(qdir) if len(n) == 20 and n.isdigit())
+                if not names:
+                    continue
+                size = os.path.getsize(os.path.join(qdir, names[0]))
+                if size < CQ_STORE_UNIT_SIZE or size % CQ_STORE_UNIT_SIZE or any(
+                        int(n) != int(names[0]) + k * size or os.path.getsize(os.path.join(qdir, n)) != size
+                        for k, n in enumerate(names)):
+                    continue  # gaps or odd sizes: no hint from this queue (the executors will walk)
+                q = _QueueFiles(qdir, names, size)
+            except (OSError, ValueError):
+                continue
+            try:
+                prev = q.lower_bound(segs[0].base)
+                for s in segs:
+                    nxt = q.lower_bound(s.base + s.end)
+                    if nxt > prev:
+                        out.setdefault(s.base, []).append((qdir, size, prev, nxt))
+                    prev = nxt
+            finally:
+                q.close()
+    return out
 
 
 def _boundary(s: SegmentInfo, offset: int) -> tuple[int, bool]:
@@ -380,7 +481,7 @@ def check_boundary(root: str, offset: int) -> int:
     if path is not None:
         with Segment(path) as seg:
             pos = offset - seg.base
-            got, msg, _ = codec.check(seg.mm, pos, seg.size, check_crc=False)
+            _size, msg, _ = codec.check(seg.mm, pos, seg.size, check_crc=False)
             if msg is not None and msg.commit_log_offset == offset:
                 return offset
     if offset == find_tail(root):

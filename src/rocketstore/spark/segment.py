@@ -27,17 +27,19 @@ import mmap
 import os
 import struct
 from array import array
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Self
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import codec
+from .gather import fixed, gather, strings_from_fixed
+from .properties import MAP, properties_map
 
 TS = pa.timestamp("us", tz="UTC")
-MAP = pa.map_(pa.string(), pa.string())
 
 # (name, Spark type in DDL, Arrow type): the fields of ``rocketstore dump``, in its order.
 COLUMNS: list[tuple[str, str, pa.DataType]] = [
@@ -122,7 +124,7 @@ class RowFilter:
             return True
         return any(s is not None and not s for s in (self.topics, self.queue_ids, self.keys))
 
-    def intersect(self, other: "RowFilter") -> "RowFilter":
+    def intersect(self, other: RowFilter) -> RowFilter:
         def lo(a, b):
             return b if a is None else a if b is None else max(a, b)
 
@@ -167,10 +169,10 @@ class Segment:
                 pass
             self.mm = None
 
-    def __enter__(self) -> "Segment":
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -242,55 +244,15 @@ def _positions(out: array) -> np.ndarray:
 
 # ---------------------------------------------------------------- gathering helpers
 
-def _gather(data: pa.Buffer, starts: np.ndarray, lengths: np.ndarray, typ: pa.DataType = pa.binary()) -> pa.Array:
-    """Binary array of ``data[starts[i]:starts[i]+lengths[i]]``; ranges must ascend without overlapping."""
-    n = len(starts)
-    if n == 0:
-        return pa.array([], typ)
-    offs = np.empty(2 * n + 1, dtype=np.int32)
-    offs[0:2 * n:2] = starts
-    offs[1:2 * n:2] = starts + lengths
-    offs[2 * n] = offs[2 * n - 1]
-    inter = pa.Array.from_buffers(pa.binary(), 2 * n, [None, pa.py_buffer(offs), data])
-    out = inter.take(pa.array(np.arange(0, 2 * n, 2, dtype=np.int64)))
-    return out if typ == pa.binary() else out.cast(typ)
-
-
-def _headers(seg: "Segment", pos: np.ndarray, width: int) -> np.ndarray:
+def _headers(seg: Segment, pos: np.ndarray, width: int) -> np.ndarray:
     """(n, width) uint8 matrix of the bytes at ``pos``: one Arrow gather when the ranges do not overlap."""
     n = len(pos)
     ends = pos + width
     if n and ends[-1] <= len(seg.np) and (n == 1 or (ends[:-1] <= pos[1:]).all()):
-        g = _gather(seg.pa, pos, np.full(n, width, np.int64))
+        g = gather(seg.pa, pos, np.full(n, width, np.int64))
         data = g.buffers()[2]
         return np.frombuffer(data, dtype=np.uint8, count=n * width).reshape(n, width)
-    return _fixed(seg.np, pos, width)
-
-
-def _fixed(buf: np.ndarray, pos: np.ndarray, width: int) -> np.ndarray:
-    """(n, width) uint8 matrix of ``buf[pos[i]:pos[i]+width]`` (positions clipped into the buffer)."""
-    idx = pos[:, None] + np.arange(width, dtype=np.int64)
-    np.clip(idx, 0, len(buf) - 1, out=idx)
-    return buf[idx]
-
-
-def _be16(buf: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    m = _fixed(buf, pos, 2).astype(np.int32)
-    v = (m[:, 0] << 8) | m[:, 1]
-    return np.where(v >= 0x8000, v - 0x10000, v)
-
-
-def _be8(buf: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    v = buf[np.clip(pos, 0, len(buf) - 1)].astype(np.int32)
-    return np.where(v >= 0x80, v - 0x100, v)
-
-
-def _strings_from_fixed(mat: np.ndarray) -> pa.Array:
-    """A string array from an (n, w) uint8 matrix of ASCII."""
-    n, w = mat.shape
-    data = np.ascontiguousarray(mat).tobytes()
-    offs = np.arange(0, (n + 1) * w, w, dtype=np.int32)
-    return pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offs), pa.py_buffer(data)])
+    return fixed(seg.np, pos, width)
 
 
 def _host_strings(raw: np.ndarray, v6: bool) -> pa.Array:
@@ -326,138 +288,6 @@ def _numeric(values: np.ndarray, typ: pa.DataType) -> pa.Array:
     return pa.array(np.ascontiguousarray(values, dtype=typ.to_pandas_dtype()), typ)
 
 
-# ---------------------------------------------------------------- properties
-
-def properties_map(props: pa.BinaryArray, lookups: Sequence[str] = (), valid_utf8: bool = False
-                   ) -> tuple[pa.Array, dict[str, pa.Array]]:
-    """The properties map (and the values of the names in ``lookups``) from the raw properties strings.
-
-    This is RocketMQ's ``string2messageProperties`` (see :func:`rocketstore.codec.parse_properties`),
-    vectorised.  A batch the vectorised paths cannot do exactly (a name twice in one record, invalid
-    UTF-8) goes through the Python parser.  ``valid_utf8``: the strings are known to be valid UTF-8.
-    """
-    n = len(props)
-    bufs = props.buffers()
-    offs = np.frombuffer(bufs[1], dtype=np.int32, count=n + 1, offset=props.offset * 4).astype(np.int64)
-    base = int(offs[0])
-    offs -= base
-    total = int(offs[-1]) if n else 0
-    data = np.frombuffer(bufs[2], dtype=np.uint8, count=total, offset=base) if total else np.zeros(0, np.uint8)
-    split = _split_simple(data, offs) or _split_general(data, offs)
-    ks, ke, ve, map_offs = split
-    dbuf = pa.py_buffer(data)
-    keys = _gather(dbuf, ks, ke - ks)
-    vals = _gather(dbuf, ke + 1, ve - ke - 1)
-    counts = np.diff(map_offs)
-    rec = np.repeat(np.arange(n, dtype=np.int64), counts)
-    enc = keys.dictionary_encode()
-    ids = enc.indices.to_numpy()
-    if _has_duplicate_names(ids, rec, counts):
-        return _python_fallback(props, lookups)
-    if valid_utf8:
-        # Pieces of valid UTF-8 cut at ASCII separators are valid UTF-8: reinterpret without re-checking.
-        keys = pa.Array.from_buffers(pa.string(), len(keys), keys.buffers())
-        vals = pa.Array.from_buffers(pa.string(), len(vals), vals.buffers())
-    else:
-        try:
-            keys = keys.cast(pa.string())
-            vals = vals.cast(pa.string())
-        except pa.ArrowInvalid:
-            return _python_fallback(props, lookups)  # invalid UTF-8: decode like the codec (with replacement)
-    arr = pa.MapArray.from_arrays(pa.array(map_offs.astype(np.int32)), keys, vals)
-    names = enc.dictionary.to_pylist()
-    out = {}
-    for name in lookups:
-        want = name.encode("utf-8")
-        idx = np.full(n, -1, np.int64)
-        if want in names:
-            at = np.flatnonzero(ids == names.index(want))
-            idx[rec[at]] = at
-        out[name] = vals.take(pa.array(idx, mask=idx < 0))
-    return arr, out
-
-
-def _split_simple(data: np.ndarray, offs: np.ndarray) -> tuple | None:
-    """The common shape, ``name\x01value\x02`` pairs only: separators alternate 1, 2 and every string ends
-    with 0x02.  Returns None when the batch has any other shape."""
-    sep = np.flatnonzero(data < 3)  # the separators (a zero byte sends the batch to the general path)
-    if len(sep) % 2:
-        return None
-    kpos = sep[0::2]
-    epos = sep[1::2]
-    if not ((data[kpos] == 1).all() and (data[epos] == 2).all()):
-        return None
-    ends = offs[1:][offs[1:] > offs[:-1]]
-    if len(ends) and not (data[ends - 1] == 2).all():
-        return None
-    ks = np.empty_like(epos)
-    if len(epos):
-        ks[0] = 0
-        ks[1:] = epos[:-1] + 1
-    if not ((kpos > ks).all() and (epos > kpos + 1).all()):
-        return None  # an empty name or value: RocketMQ skips the pair
-    return ks, kpos, epos, np.searchsorted(epos, offs, side="left")
-
-
-def _split_general(data: np.ndarray, offs: np.ndarray) -> tuple:
-    """Any shape: split on 0x02 (and at a string end), cut each piece at its first 0x01, drop pieces with an
-    empty name or value."""
-    n = len(offs) - 1
-    rec_start, rec_end = offs[:-1], offs[1:]
-    seps2 = np.flatnonzero(data == 2)
-    # A segment ends at each 0x02, and at the end of a record whose string does not end with one.
-    nonempty = rec_end > rec_start
-    last_byte = data[np.maximum(rec_end - 1, 0)] if len(data) else np.zeros(n, np.uint8)
-    tails = np.flatnonzero(nonempty & (last_byte != 2)) if n else np.zeros(0, np.int64)
-    sep_rec = np.searchsorted(rec_start, seps2, side="right") - 1
-    if len(tails):
-        ends = np.concatenate([seps2, rec_end[tails]])
-        recs = np.concatenate([sep_rec, tails])
-        # A record's open tail ends where the next record starts: it sorts before that record's segments.
-        order = np.argsort(ends * 2 + np.concatenate([np.ones(len(seps2), np.int64), np.zeros(len(tails), np.int64)]),
-                           kind="stable")
-        seg_end, seg_rec = ends[order], recs[order]
-    else:
-        seg_end, seg_rec = seps2, sep_rec
-    same = np.zeros(len(seg_end), dtype=bool)
-    if len(seg_end) > 1:
-        same[1:] = seg_rec[1:] == seg_rec[:-1]
-    prev_end = np.empty_like(seg_end)
-    if len(seg_end):
-        prev_end[0] = 0
-        prev_end[1:] = seg_end[:-1]
-    seg_start = np.where(same, prev_end + 1, rec_start[seg_rec]) if len(seg_end) else seg_end
-    seps1 = np.flatnonzero(data == 1)
-    k_idx = np.searchsorted(seps1, seg_start, side="left")
-    has = k_idx < len(seps1)
-    k = np.where(has, seps1[np.minimum(k_idx, max(len(seps1) - 1, 0))] if len(seps1) else 0, -1)
-    valid = has & (k < seg_end) & (k > seg_start) & (k + 1 < seg_end)
-    ks, ke, ve, rec = seg_start[valid], k[valid], seg_end[valid], seg_rec[valid]
-    counts = np.bincount(rec, minlength=n) if n else np.zeros(0, np.int64)
-    map_offs = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(counts, out=map_offs[1:])
-    return ks, ke, ve, map_offs
-
-
-def _has_duplicate_names(ids: np.ndarray, rec: np.ndarray, counts: np.ndarray) -> bool:
-    """Whether a property name occurs twice in one record (RocketMQ keeps the last value)."""
-    maxc = int(counts.max(initial=0))
-    for d in range(1, maxc):
-        if ((rec[d:] == rec[:-d]) & (ids[d:] == ids[:-d])).any():
-            return True
-    return False
-
-
-def _python_fallback(props: pa.BinaryArray, lookups: Sequence[str]) -> tuple[pa.Array, dict[str, pa.Array]]:
-    strings = [b.decode("utf-8", "replace") if b is not None else "" for b in props.to_pylist()]
-    arr = _python_properties(strings)
-    return arr, {name: pc.map_lookup(arr, name, "last") for name in lookups}
-
-
-def _python_properties(strings: list[str | None]) -> pa.Array:
-    return pa.array([list(codec.parse_properties(s or "").items()) for s in strings], MAP)
-
-
 # ---------------------------------------------------------------- decoding
 
 def decode(seg: Segment, positions: np.ndarray, names: Sequence[str], flt: RowFilter | None = None,
@@ -486,10 +316,10 @@ def decode(seg: Segment, positions: np.ndarray, names: Sequence[str], flt: RowFi
         groups = [(0, None)]
     else:
         groups = [(f, fams == f) for f in (0x00, 0x10, 0x20, 0x30) if (fams == f).any()]
-    cols = _decode_fixed(seg, positions, groups, head)
+    cols = _decode_header(seg, positions, groups, head)
     _validate(seg, positions, cols, limit)
     keep = None
-    if flt is not None:
+    if flt is not None and (flt.ts_lo is not None or flt.ts_hi is not None or flt.queue_ids is not None):
         keep = np.ones(n, dtype=bool)
         if flt.ts_lo is not None:
             keep &= cols["store_ts"] * 1000 >= flt.ts_lo
@@ -497,12 +327,13 @@ def decode(seg: Segment, positions: np.ndarray, names: Sequence[str], flt: RowFi
             keep &= cols["store_ts"] * 1000 <= flt.ts_hi
         if flt.queue_ids is not None:
             keep &= np.isin(cols["qid"], np.fromiter(flt.queue_ids, dtype=np.int64))
+        if keep.all():
+            keep = None
     topic_bin = None
     need_topic = "topic" in names or (flt is not None and flt.topics is not None)
     if need_topic:
-        sel = positions if keep is None else positions[keep]
         c = cols if keep is None else _subset(cols, keep)
-        topic_bin = _gather(seg.pa, c["topic_start"], c["topic_len"])
+        topic_bin = gather(seg.pa, c["topic_start"], c["topic_len"])
         if flt is not None and flt.topics is not None:
             tk = pc.is_in(topic_bin, value_set=pa.array([t.encode("utf-8") for t in flt.topics], pa.binary()))
             tk = tk.to_numpy(zero_copy_only=False)
@@ -513,7 +344,6 @@ def decode(seg: Segment, positions: np.ndarray, names: Sequence[str], flt: RowFi
                 full[np.flatnonzero(keep)[tk]] = True
                 keep = full
             topic_bin = topic_bin.filter(pa.array(tk))
-        del sel
     if keep is not None and not keep.all():
         if not keep.any():
             return None
@@ -522,7 +352,7 @@ def decode(seg: Segment, positions: np.ndarray, names: Sequence[str], flt: RowFi
         n = len(positions)
     need_props = any(x in names for x in ("properties", "propertiesString", "tags", "keys")) or (
         flt is not None and flt.keys is not None)
-    props_bin = _gather(seg.pa, cols["props_start"], cols["props_len"]) if need_props else None
+    props_bin = gather(seg.pa, cols["props_start"], cols["props_len"]) if need_props else None
     props_str = None
     pmap = None
     if need_props:
@@ -578,10 +408,9 @@ def _subset(cols: dict[str, Any], keep: np.ndarray) -> dict[str, Any]:
     return out
 
 
-def _decode_fixed(seg: Segment, positions: np.ndarray, groups: list, head: np.ndarray | None = None
+def _decode_header(seg: Segment, positions: np.ndarray, groups: list, head: np.ndarray | None = None
                   ) -> dict[str, Any]:
     """The header fields of every record (one structured view per host family), plus part positions."""
-    buf = seg.np
     n = len(positions)
     if len(groups) == 1:
         fam = groups[0][0]
@@ -615,10 +444,15 @@ def _decode_fixed(seg: Segment, positions: np.ndarray, groups: list, head: np.nd
     body_len = cols["body_len"].astype(np.int64)
     tl_pos = body_start + np.maximum(body_len, 0)
     v2 = cols["magic"] == codec.MAGIC_V2
-    topic_len = np.where(v2, _be16(buf, tl_pos), _be8(buf, tl_pos)).astype(np.int64)
+    tl = fixed(seg.np, tl_pos, 2).astype(np.int64)  # TOPICLENGTH: 1 byte (V1) or 2 (V2), signed
+    byte1 = np.where(tl[:, 0] >= 0x80, tl[:, 0] - 0x100, tl[:, 0])
+    short = (tl[:, 0] << 8) | tl[:, 1]
+    topic_len = np.where(v2, np.where(short >= 0x8000, short - 0x10000, short), byte1)
     topic_start = tl_pos + np.where(v2, 2, 1)
     pl_pos = topic_start + np.maximum(topic_len, 0)
-    props_len = _be16(buf, pl_pos).astype(np.int64)
+    pl = fixed(seg.np, pl_pos, 2).astype(np.int64)
+    props_len = (pl[:, 0] << 8) | pl[:, 1]
+    props_len = np.where(props_len >= 0x8000, props_len - 0x10000, props_len)
     cols.update(body_start=body_start, topic_start=topic_start, topic_len=topic_len, props_start=pl_pos + 2,
                 props_len=props_len)
     return cols
@@ -669,7 +503,7 @@ def _column(name: str, seg: Segment, positions: np.ndarray, cols: dict[str, Any]
                 phy = cols["phy"] if mask is None else cols["phy"][mask]
                 off = phy.astype(">i8").view(np.uint8).reshape(len(sub), 8)
                 mat = np.concatenate([host, off], axis=1)
-                arrays.append(_strings_from_fixed(np.take(_HEX16, mat).view(np.uint8)))
+                arrays.append(strings_from_fixed(np.take(_HEX16, mat).view(np.uint8)))
             else:
                 arrays.append(_host_strings(sub, v6))
             order.append(np.arange(n) if mask is None else np.flatnonzero(mask))
@@ -686,7 +520,7 @@ def _column(name: str, seg: Segment, positions: np.ndarray, cols: dict[str, Any]
     if name == "propertiesString":
         return props_str
     if name == "body":
-        return _gather(seg.pa, cols["body_start"], cols["body_len"].astype(np.int64))
+        return gather(seg.pa, cols["body_start"], cols["body_len"].astype(np.int64))
     if name == "magicCode":
         return _MAGIC_TEXT.take(pa.array((cols["magic"] == codec.MAGIC_V2).astype(np.int8)))
     raise KeyError(name)
@@ -696,23 +530,29 @@ def _column(name: str, seg: Segment, positions: np.ndarray, cols: dict[str, Any]
 
 def read_range(path: str, start: int, end: int, names: Sequence[str], flt: RowFilter | None = None,
                batch_rows: int = DEFAULT_BATCH_ROWS, zeros_end: bool = False,
-               boundary_known: bool = True) -> Iterator[pa.RecordBatch]:
+               boundary_known: bool = True, queues: Sequence[QueueSlice] | None = None
+               ) -> Iterator[pa.RecordBatch]:
     """Batches of the records of one segment file between file positions ``start`` and ``end``.
 
     ``start`` must be a record boundary unless ``boundary_known`` is False, in
     which case the walk starts at the file start and skips what lies before.
+    ``queues``: the consume-queue units that point into this segment (see
+    :func:`positions_from_queues`), which spare the walk over record headers.
     """
     seg = Segment(path)
     try:
         end = min(end, seg.size)
-        if not boundary_known and start > 0:
-            w = walk(seg.mm, 0, end, zeros_end=zeros_end, path=path)
-            w.positions = w.positions[w.positions >= start]
-        else:
-            w = walk(seg.mm, start, end, zeros_end=zeros_end, path=path)
-        if w.problem is not None:
-            raise RecordFormatError(w.problem)
-        pos = w.positions
+        pos = positions_from_queues(seg, queues, end) if queues else None
+        if pos is None:
+            if not boundary_known and start > 0:
+                w = walk(seg.mm, 0, end, zeros_end=zeros_end, path=path)
+            else:
+                w = walk(seg.mm, start, end, zeros_end=zeros_end, path=path)
+            if w.problem is not None:
+                raise RecordFormatError(w.problem)
+            pos = w.positions
+        if start > 0 and len(pos) and pos[0] < start:
+            pos = pos[pos >= start]
         for i in range(0, len(pos), batch_rows):
             b = decode(seg, pos[i:i + batch_rows], names, flt, limit=end)
             if b is not None and b.num_rows:
@@ -721,13 +561,72 @@ def read_range(path: str, start: int, end: int, names: Sequence[str], flt: RowFi
         seg.close()
 
 
+# (consume-queue directory, its file size, first unit, end unit): units that point into one segment.
+QueueSlice = tuple[str, int, int, int]
+_UNIT = np.dtype([("off", ">i8"), ("size", ">i4"), ("tags", ">i8")])
+
+
+def read_units(directory: str, file_size: int, lo: int, hi: int) -> np.ndarray:
+    """Units ``lo`` to ``hi`` of a consume queue as an (n, 2) array of (commitlog offset, size)."""
+    out = []
+    unit = _UNIT.itemsize
+    i = lo
+    while i < hi:
+        start = i * unit - (i * unit) % file_size
+        first = (i * unit - start) // unit
+        count = min(hi - i, file_size // unit - first)
+        path = os.path.join(directory, f"{start:020d}")
+        with open(path, "rb") as fh:
+            fh.seek(first * unit)
+            raw = fh.read(count * unit)
+        u = np.frombuffer(raw, dtype=_UNIT, count=len(raw) // unit)
+        out.append(np.stack([u["off"].astype(np.int64), u["size"].astype(np.int64)], axis=1))
+        if len(raw) < count * unit:
+            break
+        i += count
+    return np.concatenate(out) if out else np.zeros((0, 2), np.int64)
+
+
+def positions_from_queues(seg: Segment, queues: Sequence[QueueSlice], end: int) -> np.ndarray | None:
+    """Record positions from the consume queues, or None when they do not account for every record.
+
+    They must tile the segment from its start to ``end`` (or to its blank record)
+    with no gap or overlap, and every record they point at must say so itself:
+    the right magic, TOTALSIZE equal to the unit's size and PHYSICALOFFSET equal
+    to its own offset.  Otherwise (a transaction half in no queue, a queue behind
+    or damaged) the caller walks the record headers instead.
+    """
+    try:
+        units = np.concatenate([read_units(*q) for q in queues])
+    except OSError:
+        return None
+    if not len(units):
+        return None
+    units = units[np.argsort(units[:, 0], kind="stable")]
+    pos = units[:, 0] - seg.base
+    size = units[:, 1]
+    last_end = int(pos[-1] + size[-1])
+    if pos[0] != 0 or (pos[1:] != pos[:-1] + size[:-1]).any() or last_end > end:
+        return None
+    if last_end != end:
+        head = seg.mm[last_end:last_end + 8] if last_end + 8 <= seg.size else b""
+        if len(head) < 8 or _HEAD8.unpack(head)[1] != codec.BLANK_MAGIC:
+            return None
+    head = _headers(seg, pos, 36)  # TOTALSIZE .. PHYSICALOFFSET
+    total = head[:, 0:4].copy().view(">i4").ravel()
+    magic = head[:, 4:8].copy().view(">u4").ravel()
+    phy = head[:, 28:36].copy().view(">i8").ravel()
+    ok = (total == size) & (phy == pos + seg.base) & ((magic == codec.MAGIC_V1) | (magic == codec.MAGIC_V2))
+    return pos if ok.all() else None
+
+
 def store_times(seg: Segment, positions: np.ndarray) -> np.ndarray:
     """STORETIMESTAMP (ms) of the records at ``positions`` (its place depends on the born host family)."""
     if not len(positions):
         return np.zeros(0, np.int64)
-    sysflag = _fixed(seg.np, positions + 36, 4).view(">i4").ravel()
+    sysflag = fixed(seg.np, positions + 36, 4).view(">i4").ravel()
     at = positions + np.where(sysflag & codec.SYSFLAG_BORNHOST_V6, 68, 56)
-    return _fixed(seg.np, at, 8).view(">i8").ravel().astype(np.int64)
+    return fixed(seg.np, at, 8).view(">i8").ravel().astype(np.int64)
 
 
 def first_store_timestamp(path: str) -> int | None:

@@ -11,18 +11,45 @@ import json
 import logging
 import os
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import date, datetime, timedelta, timezone
-from typing import Any, Iterator
+from datetime import UTC, date, datetime, timedelta
+from typing import Any
 
-from pyspark.sql.datasource import (DataSource, DataSourceArrowWriter, DataSourceReader, DataSourceStreamReader,
-                                    EqualNullSafe, EqualTo, Filter, GreaterThan, GreaterThanOrEqual, In,
-                                    InputPartition, LessThan, LessThanOrEqual, WriterCommitMessage)
-from pyspark.sql.streaming.datasource import (ReadAllAvailable, ReadLimit, ReadMaxBytes,
-                                              SupportsTriggerAvailableNow)
-from pyspark.sql.types import (BinaryType, IntegerType, LongType, MapType, StringType, StructField, StructType,
-                               TimestampType)
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceArrowWriter,
+    DataSourceReader,
+    DataSourceStreamReader,
+    EqualNullSafe,
+    EqualTo,
+    Filter,
+    GreaterThan,
+    GreaterThanOrEqual,
+    In,
+    InputPartition,
+    LessThan,
+    LessThanOrEqual,
+    WriterCommitMessage,
+)
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxBytes,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import (
+    BinaryType,
+    IntegerType,
+    LongType,
+    MapType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
 
+from ..config import StoreConfig
 from ..errors import StoreError
 from . import plan as planner
 from . import segment
@@ -31,7 +58,7 @@ from .segment import RowFilter
 log = logging.getLogger(__name__)
 
 FORMAT = "rocketstore"
-_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _SPARK_TYPES = {"string": StringType(), "int": IntegerType(), "bigint": LongType(), "timestamp": TimestampType(),
                 "binary": BinaryType(), "map<string,string>": MapType(StringType(), StringType())}
 
@@ -166,10 +193,10 @@ def options_filter(opts: Options, roots: list[str]) -> dict[str, RowFilter]:
 def _micros(v: Any) -> int | None:
     if isinstance(v, datetime):
         if v.tzinfo is None:
-            v = v.replace(tzinfo=timezone.utc)
+            v = v.replace(tzinfo=UTC)
         return (v - _EPOCH) // timedelta(microseconds=1)
     if isinstance(v, date):
-        return (datetime(v.year, v.month, v.day, tzinfo=timezone.utc) - _EPOCH) // timedelta(microseconds=1)
+        return (datetime(v.year, v.month, v.day, tzinfo=UTC) - _EPOCH) // timedelta(microseconds=1)
     return None
 
 
@@ -233,10 +260,37 @@ def filter_to_rows(f: Filter) -> tuple[RowFilter | None, bool]:
 # ---------------------------------------------------------------- batch reads
 
 class ScanPartition(InputPartition):
-    """One piece of one commitlog segment (a :class:`rocketstore.spark.plan.ScanTask`)."""
+    """Whole consecutive segments of one store (a list of :class:`rocketstore.spark.plan.ScanTask`)."""
 
-    def __init__(self, task: planner.ScanTask) -> None:
-        super().__init__(task)
+    def __init__(self, tasks: list[planner.ScanTask]) -> None:
+        super().__init__(tasks)
+
+
+DEFAULT_MAX_PARTITION_BYTES = 256 * 1024 * 1024
+MIN_PARTITION_BYTES = 8 * 1024 * 1024
+
+
+def pack(tasks: list[planner.ScanTask], max_bytes: int, min_partitions: int) -> list[list[planner.ScanTask]]:
+    """Group consecutive segments of a store into partitions, as Spark splits files.
+
+    Each partition holds whole segments (a task decodes its own files).  With
+    RocketMQ's 1 GiB segments that is one segment each; small segments are
+    packed up to ``min(max_bytes, max(8 MiB, total / min_partitions))`` so that
+    the fixed cost of a task (tens of milliseconds) does not dominate.
+    """
+    total = sum(t.end - t.start for t in tasks)
+    target = min(max_bytes, max(MIN_PARTITION_BYTES, -(-total // max(1, min_partitions))))
+    out: list[list[planner.ScanTask]] = []
+    size = 0
+    for t in tasks:
+        n = t.end - t.start
+        if out and out[-1][-1].store == t.store and size + n <= target:
+            out[-1].append(t)
+            size += n
+        else:
+            out.append([t])
+            size = n
+    return out
 
 
 def _check_schema(schema: StructType) -> list[str]:
@@ -257,16 +311,19 @@ def _arrow_schema(schema: StructType):
     return to_arrow_schema(schema, timezone="UTC")
 
 
-def read_task(task: planner.ScanTask | None, names: list[str], arrow_schema: Any, batch_rows: int) -> Iterator[Any]:
-    if task is None:
+def read_task(tasks: list[planner.ScanTask] | None, names: list[str], arrow_schema: Any,
+              batch_rows: int) -> Iterator[Any]:
+    """The rows of one partition, as Arrow batches of exactly the Spark schema."""
+    if not tasks:
         return
     import pyarrow as pa
-    for b in segment.read_range(task.path, task.start, task.end, names, task.filter, batch_rows=batch_rows,
-                                boundary_known=task.boundary_known):
-        if b.schema.equals(arrow_schema):
-            yield b
-        else:
-            yield pa.RecordBatch.from_arrays(b.columns, schema=arrow_schema)
+    for task in tasks:
+        for b in segment.read_range(task.path, task.start, task.end, names, task.filter, batch_rows=batch_rows,
+                                    boundary_known=task.boundary_known, queues=task.queues):
+            if b.schema.equals(arrow_schema):
+                yield b
+            else:
+                yield pa.RecordBatch.from_arrays(b.columns, schema=arrow_schema)
 
 
 class RocketStoreReader(DataSourceReader):
@@ -278,6 +335,10 @@ class RocketStoreReader(DataSourceReader):
         self.base = options_filter(opts, self.roots)
         self.pushed = RowFilter()
         self.batch_rows = opts.int("batchRows", segment.DEFAULT_BATCH_ROWS)
+        self.max_partition_bytes = opts.int("maxPartitionBytes", DEFAULT_MAX_PARTITION_BYTES)
+        self.min_partitions = opts.int("minPartitions", os.cpu_count() or 1)
+        if self.max_partition_bytes <= 0 or self.min_partitions <= 0:
+            raise StoreError("options maxPartitionBytes and minPartitions must be positive")
 
     def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
         for f in filters:
@@ -298,7 +359,7 @@ class RocketStoreReader(DataSourceReader):
 
     def partitions(self) -> list[InputPartition]:
         tasks, _ = self.plan()
-        return [ScanPartition(t) for t in tasks]
+        return [ScanPartition(p) for p in pack(tasks, self.max_partition_bytes, self.min_partitions)]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         return read_task(partition.value, self.names, self.arrow_schema, self.batch_rows)
@@ -380,7 +441,7 @@ class RocketStoreStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNo
             s, e = int(start.get(r, 0)), int(end.get(r, 0))
             s = max(s, planner.earliest_offset(r)) if not self.fail_on_data_loss else s
             tasks += planner.stream_tasks(r, s, e, None if self.flt.trivial() else self.flt)
-        return [ScanPartition(t) for t in tasks]
+        return [ScanPartition([t]) for t in tasks]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         return read_task(partition.value, self.names, self.arrow_schema, self.batch_rows)
@@ -407,7 +468,12 @@ class RocketStoreWriter(DataSourceArrowWriter):
         check_columns(schema.fieldNames())
         self.opts = WriteOptions.from_options(opts.config_options())
         cfg = self.opts.store_config()
-        self.max_message_size = cfg.maxMessageSize if cfg else 4 * 1024 * 1024
+        if os.path.isdir(os.path.join(self.root, "commitlog")):
+            from ..store import infer_config
+            cfg = infer_config(self.root, cfg)  # an existing store's geometry, measured from its files
+        cfg = cfg or StoreConfig()
+        self.max_message_size = cfg.maxMessageSize
+        self.segment_size = cfg.mappedFileSizeCommitLog
         self.staging = os.path.join(self.root, STAGING, uuid.uuid4().hex)
         os.makedirs(self.staging, exist_ok=True)
 
@@ -418,7 +484,8 @@ class RocketStoreWriter(DataSourceArrowWriter):
         ctx = TaskContext.get()
         pid = ctx.partitionId() if ctx else 0
         attempt = ctx.attemptNumber() if ctx else 0
-        return StagedCommit(stage(iterator, self.staging, pid, attempt, self.opts, self.max_message_size))
+        return StagedCommit(stage(iterator, self.staging, pid, attempt, self.opts, self.max_message_size,
+                                  self.segment_size))
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         from .write import cleanup, commit

@@ -28,8 +28,9 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -70,7 +71,7 @@ class WriteOptions:
     config_file: str | None = None
 
     @classmethod
-    def from_options(cls, options: dict[str, str]) -> "WriteOptions":
+    def from_options(cls, options: dict[str, str]) -> WriteOptions:
         from dataclasses import fields as dc_fields
         names = {f.name for f in dc_fields(StoreConfig)}
         cfg = {k: v for k, v in options.items() if k in names}
@@ -166,7 +167,8 @@ def to_message(row: dict[str, Any], replay: bool) -> Message:
     return m
 
 
-def validate(row: dict[str, Any], where: str, max_message_size: int, replay: bool) -> None:
+def validate(row: dict[str, Any], where: str, max_message_size: int, replay: bool,
+             segment_size: int | None = None) -> None:
     """The checks the store makes before a put, so that a bad row fails its task rather than the commit."""
     from ..store import _illegal_topic
     topic = row["topic"]
@@ -186,9 +188,15 @@ def validate(row: dict[str, Any], where: str, max_message_size: int, replay: boo
                                         f"{max_message_size}")
         if not 0 <= m.queue_id < 2 ** 31:
             raise codec.RecordError(f"queue id {m.queue_id} out of range")
-        for h in (m.born_host, m.store_host):
-            if isinstance(h, str):
-                codec.parse_host(h)
+        hosts = [codec.parse_host(h) if isinstance(h, str) else None for h in (m.born_host, m.store_host)]
+        if segment_size is not None:
+            sys_flag = codec.with_host_flags(m.sys_flag, hosts[0][0] if hosts[0] else b"\0" * 4,
+                                             hosts[1][0] if hosts[1] else b"\0" * 4)
+            tb = topic.encode("utf-8")
+            size = codec.record_length(len(row["body"]), len(tb), len(props), sys_flag, codec.java_len(topic) > 127)
+            if size + codec.BLANK_RECORD_SIZE > segment_size:
+                raise codec.MessageTooLarge(f"a {size}-byte record does not fit the store's {segment_size}-byte "
+                                            "commitlog segments (mappedFileSizeCommitLog)")
     except (codec.RecordError, ValueError) as e:
         raise StoreError(f"{where}: {e}") from None
 
@@ -204,7 +212,7 @@ class StagedPart:
 
 
 def stage(batches: Iterator[pa.RecordBatch], staging_dir: str, partition: int, attempt: int,
-          opts: WriteOptions, max_message_size: int) -> StagedPart:
+          opts: WriteOptions, max_message_size: int, segment_size: int | None = None) -> StagedPart:
     """Validate and stage one task's rows (sorted by commitLogOffset when replaying)."""
     os.makedirs(staging_dir, exist_ok=True)
     path = os.path.join(staging_dir, f"part-{partition:05d}-{attempt}-{uuid.uuid4().hex[:8]}.arrow")
@@ -218,7 +226,7 @@ def stage(batches: Iterator[pa.RecordBatch], staging_dir: str, partition: int, a
             check_columns(batch.schema.names)
             nb = normalize(batch, opts.replay)
             for i, row in enumerate(nb.to_pylist()):
-                validate(row, f"partition {partition} row {rows + i}", max_message_size, opts.replay)
+                validate(row, f"partition {partition} row {rows + i}", max_message_size, opts.replay, segment_size)
             rows += nb.num_rows
             if opts.replay:
                 staged.append(nb)
