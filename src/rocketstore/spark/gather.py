@@ -18,12 +18,16 @@ def gather(data: pa.Buffer, starts: np.ndarray, lengths: np.ndarray, typ: pa.Dat
     n = len(starts)
     if n == 0:
         return pa.array([], typ or pa.binary())
-    offs = np.empty(2 * n + 1, dtype=np.int32)
+    large = data.size > 2 ** 31 - 1  # binary offsets are int32; RocketMQ's files stay below 2 GiB
+    offs = np.empty(2 * n + 1, dtype=np.int64 if large else np.int32)
     offs[0:2 * n:2] = starts
     offs[1:2 * n:2] = starts + lengths
     offs[2 * n] = offs[2 * n - 1]
-    inter = pa.Array.from_buffers(pa.binary(), 2 * n, [None, pa.py_buffer(offs), data])
+    inter = pa.Array.from_buffers(pa.large_binary() if large else pa.binary(), 2 * n,
+                                  [None, pa.py_buffer(offs), data])
     out = inter.take(pa.array(np.arange(0, 2 * n, 2, dtype=np.int64)))
+    if large:
+        out = out.cast(pa.binary())
     return out if typ is None else out.cast(typ)
 
 

@@ -2,9 +2,10 @@
 
 This is the executors' half of the data source.  It needs numpy and pyarrow
 but not Spark, and it never opens a ``MessageStore``: a task maps its own
-segment file read-only, finds the record boundaries with one cheap walk over
-the TOTALSIZE fields, and then decodes every field of a batch of records at
-once:
+segment file read-only and finds the record boundaries, from the consume
+queues when their units tile the segment (checked against every record's
+TOTALSIZE and PHYSICALOFFSET), else with one walk over the TOTALSIZE fields.
+Then it decodes every field of a batch of records at once:
 
 * the fixed header (TOTALSIZE .. BODYLENGTH) of every record is gathered into
   one contiguous buffer and viewed through a big-endian numpy structured dtype;
@@ -12,10 +13,11 @@ once:
   file by a single Arrow ``take`` over "interleaved" offsets (start, end of
   record 0, start, end of record 1, ...), which copies each range once in C;
 * the properties map is split on the 0x01/0x02 separators with numpy, exactly
-  as RocketMQ's ``string2messageProperties`` splits (see
-  :func:`rocketstore.codec.parse_properties`); the rare record whose string
-  is not plain (duplicate names, invalid UTF-8) goes through the Python
-  parser instead, so the result is always the one ``rocketstore dump`` gives.
+  as RocketMQ's ``string2messageProperties`` splits (:mod:`.properties`).
+
+A record whose fields disagree with its size stops the read with
+:class:`RecordFormatError` naming the file and offset; a read never returns
+something ``rocketstore dump`` would not.
 
 The column names and values are those of :meth:`MessageExt.to_json`
 (``rocketstore dump``), with the two timestamps as Arrow timestamps.

@@ -65,7 +65,8 @@ _SPARK_TYPES = {"string": StringType(), "int": IntegerType(), "bigint": LongType
 
 def spark_schema(with_body: bool = True) -> StructType:
     """The rows' schema: the fields of ``rocketstore dump`` (body omitted with ``withBody=false``)."""
-    return StructType([StructField(n, _SPARK_TYPES[t]) for n, t, _ in segment.COLUMNS if with_body or n != "body"])
+    return StructType([StructField(n, _SPARK_TYPES[t], nullable=n in ("tags", "keys"))
+                       for n, t, _ in segment.COLUMNS if with_body or n != "body"])
 
 
 # ---------------------------------------------------------------- options
