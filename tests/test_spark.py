@@ -22,7 +22,7 @@ import pytest
 
 pyspark = pytest.importorskip("pyspark")
 
-from conftest import GOLDEN, copy_store, golden_expected, golden_queries, golden_store
+from conftest import GOLDEN, copy_store, golden_expected, golden_queries, golden_store, run_cli
 
 from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.config import golden_config
@@ -258,6 +258,34 @@ def test_export_to_parquet_round_trips_through_append(spark, tmp_path):
     with MessageStore.open(str(plain), read_only=True) as store:
         assert verify_store(store)["ok"]
         assert {q["topic"] for q in store.state()["queues"]} == {"TopicA", "TopicB", "TopicC"}
+
+
+def test_export_with_dump_flags_takes_what_dump_prints(spark, tmp_path):
+    """--topic/--from-time/--to-time/--max-messages/--max-bytes select the same messages in both tools."""
+    from rocketstore.cli import main
+    from rocketstore.cli_store import selection_from_args
+    expected = sorted(golden_expected("basic"), key=lambda e: e["commitLogOffset"])
+    mid, to = str(expected[1500]["storeTimestamp"]), str(expected[2600]["storeTimestamp"])
+    cases = [["--from-time", mid, "--to-time", to],
+             ["--topic", "TopicB", "--from-time", mid, "--max-messages", "7"],
+             ["--from-time", mid, "--max-bytes", "5000"],
+             ["--topic", "TopicC", "--to-time", to, "--max-messages", "0"]]
+    for i, flags in enumerate(cases):
+        dumped = [json.loads(x)["commitLogOffset"] for x in
+                  run_cli("dump", BASIC, "--no-body", *flags).stdout.decode().splitlines()]
+        out = tmp_path / f"e{i}"
+        assert main(["spark", "export", BASIC, "--to", str(out), *flags, "--keep-session"]) == 0
+        exported = sorted(r.commitLogOffset for r in spark.read.parquet(str(out)).collect())
+        assert exported == dumped, flags
+    assert len(dumped) == 0
+    # The size-limited start and end were found without reading bodies, through the consume queues.
+    import argparse
+    sel = selection_from_args(argparse.Namespace(topic="TopicB", from_time=int(mid), to_time=None,
+                                                 max_messages=7, max_bytes=None))
+    with MessageStore.open(BASIC, read_only=True) as store:
+        start, end = sel.offset_range(store)
+    b = [e for e in expected if e["topic"] == "TopicB" and e["storeTimestamp"] >= int(mid)][:7]
+    assert (start, end) == (b[0]["commitLogOffset"], b[-1]["commitLogOffset"] + b[-1]["size"])
 
 
 def test_append_with_keys_list_string_body_and_default_queue(spark, tmp_path):

@@ -255,3 +255,21 @@ def test_record_positions_come_from_the_consume_queues_and_are_checked(tmp_path,
     assert [r["commitLogOffset"] for r in rows] == expected
     assert rows[1234] == {k: v for k, v in sorted(golden_expected("basic"), key=lambda e: e["commitLogOffset"])[1234]
                           .items() if k in segment.COLUMN_NAMES}
+
+
+def test_drop_cache_advises_every_read_segment_but_the_newest(monkeypatch):
+    """Issue 10: an export of a live store drops what it read from the page cache, except the hot tail."""
+    calls = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: (calls.append((off, n, advice)),
+                                                                       real(fd, off, n, advice)))
+    root = str(golden_store("basic"))
+    tasks = plan.plan_scan(root, RowFilter(), drop_cache=True)
+    assert [t.drop_cache for t in tasks] == [True] * (len(tasks) - 1) + [False]
+    rows = 0
+    for t in tasks:
+        for b in segment.read_range(t.path, t.start, t.end, ["commitLogOffset"], drop_cache=t.drop_cache):
+            rows += b.num_rows
+    assert rows == 3000
+    assert len(calls) == len(tasks) - 1 and all(a == os.POSIX_FADV_DONTNEED and n > 0 for _o, n, a in calls)
+    assert not any(t.drop_cache for t in plan.plan_scan(root, RowFilter()))

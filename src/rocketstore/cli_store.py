@@ -7,11 +7,12 @@ import sys
 from typing import Any
 
 from .cli import emit, load_config
-from .errors import CliError
+from .errors import CliError, StoreError
 from .config import StoreConfig
 from .consume_queue import LOWER, UPPER
 from .message import Message, parse_tag_filter
 from .progress import progress_bar
+from .selection import Selection
 from .store import MessageStore, iter_json_lines
 
 
@@ -51,34 +52,38 @@ def open_writable(args: argparse.Namespace, **kw: Any) -> MessageStore:
 
 def cmd_dump(args: argparse.Namespace) -> int:
     import json
-    limit = args.max_messages if args.max_messages is not None else args.limit
+    sel = selection_from_args(args)
+    out = sys.stdout
     with open_read_only(args) as store:
-        if args.from_offset is not None:
-            start = args.from_offset
-        else:
-            start = store.seek_offset(args.topic, args.from_time)
         n = size = 0
-        out = sys.stdout
-        if limit == 0:
-            return 0
-        for _off, _size, msg, problem in store.messages(start, read_body=not args.no_body, drop_cache=True):
-            if msg is None:
-                raise CliError(f"scan stopped: {problem}")
-            if args.to_time is not None and msg.store_timestamp > args.to_time:
-                break  # store times ascend in commitlog order (stamped under the put lock)
-            if args.topic is not None and msg.topic != args.topic:
-                continue
-            if args.from_time is not None and msg.store_timestamp < args.from_time:
-                continue
-            out.write(json.dumps(msg.to_json(not args.no_body), ensure_ascii=False) + "\n")
-            n += 1
-            size += msg.size
-            if (limit is not None and n >= limit) or (args.max_bytes is not None and size >= args.max_bytes):
-                return 0
+        try:
+            for msg in sel.scan(store, read_body=not args.no_body):
+                out.write(json.dumps(msg.to_json(not args.no_body), ensure_ascii=False) + "\n")
+                n += 1
+                size += msg.size
+        except StoreError as e:
+            raise CliError(str(e)) from None
         report = store.recovery_report
-        if report is not None and report.stopped_because:
+        if not sel.reached(n, size) and report is not None and report.stopped_because:
             raise CliError(f"scan stopped at commitlog offset {report.process_offset}: {report.stopped_because}")
     return 0
+
+
+def selection_from_args(args: argparse.Namespace) -> Selection:
+    """The --topic/--from-offset/--from-time/--to-time/--max-messages/--max-bytes flags as a Selection."""
+    limit = args.max_messages if args.max_messages is not None else getattr(args, "limit", None)
+    return Selection(topic=args.topic, from_offset=getattr(args, "from_offset", None), from_time=args.from_time,
+                     to_time=args.to_time, max_messages=limit, max_bytes=args.max_bytes)
+
+
+def add_selection_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of selection_from_args (shared by dump and spark export)."""
+    p.add_argument("--topic", help="only this topic")
+    p.add_argument("--max-messages", type=_nonneg, metavar="N", help="at most N messages")
+    p.add_argument("--max-bytes", type=_positive, metavar="N", help="stop once N bytes of records are taken")
+    p.add_argument("--from-time", type=_int, metavar="MS", help="store timestamp (epoch ms) to start at "
+                   "(seeks through the consume queues)")
+    p.add_argument("--to-time", type=_int, metavar="MS", help="store timestamp (epoch ms) to stop after")
 
 
 def cmd_state(args: argparse.Namespace) -> int:
@@ -121,11 +126,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         emit(result)
     else:
-        _print_verify_table(result)
+        print_verify_table(result)
     return 0 if result["ok"] else 1
 
 
-def _print_verify_table(result: dict[str, Any]) -> None:
+def print_verify_table(result: dict[str, Any]) -> None:
     rows = [("segments", result["segments"]), ("records", result["records"]),
             ("bytes checked", result["bytesChecked"]), ("consume queues", result["consumeQueues"]),
             ("consume-queue units", result["consumeQueueUnits"]), ("index files", result["indexFiles"]),
@@ -277,13 +282,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = add("dump", cmd_dump, "every message in commitlog order, one JSON object per line")
     p.add_argument("--no-body", action="store_true", help="omit bodies")
-    p.add_argument("--topic", help="only this topic")
+    add_selection_flags(p)
     p.add_argument("--from-offset", type=_nonneg, metavar="N", help="start at this commitlog offset")
-    p.add_argument("--limit", type=_nonneg, metavar="N", help="at most N messages")
-    p.add_argument("--max-messages", type=_nonneg, metavar="N", help="at most N messages (same as --limit)")
-    p.add_argument("--max-bytes", type=_positive, metavar="N", help="stop once N bytes of records are written")
-    p.add_argument("--from-time", type=_int, metavar="MS", help="store timestamp to start at (seeks by queue)")
-    p.add_argument("--to-time", type=_int, metavar="MS", help="store timestamp to stop after")
+    p.add_argument("--limit", type=_nonneg, metavar="N", help="same as --max-messages")
 
     add("state", cmd_state, "offsets, checkpoint and queues as JSON")
 

@@ -25,6 +25,12 @@ _BROKER_KEYS = {"brokerClusterName", "brokerName", "brokerId", "brokerRole", "na
                 "storePathCommitLog", "autoCreateTopicEnable", "defaultTopicQueueNums"}
 
 
+def require(config: object, ok: bool, key: str, why: str) -> None:
+    """Raise ConfigError naming ``key`` and its value unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"{key}={getattr(config, key)}: {why}")
+
+
 @dataclass
 class StoreConfig:
     """Store settings (RocketMQ 5.3.3 names and defaults)."""
@@ -76,8 +82,7 @@ class StoreConfig:
     def validate(self) -> None:
         """Refuse values the files cannot work with; the message names the key."""
         def need(ok: bool, key: str, why: str) -> None:
-            if not ok:
-                raise ConfigError(f"{key}={getattr(self, key)}: {why}")
+            require(self, ok, key, why)
 
         need(self.mappedFileSizeCommitLog >= MIN_COMMITLOG_FILE_SIZE, "mappedFileSizeCommitLog",
              f"a commitlog segment must be at least {MIN_COMMITLOG_FILE_SIZE} bytes")

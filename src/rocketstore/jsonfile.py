@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -45,12 +46,14 @@ def write_json_atomic(path: str, obj: Any) -> None:
     _fsync_dir(directory)
 
 
-def read_json(path: str, default: Any = None) -> Any:
-    """The file's JSON, else the backup's (with a warning), else ``default``."""
+def read_json(path: str, default: Any = None, loads: Callable[[str], Any] = json.loads) -> Any:
+    """The file's JSON, else the backup's (with a warning), else ``default``.
+
+    ``loads`` parses the text (the broker passes one that also takes RocketMQ's fastjson output)."""
     for candidate in (path, f"{path}.bak"):
         try:
             with open(candidate, "rb") as fh:
-                value = json.loads(fh.read().decode("utf-8"))
+                value = loads(fh.read().decode("utf-8"))
         except FileNotFoundError:
             continue
         except (ValueError, OSError) as e:

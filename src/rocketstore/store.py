@@ -400,7 +400,7 @@ class MessageStore:
         """Validate and encode one message (raises codec.RecordError subclasses or ValueError)."""
         topic = self._topic_cache.get(m.topic)
         if topic is None:
-            err = _illegal_topic(m.topic)
+            err = illegal_topic(m.topic)
             if err:
                 raise codec.RecordError(err)
             topic = codec.topic_tail(m.topic, self.config.autoMessageVersionOnTopicLen)
@@ -784,7 +784,7 @@ _TOPIC_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01
 _QUEUED_TXN = (codec.TRANSACTION_NOT_TYPE, codec.TRANSACTION_COMMIT)
 
 
-def _illegal_topic(topic: object) -> str | None:
+def illegal_topic(topic: object) -> str | None:
     """The topic checks RocketMQ's broker applies before the store: present and of legal characters."""
     if not isinstance(topic, str) or not topic:
         return "topic is empty"

@@ -147,31 +147,38 @@ def _entries(f: IndexFile) -> Iterator[tuple[int, int, int, int]]:
 
 def verify_store(store: MessageStore, progress: Any = None) -> dict[str, Any]:
     """Check everything; the result has ``ok`` and the list of ``problems``."""
+    results = []
+    files = list(store.commitlog.queue.files)
+    for i, f in enumerate(files):
+        results.append(check_segment(f.mm, f.path, f.file_from_offset, f.wrote_position, f.file_size,
+                                     i == len(files) - 1))
+        if progress is not None:
+            progress.update(f.file_size)
+    return verify_report(store, results)
+
+
+def verify_report(store: MessageStore, results: list[SegmentResult]) -> dict[str, Any]:
+    """The verify result from the per-segment checks (run here or on Spark executors, one per segment,
+    in file order): adds the torn tail recovery found, the cross-checks and the quarantined files."""
     findings: list[dict[str, Any]] = []
     records: list[RecordSummary] = []
-    files = list(store.commitlog.queue.files)
     checked = 0
-    for i, f in enumerate(files):
-        res = check_segment(f.mm, f.path, f.file_from_offset, f.wrote_position, f.file_size, i == len(files) - 1)
+    for res in results:
         findings += res.findings
         records += res.records
         checked += res.bytes_checked
-        if progress is not None:
-            progress.update(f.file_size)
     report = store.recovery_report
     if report is not None and report.abnormal and report.stopped_because:
         findings.append(finding("torn-tail", store.paths.commitlog, report.process_offset,
                                 f"{report.stopped_because} (recovery ends the commitlog here)"))
     cross, counts = cross_check(store, records)
     findings += cross
-    quarantined = []
     if os.path.isdir(store.paths.quarantine):
-        quarantined = sorted(os.listdir(store.paths.quarantine))
-        for q in quarantined:
+        for q in sorted(os.listdir(store.paths.quarantine)):
             findings.append(finding("quarantined", os.path.join(store.paths.quarantine, q), 0,
                                     "stray file moved aside at open"))
     findings.sort(key=lambda d: (d["kind"], d["file"], d["offset"]))
-    return {"ok": not findings, "segments": len(files), "records": len(records), "bytesChecked": checked,
+    return {"ok": not findings, "segments": len(results), "records": len(records), "bytesChecked": checked,
             "consumeQueues": len(store.consume_queues()), "consumeQueueUnits": counts["units"],
             "indexFiles": len(store.index_service.files), "indexEntries": counts["indexEntries"],
             "problems": findings}

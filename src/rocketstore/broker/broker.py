@@ -21,6 +21,7 @@ from .clients import ClientRegistry
 from .config import BrokerConfig
 from .offsets import ConsumerOffsetManager
 from .pop import PopService
+from .tasks import cancel, every
 from .timer import TimerService
 from .topics import TopicManager
 from .transaction import TransactionService
@@ -65,8 +66,9 @@ class Broker:
         self.timer.start()
         self.transactions.start()
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._persist_loop(), name="persist"),
-                       loop.create_task(self._housekeeping_loop(), name="housekeeping")]
+        self._tasks = [loop.create_task(every(self.cfg.flushConsumerOffsetInterval / 1000, self.persist,
+                                              "persisting consumer state"), name="persist"),
+                       loop.create_task(every(1.0, self._housekeeping, "housekeeping"), name="housekeeping")]
         self.started = True
 
     async def stop(self) -> None:
@@ -74,13 +76,7 @@ class Broker:
         if not self.started:
             return
         self.started = False
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel(*self._tasks)
         if self.timer:
             await self.timer.stop()
             await self.timer.persist()
@@ -144,25 +140,9 @@ class Broker:
                     self.pop.dirty = True
                 self.offsets.dirty = True
 
-    async def _persist_loop(self) -> None:
-        period = self.cfg.flushConsumerOffsetInterval / 1000
-        while True:
-            await asyncio.sleep(period)
-            try:
-                await self.persist()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("persisting consumer state failed")
-
-    async def _housekeeping_loop(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            try:
-                self.pop.renew(self.clients.alive)
-                for cid in self.clients.expired():
-                    log.info("client %s expired (no heartbeat, no Telemetry stream)", cid)
-                    self.clients.remove(cid)
-                    self.pop.release_client(cid)
-            except Exception:
-                log.exception("housekeeping failed")
+    async def _housekeeping(self) -> None:
+        self.pop.renew(self.clients.alive)
+        for cid in self.clients.expired():
+            log.info("client %s expired (no heartbeat, no Telemetry stream)", cid)
+            self.clients.remove(cid)
+            self.pop.release_client(cid)

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from ..config import StoreConfig, _convert, read_conf_file
+from ..config import StoreConfig, _convert, read_conf_file, require
 from ..errors import ConfigError
 
 DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
@@ -66,8 +66,7 @@ class BrokerConfig:
 
     def validate(self) -> None:
         def need(ok: bool, key: str, why: str) -> None:
-            if not ok:
-                raise ConfigError(f"{key}={getattr(self, key)}: {why}")
+            require(self, ok, key, why)
 
         need(1 <= self.defaultTopicQueueNums <= 1024, "defaultTopicQueueNums", "must be in 1..1024")
         need(self.consumeFromWhere in ("FIRST", "LAST"), "consumeFromWhere", "must be FIRST or LAST")

@@ -16,7 +16,7 @@ import re
 import time
 from typing import Any
 
-from ..jsonfile import write_json_atomic
+from ..jsonfile import read_json, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -33,19 +33,7 @@ def loads_lenient(text: str) -> Any:
 
 def read_json_lenient(path: str) -> Any:
     """Like jsonfile.read_json (falls back to ``.bak`` with a warning) but accepting fastjson output."""
-    for candidate in (path, f"{path}.bak"):
-        try:
-            with open(candidate, encoding="utf-8") as fh:
-                value = loads_lenient(fh.read())
-        except FileNotFoundError:
-            continue
-        except (ValueError, OSError, UnicodeDecodeError) as e:
-            log.warning("%s: unreadable (%s); trying the backup", candidate, e)
-            continue
-        if candidate != path:
-            log.warning("%s: missing or corrupt; using %s", path, candidate)
-        return value
-    return None
+    return read_json(path, loads=loads_lenient)
 
 
 class ConsumerOffsetManager:

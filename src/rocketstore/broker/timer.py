@@ -26,6 +26,7 @@ from ..jsonfile import read_json, write_json_atomic
 from ..message import GetMessageStatus, Message, PutMessageResult
 from .convert import P_REAL_QID, P_REAL_TOPIC, P_TIMER_DELIVER
 from .pop import now_ms
+from .tasks import cancel
 from .topics import TIMER_TOPIC
 
 log = logging.getLogger(__name__)
@@ -126,12 +127,7 @@ class TimerService:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="timer")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel(self._task)
 
     async def _run(self) -> None:
         while True:

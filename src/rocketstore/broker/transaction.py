@@ -32,6 +32,7 @@ from ..message import GetMessageStatus, Message, PutMessageResult
 from .config import BrokerConfig
 from .convert import P_CHECK_IMMUNITY, P_REAL_QID, P_REAL_TOPIC, P_TRAN, Code, to_pb
 from .offsets import ConsumerOffsetManager
+from .tasks import cancel, every
 from .pop import now_ms
 from .proto import pb, svc
 from .timer import restore
@@ -210,26 +211,12 @@ class TransactionService:
 
     # ------------------------------------------------------------ checking
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="transaction-check")
+        period = min(1.0, self.cfg.transactionCheckInterval / 1000)
+        self._task = asyncio.get_running_loop().create_task(every(period, self.check_once, "transaction check"),
+                                                            name="transaction-check")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-
-    async def _run(self) -> None:
-        period = min(1.0, self.cfg.transactionCheckInterval / 1000)
-        while True:
-            await asyncio.sleep(period)
-            try:
-                await self.check_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("transaction check failed")
+        await cancel(self._task)
 
     async def check_once(self) -> None:
         now = now_ms()

@@ -3,6 +3,7 @@
     rocketstore spark verify STORE [--json]
     rocketstore spark rebuild STORE
     rocketstore spark export STORE --to DIR [--format parquet] [--partition-by topic,date]
+                             [--topic T] [--from-time MS] [--to-time MS] [--max-messages N] [--max-bytes N]
     rocketstore spark import STORE --from DIR [--replay]
     rocketstore spark stats STORE [--json] [--plot traffic.png]
     rocketstore spark package [--out DIR]
@@ -80,14 +81,8 @@ def _verify(spark: Any, args: argparse.Namespace) -> int:
     if args.json:
         _emit(result)
     else:
-        try:
-            from ..cli_store import (
-                _print_verify_table,  # the table `rocketstore verify` prints
-            )
-        except ImportError:
-            _emit(result)
-        else:
-            _print_verify_table(result)
+        from ..cli_store import print_verify_table  # the table `rocketstore verify` prints
+        print_verify_table(result)
     return 0 if result["ok"] else 1
 
 
@@ -99,9 +94,10 @@ def _rebuild(spark: Any, args: argparse.Namespace) -> int:
 
 def _export(spark: Any, args: argparse.Namespace) -> int:
     from . import jobs
+    from ..cli_store import selection_from_args
     opts = {} if not args.no_body else {"withBody": "false"}
     _emit(jobs.export(spark, args.store, args.to, fmt=args.format, partition_by=(args.partition_by or "").split(","),
-                      mode=args.mode, options=opts))
+                      mode=args.mode, options=opts, selection=selection_from_args(args)))
     return 0
 
 
@@ -146,12 +142,14 @@ def add_jobs(ssub: argparse._SubParsersAction) -> None:
     p = add("rebuild", _rebuild, "rebuild consume queues and index from the commitlog (store must not be open)")
     p.add_argument("--config", metavar="FILE", help="broker.conf style file (geometry, when the files are gone)")
 
-    p = add("export", _export, "every message as Parquet (or ORC) files")
+    from ..cli_store import add_selection_flags
+    p = add("export", _export, "messages as Parquet (or ORC) files: all, or those the dump flags select")
     p.add_argument("--to", required=True, metavar="DIR")
     p.add_argument("--format", default="parquet", choices=["parquet", "orc"])
     p.add_argument("--partition-by", metavar="COLS", help="comma-separated: topic, queueId, date, hour (UTC)")
     p.add_argument("--mode", default="errorifexists", choices=["errorifexists", "overwrite", "append", "ignore"])
     p.add_argument("--no-body", action="store_true", help="leave bodies out")
+    add_selection_flags(p)
 
     p = add("import", _import, "append the messages of an export (Parquet/ORC with topic and body) to a store")
     p.add_argument("--from", dest="source", required=True, metavar="DIR")

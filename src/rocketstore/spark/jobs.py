@@ -23,6 +23,7 @@ from typing import Any, Self
 
 from .. import codec
 from ..errors import StoreError, StoreLockedError
+from ..selection import Selection
 from ..store import MessageStore, StorePaths
 
 log = logging.getLogger(__name__)
@@ -86,34 +87,13 @@ def verify(spark: Any, store_path: str, config: Any = None) -> dict[str, Any]:
     the per-segment check is the same function, run on the executors, and the cross-check runs on the
     driver with the records they return.
     """
-    from ..verify import cross_check, finding
+    from ..verify import verify_report
     root = os.path.abspath(store_path)
     with MessageStore.open(root, config, read_only=True) as store:
         segs = _segment_list(store)
         sc = spark.sparkContext
         results = sc.parallelize(segs, max(1, len(segs))).map(_check_segment).collect() if segs else []
-        findings: list[dict[str, Any]] = []
-        records = []
-        checked = 0
-        for res in results:
-            findings += res.findings
-            records += res.records
-            checked += res.bytes_checked
-        report = store.recovery_report
-        if report is not None and report.abnormal and report.stopped_because:
-            findings.append(finding("torn-tail", store.paths.commitlog, report.process_offset,
-                                    f"{report.stopped_because} (recovery ends the commitlog here)"))
-        cross, counts = cross_check(store, records)
-        findings += cross
-        if os.path.isdir(store.paths.quarantine):
-            for q in sorted(os.listdir(store.paths.quarantine)):
-                findings.append(finding("quarantined", os.path.join(store.paths.quarantine, q), 0,
-                                        "stray file moved aside at open"))
-        findings.sort(key=lambda d: (d["kind"], d["file"], d["offset"]))
-        return {"ok": not findings, "segments": len(segs), "records": len(records), "bytesChecked": checked,
-                "consumeQueues": len(store.consume_queues()), "consumeQueueUnits": counts["units"],
-                "indexFiles": len(store.index_service.files), "indexEntries": counts["indexEntries"],
-                "problems": findings}
+        return verify_report(store, results)
 
 
 # ---------------------------------------------------------------- rebuild
@@ -299,11 +279,13 @@ def _with_partition_columns(df: Any, cols: Iterable[str]) -> Any:
 
 
 def export(spark: Any, store_path: str, to: str, *, fmt: str = "parquet", partition_by: Iterable[str] = (),
-           mode: str = "errorifexists", options: dict[str, str] | None = None) -> dict[str, Any]:
+           mode: str = "errorifexists", options: dict[str, str] | None = None,
+           selection: Selection | None = None) -> dict[str, Any]:
     """Write every message (all ``dump`` fields, body included) as Parquet (or ORC) under ``to``.
 
     ``partition_by`` may name topic, queueId, date and hour (the UTC day and hour of storeTimestamp).
     Reading the files back and writing them with ``format("rocketstore")`` gives the same messages.
+    ``selection`` limits the export to what ``rocketstore dump`` with the same flags prints.
     """
     fmt = fmt.lower()
     if fmt not in ("parquet", "orc"):
@@ -314,7 +296,10 @@ def export(spark: Any, store_path: str, to: str, *, fmt: str = "parquet", partit
         raise StoreError(f"--partition-by {','.join(bad)}: choose from {', '.join(PARTITION_COLUMNS)}")
     t0 = time.monotonic()
     reader = spark.read.format("rocketstore")
-    for k, v in (options or {}).items():
+    options = {"dropCache": "true", **(options or {})}
+    if selection is not None:
+        options.update(selection_options(store_path, selection))
+    for k, v in options.items():
         reader = reader.option(k, v)
     df = _with_partition_columns(reader.load(os.path.abspath(store_path)), cols)
     writer = df.write.mode(mode).format(fmt)
@@ -333,6 +318,23 @@ def export(spark: Any, store_path: str, to: str, *, fmt: str = "parquet", partit
            "files": files, "seconds": round(time.monotonic() - t0, 3)}
     if fmt == "parquet":
         out["rows"] = rows
+    return out
+
+
+def selection_options(store_path: str, sel: Selection) -> dict[str, str]:
+    """Reader options that read exactly ``sel``: its start (and, under a size limit, its end) is found on
+    the driver through the consume queues and a header-only walk; times and topic are reader filters."""
+    with MessageStore.open(os.path.abspath(store_path), read_only=True) as store:
+        start, end = sel.offset_range(store)
+    out = {"startingOffsets": str(start)}
+    if end is not None:
+        out["endingOffsets"] = str(end)
+    if sel.topic is not None:
+        out["topics"] = sel.topic
+    if sel.from_time is not None:
+        out["startingTimestamp"] = str(sel.from_time)
+    if sel.to_time is not None:
+        out["endingTimestamp"] = str(sel.to_time + 1)  # the reader's end is exclusive
     return out
 
 

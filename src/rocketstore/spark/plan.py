@@ -60,6 +60,7 @@ class ScanTask:
     boundary_known: bool = True
     filter: RowFilter | None = None
     queues: list | None = None  # consume-queue slices pointing into the segment (segment.QueueSlice)
+    drop_cache: bool = False  # drop the segment's pages after reading (never set for the newest, hot segment)
 
 
 @dataclass
@@ -206,8 +207,12 @@ def list_segments(root: str) -> list[SegmentInfo]:
     return out
 
 
-def plan_scan(root: str, flt: RowFilter, *, report: PlanReport | None = None) -> list[ScanTask]:
-    """The partitions of a batch scan of one store: one per segment that may hold a matching record."""
+def plan_scan(root: str, flt: RowFilter, *, report: PlanReport | None = None,
+              drop_cache: bool = False) -> list[ScanTask]:
+    """The partitions of a batch scan of one store: one per segment that may hold a matching record.
+
+    ``drop_cache``: executors drop each segment's pages once read, except the
+    newest segment's (the hot set of a live store's consumers)."""
     report = report or PlanReport(root)
     if not os.path.isdir(os.path.join(root, "commitlog")):
         if not os.path.exists(root):
@@ -271,7 +276,7 @@ def plan_scan(root: str, flt: RowFilter, *, report: PlanReport | None = None) ->
         if flt.offset_lo is not None and s.base < flt.offset_lo < s.base + s.end:
             start, known = _boundary(s, flt.offset_lo)
         tasks.append(ScanTask(root, s.path, s.base, start, s.end, known, None if flt.trivial() else flt,
-                              slices.get(s.base)))
+                              slices.get(s.base), drop_cache=drop_cache and s is not segs[-1]))
     report.selected = len(tasks)
     log.info("scan of %s: %d of %d segments (%s)", root, len(tasks), len(segs), report.pruned or "no pruning")
     return tasks

@@ -532,14 +532,16 @@ def _column(name: str, seg: Segment, positions: np.ndarray, cols: dict[str, Any]
 
 def read_range(path: str, start: int, end: int, names: Sequence[str], flt: RowFilter | None = None,
                batch_rows: int = DEFAULT_BATCH_ROWS, zeros_end: bool = False,
-               boundary_known: bool = True, queues: Sequence[QueueSlice] | None = None
-               ) -> Iterator[pa.RecordBatch]:
+               boundary_known: bool = True, queues: Sequence[QueueSlice] | None = None,
+               drop_cache: bool = False) -> Iterator[pa.RecordBatch]:
     """Batches of the records of one segment file between file positions ``start`` and ``end``.
 
     ``start`` must be a record boundary unless ``boundary_known`` is False, in
     which case the walk starts at the file start and skips what lies before.
     ``queues``: the consume-queue units that point into this segment (see
     :func:`positions_from_queues`), which spare the walk over record headers.
+    ``drop_cache``: tell the kernel the range's pages are not needed any more
+    (``posix_fadvise`` DONTNEED), so an export of a live store keeps its hot set.
     """
     seg = Segment(path)
     try:
@@ -561,6 +563,22 @@ def read_range(path: str, start: int, end: int, names: Sequence[str], flt: RowFi
                 yield b
     finally:
         seg.close()
+        if drop_cache:
+            drop_page_cache(path, start, end)
+
+
+def drop_page_cache(path: str, start: int, end: int) -> None:
+    """Advise the kernel to drop ``path``'s cached pages in [start, end) (best effort)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, start, max(0, end - start), os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 # (consume-queue directory, its file size, first unit, end unit): units that point into one segment.

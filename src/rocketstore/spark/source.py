@@ -320,7 +320,8 @@ def read_task(tasks: list[planner.ScanTask] | None, names: list[str], arrow_sche
     import pyarrow as pa
     for task in tasks:
         for b in segment.read_range(task.path, task.start, task.end, names, task.filter, batch_rows=batch_rows,
-                                    boundary_known=task.boundary_known, queues=task.queues):
+                                    boundary_known=task.boundary_known, queues=task.queues,
+                                    drop_cache=task.drop_cache):
             if b.schema.equals(arrow_schema):
                 yield b
             else:
@@ -338,6 +339,7 @@ class RocketStoreReader(DataSourceReader):
         self.batch_rows = opts.int("batchRows", segment.DEFAULT_BATCH_ROWS)
         self.max_partition_bytes = opts.int("maxPartitionBytes", DEFAULT_MAX_PARTITION_BYTES)
         self.min_partitions = opts.int("minPartitions", os.cpu_count() or 1)
+        self.drop_cache = opts.flag("dropCache", False)
         if self.max_partition_bytes <= 0 or self.min_partitions <= 0:
             raise StoreError("options maxPartitionBytes and minPartitions must be positive")
 
@@ -354,7 +356,8 @@ class RocketStoreReader(DataSourceReader):
         reports = []
         for root in self.roots:
             rep = planner.PlanReport(root)
-            tasks += planner.plan_scan(root, self.base[root].intersect(self.pushed), report=rep)
+            tasks += planner.plan_scan(root, self.base[root].intersect(self.pushed), report=rep,
+                                       drop_cache=self.drop_cache)
             reports.append(rep)
         return tasks, reports
 

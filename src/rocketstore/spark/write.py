@@ -170,9 +170,9 @@ def to_message(row: dict[str, Any], replay: bool) -> Message:
 def validate(row: dict[str, Any], where: str, max_message_size: int, replay: bool,
              segment_size: int | None = None) -> None:
     """The checks the store makes before a put, so that a bad row fails its task rather than the commit."""
-    from ..store import _illegal_topic
+    from ..store import illegal_topic
     topic = row["topic"]
-    err = _illegal_topic(topic)
+    err = illegal_topic(topic)
     if err:
         raise StoreError(f"{where}: {err}")
     if row["body"] is None:

@@ -1,0 +1,83 @@
+"""Which messages a ``dump`` or an ``export`` takes: topic, time window and size limits.
+
+One definition serves both tools so that ``rocketstore dump`` and
+``rocketstore spark export`` with the same flags select the same messages.
+The start is found through the consume queues (``MessageStore.seek_offset``),
+not by scanning from the first segment; the scan behind it drops finished
+segments from the page cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .errors import StoreError
+
+if TYPE_CHECKING:
+    from .codec import MessageExt
+    from .store import MessageStore
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Messages of ``topic`` stored in [from_time, to_time] (epoch ms, inclusive), in commitlog order,
+    starting at ``from_offset`` if given, stopping after ``max_messages`` or once ``max_bytes`` of
+    records (their full on-disk size) have been taken."""
+
+    topic: str | None = None
+    from_offset: int | None = None
+    from_time: int | None = None
+    to_time: int | None = None
+    max_messages: int | None = None
+    max_bytes: int | None = None
+
+    @property
+    def limited(self) -> bool:
+        return self.max_messages is not None or self.max_bytes is not None
+
+    def start(self, store: MessageStore) -> int:
+        """The commitlog offset the scan starts at."""
+        if self.from_offset is not None:
+            return self.from_offset
+        return store.seek_offset(self.topic, self.from_time)
+
+    def scan(self, store: MessageStore, *, read_body: bool = True) -> Iterator[MessageExt]:
+        """The selected messages; a record that does not decode stops the scan with a StoreError."""
+        if self.reached(0, 0):
+            return
+        n = size = 0
+        for off, _size, msg, problem in store.messages(self.start(store), read_body=read_body, drop_cache=True):
+            if msg is None:
+                raise StoreError(f"scan stopped at commitlog offset {off}: {problem}")
+            if self.to_time is not None and msg.store_timestamp > self.to_time:
+                return  # store times ascend in commitlog order (stamped under the put lock)
+            if self.topic is not None and msg.topic != self.topic:
+                continue
+            if self.from_time is not None and msg.store_timestamp < self.from_time:
+                continue
+            yield msg
+            n += 1
+            size += msg.size
+            if self.reached(n, size):
+                return
+
+    def reached(self, messages: int, size: int) -> bool:
+        """Whether ``messages`` taken totalling ``size`` bytes fill the limits."""
+        return (self.max_messages is not None and messages >= self.max_messages) or \
+            (self.max_bytes is not None and size >= self.max_bytes)
+
+    def offset_range(self, store: MessageStore) -> tuple[int, int | None]:
+        """[start, end) in commitlog offsets holding the selection; end None means up to the store's end.
+
+        Only a size limit needs a walk (headers only) to find the end; a time
+        window alone is left to the reader's timestamp filter.
+        """
+        start = self.start(store)
+        if not self.limited:
+            return start, None
+        end = start
+        for msg in self.scan(store, read_body=False):
+            end = msg.commit_log_offset + msg.size
+        return start, end
