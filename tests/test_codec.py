@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import zlib
 
 import pytest
@@ -9,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rocketstore import codec
-from conftest import GOLDEN_NAMES, golden_expected
+from conftest import GOLDEN_NAMES, golden_expected, golden_store
 
 
 def test_java_hash_matches_golden_tags_codes():
@@ -118,3 +119,113 @@ def test_corrupt_records_are_refused_with_reason():
     assert codec.check(short, 0, len(short), check_crc=False)[0] == -1
     blank = codec.blank_record(100)
     assert codec.check(blank + bytes(92), 0, 100, check_crc=False)[0] == 0
+
+
+def test_decode_unit_equals_decode_on_every_golden_record():
+    """The consume path's inline decoder builds exactly what decode builds: V1 and V2, IPv4 and IPv6 hosts,
+    batches and transaction halves, with and without the body, and the same verdict on a unit of the wrong size."""
+    seen = 0
+    for name in GOLDEN_NAMES:
+        for seg in sorted((golden_store(name) / "commitlog").iterdir()):
+            data = seg.read_bytes()
+            for pos, size, parsed, _ in codec.walk(data, 0, len(data), check_crc=False, parsed=True):
+                if parsed is None:
+                    continue
+                for read_body in (True, False):
+                    want = codec.decode(data, pos, pos + size, read_body=read_body)
+                    got = codec.decode_unit(data, pos, size, read_body)
+                    assert got == want and got.to_json() == want.to_json()
+                    assert type(got.body) is (bytes if read_body else type(None))
+                assert codec.decode_unit(data, pos, size - 1) is None
+                assert codec.decode_unit(data, pos, size + 1) == codec.decode(data, pos, pos + size + 1)
+                seen += 1
+    assert seen > 3000
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(topic=st.text(alphabet="abcXYZ_-", min_size=1, max_size=200), body=st.binary(max_size=300),
+       born=hosts, props=st.dictionaries(prop_text, prop_text, max_size=3), data=st.data())
+def test_decode_unit_agrees_with_decode_on_damaged_records(topic, body, born, props, data):
+    """Whatever the bytes, decode_unit returns decode's message, or None where decode raises."""
+    rec = bytearray(codec.encode_bytes(topic, body, born_host=born, properties=codec.properties_to_string(props)))
+    n = len(rec)
+    msg = codec.decode(bytes(rec), 0, n)
+    hs = n - len(body) - (2 if msg.magic == codec.MAGIC_V2 else 1) - len(topic.encode()) - 2 \
+        - len(msg.properties_string.encode())
+    tail = hs + len(body)  # topic length, topic, properties length, properties
+    fields = [*range(8), *range(36, 40), *range(hs - 4, hs), *range(tail, n)]
+    for _ in range(data.draw(st.integers(0, 3))):
+        at = data.draw(st.sampled_from(fields) | st.integers(0, n - 1))
+        rec[at] = data.draw(st.sampled_from([0, 1, 0x7F, 0x80, 0xFF]) | st.integers(0, 255))
+    buf = bytes(rec) + bytes(data.draw(st.integers(0, 4)))
+    size = n + data.draw(st.integers(-3, 3))
+    try:
+        want = codec.decode(buf, 0, size)
+    except codec.RecordError:
+        want = None
+    assert codec.decode_unit(buf, 0, size) == want
+
+
+def _crafted_v1(body: bytes, tail: bytes, *, body_len: int | None = None, prepared: int = 0) -> bytes:
+    """A V1 IPv4 record with a raw tail (topic length, topic, properties length, properties) and an optional
+    BODYLENGTH that lies; TOTALSIZE is the real length, so only the field checks can refuse it."""
+    rec = bytearray(codec.encode_bytes("T", body, prepared_transaction_offset=prepared))
+    hs = len(rec) - len(body) - 4  # the tail of topic "T" without properties is 4 bytes
+    out = rec[:hs] + body + tail
+    out[0:4] = struct.pack(">i", len(out))
+    if body_len is not None:
+        out[hs - 4:hs] = struct.pack(">i", body_len)
+    return bytes(out)
+
+
+def test_decode_unit_refuses_negative_lengths_that_add_up():
+    """Lengths with the sign bit set that still sum to TOTALSIZE: decode refuses them, so must decode_unit;
+    text that is not UTF-8 it decodes as decode does."""
+    topic_200 = _crafted_v1(b"body", bytes([200]) + b"t" * 200 + b"\x00\x04a\x01b\x02")  # topic length -56
+    props_neg = _crafted_v1(b"body", b"\x01T" + b"\x80\x00" + b"p" * 0x8000)  # properties length -32768
+    # BODYLENGTH -8 puts the "topic length" inside PREPARED TRANSACTION OFFSET, which spells a consistent tail
+    props_len = 8 + 4 - 3  # from the fake properties length field to the record's end
+    neg_body = _crafted_v1(b"", b"\x01T\x00\x00", body_len=-8, prepared=int.from_bytes(
+        bytes([0, 0, 0, 0, 0, props_len >> 8, props_len & 0xFF, 0]), "big"))
+    bad_total = bytearray(_crafted_v1(b"body", b"\x01T\x00\x00"))
+    bad_total[3] -= 1  # TOTALSIZE one short of the fields (and of the unit's size)
+    for rec in (topic_200, props_neg, neg_body, bytes(bad_total)):
+        with pytest.raises(codec.RecordError):
+            codec.decode(rec, 0, len(rec))
+        assert codec.decode_unit(rec, 0, len(rec)) is None
+    # a BODYLENGTH so negative that the topic length's index wraps to the buffer's end, where a consistent
+    # tail waits (the bytes past a record are another record's, or zeros)
+    rec = _crafted_v1(b"body", b"\x01T\x00\x00")
+    size, k = len(rec), 10
+    hs = size - 8
+    pl = size + k - 3
+    buf = bytearray(rec + bytes(200))
+    buf[-k:-k + 3] = bytes([0, pl >> 8, pl & 0xFF])
+    buf[hs - 4:hs] = struct.pack(">i", -k - hs)  # the topic length byte at buf[-k]
+    with pytest.raises(codec.RecordError):
+        codec.decode(bytes(buf), 0, size)
+    assert codec.decode_unit(bytes(buf), 0, size) is None
+    # a V2 record whose topic length (0x0001), topic ("A") and properties length read as a V1 tail add up
+    v2 = bytearray(_crafted_v1(b"body", b"\x00\x01A" + struct.pack(">h", 319) + b"p" * 319))
+    v2[4:8] = struct.pack(">I", codec.MAGIC_V2)
+    want = codec.decode(bytes(v2), 0, len(v2))
+    assert want.topic == "A" and want.properties_string == "p" * 319
+    assert codec.decode_unit(bytes(v2), 0, len(v2)) == want
+    # invalid UTF-8 (a lone byte, a surrogate) is not an error: both decoders put in replacement characters
+    for tail in (b"\x02\xffT\x00\x04a\x01b\x02", b"\x01T\x00\x06a\x01\xed\xa0\x80\x02"):
+        bad_utf8 = _crafted_v1(b"body", tail)
+        want = codec.decode(bad_utf8, 0, len(bad_utf8))
+        assert "\ufffd" in want.topic + want.properties_string
+        assert codec.decode_unit(bad_utf8, 0, len(bad_utf8)) == want
+
+
+def test_decode_unit_reads_an_ipv6_record_as_ipv6_even_when_ipv4_offsets_look_consistent():
+    """Read with the IPv4 layout, RECONSUMETIMES of an IPv6-born record sits where BODYLENGTH would be; a value
+    that points at the real tail must still not make decode_unit take the record for an IPv4 one."""
+    widen = codec.record_length(0, 0, 0, codec.SYSFLAG_BORNHOST_V6, False) - codec.record_length(0, 0, 0, 0, False)
+    body = b"body"
+    rec = codec.encode_bytes("T", body, born_host=(bytes(range(16)), 7), reconsume_times=widen + len(body),
+                             properties="a\x01b\x02")
+    want = codec.decode(rec, 0, len(rec))
+    assert want.body == body and want.born_host.startswith("[")
+    assert codec.decode_unit(rec, 0, len(rec)) == want

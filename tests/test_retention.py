@@ -8,7 +8,7 @@ import time
 
 
 from rocketstore import GetMessageStatus, Message, MessageStore, PutMessageStatus
-from conftest import golden_expected, run_cli
+from conftest import GOLDEN_CONF, golden_expected, run_cli
 
 HOUR = 3600
 
@@ -163,9 +163,13 @@ def test_a_segment_being_read_survives_until_released_or_forced(basic_copy):
         assert not os.path.exists(second.path)
 
 
-def test_retention_dry_run_and_admin_command(basic_copy):
+def test_retention_dry_run_and_admin_command(basic_copy, tmp_path):
     age_files(basic_copy, 100)
-    r = run_cli("retention", basic_copy, "--json")
+    # Neither this machine's disk usage nor the hour the test runs at may trigger a deletion rule.
+    conf = tmp_path / "quiet.conf"
+    conf.write_text(GOLDEN_CONF + "diskMaxUsedSpaceRatio=100\ndiskSpaceCleanForciblyRatio=100\n"
+                    f"diskSpaceWarningLevelRatio=100\ndeleteWhen={(time.localtime().tm_hour + 12) % 24:02d}\n")
+    r = run_cli("retention", basic_copy, "--json", "--config", conf)
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
     segs = plan["segments"]
@@ -176,7 +180,7 @@ def test_retention_dry_run_and_admin_command(basic_copy):
     (basic_copy / "config").mkdir()
     (basic_copy / "config" / "consumerOffset.json").write_text(json.dumps(
         {"offsetTable": {"TopicA@group1": {"0": 5}}}))
-    r = run_cli("retention", basic_copy)
+    r = run_cli("retention", basic_copy, "--config", conf)
     assert r.returncode == 0 and b"keep" in r.stdout
     r = run_cli("admin", "delete-expired", basic_copy)
     assert r.returncode == 0, r.stderr

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from . import codec
@@ -23,13 +22,8 @@ from .mapped_file import MappedFileQueue
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class AppendResult:
-    wrote_offset: int
-    wrote_bytes: int
-    queue_offset: int
-    store_timestamp: int
-    offsets: list[int]
+# What CommitLog.append returns: (first record's offset, bytes written, store timestamp, each record's offset).
+AppendResult = tuple[int, int, int, list[int]]
 
 
 class CommitLog:
@@ -72,20 +66,23 @@ class CommitLog:
             f.wrote_position = self.file_size
             f = self.queue.last_for_append(0)
         base = f.file_from_offset
-        pos = f.wrote_position
-        mm = f.mm
-        q = queue_offset or 0
-        step = 0 if queue_offset is None else 1
-        offsets = []
-        for r in records:
-            codec.write_record(mm, pos, r, q, base + pos, ts)
-            offsets.append(base + pos)
-            pos += r[1]
-            q += step
-        first = base + f.wrote_position
-        f.wrote_position = pos
+        first = pos = f.wrote_position
+        if len(records) == 1:  # the common case, without the loop
+            codec.write_record(f.mm, pos, records[0], queue_offset or 0, base + pos, ts)
+            offsets = [base + pos]
+        else:
+            mm = f.mm
+            q = queue_offset or 0
+            step = 0 if queue_offset is None else 1
+            offsets = []
+            for r in records:
+                codec.write_record(mm, pos, r, q, base + pos, ts)
+                offsets.append(base + pos)
+                pos += r[1]
+                q += step
+        f.wrote_position = first + total
         f.store_timestamp = ts
-        return AppendResult(first, total, -1 if queue_offset is None else queue_offset, ts, offsets)
+        return base + first, total, ts, offsets
 
     # ------------------------------------------------------------ reading
     def read_message(self, offset: int, *, read_body: bool = True, check_crc: bool = False) -> MessageExt:

@@ -110,24 +110,46 @@ class ReputMessageService(ServiceThread):
                 self.caught_up.notify_all()
 
     def _dispatch_handed_over(self, pending: deque, end: int) -> bool:
-        cq_table = self.store._cq_table
-        index = self.store.index_service if self.store.config.messageIndexEnable else None
-        checkpoint = self.store.checkpoint
-        done = False
-        while pending and pending[0][0] == self.reput_from_offset:
-            offset, size, topic, qid, qoff, code, ts, keys, uniq, txn = pending[0]
-            if offset + size > end:
+        """Dispatch the handed-over records that continue at the reput offset and end below ``end``.
+
+        Units of one queue that follow each other are appended to the consume
+        queue as one write, and records without keys skip the index (it would
+        change nothing): per record this is the dispatcher's whole cost.
+        """
+        store = self.store
+        cq_table = store._cq_table
+        index = store.index_service if store.config.messageIndexEnable else None
+        expected = self.reput_from_offset
+        run: list[tuple[int, int, int, int]] = []
+        run_key = None
+        last_ts = None
+        while pending:
+            item = pending[0]
+            offset, size, topic, qid, qoff, code, ts, keys, uniq, txn = item
+            if offset != expected or offset + size > end:
                 break
             pending.popleft()
+            expected = offset + size
             if qoff >= 0:
-                cq = cq_table.get((topic, qid)) or self.store.find_consume_queue(topic, qid)
-                cq.put_unit(offset, size, code, qoff)
-                checkpoint.logicsMsgTimestamp = ts
-            if index is not None:
+                if run and run_key != (topic, qid):
+                    self._put_units(cq_table, run_key, run)
+                    run = []
+                run_key = (topic, qid)
+                run.append((offset, size, code, qoff))
+                last_ts = ts
+            if index is not None and (keys or uniq or index.needs_new_file()):
                 index.build_index(topic, offset, ts, txn, uniq, keys)
-            self.reput_from_offset = offset + size
-            done = True
+        if run:
+            self._put_units(cq_table, run_key, run)
+        if last_ts is not None:
+            store.checkpoint.logicsMsgTimestamp = last_ts
+        done = expected != self.reput_from_offset
+        self.reput_from_offset = expected
         return done
+
+    def _put_units(self, cq_table: dict, key: tuple[str, int], units: list[tuple[int, int, int, int]]) -> None:
+        cq = cq_table.get(key) or self.store.find_consume_queue(*key)
+        cq.put_units(units)
 
     def _dispatch_from_log(self, end: int) -> bool:
         commitlog = self.store.commitlog

@@ -17,6 +17,7 @@ A key is matched by hash only (collisions are returned, as in RocketMQ).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -185,6 +186,13 @@ class IndexService:
             return dropped
         for name in sorted(os.listdir(self.directory)):
             path = os.path.join(self.directory, name)
+            if name.endswith(".tmp") and len(name) == 21 and name[:17].isdigit():
+                # an index file whose creation never finished (crash or full disk): it holds nothing
+                log.warning("%s: unfinished index file creation%s", path, "" if self.read_only else "; removed")
+                if not self.read_only:
+                    with contextlib.suppress(OSError):
+                        os.remove(path)
+                continue
             try:
                 if not (len(name) == 17 and name.isdigit()) or not os.path.isfile(path):
                     raise StoreLoadError(f"{path}: not an index file (expected a yyyyMMddHHmmssSSS name)")
@@ -205,6 +213,11 @@ class IndexService:
         return dropped
 
     # ------------------------------------------------------------ building
+    def needs_new_file(self) -> bool:
+        """Whether the next build_index call creates an index file (RocketMQ makes one even for a message
+        without keys, so the dispatcher calls build_index for such a message only then)."""
+        return not self.files or self.files[-1].is_full()
+
     def _writable_file(self) -> IndexFile:
         last = self.files[-1] if self.files else None
         if last is not None and not last.is_full():
@@ -219,8 +232,13 @@ class IndexService:
         prev = (last.end_phy_offset, last.end_timestamp) if last else (0, 0)
         path = os.path.join(self.directory, name)
         tmp = path + ".tmp"
-        IndexFile(tmp, self.slots, self.entries, create=True, prev_end=prev).close()
-        os.replace(tmp, path)  # a crash never leaves a half-created index file under a real name
+        try:
+            IndexFile(tmp, self.slots, self.entries, create=True, prev_end=prev).close()
+            os.replace(tmp, path)  # a crash never leaves a half-created index file under a real name
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)  # a full disk must not leave a file the next open stumbles on
+            raise
         f = IndexFile(path, self.slots, self.entries)
         self.files.append(f)
         if last is not None and self.on_file_full is not None:

@@ -97,16 +97,35 @@ def host_tuple(h: str | tuple[bytes, int]) -> tuple[bytes, int]:
     return h
 
 
-@dataclass(slots=True)
 class PutMessageResult:
-    status: PutMessageStatus
-    commit_log_offset: int = -1
-    wrote_bytes: int = 0
-    queue_offset: int = -1
-    msg_id: str = ""
-    store_timestamp: int = 0
-    msg_num: int = 0
-    error: str | None = None
+    """What a put returns.  ``msg_id`` (offset message ids, comma-joined for a batch) is formatted only when
+    read: most callers never look at it, and for a batch it is most of the result's cost."""
+
+    __slots__ = ("status", "commit_log_offset", "wrote_bytes", "queue_offset", "store_timestamp", "msg_num",
+                 "error", "_msg_id", "_id_prefix", "_offsets")
+
+    def __init__(self, status: PutMessageStatus, commit_log_offset: int = -1, wrote_bytes: int = 0,
+                 queue_offset: int = -1, msg_id: str = "", store_timestamp: int = 0, msg_num: int = 0,
+                 error: str | None = None, *, id_prefix: str | None = None,
+                 offsets: list[int] | None = None) -> None:
+        self.status = status
+        self.commit_log_offset = commit_log_offset
+        self.wrote_bytes = wrote_bytes
+        self.queue_offset = queue_offset
+        self.store_timestamp = store_timestamp
+        self.msg_num = msg_num
+        self.error = error
+        self._msg_id = msg_id
+        self._id_prefix = id_prefix  # with _offsets: the parts msg_id is formatted from
+        self._offsets = offsets
+
+    @property
+    def msg_id(self) -> str:
+        if self._id_prefix is not None:
+            p = self._id_prefix
+            self._msg_id = ",".join(p + f"{o:016X}" for o in self._offsets or (self.commit_log_offset,))
+            self._id_prefix = None
+        return self._msg_id
 
     @property
     def ok(self) -> bool:
@@ -119,6 +138,11 @@ class PutMessageResult:
         if self.error:
             d["error"] = self.error
         return d
+
+    def __repr__(self) -> str:
+        return (f"PutMessageResult(status={self.status.name}, commit_log_offset={self.commit_log_offset}, "
+                f"wrote_bytes={self.wrote_bytes}, queue_offset={self.queue_offset}, msg_id={self.msg_id!r}, "
+                f"store_timestamp={self.store_timestamp}, msg_num={self.msg_num}, error={self.error!r})")
 
 
 @dataclass(slots=True)

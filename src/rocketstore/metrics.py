@@ -32,7 +32,7 @@ class Ring:
         self.n = 0
 
     def add(self, v: float) -> None:
-        self.samples[self.n % RING] = v
+        self.samples[self.n & (RING - 1)] = v  # RING is a power of two
         self.n += 1
 
     def percentiles(self) -> dict[str, float]:

@@ -448,7 +448,8 @@ class MessageStore:
                 raise StoreClosedError(f"{self.root}: store is closed")
             qoff = self.topic_queue_table.get(key, 0) if assigns else None
             try:
-                res = commitlog.append(records, qoff, first.store_timestamp or None)
+                wrote_offset, wrote_bytes, store_ts, offsets = commitlog.append(records, qoff,
+                                                                               first.store_timestamp or None)
             except codec.MessageTooLarge as e:
                 return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error=str(e))
             except OSError as e:
@@ -459,28 +460,28 @@ class MessageStore:
                 self.topic_queue_table[key] = qoff + len(records)
             if hand_over is not None:
                 q = qoff if assigns else -1
-                for rec, off, h in zip(records, res.offsets, hand_over):
+                give = self.reput.hand_over
+                for rec, off, h in zip(records, offsets, hand_over):
                     if h is None:
                         break  # the dispatcher decodes this one (and what follows) from the log
-                    self.reput.hand_over((off, rec[1], first.topic, first.queue_id, q, h[0], res.store_timestamp,
-                                          h[1], h[2], rec[6] & codec.TRANSACTION_MASK))
+                    give((off, rec[1], first.topic, first.queue_id, q, h[0], store_ts, h[1], h[2],
+                          rec[6] & codec.TRANSACTION_MASK))
                     if assigns:
                         q += 1
             t2 = perf_counter()
-        prefix = self._msg_id_prefix(records[0][10], records[0][11])
-        msg_id = prefix + f"{res.wrote_offset:016X}" if len(records) == 1 else \
-            ",".join(prefix + f"{o:016X}" for o in res.offsets)
-        result = PutMessageResult(PutMessageStatus.PUT_OK, res.wrote_offset, res.wrote_bytes,
-                                  qoff if assigns else 0, msg_id, res.store_timestamp, len(records))
+        result = PutMessageResult(PutMessageStatus.PUT_OK, wrote_offset, wrote_bytes,
+                                  qoff if assigns else 0, "", store_ts, len(records),
+                                  id_prefix=self._msg_id_prefix(records[0][10], records[0][11]),
+                                  offsets=offsets if len(records) > 1 else None)
         gc = self.group_commit
         if gc is not None:
             if _wait_store_msg_ok(first):
-                if not gc.wait_flushed(res.wrote_offset + res.wrote_bytes, self.config.syncFlushTimeout / 1000):
+                if not gc.wait_flushed(wrote_offset + wrote_bytes, self.config.syncFlushTimeout / 1000):
                     result.status = PutMessageStatus.FLUSH_DISK_TIMEOUT
                     result.error = self.flush_error or \
                         f"not flushed within syncFlushTimeout {self.config.syncFlushTimeout} ms"
             else:
-                gc.request(res.wrote_offset + res.wrote_bytes)
+                gc.request(wrote_offset + wrote_bytes)
         metrics = self.metrics
         metrics.lock_hold.add(t2 - t1)
         metrics.put_latency.add(perf_counter() - t0)
@@ -560,13 +561,19 @@ class MessageStore:
     def get(self, topic: str, queue_id: int, offset: int, max_msgs: int = 32,
             tag_filter: set[int] | None = None, max_total_bytes: int = 128 * 1024 * 1024,
             read_body: bool = True) -> GetMessageResult:
-        """Read through the consume queue (RocketMQ's getMessage).  ``tag_filter``: tag hash codes or None."""
+        """Read through the consume queue (RocketMQ's getMessage).  ``tag_filter``: tag hash codes or None.
+
+        Consumers call this in a loop, so the fixed cost of a call weighs about as
+        much as the per-message cost: units are read in blocks of one unpack each,
+        ``min``/``max`` are written as comparisons (each builtin call costs more
+        than the test), and :func:`codec.decode_unit` builds the messages.
+        """
         if self.closed:
             raise StoreClosedError(f"{self.root}: store is closed")
         cq = self._cq_table.get((topic, queue_id))
         if cq is None:
             return GetMessageResult(GetMessageStatus.NO_MESSAGE_IN_QUEUE, 0, 0, 0)
-        lo, hi = cq.min_offset_in_queue, cq.max_offset_in_queue
+        lo, hi = cq.offset_range()
         if hi == 0:
             return GetMessageResult(GetMessageStatus.NO_MESSAGE_IN_QUEUE, 0, lo, hi)
         if offset < lo:
@@ -575,66 +582,88 @@ class MessageStore:
             return GetMessageResult(GetMessageStatus.OFFSET_OVERFLOW_ONE, offset, lo, hi)
         if offset > hi:
             return GetMessageResult(GetMessageStatus.OFFSET_OVERFLOW_BADLY, hi, lo, hi)
-        units = cq.units_from(offset)
-        units_per_file = cq.file_size // CQ_STORE_UNIT_SIZE
-        if units is None:
+        f = cq.hold_file_at(offset)
+        if f is None:
+            units_per_file = cq.file_size // CQ_STORE_UNIT_SIZE
             nxt = offset + units_per_file - offset % units_per_file
             return GetMessageResult(GetMessageStatus.OFFSET_FOUND_NULL, nxt, lo, hi)
         status = GetMessageStatus.NO_MATCHED_MESSAGE
-        nxt = offset
         out: list[MessageExt] = []
-        total = 0
+        n = total = 0  # messages and bytes in ``out``
         cfg = self.config
-        max_pull = min(max(max_total_bytes, 100), 128 * 1024 * 1024)
+        max_pull = (100 if max_total_bytes < 100 else  # clamp to [100, 128 MiB]
+                    128 * 1024 * 1024 if max_total_bytes > 128 * 1024 * 1024 else max_total_bytes)
         count_cap, byte_cap = max_msgs, max_pull  # narrowed once the first message says hot or cold
-        span = max(cfg.maxFilterMessageSize, max_msgs * CQ_STORE_UNIT_SIZE)
-        stop_idx = min(hi, offset + -(-span // CQ_STORE_UNIT_SIZE))
+        span = max_msgs * CQ_STORE_UNIT_SIZE  # units looked at: at least maxFilterMessageSize worth
+        if span < cfg.maxFilterMessageSize:
+            span = cfg.maxFilterMessageSize
+        stop_idx = offset + -(-span // CQ_STORE_UNIT_SIZE)
+        if stop_idx > hi:
+            stop_idx = hi
         skip_file_end = -1
-        seg, seg_start, seg_end = None, 0, -1  # the commitlog segment held while reading from it
-        for idx, phy, size, tags in units[1]:
-            if idx >= stop_idx:
-                break
-            if out and (len(out) >= count_cap or total + size > byte_cap):
-                break
-            nxt = idx + 1
-            if tag_filter is not None and _signed32(tags) not in tag_filter:
-                if not out:
-                    status = GetMessageStatus.NO_MATCHED_MESSAGE
-                continue
-            if phy < skip_file_end:
-                continue
-            if not (seg_start <= phy < seg_end):
-                if seg is not None:
-                    seg.release()
-                seg = self.commitlog.queue.find(phy)
-                if seg is None or not seg.hold():
-                    seg, seg_start, seg_end = None, 0, -1
-                else:
-                    seg_start, seg_end = seg.file_from_offset, seg.end_offset
-            msg = None
-            if seg is not None and phy - seg_start + size <= seg.wrote_position:
-                try:
-                    msg = codec.decode(seg.mm, phy - seg_start, phy - seg_start + size, read_body=read_body)
-                except codec.RecordError:
+        seg, seg_start, seg_end, mm = None, 0, -1, None  # the commitlog segment held while reading from it
+        decode_unit = codec.decode_unit
+        read_units = cq.read_units
+        idx = offset  # the next unit; where the next call begins
+        want = max_msgs if max_msgs > 1 else 1  # units in the first block: what an unfiltered call takes
+        try:
+            while idx < stop_idx:
+                block = read_units(f, idx, stop_idx - idx if stop_idx - idx < want else want)
+                if not block:
+                    break
+                want = cq.UNITS_PER_READ
+                full = False
+                it = iter(block)
+                for phy, size, tags in zip(it, it, it):
+                    if n and (n >= count_cap or total + size > byte_cap):
+                        full = True
+                        break
+                    idx += 1
+                    if tag_filter is not None and _signed32(tags) not in tag_filter:
+                        if not n:
+                            status = GetMessageStatus.NO_MATCHED_MESSAGE
+                        continue
+                    if phy < skip_file_end:
+                        continue
+                    if not (seg_start <= phy < seg_end):
+                        if seg is not None:
+                            seg.release()
+                        seg = self.commitlog.queue.find(phy)
+                        if seg is None or not seg.hold():
+                            seg, seg_start, seg_end, mm = None, 0, -1, None
+                        else:
+                            seg_start, seg_end, mm = seg.file_from_offset, seg.end_offset, seg.mm
                     msg = None
-            if msg is None:
-                if not out:
-                    status = GetMessageStatus.MESSAGE_WAS_REMOVING
-                skip_file_end = phy - phy % self.commitlog.file_size + self.commitlog.file_size
-                continue
-            if not out:
-                # "In memory" (within 40 % of RAM of the log's end): 32 messages / 256 KiB a call, else 8 / 64 KiB.
-                in_mem = self.commitlog.max_offset() - phy <= self._ram * cfg.accessMessageInMemoryMaxRatio // 100
-                count_cap = min(max_msgs, cfg.maxTransferCountOnMessageInMemory if in_mem
-                                else cfg.maxTransferCountOnMessageInDisk)
-                byte_cap = min(max_pull, cfg.maxTransferBytesOnMessageInMemory if in_mem
-                               else cfg.maxTransferBytesOnMessageInDisk)
-            out.append(msg)
-            total += size
-            status = GetMessageStatus.FOUND
-        if seg is not None:
-            seg.release()
-        return GetMessageResult(status, nxt, lo, hi, out)
+                    pos = phy - seg_start
+                    if seg is not None and pos + size <= seg.wrote_position:
+                        msg = decode_unit(mm, pos, size, read_body)
+                    if msg is None:
+                        if not n:
+                            status = GetMessageStatus.MESSAGE_WAS_REMOVING
+                        skip_file_end = phy - phy % self.commitlog.file_size + self.commitlog.file_size
+                        continue
+                    if not n:
+                        # "In memory" (within 40 % of RAM of the log's end): 32 messages / 256 KiB a call,
+                        # else 8 / 64 KiB.
+                        in_mem = (self.commitlog.max_offset() - phy
+                                  <= self._ram * cfg.accessMessageInMemoryMaxRatio // 100)
+                        cap = cfg.maxTransferCountOnMessageInMemory if in_mem else cfg.maxTransferCountOnMessageInDisk
+                        if cap < count_cap:
+                            count_cap = cap
+                        cap = cfg.maxTransferBytesOnMessageInMemory if in_mem else cfg.maxTransferBytesOnMessageInDisk
+                        if cap < byte_cap:
+                            byte_cap = cap
+                        status = GetMessageStatus.FOUND
+                    out.append(msg)
+                    n += 1
+                    total += size
+                if full or (n and n >= count_cap):  # the next unit would stop the call: do not read it
+                    break
+        finally:
+            f.release()
+            if seg is not None:
+                seg.release()
+        return GetMessageResult(status, idx, lo, hi, out)
 
     def look(self, commit_log_offset: int, *, read_body: bool = True) -> MessageExt:
         """The message at a commitlog offset (RocketMQ's lookMessageByOffset)."""

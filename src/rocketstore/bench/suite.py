@@ -164,7 +164,8 @@ def schedule(mode: Mode, names: list[str]) -> list[str]:
 def workloads(mode: Mode) -> dict[str, list[str]]:
     """What ``--only NAME`` runs: a workload's own tasks plus the peers and limits its ratios need."""
     sizes = mode.sizes
-    peer_refs = ["floor.append.1024", "floor.read.1024", "rs.put.async.t1.1024", "rs.consume32"]
+    peer_refs = ["floor.append.1024", "floor.read.1024", "rs.put.async.t1.1024", "rs.batch32.async.t1.1024",
+                 "rs.consume32"]
     w = {
         "floors": ["floor.fdatasync", *[f"floor.append.{s}" for s in sizes], "floor.append.1024.warm",
                    "floor.read.1024", "floor.crc32",
