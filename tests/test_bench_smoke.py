@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rocketstore.bench import profiling, report, system
+from rocketstore.bench import profiling, report
 from rocketstore.bench.targets import TARGETS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -133,13 +133,6 @@ def test_profile_summary_of_collapsed_stacks():
     assert " 75.0%  encode (rocketstore/codec.py)" in text
     assert "100.0%  put (rocketstore/store.py)" in text
     assert profiling.summarize_raw("") == "no samples\n"
-
-
-def test_plugin_rates_are_found():
-    assert system._pick_rate({"rocketstore_rows_per_s": 5.0, "parquet_rows_per_s": 9.0}, "parquet") == \
-        ("parquet_rows_per_s", 9.0)
-    assert system._pick_rate({"parquet": {"rows": 10, "seconds": 2.0}}, "parquet")[1] == 5.0
-    assert system._pick_rate({"other": 1}, "parquet") is None
 
 
 def test_bench_subcommand_is_registered():

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
 
 from .floors import crc32_speed
 from .harness import MiB, Measurement, Mode, Results
@@ -171,88 +170,28 @@ def memory(res: Results, workdir: str, mode: Mode) -> None:
                                "write_msg_per_s": info["messages"] / info["seconds"]}))
 
 
-# ---------------------------------------------------------------- Spark and broker (other packages)
-
-def _pick_rate(d: dict[str, Any], *words: str) -> tuple[str, float] | None:
-    """A rate in a plugin's result dict: a key naming all ``words`` and a per-second unit, else rows / seconds."""
-    flat = _flatten(d)
-    for k, v in flat.items():
-        lk = k.lower()
-        if isinstance(v, (int, float)) and all(w in lk for w in words) and \
-                any(u in lk for u in ("per_s", "per_sec", "_ps", "rate", "throughput")):
-            return k, float(v)
-    def find(units: tuple[str, ...]) -> float | None:
-        return next((v for k, v in flat.items() if all(w in k.lower() for w in words)
-                     and any(u in k.lower() for u in units) and isinstance(v, (int, float))), None)
-    rows = find(("rows", "messages", "msgs", "count"))
-    secs = find(("seconds", "secs", "elapsed", "time_s"))
-    if rows and secs:
-        return "/".join(words) + " rows/seconds", rows / secs
-    return None
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
+# ---------------------------------------------------------------- Spark and broker
 
 def spark_scan(res: Results, workdir: str, store_path: str | None, mode: Mode) -> None:
-    """rocketstore's Spark scan (bodies left out) against Spark over the same rows exported to Parquet.
-
-    ``rocketstore.spark.bench.bench_spark_scan`` is used when it exists and reports both figures;
-    otherwise the suite's own job (:mod:`rocketstore.bench.spark_job`) scans through the data source.
-    """
+    """rocketstore's Spark scan (bodies left out) against Spark over the same rows exported to Parquet,
+    measured by :func:`rocketstore.spark.bench.bench_spark_scan` in a process of its own."""
     label = "Spark body-less scan, local[2] (rocketstore data source)"
     plabel = "Spark reading the same rows exported to Parquet, local[2]"
-    if not mode.spark:
-        res.skip("spark.scan", "rocketstore", label, "rows/s", f"not run in {mode.name} mode")
-        res.skip("parquet.scan", "spark-parquet", plabel, "rows/s", f"not run in {mode.name} mode")
-        return
-    if store_path is None:
+
+    def skip(note: str, status: str = "skipped") -> None:
         for id, sys_, lab in (("spark.scan", "rocketstore", label), ("parquet.scan", "spark-parquet", plabel)):
-            res.skip(id, sys_, lab, "rows/s", "no store to scan (the recovery workload failed)", status="failed")
-        return
+            res.skip(id, sys_, lab, "rows/s", note, status=status)
+
+    if not mode.spark:
+        return skip(f"not run in {mode.name} mode")
+    if store_path is None:
+        return skip("no store to scan (the recovery workload failed)", "failed")
+    import importlib.util
+    if importlib.util.find_spec("pyspark") is None:
+        return skip("pyspark is not installed")
     sdir = os.path.join(workdir, "spark")
     os.makedirs(sdir, exist_ok=True)
-    plugin: dict[str, Any] | None = None
-    try:
-        from rocketstore.spark.bench import bench_spark_scan  # type: ignore[import-not-found]
-    except ImportError as e:
-        why = f"rocketstore.spark.bench is not importable ({e})"
-    else:
-        try:
-            plugin = bench_spark_scan(store_path, sdir)
-            why = None
-        except Exception as e:  # another team's code: report, never abort the suite
-            log.exception("bench_spark_scan failed")
-            why = f"bench_spark_scan failed: {e}"
-    if plugin is not None:
-        res.series["spark_plugin"] = plugin
-        rs = _pick_rate(plugin, "rocketstore") or _pick_rate(plugin, "scan")
-        pq = _pick_rate(plugin, "parquet")
-        if rs and pq:
-            res.add(Measurement("spark.scan", "rocketstore", label, rs[1], "rows/s", ref="parquet.scan",
-                                extra={"source": "rocketstore.spark.bench", "key": rs[0]}))
-            res.add(Measurement("parquet.scan", "spark-parquet", plabel, pq[1], "rows/s",
-                                extra={"source": "rocketstore.spark.bench", "key": pq[0]}))
-            return
-        why = f"bench_spark_scan reported no pair of figures ({sorted(plugin)})"
-    import importlib.util
-    missing = [m for m in ("pyspark", "rocketstore.spark") if importlib.util.find_spec(m) is None]
-    if missing:
-        e = f"{', '.join(missing)} not installed"
-        for id, sys_, lab in (("spark.scan", "rocketstore", label), ("parquet.scan", "spark-parquet", plabel)):
-            res.skip(id, sys_, lab, "rows/s", f"{why}; and no Spark data source to scan with ({e})")
-        return
-    if why:
-        res.note(f"Spark scan: {why}; the suite ran its own scan through the rocketstore data source.")
-    repeats = 2 if mode.name == "full" else 1
+    repeats = 3 if mode.name == "full" else 1
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "rocketstore.bench.spark_job", store_path, sdir, str(repeats)],
                          capture_output=True, text=True, timeout=1800, env=_env())
@@ -260,22 +199,19 @@ def spark_scan(res: Results, workdir: str, store_path: str | None, mode: Mode) -
     done = next((ln for ln in out.stdout.splitlines() if ln.startswith("DONE ")), None)
     if out.returncode != 0 or done is None:
         err = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        for id, sys_, lab in (("spark.scan", "rocketstore", label), ("parquet.scan", "spark-parquet", plabel)):
-            res.skip(id, sys_, lab, "rows/s", f"Spark job failed: {err[-300:]}", status="failed")
-        return
+        return skip(f"Spark job failed: {err[-300:]}", "failed")
     d = json.loads(done[5:])
     res.series["spark"] = d
-    res.add(Measurement("spark.scan", "rocketstore", label, d["rocketstore_rows_per_s"], "rows/s", n=d["rows"],
-                        seconds=d["rocketstore_seconds"], ref="parquet.scan",
-                        params={"columns": d["columns"], "repeats": repeats},
-                        extra={"source": "rocketstore.bench.spark_job", "job_wall_seconds": wall}))
-    res.add(Measurement("parquet.scan", "spark-parquet", plabel, d["parquet_rows_per_s"], "rows/s",
-                        n=d["parquet_rows"], seconds=d["parquet_seconds"],
-                        extra={"parquet_bytes": d["parquet_bytes"], "export_seconds": d["export_seconds"]}))
+    best = {k: min(r["seconds"] for r in runs) for k, runs in d["runs"].items()}
+    res.add(Measurement("spark.scan", "rocketstore", label, d["rocketstoreRowsPerSec"], "rows/s", n=d["rows"],
+                        seconds=best["rocketstore"], ref="parquet.scan", params={"repeats": repeats},
+                        extra={"cpuRatio": d.get("cpuRatio"), "job_wall_seconds": wall}))
+    res.add(Measurement("parquet.scan", "spark-parquet", plabel, d["parquetRowsPerSec"], "rows/s", n=d["rows"],
+                        seconds=best["parquet"], extra={"export_seconds": d["exportSeconds"]}))
 
 
 def broker_client(res: Results, workdir: str, mode: Mode) -> None:
-    """The gRPC broker with the official Python client (``rocketstore.broker.bench``, another package)."""
+    """The gRPC broker with the official Python client (:func:`rocketstore.broker.bench.bench_client_throughput`)."""
     labels = {"produce": "gRPC broker: official Python client producers (4), send_async",
               "consume": "gRPC broker: official Python client SimpleConsumers, receive 32 + ack"}
     refs = {"produce": "rs.put.async.t4.1024", "consume": "rs.consume32"}
@@ -287,7 +223,7 @@ def broker_client(res: Results, workdir: str, mode: Mode) -> None:
     if not mode.broker:
         return skip_all(f"not run in {mode.name} mode")
     try:
-        from rocketstore.broker.bench import bench_client_throughput  # type: ignore[import-not-found]
+        from rocketstore.broker.bench import bench_client_throughput
     except ImportError as e:
         return skip_all(f"rocketstore.broker.bench is not importable ({e})")
     bdir = os.path.join(workdir, "broker")
@@ -301,10 +237,6 @@ def broker_client(res: Results, workdir: str, mode: Mode) -> None:
     wall = time.perf_counter() - t0
     res.series["broker"] = d
     for k in labels:
-        r = _pick_rate(d or {}, k)
-        if r is None:
-            res.skip(f"broker.{k}", "rocketstore", labels[k], "msg/s", f"no {k} rate in the result: {sorted(d or {})}",
-                     status="failed")
-            continue
-        res.add(Measurement(f"broker.{k}", "rocketstore", labels[k], r[1], "msg/s", n=mode.broker_messages,
-                            seconds=wall, ref=refs[k], bytes_per_msg=1024, extra={"source_key": r[0]}))
+        res.add(Measurement(f"broker.{k}", "rocketstore", labels[k], d[f"{k}_msgs_per_s"], "msg/s",
+                            n=mode.broker_messages, seconds=d[f"{k}_seconds"], ref=refs[k], bytes_per_msg=1024,
+                            extra={"job_wall_seconds": wall}))
