@@ -192,9 +192,7 @@ def _reference_get(store, topic, queue_id, offset, max_msgs=32, tag_filter=None,
                    read_body=True):
     """getMessage written plainly, one unit and one ``codec.decode`` at a time: the specification that the
     block-reading ``MessageStore.get`` must match result for result."""
-    from rocketstore import codec
     from rocketstore.message import GetMessageResult
-    from rocketstore.store import _signed32
     S = GetMessageStatus
     cq = store._cq_table.get((topic, queue_id))
     if cq is None:
@@ -208,17 +206,33 @@ def _reference_get(store, topic, queue_id, offset, max_msgs=32, tag_filter=None,
         return GetMessageResult(S.OFFSET_OVERFLOW_ONE, offset, lo, hi)
     if offset > hi:
         return GetMessageResult(S.OFFSET_OVERFLOW_BADLY, hi, lo, hi)
-    units = cq.units_from(offset)
+    f = cq.hold_file_at(offset)
     per_file = cq.file_size // 20
-    if units is None:
+    if f is None:
         return GetMessageResult(S.OFFSET_FOUND_NULL, offset + per_file - offset % per_file, lo, hi)
+    try:
+        return _reference_get_units(store, cq, f, offset, lo, hi, max_msgs, tag_filter, max_total_bytes, read_body)
+    finally:
+        f.release()
+
+
+def _reference_get_units(store, cq, f, offset, lo, hi, max_msgs, tag_filter, max_total_bytes, read_body):
+    import struct
+
+    from rocketstore import codec
+    from rocketstore.message import GetMessageResult
+    from rocketstore.store import _signed32
+    S = GetMessageStatus
+    base = f.file_from_offset
+    units = ((p // 20,) + struct.unpack_from(">qiq", f.mm, p - base)
+             for p in range(offset * 20, base + f.wrote_position - 19, 20))
     cfg, clog = store.config, store.commitlog
     status, nxt, out, total = S.NO_MATCHED_MESSAGE, offset, [], 0
     max_pull = min(max(max_total_bytes, 100), 128 * 1024 * 1024)
     count_cap, byte_cap = max_msgs, max_pull
     stop = min(hi, offset + -(-max(cfg.maxFilterMessageSize, max_msgs * 20) // 20))
     skip_end = -1
-    for idx, phy, size, tags in units[1]:
+    for idx, phy, size, tags in units:
         if idx >= stop or (out and (len(out) >= count_cap or total + size > byte_cap)):
             break
         nxt = idx + 1

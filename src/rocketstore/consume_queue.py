@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from typing import Callable, Iterator
+from typing import Callable
 
 from .mapped_file import MappedFile, MappedFileQueue
 
@@ -138,31 +138,9 @@ class ConsumeQueue:
             return None
         return _UNIT.unpack_from(f.mm, pos - f.file_from_offset)
 
-    def units_from(self, index: int) -> tuple[MappedFile, Iterator[tuple[int, int, int, int]]] | None:
-        """Units from ``index`` to the readable end of the file holding it, as (index, offset, size, tagsCode)."""
-        pos = index * CQ_STORE_UNIT_SIZE
-        if pos < self.min_logic_offset:
-            return None
-        f = self.queue.find(pos)
-        if f is None or not f.hold():
-            return None
-
-        def gen() -> Iterator[tuple[int, int, int, int]]:
-            try:
-                mm, base = f.mm, f.file_from_offset
-                p = pos - base
-                end = f.wrote_position
-                while p + CQ_STORE_UNIT_SIZE <= end:
-                    off, size, tags = _UNIT.unpack_from(mm, p)
-                    yield (base + p) // CQ_STORE_UNIT_SIZE, off, size, tags
-                    p += CQ_STORE_UNIT_SIZE
-            finally:
-                f.release()
-        return f, gen()
-
     def hold_file_at(self, index: int) -> MappedFile | None:
         """The file holding unit ``index``, held for the caller to :meth:`read_units` from and then release;
-        None below the minimum or when the file is gone (the cases where :meth:`units_from` gives None)."""
+        None below the minimum or when the file is gone (a get answers OFFSET_FOUND_NULL)."""
         pos = index * CQ_STORE_UNIT_SIZE
         if pos < self.min_logic_offset:
             return None
