@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from . import codec
 from .codec import MessageExt
@@ -78,10 +78,9 @@ class ReputMessageService(ServiceThread):
         self.dispatcher = CommitLogDispatcher(store)
         self.caught_up = threading.Condition()
         self.handed_over: deque[tuple] = deque()
-
-    def hand_over(self, item: tuple) -> None:
-        """Called under the put lock, in commitlog order."""
-        self.handed_over.append(item)
+        # What the put path knows of a record it appended, called under the put lock in commitlog order
+        # (the deque's own append: a method of ours around it would double the cost of the call).
+        self.hand_over: Callable[[tuple], None] = self.handed_over.append
 
     def behind(self) -> int:
         return max(0, self.store.confirm_offset() - self.reput_from_offset)

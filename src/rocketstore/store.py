@@ -488,9 +488,7 @@ class MessageStore:
                         f"not flushed within syncFlushTimeout {self.config.syncFlushTimeout} ms"
             else:
                 gc.request(wrote_offset + wrote_bytes)
-        metrics = self.metrics
-        metrics.lock_hold.add(t2 - t1)
-        metrics.put_latency.add(perf_counter() - t0)
+        self.metrics.record_put(t2 - t1, perf_counter() - t0)
         return result
 
     def _dispatch_info(self, m: Message) -> tuple[int, str | None, str | None] | None:
