@@ -99,14 +99,15 @@ def host_tuple(h: str | tuple[bytes, int]) -> tuple[bytes, int]:
 
 class PutMessageResult:
     """What a put returns.  ``msg_id`` (offset message ids, comma-joined for a batch) is formatted only when
-    read: most callers never look at it, and for a batch it is most of the result's cost."""
+    read, from the store host and the offsets: most callers never look at it, and for a batch it is most of
+    the result's cost."""
 
     __slots__ = ("status", "commit_log_offset", "wrote_bytes", "queue_offset", "store_timestamp", "msg_num",
-                 "error", "_msg_id", "_id_prefix", "_offsets")
+                 "error", "_msg_id", "_id_host", "_offsets")
 
     def __init__(self, status: PutMessageStatus, commit_log_offset: int = -1, wrote_bytes: int = 0,
                  queue_offset: int = -1, msg_id: str = "", store_timestamp: int = 0, msg_num: int = 0,
-                 error: str | None = None, *, id_prefix: str | None = None,
+                 error: str | None = None, *, id_host: tuple[bytes, int] | None = None,
                  offsets: list[int] | None = None) -> None:
         self.status = status
         self.commit_log_offset = commit_log_offset
@@ -116,15 +117,16 @@ class PutMessageResult:
         self.msg_num = msg_num
         self.error = error
         self._msg_id = msg_id
-        self._id_prefix = id_prefix  # with _offsets: the parts msg_id is formatted from
+        self._id_host = id_host  # (store address, port): with the offsets, what msg_id is formatted from
         self._offsets = offsets
 
     @property
     def msg_id(self) -> str:
-        if self._id_prefix is not None:
-            p = self._id_prefix
-            self._msg_id = ",".join(p + f"{o:016X}" for o in self._offsets or (self.commit_log_offset,))
-            self._id_prefix = None
+        if self._id_host is not None:
+            addr, port = self._id_host
+            self._msg_id = ",".join(codec.offset_msg_id(addr, port, o)
+                                    for o in self._offsets or (self.commit_log_offset,))
+            self._id_host = None
         return self._msg_id
 
     @property

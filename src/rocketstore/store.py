@@ -136,7 +136,6 @@ class MessageStore:
         self._ram = total_memory_bytes()
         self.metrics = StoreMetrics()
         self._topic_cache: dict[str, tuple[bytes, int]] = {}
-        self._id_prefixes: dict[tuple[bytes, int], str] = {}
         self._tags_codes: dict[str, int] = {}
 
         if not os.path.isdir(root):
@@ -477,7 +476,7 @@ class MessageStore:
             t2 = perf_counter()
         result = PutMessageResult(PutMessageStatus.PUT_OK, wrote_offset, wrote_bytes,
                                   qoff if assigns else 0, "", store_ts, len(records),
-                                  id_prefix=self._msg_id_prefix(records[0][10], records[0][11]),
+                                  id_host=(records[0][10], records[0][11]),
                                   offsets=offsets if len(records) > 1 else None)
         gc = self.group_commit
         if gc is not None:
@@ -497,6 +496,8 @@ class MessageStore:
         if m.properties_string is not None or m.topic == codec.SCHEDULE_TOPIC:
             return None
         props = m.properties
+        if not props and m.tags is None and m.keys is None:
+            return _PLAIN_DISPATCH  # the common message: no tags, no keys
         tags = m.tags if m.tags is not None else props.get("TAGS")
         keys = m.keys if m.keys is None or isinstance(m.keys, str) else " ".join(m.keys)
         if keys is None:
@@ -514,13 +515,6 @@ class MessageStore:
                     self._tags_codes.clear()
                 code = self._tags_codes[tags] = codec.java_hash(tags)
         return code, keys or None, uniq or None
-
-    def _msg_id_prefix(self, addr: bytes, port: int) -> str:
-        key = (addr, port)
-        prefix = self._id_prefixes.get(key)
-        if prefix is None:
-            prefix = self._id_prefixes[key] = codec.offset_msg_id(addr, port, 0)[:-16]
-        return prefix
 
     # ------------------------------------------------------------ flushing
     def flush_commitlog(self, least_pages: int, thorough: bool) -> bool:
@@ -815,6 +809,7 @@ def _wait_store_msg_ok(m: Message) -> bool:
 
 _TOPIC_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789%|-_")
 _QUEUED_TXN = (codec.TRANSACTION_NOT_TYPE, codec.TRANSACTION_COMMIT)
+_PLAIN_DISPATCH = (0, None, None)  # (tagsCode, KEYS, UNIQ_KEY) of a message with no properties
 
 
 def illegal_topic(topic: object) -> str | None:
