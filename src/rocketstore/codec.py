@@ -625,18 +625,20 @@ def with_host_flags(sys_flag: int, born_addr: bytes, store_addr: bytes) -> int:
     return sys_flag
 
 
-def topic_tail(topic: str, auto_v2: bool = True) -> tuple[bytes, int]:
-    """The topic part of a record (length + UTF-8 bytes) and its magic: V2 when the topic has > 127 Java chars."""
+def topic_tail(topic: str, auto_v2: bool = True) -> tuple[bytes, int, bytes]:
+    """The topic part of a record (length + UTF-8 bytes), its magic (V2 when the topic has > 127 Java chars),
+    and the record's whole tail when it has no properties (the common case, built once per topic)."""
     tb = topic.encode("utf-8")
     v2 = auto_v2 and java_len(topic) > 127
     if len(tb) > 32767:
         raise RecordError("topic longer than 32767 bytes")
     if not v2 and len(tb) > 127:
         raise RecordError(f"topic is {len(tb)} UTF-8 bytes; a V1 record holds at most 127")
-    return (_SHORT.pack(len(tb)) if v2 else _BYTE.pack(len(tb))) + tb, MAGIC_V2 if v2 else MAGIC_V1
+    head = (_SHORT.pack(len(tb)) if v2 else _BYTE.pack(len(tb))) + tb
+    return head, MAGIC_V2 if v2 else MAGIC_V1, head + _SHORT.pack(0)
 
 
-def encode_with_tail(topic: tuple[bytes, int], body: bytes, props: bytes, queue_id: int, flag: int, sys_flag: int,
+def encode_with_tail(topic: tuple[bytes, int, bytes], body: bytes, props: bytes, queue_id: int, flag: int, sys_flag: int,
                      born_ts: int, born_addr: bytes, born_port: int, store_addr: bytes, store_port: int,
                      reconsume: int, prepared: int, max_message_size: int) -> EncodedRecord:
     """The shared encoder; ``topic`` comes from :func:`topic_tail` (callers cache it per topic)."""
@@ -646,7 +648,7 @@ def encode_with_tail(topic: tuple[bytes, int], body: bytes, props: bytes, queue_
     if blen > max_message_size:
         raise MessageTooLarge(f"body is {blen} bytes, more than maxMessageSize {max_message_size}")
     header = _HEADERS[sys_flag & 0x30]
-    tail = topic[0] + _SHORT.pack(len(props)) + props
+    tail = topic[0] + _SHORT.pack(len(props)) + props if props else topic[2]
     total = header.size + blen + len(tail)
     if total > max_message_size + 65536:
         raise MessageTooLarge(f"record is {total} bytes, more than maxMessageSize + 64 KiB")
