@@ -333,3 +333,29 @@ def test_put_units_equals_put_unit_one_by_one(tmp_path):
     files = lambda root: {p.name: p.read_bytes() for p in sorted((root / "T" / "0").iterdir())}  # noqa: E731
     assert files(tmp_path / "a") == files(tmp_path / "b")
     assert a.max_physic_offset == b.max_physic_offset and a.max_offset_in_queue == b.max_offset_in_queue
+
+
+def test_a_failed_segment_write_is_not_acknowledged_and_stops_writes(tmp_path, monkeypatch):
+    """Batches are written with pwrite (staged, like RocketMQ's transientStorePool): an I/O error there is a
+    put status and a read-only store with the reason, never a SIGBUS, and what was stored stays readable."""
+    import errno
+
+    from rocketstore import commitlog
+    with MessageStore.open(str(tmp_path / "s")) as store:
+        assert store.put_batch([Message("T", b"a" * 100) for _ in range(5)]).ok
+        big = store.put(Message("T", b"b" * 5000))  # one record of a page or more takes the same path
+        assert big.ok and store.look(big.commit_log_offset).body == b"b" * 5000
+
+        def eio(fd, data, offset):
+            raise OSError(errno.EIO, "Input/output error")
+        monkeypatch.setattr(commitlog.os, "pwrite", eio)
+        r = store.put_batch([Message("T", b"c" * 100) for _ in range(3)])
+        assert r.status is PutMessageStatus.UNKNOWN_ERROR and "Input/output error" in r.error
+        assert "00000000000000000000" in r.error
+        monkeypatch.undo()
+        assert store.put(Message("T", b"d")).status is PutMessageStatus.SERVICE_NOT_AVAILABLE
+        assert "Input/output error" in store.state()["notWriteableReason"]
+        assert store.wait_dispatched()
+        got = store.get("T", 0, 0, 32)
+        assert [m.body for m in got.messages] == [b"a" * 100] * 5 + [b"b" * 5000]
+    assert run_cli("verify", tmp_path / "s").returncode == 0

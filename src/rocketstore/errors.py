@@ -11,6 +11,10 @@ class StoreLoadError(StoreError):
     """A store directory that cannot be loaded: missing, not a store, or a file of a bad name or size."""
 
 
+class CommitLogWriteError(StoreError):
+    """Appending to a commitlog segment failed (an I/O error from the kernel): the put is not stored."""
+
+
 class CorruptRecordError(StoreError):
     """A record that does not decode: the message says which file and offset."""
 

@@ -25,7 +25,8 @@ from .commitlog import CommitLog
 from .config import SYNC_FLUSH, StoreConfig, total_memory_bytes
 from .consume_queue import CQ_STORE_UNIT_SIZE, LOWER, ConsumeQueue
 from .dispatch import ReputMessageService
-from .errors import (ConfigError, ReadOnlyStoreError, StoreClosedError, StoreLoadError, StoreLockedError)
+from .errors import (CommitLogWriteError, ConfigError, ReadOnlyStoreError, StoreClosedError, StoreLoadError,
+                     StoreLockedError)
 from .flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeService, GroupCommitService
 from .index import IndexService, index_file_size
 from .message import (DEFAULT_STORE_HOST, LOCALHOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
@@ -457,6 +458,10 @@ class MessageStore:
                                                                                first.store_timestamp or None)
             except codec.MessageTooLarge as e:
                 return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error=str(e))
+            except CommitLogWriteError as e:  # nothing acknowledged; stop taking writes, as after a flush error
+                self.running_flags.make_not_writeable(str(e))
+                log.error("%s: %s; store is now read-only", self.root, e)
+                return PutMessageResult(PutMessageStatus.UNKNOWN_ERROR, error=str(e))
             except OSError as e:
                 where = e.filename or self.paths.commitlog
                 return PutMessageResult(PutMessageStatus.CREATE_MAPPED_FILE_FAILED,
