@@ -116,16 +116,9 @@ def _setup(workload: str, workdir: str) -> Callable[[float], int]:
             return n
         return run
     if workload == "recovery":
-        import signal
         seg = 256 * MiB
         path = os.path.join(workdir, "profile-recovery")
-        proc = subprocess.Popen([sys.executable, "-m", "rocketstore.bench.child", "write-crash", path,
-                                 str(seg - 4 * MiB), str(seg)], stdout=subprocess.PIPE)
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode()
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        if not line.startswith("READY"):
+        if not write_crashed_store(path, seg):
             raise SystemExit("the crashed store could not be written")
 
         def run(seconds: float) -> int:
@@ -280,6 +273,21 @@ def profile_workload(workload: str, seconds: float, out_path: str) -> str | None
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def write_crashed_store(path: str, segment: int) -> bool:
+    """Fill one commitlog segment (all but its last 4 MiB) in a child process and SIGKILL it."""
+    import signal
+    proc = subprocess.Popen([sys.executable, "-m", "rocketstore.bench.child", "write-crash", path,
+                             str(segment - 4 * MiB), str(segment)], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    try:
+        line = proc.stdout.readline().decode()
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+    return line.startswith("READY")
+
+
 def profile_spark(out_path: str, segment: int = 256 * MiB) -> str | None:
     """py-spy over the Spark job (driver, JVM-launched Python workers) scanning a fresh 256 MiB store.
 
@@ -288,18 +296,10 @@ def profile_spark(out_path: str, segment: int = 256 * MiB) -> str | None:
     spy = find_py_spy()
     if spy is None:
         return None
-    import signal
     tmp = tempfile.mkdtemp(prefix="rocketstore-profile-")
     try:
         path = os.path.join(tmp, "store")
-        proc = subprocess.Popen([sys.executable, "-m", "rocketstore.bench.child", "write-crash", path,
-                                 str(segment - 4 * MiB), str(segment)], stdout=subprocess.PIPE)
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode()
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        proc.stdout.close()
-        if not line.startswith("READY"):
+        if not write_crashed_store(path, segment):
             return None
         subprocess.run([sys.executable, "-m", "rocketstore.bench.child", "recover", path, str(segment)],
                        capture_output=True, timeout=900, check=True)
