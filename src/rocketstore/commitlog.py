@@ -67,10 +67,7 @@ class CommitLog:
             raise codec.MessageTooLarge(
                 f"{total} bytes do not fit a {self.file_size}-byte commitlog segment (mappedFileSizeCommitLog)")
         ts = int(self.clock() * 1000) if store_timestamp is None else store_timestamp
-        files = self.queue.files
-        f = files[-1] if files else None
-        if f is None or f.wrote_position >= self.file_size:  # (last_for_append's test, without its calls)
-            f = self.queue.last_for_append(0)
+        f = self.queue.last_for_append(0)
         if total + BLANK_RECORD_SIZE > self.file_size - f.wrote_position:
             f.append(codec.blank_record(self.file_size - f.wrote_position))
             f.wrote_position = self.file_size

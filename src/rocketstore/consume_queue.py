@@ -108,8 +108,7 @@ class ConsumeQueue:
 
     @property
     def min_offset_in_queue(self) -> int:
-        return min(max(self.min_logic_offset // CQ_STORE_UNIT_SIZE, self.retention_min_offset),
-                   self.max_offset_in_queue)
+        return self.offset_range()[0]
 
     @property
     def max_offset_in_queue(self) -> int:

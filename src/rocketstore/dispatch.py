@@ -112,8 +112,7 @@ class ReputMessageService(ServiceThread):
         """Dispatch the handed-over records that continue at the reput offset and end below ``end``.
 
         Units of one queue that follow each other are appended to the consume
-        queue as one write, and records without keys skip the index (it would
-        change nothing): per record this is the dispatcher's whole cost.
+        queue as one write: per record this is the dispatcher's whole cost.
         """
         store = self.store
         cq_table = store._cq_table
@@ -136,7 +135,7 @@ class ReputMessageService(ServiceThread):
                 run_key = (topic, qid)
                 run.append((offset, size, code, qoff))
                 last_ts = ts
-            if index is not None and (keys or uniq or index.needs_new_file()):
+            if index is not None:
                 index.build_index(topic, offset, ts, txn, uniq, keys)
         if run:
             self._put_units(cq_table, run_key, run)

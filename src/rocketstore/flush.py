@@ -100,7 +100,9 @@ class GroupCommitService(ServiceThread):
 
     def request(self, next_offset: int) -> None:
         """Ask for a flush without waiting (WAIT=false messages)."""
-        self._wanted = max(self._wanted, next_offset)
+        with self._cond:
+            if next_offset > self._wanted:
+                self._wanted = next_offset
         self.wakeup()
 
     def _flush_up_to(self, target: int) -> None:

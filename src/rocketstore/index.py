@@ -213,11 +213,6 @@ class IndexService:
         return dropped
 
     # ------------------------------------------------------------ building
-    def needs_new_file(self) -> bool:
-        """Whether the next build_index call creates an index file (RocketMQ makes one even for a message
-        without keys, so the dispatcher calls build_index for such a message only then)."""
-        return not self.files or self.files[-1].is_full()
-
     def _writable_file(self) -> IndexFile:
         last = self.files[-1] if self.files else None
         if last is not None and not last.is_full():
@@ -253,6 +248,8 @@ class IndexService:
         bytes on disk after the call are the same, and queries use the header
         fields held in memory.
         """
+        if not uniq_key and not keys and self.files and not self.files[-1].is_full():
+            return  # nothing to index; RocketMQ still makes a file when there is none, hence the test
         with self.lock:
             f = self._writable_file()
             if phy_offset < f.end_phy_offset or sys_flag_txn == 0xC:

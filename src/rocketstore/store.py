@@ -136,7 +136,7 @@ class MessageStore:
         self.clean_service = CleanService(self)
         self._ram = total_memory_bytes()
         self.metrics = StoreMetrics()
-        self._topic_cache: dict[str, tuple[bytes, int]] = {}
+        self._topic_cache: dict[str, tuple[bytes, int, bytes]] = {}  # codec.topic_tail per topic
         self._tags_codes: dict[str, int] = {}
 
         if not os.path.isdir(root):
