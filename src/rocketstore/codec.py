@@ -433,13 +433,14 @@ def decode_unit(buf: Any, pos: int, size: int, read_body: bool = True) -> Messag
         return None
 
 
-def check(buf: Any, pos: int, limit: int, *, check_crc: bool,
-          read_body: bool = False) -> tuple[int, MessageExt | None, str | None]:
+def check(buf: Any, pos: int, limit: int, *, check_crc: bool, read_body: bool = False,
+          parsed: bool = False) -> tuple[int, Any, str | None]:
     """RocketMQ's checkMessageAndReturnSize as ``(size, message, reason)``.
 
     ``size > 0`` with a message: a valid record.  ``size == 0``: a blank record
     (end of file).  ``size == -1``: not a record (``reason`` says why).  A
     positive size with no message: the size field disagrees with the fields.
+    ``parsed=True`` gives :func:`parse`'s tuple in place of the message.
     """
     if limit - pos <= 4:
         return -1, None, "no record header before the readable end"
@@ -453,7 +454,8 @@ def check(buf: Any, pos: int, limit: int, *, check_crc: bool,
     if magic != MAGIC_V1 and magic != MAGIC_V2:
         return -1, None, f"bad magic code 0x{magic:08X}"
     try:
-        msg = decode(buf, pos, limit, check_crc=check_crc, read_body=read_body)
+        msg = parse(buf, pos, limit, check_crc=check_crc) if parsed else \
+            decode(buf, pos, limit, check_crc=check_crc, read_body=read_body)
     except RecordError as e:
         reason = str(e)
         if reason.startswith("record size") and "disagrees" in reason:
@@ -472,29 +474,13 @@ def walk(buf: Any, pos: int, limit: int, *, check_crc: bool, read_body: bool = F
     tuple instead of a message, for walks that decode only what they need.
     """
     while pos < limit:
-        if parsed:
-            size, msg, reason = _check_parsed(buf, pos, limit, check_crc)
-        else:
-            size, msg, reason = check(buf, pos, limit, check_crc=check_crc, read_body=read_body)
+        size, msg, reason = check(buf, pos, limit, check_crc=check_crc, read_body=read_body, parsed=parsed)
         if msg is None and size != 0 and buf[pos:pos + 8] == _ZERO8:
             return
         yield pos, size, msg, reason
         if msg is None:
             return
         pos += size
-
-
-def _check_parsed(buf: Any, pos: int, limit: int, check_crc: bool) -> tuple[int, Any, str | None]:
-    if limit - pos < 8:
-        return -1, None, "record header runs past the readable end"
-    total, magic = _HEAD8.unpack_from(buf, pos)
-    if magic == BLANK_MAGIC:
-        return 0, None, None
-    try:
-        return total, parse(buf, pos, limit, check_crc=check_crc), None
-    except RecordError as e:
-        reason = str(e)
-        return (total if "disagrees" in reason else -1), None, reason
 
 
 _ZERO8 = bytes(8)
