@@ -297,7 +297,7 @@ def export(spark: Any, store_path: str, to: str, *, fmt: str = "parquet", partit
     t0 = time.monotonic()
     reader = spark.read.format("rocketstore")
     options = {"dropCache": "true", **(options or {})}
-    if selection is not None:
+    if selection is not None and selection != Selection():  # (everything needs no driver-side look)
         options.update(selection_options(store_path, selection))
     for k, v in options.items():
         reader = reader.option(k, v)
