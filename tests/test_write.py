@@ -281,6 +281,7 @@ def test_warm_mapped_file_enable_warms_only_files_no_writer_has(tmp_path, monkey
             assert store.put(Message("W", b"w" * 1000)).ok
         store.commitlog.queue.preallocated()
         assert warmed and all(off % 65536 == 0 for off in warmed)
+        assert store.wait_dispatched()  # the consume queue is built asynchronously
         assert store.get("W", 0, 0, 1).messages[0].body == b"w" * 1000  # nothing a writer wrote was zeroed
     with MessageStore.open(str(tmp_path / "s"), cfg, read_only=True) as store:
         assert sum(1 for _o, _s, m, _p in store.messages(read_body=False) if m) == 150
