@@ -19,6 +19,7 @@ from . import codec
 from .codec import BLANK_RECORD_SIZE, EncodedRecord, MessageExt
 from .errors import CommitLogWriteError, CorruptRecordError
 from .mapped_file import MappedFile, MappedFileQueue
+from .warm_ahead import WarmAheadService
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class CommitLog:
         self._stage = bytearray(64 * 1024)  # see _write_staged; used under put_lock only
         self.clock = clock
         self.confirm_offset = 0
+        self.warmer: WarmAheadService | None = None  # set by the store when warmAheadBytes > 0
 
     def load(self, on_bad_file=None) -> None:
         self.queue.load(on_bad_file=on_bad_file)
@@ -81,6 +83,9 @@ class CommitLog:
             offsets = self._write_staged(f, records, queue_offset, ts, total)
         f.wrote_position = first + total
         f.store_timestamp = ts
+        w = self.warmer
+        if w is not None and base + first + total > w.wake_at:
+            w.wake()
         return base + first, total, ts, offsets
 
     def _write_staged(self, f: MappedFile, records: list[EncodedRecord], queue_offset: int | None, ts: int,

@@ -74,6 +74,7 @@ class StoreConfig:
     accessMessageInMemoryMaxRatio: int = 40
     maxFilterMessageSize: int = 16000
     warmMapedFileEnable: bool = False
+    warmAheadBytes: int = 64 * 1024 * 1024  # rocketstore: page cache read ahead of the commitlog writer (0 = off)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -98,7 +99,7 @@ class StoreConfig:
         need(self.maxMsgsNumBatch > 0, "maxMsgsNumBatch", "must be positive")
         for key in ("diskMaxUsedSpaceRatio", "diskSpaceWarningLevelRatio", "diskSpaceCleanForciblyRatio"):
             need(0 < getattr(self, key) <= 100, key, "must be a percentage in (0, 100]")
-        for key in ("flushIntervalCommitLog", "flushIntervalConsumeQueue", "syncFlushTimeout",
+        for key in ("warmAheadBytes", "flushIntervalCommitLog", "flushIntervalConsumeQueue", "syncFlushTimeout",
                     "cleanResourceInterval", "fileReservedTime", "deleteFileBatchMax"):
             need(getattr(self, key) >= 0, key, "must not be negative")
         try:

@@ -34,6 +34,7 @@ from .message import (DEFAULT_STORE_HOST, LOCALHOST, GetMessageResult, GetMessag
 from .metrics import MetricsService, StoreMetrics
 from .recovery import RecoveryReport, recover
 from .running_flags import RunningFlags
+from .warm_ahead import WarmAheadService
 
 log = logging.getLogger(__name__)
 
@@ -300,6 +301,9 @@ class MessageStore:
         self.reput = ReputMessageService(self, self.commitlog.max_offset())
         self._services += [self.reput, FlushConsumeQueueService(self), CheckpointService(self)]
         self._services += [self.clean_service, DiskGuardService(self), MetricsService(self)]
+        if cfg.warmAheadBytes > 0:
+            self.commitlog.warmer = WarmAheadService(self.commitlog.queue, cfg.warmAheadBytes)
+            self._services.append(self.commitlog.warmer)
         if not self.commitlog.queue.files:
             self.commitlog.queue.start_preallocation(0)  # the first segment too is made off the put path
         for s in self._services:
