@@ -328,7 +328,8 @@ def test_put_units_equals_put_unit_one_by_one(tmp_path):
     os.makedirs(a.directory)
     os.makedirs(b.directory)
     for run in runs:
-        a.put_units(run)
+        offsets, sizes, codes, qoffs = (list(c) for c in zip(*run))
+        a.put_units(offsets, sizes, codes, qoffs[0])
         for u in run:
             b.put_unit(*u)
     files = lambda root: {p.name: p.read_bytes() for p in sorted((root / "T" / "0").iterdir())}  # noqa: E731

@@ -35,7 +35,7 @@ STAGE_MIN_BYTES = 4096
 
 class CommitLog:
     def __init__(self, directory: str, file_size: int, *, read_only: bool = False,
-                 clock: Callable[[], float] = time.time, warm: bool = False) -> None:
+                 clock: Callable[[], float] = time.time, warm: bool = False, stage_all: bool = False) -> None:
         self.directory = directory
         self.file_size = file_size
         self.queue = MappedFileQueue(directory, file_size, read_only=read_only, preallocate=not read_only,
@@ -44,6 +44,9 @@ class CommitLog:
         self._stage = bytearray(64 * 1024)  # see _write_staged; used under put_lock only
         self.clock = clock
         self.confirm_offset = 0
+        # SYNC_FLUSH writes every record with pwrite: each put lands in the page the last fdatasync has just
+        # cleaned, and a store through the map would take a write-protect fault there every time.
+        self.stage_min_bytes = 0 if stage_all else STAGE_MIN_BYTES
         self.warmer: WarmAheadService | None = None  # set by the store when warmAheadBytes > 0
 
     def load(self, on_bad_file=None) -> None:
@@ -76,7 +79,7 @@ class CommitLog:
             f = self.queue.last_for_append(0)
         base = f.file_from_offset
         first = pos = f.wrote_position
-        if len(records) == 1 and total < STAGE_MIN_BYTES:  # a small record: straight into the map
+        if len(records) == 1 and total < self.stage_min_bytes:  # a small record: straight into the map
             codec.write_record(f.mm, pos, records[0], queue_offset or 0, base + pos, ts)
             offsets = [base + pos]
         else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from typing import Callable
+from typing import Callable, Sequence
 
 from .mapped_file import MappedFile, MappedFileQueue
 
@@ -282,30 +282,23 @@ class ConsumeQueue:
         f.append(_UNIT.pack(offset, size, tags_code))
         return True
 
-    def put_units(self, units: list[tuple[int, int, int, int]]) -> None:
-        """Append (offset, size, tagsCode, queue offset) units in queue order, the way put_unit would one by
-        one; a run that continues the queue's end within one file is packed and copied as one write."""
-        i, n = 0, len(units)
+    def put_units(self, offsets: Sequence[int], sizes: Sequence[int], codes: Sequence[int], first_qoff: int) -> None:
+        """Append units with consecutive queue offsets from ``first_qoff``, the way put_unit would one by one;
+        a run that continues the queue's end within one file is packed and copied as one write."""
+        i, n = 0, len(offsets)
         while i < n:
-            off, size, code, qoff = units[i]
             f = self.queue.last()
-            if f is None or off + size <= self.max_physic_offset or \
+            qoff = first_qoff + i
+            k = 0 if f is None else min(n - i, (self.file_size - f.wrote_position) // CQ_STORE_UNIT_SIZE)
+            if k == 0 or offsets[i] + sizes[i] <= self.max_physic_offset or \
                     qoff * CQ_STORE_UNIT_SIZE != f.file_from_offset + f.wrote_position:
-                self.put_unit(off, size, code, qoff)  # first unit, a duplicate, a gap or a full file
+                self.put_unit(offsets[i], sizes[i], codes[i], qoff)  # first unit, a duplicate, a gap or a full file
                 i += 1
                 continue
-            k = min(n - i, (self.file_size - f.wrote_position) // CQ_STORE_UNIT_SIZE)
-            while k > 1 and units[i + k - 1][3] != qoff + k - 1:
-                k -= 1  # only consecutive queue offsets go in one write
-            if k == 0:
-                self.put_unit(off, size, code, qoff)
-                i += 1
-                continue
-            pack = _UNIT.pack
-            f.append(b"".join([pack(o, s, c) for o, s, c, _q in units[i:i + k]]))
-            last = units[i + k - 1]
-            self.max_physic_offset = last[0] + last[1]
-            i += k
+            j = i + k
+            f.append(b"".join(map(_UNIT.pack, offsets[i:j], sizes[i:j], codes[i:j])))
+            self.max_physic_offset = offsets[j - 1] + sizes[j - 1]
+            i = j
 
     def flush(self, least_pages: int = 0) -> None:
         self.queue.flush(least_pages)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from itertools import repeat
 from typing import TYPE_CHECKING, Callable
 
 from . import codec
@@ -61,10 +62,11 @@ class CommitLogDispatcher:
 class ReputMessageService(ServiceThread):
     """Follows the CommitLog from ``reput_from_offset`` to its confirmed end and dispatches each record.
 
-    The put path hands over what it already knows of each record it appends
-    (``hand_over``: offset, size, topic, queue, queue offset, tagsCode, store
-    time, keys, UNIQ_KEY, transaction type), so the common case needs no
-    re-decoding.  Anything not handed over (after a restart, replayed imports,
+    The put path hands over what it already knows of the records of each put
+    (``hand_over``, one tuple per put call: first offset, end offset, topic,
+    queue, first queue offset, store time, transaction type, then per record
+    the offsets, sizes, tagsCodes, KEYS and UNIQ_KEYs; each of the last three
+    None when all are 0 or absent), so the common case needs no re-decoding.  Anything not handed over (after a restart, replayed imports,
     delay-topic records) is decoded from the CommitLog, as RocketMQ does.
     Either way a record is dispatched only once it is below the confirmed end.
     """
@@ -109,45 +111,53 @@ class ReputMessageService(ServiceThread):
                 self.caught_up.notify_all()
 
     def _dispatch_handed_over(self, pending: deque, end: int) -> bool:
-        """Dispatch the handed-over records that continue at the reput offset and end below ``end``.
+        """Dispatch the handed-over puts that continue at the reput offset and end below ``end``.
 
-        Units of one queue that follow each other are appended to the consume
-        queue as one write: per record this is the dispatcher's whole cost.
+        Units of one queue that follow each other (across puts too) are packed
+        into the consume queue with one write: per record this is the
+        dispatcher's whole cost unless the record has keys to index.
         """
         store = self.store
-        cq_table = store._cq_table
         index = store.index_service if store.config.messageIndexEnable else None
         expected = self.reput_from_offset
-        run: list[tuple[int, int, int, int]] = []
         run_key = None
+        run_next = run_first = 0
+        offsets: list[int] = []
+        sizes: list[int] = []
+        codes: list[int] = []
         last_ts = None
         while pending:
-            item = pending[0]
-            offset, size, topic, qid, qoff, code, ts, keys, uniq, txn = item
-            if offset != expected or offset + size > end:
+            offset, stop, topic, qid, qoff, ts, txn, offs, szs, cds, keys, uniqs = pending[0]
+            if offset != expected or stop > end:
                 break
             pending.popleft()
-            expected = offset + size
+            expected = stop
             if qoff >= 0:
-                if run and run_key != (topic, qid):
-                    self._put_units(cq_table, run_key, run)
-                    run = []
-                run_key = (topic, qid)
-                run.append((offset, size, code, qoff))
+                if offsets and (run_key != (topic, qid) or qoff != run_next):
+                    self._put_units(run_key, offsets, sizes, codes, run_first)
+                    offsets, sizes, codes = [], [], []
+                if not offsets:
+                    run_key, run_first = (topic, qid), qoff
+                run_next = qoff + len(offs)
+                offsets += offs
+                sizes += szs
+                codes += cds if cds is not None else (0,) * len(offs)
                 last_ts = ts
-            if index is not None:
-                index.build_index(topic, offset, ts, txn, uniq, keys)
-        if run:
-            self._put_units(cq_table, run_key, run)
+            if index is not None and (keys is not None or uniqs is not None):
+                for off, key, uniq in zip(offs, keys or repeat(None), uniqs or repeat(None)):
+                    index.build_index(topic, off, ts, txn, uniq, key)
+        if offsets:
+            self._put_units(run_key, offsets, sizes, codes, run_first)
         if last_ts is not None:
             store.checkpoint.logicsMsgTimestamp = last_ts
         done = expected != self.reput_from_offset
         self.reput_from_offset = expected
         return done
 
-    def _put_units(self, cq_table: dict, key: tuple[str, int], units: list[tuple[int, int, int, int]]) -> None:
-        cq = cq_table.get(key) or self.store.find_consume_queue(*key)
-        cq.put_units(units)
+    def _put_units(self, key: tuple[str, int], offsets: list[int], sizes: list[int], codes: list[int],
+                   first_qoff: int) -> None:
+        cq = self.store._cq_table.get(key) or self.store.find_consume_queue(*key)
+        cq.put_units(offsets, sizes, codes, first_qoff)
 
     def _dispatch_from_log(self, end: int) -> bool:
         commitlog = self.store.commitlog

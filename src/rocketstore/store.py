@@ -226,7 +226,7 @@ class MessageStore:
             os.makedirs(self.paths.commitlog, exist_ok=True)
             os.makedirs(self.paths.consumequeue, exist_ok=True)
         self.commitlog = CommitLog(self.paths.commitlog, cfg.mappedFileSizeCommitLog, read_only=ro, clock=self.clock,
-                                   warm=cfg.warmMapedFileEnable)
+                                   warm=cfg.warmMapedFileEnable, stage_all=cfg.flushDiskType == SYNC_FLUSH)
         self.commitlog.load(on_bad_file=self._on_bad_file)
         self._load_consume_queues()
         self.checkpoint = StoreCheckpoint.load(self.paths.checkpoint, read_only=ro, on_bad=self._on_bad_file)
@@ -446,11 +446,7 @@ class MessageStore:
         first = messages[0]
         key = (first.topic, first.queue_id)
         assigns = records[0][6] & codec.TRANSACTION_MASK in _QUEUED_TXN
-        if self.reput is None:
-            hand_over = None
-        else:
-            hand_over = [self._dispatch_info(first)] if len(messages) == 1 else \
-                [self._dispatch_info(m) for m in messages]
+        dispatch = None if self.reput is None else self._dispatch_columns(messages)
         commitlog = self.commitlog
         with commitlog.put_lock:
             t1 = perf_counter()
@@ -472,16 +468,11 @@ class MessageStore:
                                         error=f"cannot create commitlog segment {where}: {e.strerror or e}")
             if assigns:
                 self.topic_queue_table[key] = qoff + len(records)
-            if hand_over is not None:
-                q = qoff if assigns else -1
-                give = self.reput.hand_over
-                for rec, off, h in zip(records, offsets, hand_over):
-                    if h is None:
-                        break  # the dispatcher decodes this one (and what follows) from the log
-                    give((off, rec[1], first.topic, first.queue_id, q, h[0], store_ts, h[1], h[2],
-                          rec[6] & codec.TRANSACTION_MASK))
-                    if assigns:
-                        q += 1
+            if dispatch is not None:  # else the dispatcher decodes these records from the log
+                self.reput.hand_over((wrote_offset, wrote_offset + wrote_bytes, first.topic, first.queue_id,
+                                      qoff if assigns else -1, store_ts, records[0][6] & codec.TRANSACTION_MASK,
+                                      offsets, (wrote_bytes,) if len(records) == 1 else [r[1] for r in records],
+                                      *dispatch))
             t2 = perf_counter()
         result = PutMessageResult(PutMessageStatus.PUT_OK, wrote_offset, wrote_bytes,
                                   qoff if assigns else 0, "", store_ts, len(records),
@@ -498,6 +489,26 @@ class MessageStore:
                 gc.request(wrote_offset + wrote_bytes)
         self.metrics.record_put(t2 - t1, perf_counter() - t0)
         return result
+
+    def _dispatch_columns(self, messages: list[Message]) -> tuple[list[int] | None, list[str | None] | None,
+                                                                  list[str | None] | None] | None:
+        """The tagsCodes, KEYS and UNIQ_KEYs of a put's messages for the dispatcher, each None when all are 0 or
+        absent (the common case costs nothing to hand over); None when the log must tell (see _dispatch_info)."""
+        if len(messages) == 1:
+            info = self._dispatch_info(messages[0])
+            if info is None or info is _PLAIN_DISPATCH:
+                return None if info is None else _PLAIN_COLUMNS
+            code, keys, uniq = info
+            return (None if not code else [code], None if keys is None else [keys],
+                    None if uniq is None else [uniq])
+        infos = [self._dispatch_info(m) for m in messages]
+        if infos.count(_PLAIN_DISPATCH) == len(infos):
+            return _PLAIN_COLUMNS
+        if None in infos:
+            return None
+        codes, keys, uniqs = zip(*infos)
+        return (list(codes) if any(codes) else None, None if keys.count(None) == len(keys) else list(keys),
+                None if uniqs.count(None) == len(uniqs) else list(uniqs))
 
     def _dispatch_info(self, m: Message) -> tuple[int, str | None, str | None] | None:
         """(tagsCode, KEYS, UNIQ_KEY) as dispatch would parse them from the stored properties, or None when
@@ -819,6 +830,7 @@ def _wait_store_msg_ok(m: Message) -> bool:
 _TOPIC_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789%|-_")
 _QUEUED_TXN = (codec.TRANSACTION_NOT_TYPE, codec.TRANSACTION_COMMIT)
 _PLAIN_DISPATCH = (0, None, None)  # (tagsCode, KEYS, UNIQ_KEY) of a message with no properties
+_PLAIN_COLUMNS = (None, None, None)  # the same for every message of a put
 
 
 def illegal_topic(topic: object) -> str | None:
