@@ -418,13 +418,18 @@ class MessageStore:
             body = bytes(body)
         if not 0 <= m.queue_id < 2 ** 31:
             raise codec.RecordError(f"queue id {m.queue_id} out of range")
-        props = m.properties_string if m.properties_string is not None else m.build_properties()
+        if m.properties_string is not None:
+            props = m.properties_string.encode("utf-8")
+        elif m.tags is None and m.keys is None and not m.properties:
+            props = b""  # the common message: no properties to serialise
+        else:
+            props = m.build_properties().encode("utf-8")
         born_addr, born_port = LOCALHOST if m.born_host is None else host_tuple(m.born_host)
         store_addr, store_port = DEFAULT_STORE_HOST if m.store_host is None else host_tuple(m.store_host)
         sys_flag = m.sys_flag
         if sys_flag & 0x30 or len(born_addr) != 4 or len(store_addr) != 4:
             sys_flag = codec.with_host_flags(sys_flag, born_addr, store_addr)
-        return codec.encode_with_tail(topic, body, props.encode("utf-8"), m.queue_id, m.flag, sys_flag,
+        return codec.encode_with_tail(topic, body, props, m.queue_id, m.flag, sys_flag,
                                       now_ms if m.born_timestamp is None else m.born_timestamp, born_addr, born_port,
                                       store_addr, store_port, m.reconsume_times, m.prepared_transaction_offset,
                                       self.config.maxMessageSize)
