@@ -642,17 +642,26 @@ def encode_with_tail(topic: tuple[bytes, int, bytes], body: bytes, props: bytes,
             born_port, store_addr, store_port, reconsume, prepared, body, tail)
 
 
-def write_record(buf: Any, pos: int, rec: EncodedRecord, queue_offset: int, physical_offset: int,
-                 store_ts: int) -> None:
-    """Write an encoded record at ``pos`` with the fields known only under the put lock."""
+def record_parts(rec: EncodedRecord, queue_offset: int, physical_offset: int, store_ts: int) -> tuple[bytes, bytes,
+                                                                                                   bytes]:
+    """The record as (header, body, tail) with the fields known only under the put lock: what a gathered
+    ``pwritev`` takes as it is, so the body goes from the caller's buffer to the file in one copy."""
     (header, total, magic, crc, queue_id, flag, sys_flag, born_ts, born_addr, born_port, store_addr, store_port,
      reconsume, prepared, body, tail) = rec
-    header.pack_into(buf, pos, total, magic, crc, queue_id, flag, queue_offset, physical_offset, sys_flag,
-                     born_ts, born_addr, born_port, store_ts, store_addr, store_port, reconsume, prepared, len(body))
-    p = pos + header.size
+    return (header.pack(total, magic, crc, queue_id, flag, queue_offset, physical_offset, sys_flag, born_ts,
+                        born_addr, born_port, store_ts, store_addr, store_port, reconsume, prepared, len(body)),
+            body, tail)
+
+
+def write_record(buf: Any, pos: int, rec: EncodedRecord, queue_offset: int, physical_offset: int,
+                 store_ts: int) -> None:
+    """Write an encoded record at ``pos`` of a buffer or map (see :func:`record_parts`)."""
+    header, body, tail = record_parts(rec, queue_offset, physical_offset, store_ts)
+    p = pos + len(header)
     e = p + len(body)
+    buf[pos:p] = header
     buf[p:e] = body
-    buf[e:pos + total] = tail
+    buf[e:pos + rec[1]] = tail
 
 
 def encode_bytes(*args: Any, queue_offset: int = 0, physical_offset: int = 0, store_timestamp: int = 0,

@@ -226,7 +226,7 @@ class MessageStore:
             os.makedirs(self.paths.commitlog, exist_ok=True)
             os.makedirs(self.paths.consumequeue, exist_ok=True)
         self.commitlog = CommitLog(self.paths.commitlog, cfg.mappedFileSizeCommitLog, read_only=ro, clock=self.clock,
-                                   warm=cfg.warmMapedFileEnable, stage_all=cfg.flushDiskType == SYNC_FLUSH)
+                                   warm=cfg.warmMapedFileEnable, gather_all=cfg.flushDiskType == SYNC_FLUSH)
         self.commitlog.load(on_bad_file=self._on_bad_file)
         self._load_consume_queues()
         self.checkpoint = StoreCheckpoint.load(self.paths.checkpoint, read_only=ro, on_bad=self._on_bad_file)
