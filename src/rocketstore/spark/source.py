@@ -296,8 +296,8 @@ def pack(tasks: list[planner.ScanTask], max_bytes: int, min_partitions: int) -> 
 
 def spread(parts: list[list[planner.ScanTask]], min_partitions: int) -> list[list[planner.ScanTask]]:
     """Cut single-segment partitions into pieces (:func:`rocketstore.spark.plan.split_task`) until there are
-    ``min_partitions``, as Spark splits a large file, so that a store of fewer segments than cores (a single
-    256 MiB segment, say) is not scanned by one core while the others wait.
+    ``min_partitions``, as Spark splits a large file, so that a store of fewer segments than task slots (a
+    single 1 GiB segment on 8 cores, say) is not scanned by one task while the other cores wait.
 
     The largest share is cut first; no piece gets smaller than ``MIN_PARTITION_BYTES``.
     """
@@ -387,7 +387,10 @@ class RocketStoreReader(DataSourceReader):
 
     def partitions(self) -> list[InputPartition]:
         tasks, _ = self.plan()
-        parts = spread(pack(tasks, self.max_partition_bytes, self.min_partitions), self.min_partitions)
+        parts = pack(tasks, self.max_partition_bytes, self.min_partitions)
+        # A task keeps about two cores busy (its Python worker decoding, its JVM thread converting the
+        # Arrow batches to rows): split segments only up to half the cores.
+        parts = spread(parts, -(-self.min_partitions // 2))
         return [ScanPartition(p) for p in parts]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
