@@ -273,3 +273,44 @@ def test_drop_cache_advises_every_read_segment_but_the_newest(monkeypatch):
     assert rows == 3000
     assert len(calls) == len(tasks) - 1 and all(a == os.POSIX_FADV_DONTNEED and n > 0 for _o, n, a in calls)
     assert not any(t.drop_cache for t in plan.plan_scan(root, RowFilter()))
+
+
+def test_split_pieces_read_exactly_the_rows_of_the_whole_segment_without_a_walk(monkeypatch):
+    """A segment cut at consume-queue record starts: the pieces give the segment's rows, in order, each
+    piece finding its records through its own queue slices."""
+    names = [n for n in segment.COLUMN_NAMES if n != "body"]
+    tasks = plan.plan_scan(str(golden_store("basic")), RowFilter())
+
+    def rows(ts):
+        return [r for t in ts for b in segment.read_range(t.path, t.start, t.end, names, t.filter,
+                                                          boundary_known=t.boundary_known, queues=t.queues)
+                for r in b.to_pylist()]
+    whole = rows(tasks)
+    with monkeypatch.context() as m:
+        m.setattr(segment, "walk", lambda *a, **k: pytest.fail("walked although the queue slices tile each piece"))
+        for k in (2, 3, 7):
+            pieces = [p for t in tasks for p in plan.split_task(t, k)]
+            assert len(pieces) == k * len(tasks)
+            assert all(a.end == b.start for t in tasks for a, b in zip(plan.split_task(t, k), plan.split_task(t, k)[1:]))
+            assert rows(pieces) == whole
+
+
+def test_find_tail_through_the_consume_queues_equals_the_walk(tmp_path, monkeypatch):
+    from conftest import copy_store
+    for name in GOLDEN_NAMES:
+        root = str(golden_store(name))
+        with monkeypatch.context() as m:
+            m.setattr(plan, "_queue_verified_prefix", lambda *a: None)
+            walked = plan.find_tail(root)
+        assert plan.find_tail(root) == walked, name
+    # A queue unit that disagrees with its record: no shortcut, the walk decides.
+    store = copy_store(golden_store("basic"), tmp_path / "s")
+    newest = sorted((store / "commitlog").iterdir())[-1]
+    cq = Path(max((store / "consumequeue" / "TopicB" / "1").iterdir()))
+    data = bytearray(cq.read_bytes())
+    last = max(i for i in range(0, len(data), 20) if any(data[i:i + 20]))  # the queue's newest unit
+    assert int.from_bytes(data[last:last + 8], "big") >= int(newest.name)
+    data[last + 8:last + 12] = (99).to_bytes(4, "big")
+    cq.write_bytes(bytes(data))
+    assert plan._queue_verified_prefix(str(store), int(newest.name), str(newest), newest.stat().st_size) is None
+    assert plan.find_tail(str(store)) == plan.find_tail(str(golden_store("basic")))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,7 @@ from .. import codec
 from ..consume_queue import CQ_STORE_UNIT_SIZE
 from ..errors import StoreError, StoreLoadError
 from ..store import MessageStore
+from . import segment as _segment
 from .segment import RowFilter, Segment, first_store_timestamp, store_times, walk
 
 log = logging.getLogger(__name__)
@@ -380,6 +381,89 @@ def queue_slices(root: str, segs: list[SegmentInfo]) -> dict[int, list[tuple[str
     return out
 
 
+def split_task(task: ScanTask, pieces: int) -> list[ScanTask]:
+    """``task`` cut into up to ``pieces`` tasks of about equal bytes, at record starts, so that the cores of a
+    small store's scan share its segment (Spark splits a large file the same way).
+
+    A cut is the first consume-queue unit at or after an even share of the
+    bytes (its record checked: the magic and a PHYSICALOFFSET equal to its own
+    offset); each piece gets the slices of the units between its cuts, so that
+    its executor still finds its records without a walk.  Without queue slices,
+    or without a checked record start near a share, the task stays whole.
+    """
+    if pieces < 2 or not task.queues:
+        return [task]
+    step = (task.end - task.start) / pieces
+    cuts: list[int] = []
+    for k in range(1, pieces):
+        at = _first_unit_at(task.queues, task.base + task.start + round(k * step))
+        if at is None or not (task.start < at - task.base < task.end) or (cuts and at <= cuts[-1]):
+            continue
+        if _record_starts_at(task.path, task.base, at):
+            cuts.append(at)
+    if not cuts:
+        return [task]
+    bounds = [task.base + task.start, *cuts, task.base + task.end]
+    # For each queue slice, the unit index of every cut (the piece ends take the slice's own ends).
+    idx = [[lo, *(_lower_bound(q, c) for c in cuts), hi] for q in task.queues for lo, hi in [q[2:4]]]
+    out = []
+    for k in range(len(bounds) - 1):
+        qs = [(q[0], q[1], i[k], i[k + 1]) for q, i in zip(task.queues, idx) if i[k + 1] > i[k]]
+        out.append(replace(task, start=bounds[k] - task.base, end=bounds[k + 1] - task.base,
+                           boundary_known=task.boundary_known if k == 0 else True, queues=qs or None))
+    return out
+
+
+def _unit_offset(q: tuple[str, int, int, int], i: int) -> int:
+    """Commitlog offset of unit ``i`` of the consume-queue slice ``q`` (one 20-byte read)."""
+    u = _segment.read_units(q[0], q[1], i, i + 1)
+    if not len(u):
+        raise OSError(f"{q[0]}: unit {i} is not there")
+    return int(u[0, 0])
+
+
+def _lower_bound(q: tuple[str, int, int, int], offset: int) -> int:
+    """The first unit of slice ``q`` whose commitlog offset is at least ``offset`` (units ascend in a queue)."""
+    lo, hi = q[2], q[3]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _unit_offset(q, mid) >= offset:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _first_unit_at(queues: list, offset: int) -> int | None:
+    """The smallest commitlog offset at or after ``offset`` that some queue slice points at, or None."""
+    best = None
+    try:
+        for q in queues:
+            i = _lower_bound(q, offset)
+            if i < q[3]:
+                at = _unit_offset(q, i)
+                best = at if best is None else min(best, at)
+    except OSError:
+        return None
+    return best
+
+
+def _record_starts_at(path: str, base: int, offset: int) -> bool:
+    """Whether a record header sits at ``offset``: a known magic and PHYSICALOFFSET equal to ``offset``."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        head = os.pread(fd, 36, offset - base)
+    finally:
+        os.close(fd)
+    if len(head) < 36:
+        return False
+    _total, magic = struct.unpack_from(">iI", head, 0)
+    return magic in (codec.MAGIC_V1, codec.MAGIC_V2) and struct.unpack_from(">q", head, 28)[0] == offset
+
+
 def _boundary(s: SegmentInfo, offset: int) -> tuple[int, bool]:
     """Start a walk at ``offset`` if a record starts there (its PHYSICALOFFSET says so), else at the file start."""
     with Segment(s.path) as seg:
@@ -413,21 +497,29 @@ def find_tail(root: str, start: int | None = None, max_bytes: int | None = None)
     """The commitlog offset just past the last complete record, walking record headers from ``start``.
 
     ``start`` must be a record boundary (a previous tail); None starts at the
-    newest segment that holds a record.  ``max_bytes`` bounds how far one call
-    goes (at least one record).  A single writer finishes a record before it
-    starts the next, so only the last record found can be incomplete: it is
-    CRC-checked and left for the next call if it does not check out yet.
+    newest segment that holds a record, skipping the part of it that the
+    consume queues prove a walk would pass (:func:`_queue_verified_prefix`).
+    ``max_bytes`` bounds how far one call goes (at least one record).  A
+    single writer finishes a record before it starts the next, so only the
+    last record found can be incomplete: it is CRC-checked and left for the
+    next call if it does not check out yet.
     """
     files = _segment_files(root)
     if not files:
         return 0 if start is None else start
+    size = _file_size(files)
+    known_last = None  # file position of the record just before ``pos``, when a queue check skipped the walk to it
     if start is None:
         start = files[0][0]
         for base, path in reversed(files):
             if first_store_timestamp(path) is not None:
                 start = base
                 break
-    size = _file_size(files)
+        if max_bytes is None:
+            prefix = _queue_verified_prefix(root, start, dict(files)[start], size)
+            if prefix is not None:
+                known_last, skip_to = prefix
+                start += skip_to
     by_base = dict(files)
     budget = max_bytes
     pos = start
@@ -441,12 +533,13 @@ def find_tail(root: str, start: int | None = None, max_bytes: int | None = None)
             if w.problem:
                 log.debug("tail of %s: %s", root, w.problem)
             end = w.end
-            if len(w.positions) and not w.blank:
-                last = int(w.positions[-1])
+            last = int(w.positions[-1]) if len(w.positions) else known_last
+            if last is not None and not w.blank:
                 _size, msg, reason = codec.check(seg.mm, last, end, check_crc=True)
                 if msg is None:
                     log.debug("tail of %s: record at %d not complete yet (%s)", root, base + last, reason)
                     end = last
+        known_last = None
         if not w.blank:
             return base + end
         if budget is not None:
@@ -454,6 +547,29 @@ def find_tail(root: str, start: int | None = None, max_bytes: int | None = None)
             if budget <= 0:
                 return base + size
         pos = base + size
+
+
+def _queue_verified_prefix(root: str, base: int, path: str, size: int) -> tuple[int, int] | None:
+    """(position of the last record, position after it) of the longest run of consume-queue units that
+    tiles segment ``base`` from its start and whose records match their units, or None.
+
+    A header walk from the segment start would pass exactly these records (it
+    checks the magic and size of each), so :func:`find_tail` starts its walk
+    after them: one vectorised check instead of a Python loop over every
+    record of the newest segment on each scan's planning.
+    """
+    slices = queue_slices(root, [SegmentInfo(path, base, size, size)]).get(base)
+    units = _segment.queue_units(slices) if slices else None
+    if units is None or units[0, 0] != base:
+        return None
+    ends = units[:, 0] + units[:, 1]
+    breaks = np.flatnonzero(units[1:, 0] != ends[:-1])
+    n = int(breaks[0]) + 1 if len(breaks) else len(units)
+    with Segment(path) as seg:
+        pos = _segment.tiled_positions(seg, units[:n], 0)
+    if pos is None:
+        return None
+    return int(pos[-1]), int(ends[n - 1] - base)
 
 
 def offset_for_timestamp(root: str, ts_ms: int) -> int:

@@ -546,7 +546,7 @@ def read_range(path: str, start: int, end: int, names: Sequence[str], flt: RowFi
     seg = Segment(path)
     try:
         end = min(end, seg.size)
-        pos = positions_from_queues(seg, queues, end) if queues else None
+        pos = positions_from_queues(seg, queues, end, start) if queues else None
         if pos is None:
             if not boundary_known and start > 0:
                 w = walk(seg.mm, 0, end, zeros_end=zeros_end, path=path)
@@ -607,37 +607,65 @@ def read_units(directory: str, file_size: int, lo: int, hi: int) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros((0, 2), np.int64)
 
 
-def positions_from_queues(seg: Segment, queues: Sequence[QueueSlice], end: int) -> np.ndarray | None:
-    """Record positions from the consume queues, or None when they do not account for every record.
-
-    They must tile the segment from its start to ``end`` (or to its blank record)
-    with no gap or overlap, and every record they point at must say so itself:
-    the right magic, TOTALSIZE equal to the unit's size and PHYSICALOFFSET equal
-    to its own offset.  Otherwise (a transaction half in no queue, a queue behind
-    or damaged) the caller walks the record headers instead.
-    """
+def queue_units(queues: Sequence[QueueSlice]) -> np.ndarray | None:
+    """The (commitlog offset, size) units of ``queues``, by offset; None when a file is unreadable or none."""
     try:
         units = np.concatenate([read_units(*q) for q in queues])
     except OSError:
         return None
     if not len(units):
         return None
-    units = units[np.argsort(units[:, 0], kind="stable")]
-    pos = units[:, 0] - seg.base
-    size = units[:, 1]
-    last_end = int(pos[-1] + size[-1])
-    if pos[0] != 0 or (pos[1:] != pos[:-1] + size[:-1]).any() or last_end > end:
-        return None
-    if last_end != end:
-        head = seg.mm[last_end:last_end + 8] if last_end + 8 <= seg.size else b""
-        if len(head) < 8 or _HEAD8.unpack(head)[1] != codec.BLANK_MAGIC:
-            return None
+    return units[np.argsort(units[:, 0], kind="stable")]
+
+
+def records_match_units(seg: Segment, pos: np.ndarray, size: np.ndarray) -> bool:
+    """Whether every record at ``pos`` says it is the unit: the right magic, TOTALSIZE ``size`` and
+    PHYSICALOFFSET its own offset (what a header walk would have found, checked in one vectorised pass)."""
     head = _headers(seg, pos, 36)  # TOTALSIZE .. PHYSICALOFFSET
     total = head[:, 0:4].copy().view(">i4").ravel()
     magic = head[:, 4:8].copy().view(">u4").ravel()
     phy = head[:, 28:36].copy().view(">i8").ravel()
     ok = (total == size) & (phy == pos + seg.base) & ((magic == codec.MAGIC_V1) | (magic == codec.MAGIC_V2))
-    return pos if ok.all() else None
+    return bool(ok.all())
+
+
+def tiled_positions(seg: Segment, units: np.ndarray, start: int = 0) -> np.ndarray | None:
+    """File positions of ``units`` (sorted) if they tile the segment from ``start`` with no gap or overlap and
+    every record they point at matches its unit (:func:`records_match_units`), else None."""
+    pos = units[:, 0] - seg.base
+    size = units[:, 1]
+    if pos[0] != start or (size < MIN_RECORD_SIZE).any() or (pos[1:] != pos[:-1] + size[:-1]).any():
+        return None
+    if int(pos[-1] + size[-1]) > seg.size:
+        return None
+    return pos if records_match_units(seg, pos, size) else None
+
+
+def positions_from_queues(seg: Segment, queues: Sequence[QueueSlice], end: int, start: int = 0
+                          ) -> np.ndarray | None:
+    """Record positions from the consume queues, or None when they do not account for every record.
+
+    They must tile the segment from its start (or from ``start``, the first
+    record of a piece of a split segment) to ``end`` (or to its blank record)
+    with no gap or overlap, and every record they point at must say so itself:
+    the right magic, TOTALSIZE equal to the unit's size and PHYSICALOFFSET equal
+    to its own offset.  Otherwise (a transaction half in no queue, a queue behind
+    or damaged) the caller walks the record headers instead.
+    """
+    units = queue_units(queues)
+    if units is None:
+        return None
+    first = int(units[0, 0]) - seg.base
+    if first != 0 and first != start:
+        return None
+    last_end = int(units[-1, 0] + units[-1, 1]) - seg.base
+    if last_end > end:
+        return None
+    if last_end != end:
+        head = seg.mm[last_end:last_end + 8] if last_end + 8 <= seg.size else b""
+        if len(head) < 8 or _HEAD8.unpack(head)[1] != codec.BLANK_MAGIC:
+            return None
+    return tiled_positions(seg, units, first)
 
 
 def store_times(seg: Segment, positions: np.ndarray) -> np.ndarray:

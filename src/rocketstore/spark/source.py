@@ -294,6 +294,30 @@ def pack(tasks: list[planner.ScanTask], max_bytes: int, min_partitions: int) -> 
     return out
 
 
+def spread(parts: list[list[planner.ScanTask]], min_partitions: int) -> list[list[planner.ScanTask]]:
+    """Cut single-segment partitions into pieces (:func:`rocketstore.spark.plan.split_task`) until there are
+    ``min_partitions``, as Spark splits a large file, so that a store of fewer segments than task slots (a
+    single 1 GiB segment on 8 cores, say) is not scanned by one task while the other cores wait.
+
+    The largest share is cut first; no piece gets smaller than ``MIN_PARTITION_BYTES``.
+    """
+    splittable = [i for i, p in enumerate(parts) if len(p) == 1 and p[0].queues]
+    pieces = {i: 1 for i in splittable}
+    size = {i: parts[i][0].end - parts[i][0].start for i in splittable}
+    for _ in range(min_partitions - len(parts)):
+        best = max(splittable, key=lambda i: size[i] / pieces[i], default=None)
+        if best is None or size[best] / (pieces[best] + 1) < MIN_PARTITION_BYTES:
+            break
+        pieces[best] += 1
+    out: list[list[planner.ScanTask]] = []
+    for i, p in enumerate(parts):
+        if pieces.get(i, 1) > 1:
+            out += [[t] for t in planner.split_task(p[0], pieces[i])]
+        else:
+            out.append(p)
+    return out
+
+
 def _check_schema(schema: StructType) -> list[str]:
     expected = {f.name: f.dataType for f in spark_schema()}
     names = []
@@ -363,7 +387,11 @@ class RocketStoreReader(DataSourceReader):
 
     def partitions(self) -> list[InputPartition]:
         tasks, _ = self.plan()
-        return [ScanPartition(p) for p in pack(tasks, self.max_partition_bytes, self.min_partitions)]
+        parts = pack(tasks, self.max_partition_bytes, self.min_partitions)
+        # A task keeps about two cores busy (its Python worker decoding, its JVM thread converting the
+        # Arrow batches to rows): split segments only up to half the cores.
+        parts = spread(parts, -(-self.min_partitions // 2))
+        return [ScanPartition(p) for p in parts]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         return read_task(partition.value, self.names, self.arrow_schema, self.batch_rows)
