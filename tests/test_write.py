@@ -385,3 +385,16 @@ def test_a_short_gathered_write_is_finished(tmp_path, monkeypatch):
         assert len(got.messages) == 32  # maxTransferCountOnMessageInMemory
         assert store.query("T", "k39").messages[0].body == msgs[39].body
     assert run_cli("verify", tmp_path / "s").returncode == 0
+
+
+def test_key_less_puts_still_make_the_first_index_file(tmp_path):
+    """RocketMQ's dispatcher makes an index file at the first message even when nothing has keys; the handed-over
+    batches (one index call per put) do the same, and keyed messages after them are found."""
+    with MessageStore.open(str(tmp_path / "s"), StoreConfig(mappedFileSizeCommitLog=1 << 20)) as store:
+        assert store.put_batch([Message("T", b"a" * 10) for _ in range(8)]).ok
+        assert store.put(Message("T", b"b")).ok
+        assert store.wait_dispatched()
+        assert len(os.listdir(tmp_path / "s" / "index")) == 1
+        r = store.put_batch([Message("T", b"k", keys=f"key-{i}") for i in range(4)])
+        assert r.ok and store.wait_dispatched()
+        assert store.query("T", "key-3").phy_offsets == [r.commit_log_offset + 3 * (r.wrote_bytes // 4)]

@@ -66,7 +66,8 @@ class ReputMessageService(ServiceThread):
     (``hand_over``, one tuple per put call: first offset, end offset, topic,
     queue, first queue offset, store time, transaction type, then per record
     the offsets, sizes, tagsCodes, KEYS and UNIQ_KEYs; each of the last three
-    None when all are 0 or absent), so the common case needs no re-decoding.  Anything not handed over (after a restart, replayed imports,
+    None when all are 0 or absent), so the common case needs no re-decoding.
+    Anything not handed over (after a restart, replayed imports,
     delay-topic records) is decoded from the CommitLog, as RocketMQ does.
     Either way a record is dispatched only once it is below the confirmed end.
     """
@@ -143,9 +144,12 @@ class ReputMessageService(ServiceThread):
                 sizes += szs
                 codes += cds if cds is not None else (0,) * len(offs)
                 last_ts = ts
-            if index is not None and (keys is not None or uniqs is not None):
-                for off, key, uniq in zip(offs, keys or repeat(None), uniqs or repeat(None)):
-                    index.build_index(topic, off, ts, txn, uniq, key)
+            if index is not None:
+                if keys is None and uniqs is None:  # one call stands for all: it only makes a first index file
+                    index.build_index(topic, offset, ts, txn, None, None)
+                else:
+                    for off, key, uniq in zip(offs, keys or repeat(None), uniqs or repeat(None)):
+                        index.build_index(topic, off, ts, txn, uniq, key)
         if offsets:
             self._put_units(run_key, offsets, sizes, codes, run_first)
         if last_ts is not None:
