@@ -513,6 +513,7 @@ def scan_records(buf: Any, pos: int, stop: int, limit: int, *, base: int, check_
     none of those.  ``buf`` must slice to ``bytes`` (an ``mmap`` or ``bytes``).
     """
     up = _SCAN.unpack_from
+    short_at = _SHORT.unpack_from
     crc32 = zlib.crc32
     get = (held if held is not None else {}).get
     miss = -1 if held is not None else NO_INDEX  # held=None: no record is wanted for a queue
@@ -545,7 +546,8 @@ def scan_records(buf: Any, pos: int, stop: int, limit: int, *, base: int, check_
             else:
                 break
             q = t + tl  # properties length
-            if q + 2 > end or buf[q] > 127 or q + 2 + (buf[q] << 8 | buf[q + 1]) != end:
+            plen = short_at(buf, q)[0]
+            if plen < 0 or q + 2 + plen != end:
                 break
             if check_crc and blen and crc32(mv[b:p]) & 0x7FFFFFFF != crc:
                 break

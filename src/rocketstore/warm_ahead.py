@@ -43,7 +43,7 @@ class WarmAheadService(ServiceThread):
         self.window = window
         self.warmed = queue.max_offset()  # logical offset up to which the pages have been read
         self.wake_at = self.warmed  # the first append starts the first round; an idle store reads nothing
-        self._buf = bytearray(min(CHUNK, window))
+        self._buf = b""  # the read buffer, made at the first round (a store that never writes needs none)
 
     def wake(self) -> None:
         """Called by the writer once it passes ``wake_at``."""
@@ -63,6 +63,8 @@ class WarmAheadService(ServiceThread):
                 return
 
     def _read_ahead(self, start: int, target: int) -> None:
+        if not self._buf:
+            self._buf = bytearray(min(CHUNK, self.window))
         start = max(self.warmed, start)
         while start < target and not self.stopped:
             f = self._file_at(start)
