@@ -272,9 +272,9 @@ def run_suite(mode_name: str = "full", out_dir: str | None = None, only: list[st
     meta["load_max"] = round(max(loads), 2)
     meta["rounds"] = mode.rounds
     if max(loads) > meta["nproc"]:
-        ctx.res.note(f"the machine was busy with other work during the run (1-minute load average up to "
-                     f"{max(loads):.1f} on {meta['nproc']} cores): figures are noisier than usual; each throughput "
-                     f"figure is the best of {mode.rounds} interleaved round(s).")
+        ctx.res.note(f"the machine was busy during the run (1-minute load average up to {max(loads):.1f} on "
+                     f"{meta['nproc']} cores, the store's own background threads included): figures are noisier "
+                     f"than usual; each throughput figure is the best of {mode.rounds} interleaved round(s).")
     targets = evaluate(ctx.res)
     host = re.sub(r"[^A-Za-z0-9._-]+", "_", socket.gethostname()) or "host"
     stem = f"{meta['date']}-{host}"
