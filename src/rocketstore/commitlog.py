@@ -44,7 +44,7 @@ class CommitLog:
         self.put_lock = threading.Lock()
         self.clock = clock
         self.confirm_offset = 0
-        # SYNC_FLUSH writes every record with pwrite: each put lands in the page the last fdatasync has just
+        # SYNC_FLUSH writes every record with pwritev: each put lands in the page the last fdatasync has just
         # cleaned, and a store through the map would take a write-protect fault there every time.
         self.gather_min_bytes = 0 if gather_all else GATHER_MIN_BYTES
         self.warmer: WarmAheadService | None = None  # set by the store when warmAheadBytes > 0
