@@ -111,3 +111,28 @@ def test_off_when_zero_and_refused_when_negative(tmp_path):
         assert s.put(Message("T", b"a")).ok
     with pytest.raises(ConfigError, match="warmAheadBytes=-1"):
         StoreConfig(warmAheadBytes=-1)
+
+
+def test_a_preallocated_segment_discarded_while_it_is_read_is_deleted(tmp_path, monkeypatch):
+    """The warmer reads through a descriptor of its own: a pre-allocated segment discarded in the middle of a read
+    is deleted at once (a reference held by the reader used to keep it on disk, to be reused later unallocated)."""
+    import threading
+
+    from rocketstore import warm_ahead
+    reading, release = threading.Event(), threading.Event()
+    real = os.preadv
+
+    def slow(fd, buffers, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(f"{64 * KiB:020d}"):
+            reading.set()
+            release.wait(10)
+        return real(fd, buffers, offset)
+    monkeypatch.setattr(warm_ahead.os, "preadv", slow)
+    cfg = StoreConfig(mappedFileSizeCommitLog=64 * KiB, warmAheadBytes=1 * MiB)
+    root = tmp_path / "s"
+    with MessageStore.open(str(root), cfg) as store:
+        assert store.put(Message("T", b"x" * 100)).ok
+        assert reading.wait(10)  # the warmer is inside a read of the next segment
+        store.commitlog.queue.discard_preallocated()
+        assert not (root / "commitlog" / f"{64 * KiB:020d}").exists()
+        release.set()

@@ -65,23 +65,30 @@ class WarmAheadService(ServiceThread):
     def _read_ahead(self, start: int, target: int) -> None:
         if not self._buf:
             self._buf = bytearray(min(CHUNK, self.window))
+        view = memoryview(self._buf)
         start = max(self.warmed, start)
         while start < target and not self.stopped:
             f = self._file_at(start)
             if f is None:  # no next segment (its allocation failed): the writer's next wake-up retries
                 return
-            pos = start - f.file_from_offset
-            n = min(len(self._buf), target - start, f.file_size - pos)
-            if not f.hold():
+            # A descriptor of our own, not a reference to the MappedFile: a pre-allocated segment discarded
+            # meanwhile is then deleted at once (a held one would outlive its destroy on disk), and a read of a
+            # deleted file only warms pages nobody will use.
+            try:
+                fd = os.open(f.path, os.O_RDONLY)
+            except OSError:
                 return
             try:
-                os.preadv(f.fd, [memoryview(self._buf)[:n]], pos)
+                end = min(target, f.end_offset)
+                while start < end and not self.stopped:
+                    n = min(len(self._buf), end - start)
+                    os.preadv(fd, [view[:n]], start - f.file_from_offset)
+                    start += n
+                    self.warmed = start
             except OSError:
                 return  # advice only: the writer faults the pages in itself
             finally:
-                f.release()
-            start += n
-            self.warmed = start
+                os.close(fd)
 
     def _file_at(self, offset: int) -> "MappedFile | None":
         f = self.queue.find(offset)
