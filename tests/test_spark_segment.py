@@ -289,9 +289,10 @@ def test_split_pieces_read_exactly_the_rows_of_the_whole_segment_without_a_walk(
     with monkeypatch.context() as m:
         m.setattr(segment, "walk", lambda *a, **k: pytest.fail("walked although the queue slices tile each piece"))
         for k in (2, 3, 7):
-            pieces = [p for t in tasks for p in plan.split_task(t, k)]
+            per_task = [plan.split_task(t, k) for t in tasks]
+            pieces = [p for ps in per_task for p in ps]
             assert len(pieces) == k * len(tasks)
-            assert all(a.end == b.start for t in tasks for a, b in zip(plan.split_task(t, k), plan.split_task(t, k)[1:]))
+            assert all(a.end == b.start for ps in per_task for a, b in zip(ps, ps[1:]))
             assert rows(pieces) == whole
 
 

@@ -2,8 +2,8 @@
 
 The open store counts every put and times one in ``SAMPLE_EVERY`` into
 fixed-size rings (no allocation on the put path; three clock reads and the
-ring stores on every put were 9 % of a put's instructions) and a MetricsService writes a snapshot to ``<store>/metrics.json``
-every second, so ``rocketstore stats STORE --live`` can show another process's
+ring stores on every put were 8 % of a put's instructions), and a
+MetricsService writes a snapshot to ``<store>/metrics.json`` every second, so ``rocketstore stats STORE --live`` can show another process's
 store: when it says "busy", the numbers say whether the lock, the disk or the
 dispatcher is the cause.
 """
