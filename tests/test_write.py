@@ -72,6 +72,31 @@ def test_put_get_look_query_and_offsets(tmp_path):
         assert uniq.messages == [] or uniq.messages[0].body == b"body-1"
 
 
+def test_a_waiter_for_the_preallocated_segment_may_come_before_the_allocator_thread_starts(tmp_path, monkeypatch):
+    """The allocation is published before its thread starts; a waiter arriving in between (the warm-ahead
+    service did, in a CI run) waits for the file instead of failing on Thread.join."""
+    from rocketstore import mapped_file
+
+    seen: list = []
+    real = threading.Thread
+
+    class LateStart(real):
+        def start(self) -> None:
+            waiter = real(target=lambda: seen.append(queue.preallocated()))
+            waiter.start()
+            waiter.join(0.2)  # the waiter asks while this thread has not started
+            super().start()
+            waiter.join(10)
+
+    queue = mapped_file.MappedFileQueue(str(tmp_path), 4096, preallocate=True)
+    monkeypatch.setattr(mapped_file.threading, "Thread", LateStart)
+    queue.start_preallocation(4096)
+    monkeypatch.undo()
+    assert len(seen) == 1 and seen[0] is not None and seen[0].file_from_offset == 4096
+    queue.discard_preallocated()
+    assert os.listdir(tmp_path) == []
+
+
 def test_segments_roll_over_with_a_blank_record_and_preallocate(tmp_path):
     cfg = StoreConfig(mappedFileSizeCommitLog=64 * 1024, mappedFileSizeConsumeQueue=200)
     with MessageStore.open(str(tmp_path / "s"), cfg) as store:

@@ -231,7 +231,7 @@ class MappedFileQueue:
         self._preallocate = preallocate
         self._warm = warm
         self._next: MappedFile | None = None
-        self._next_thread: threading.Thread | None = None
+        self._next_done: threading.Event | None = None  # set when the allocation under way has ended
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ load
@@ -328,15 +328,15 @@ class MappedFileQueue:
         """Wait for a pre-allocation under way and take its file (None if there is none)."""
         self.preallocated()
         with self._lock:
-            nxt, self._next, self._next_thread = self._next, None, None
+            nxt, self._next, self._next_done = self._next, None, None
         return nxt
 
     def preallocated(self) -> MappedFile | None:
         """The next segment made ahead of time, once the allocator has finished it."""
         with self._lock:
-            t = self._next_thread
-        if t is not None:
-            t.join()
+            done = self._next_done
+        if done is not None:
+            done.wait()  # an Event, not Thread.join: a waiter may come before the thread has started
         return self._next
 
     def _create(self, offset: int) -> MappedFile:
@@ -354,20 +354,22 @@ class MappedFileQueue:
 
     def start_preallocation(self, offset: int) -> None:
         """Create (and fault in) the next file off the put path (AllocateMappedFileService)."""
+        done = threading.Event()
+
         def run() -> None:
             try:
                 mf = MappedFile(os.path.join(self.directory, file_name(offset)), self.file_size, create=True)
                 if self._warm:
                     warm(mf)
+                with self._lock:
+                    self._next = mf
             except OSError as e:
                 log.warning("pre-allocation of %s failed: %s", file_name(offset), e)
-                return
-            with self._lock:
-                self._next = mf
-        t = threading.Thread(target=run, name="AllocateMappedFileService", daemon=True)
+            finally:
+                done.set()
         with self._lock:
-            self._next_thread = t
-        t.start()
+            self._next_done = done
+        threading.Thread(target=run, name="AllocateMappedFileService", daemon=True).start()
 
     def discard_preallocated(self) -> None:
         """Delete a pre-allocated file that was never handed out (done at clean shutdown)."""
