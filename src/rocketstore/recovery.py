@@ -16,9 +16,12 @@ files beyond it.
 Unlike RocketMQ, a record is accepted only if its PHYSICALOFFSET field equals
 its position, so stale bytes in a reused segment never come back as messages.
 
-The walk runs in :func:`codec.scan_records` (all the checks, no objects built,
-CRC over memoryviews), which hands back only the records a consume queue or the
-index may still lack; the first record it does not accept goes through
+Each segment is checked in three tiers, each taking over where the one before
+stops: :func:`queue_checked.checked_prefix` checks the run of records the
+consume queues point at (and already hold) in vectorised passes;
+:func:`codec.scan_records` walks on record by record (all the checks, no objects
+built, CRC over memoryviews) and hands back only the records a consume queue or
+the index may still lack; the first record it does not accept goes through
 :func:`codec.walk`, which gives the reason (or accepts it after all).
 """
 
@@ -29,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import codec
+from . import codec, queue_checked
 from .dispatch import CommitLogDispatcher
 
 if TYPE_CHECKING:
@@ -126,9 +129,17 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
         mm, end, base = f.mm, 0, f.file_from_offset  # end: where the valid records of this file end
         stop = None
         blank = False
-        pos = 0
+        # First the records the consume queues point at (and hold), checked in vectorised passes.
+        pos, last, n = queue_checked.checked_prefix(
+            mm, 0, file_size, base=base, units=queue_checked.units_by_queue(store, base, base + file_size),
+            check_crc=check_crc, held=held, index_from=index_from,
+            progress=lambda at, base=base, path=f.path: progress(base + at, path))
+        if n:
+            end = pos
+            last_valid = base + last
+            report.records_checked += n
         while pos < file_size:
-            # Fast path: whole runs of valid records, checked without building anything.
+            # Then record by record: whole runs of valid records, checked without building anything.
             chunk_end = min(file_size, pos + SCAN_CHUNK)
             nxt, last, n, wanted = codec.scan_records(mm, pos, chunk_end, file_size, base=base, check_crc=check_crc,
                                                        held=held, index_from=index_from)

@@ -31,14 +31,12 @@ import numpy as np
 from .. import codec
 from ..consume_queue import CQ_STORE_UNIT_SIZE
 from ..errors import StoreError, StoreLoadError
+from ..queue_checked import units_by_queue
 from ..store import MessageStore
 from . import segment as _segment
 from .segment import RowFilter, Segment, first_store_timestamp, store_times, walk
 
 log = logging.getLogger(__name__)
-
-_UNIT_DTYPE = np.dtype([("off", ">i8"), ("size", ">i4"), ("tags", ">i8")])
-
 
 @dataclass
 class SegmentInfo:
@@ -107,26 +105,6 @@ def open_read_only(root: str) -> MessageStore:
 def _segment_times(segs: list[SegmentInfo]) -> None:
     for s in segs:
         s.first_ts = first_store_timestamp(s.path)
-
-
-def _cq_units(store: MessageStore) -> dict[tuple[str, int], np.ndarray]:
-    """Every consume-queue unit (offset, size) of every queue, as numpy arrays."""
-    out = {}
-    min_phy = store.min_phy_offset()
-    for cq in store.consume_queues():
-        parts = []
-        for f in list(cq.queue.files):
-            start = max(0, cq.min_logic_offset - f.file_from_offset)
-            count = (f.wrote_position - start) // CQ_STORE_UNIT_SIZE
-            if count <= 0:
-                continue
-            units = np.frombuffer(f.mm, dtype=_UNIT_DTYPE, count=count, offset=start)
-            parts.append(np.stack([units["off"].astype(np.int64), units["size"].astype(np.int64)], axis=1))
-        if parts:
-            u = np.concatenate(parts)
-            u = u[(u[:, 0] >= min_phy) & (u[:, 1] > 0)]
-            out[(cq.topic, cq.queue_id)] = u
-    return out
 
 
 def _covered_segments(segs: list[SegmentInfo], units: dict[tuple[str, int], np.ndarray],
@@ -251,7 +229,7 @@ def plan_scan(root: str, flt: RowFilter, *, report: PlanReport | None = None,
     if (flt.topics is not None or flt.queue_ids is not None or flt.keys is not None) and keep:
         with open_read_only(root) as store:
             file_size = store.commitlog.file_size
-            units = _cq_units(store)
+            units = units_by_queue(store)
             covered = _covered_segments(segs, units, file_size)
             if flt.topics is not None or flt.queue_ids is not None:
                 hit: set[int] = set()
