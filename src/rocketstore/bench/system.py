@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from .floors import crc32_speed
 from .harness import MiB, Measurement, Mode, Results
@@ -79,13 +80,22 @@ def recovery(res: Results, workdir: str, mode: Mode) -> str | None:
     if not os.path.exists(os.path.join(path, "abort")):
         res.skip("rs.recovery", "rocketstore", label, "MB/s", "no abort file after SIGKILL", status="failed")
         return None
-    out = subprocess.run(_child("recover", path, str(seg)), capture_output=True, text=True, timeout=3600, env=_env())
-    done = next((ln for ln in out.stdout.splitlines() if ln.startswith("DONE ")), None)
-    if out.returncode != 0 or done is None:
-        res.skip("rs.recovery", "rocketstore", label, "MB/s", f"recovery failed: {out.stderr[-300:]!r}",
-                 status="failed")
-        return None
-    info = json.loads(done[5:])
+    # Each round recovers the same crash: the abort marks the kill left are put back on the recovered store
+    # (same bytes, consume queues and index), so the best of the rounds counts, as for every throughput figure.
+    marks = {n: Path(path, n).read_bytes() for n in ("abort", "abort.bootid") if Path(path, n).exists()}
+    runs = []
+    for r in range(max(1, mode.rounds)):
+        for n, data in marks.items() if r else ():
+            Path(path, n).write_bytes(data)
+        out = subprocess.run(_child("recover", path, str(seg)), capture_output=True, text=True, timeout=3600,
+                             env=_env())
+        done = next((ln for ln in out.stdout.splitlines() if ln.startswith("DONE ")), None)
+        if out.returncode != 0 or done is None:
+            res.skip("rs.recovery", "rocketstore", label, "MB/s", f"recovery failed: {out.stderr[-300:]!r}",
+                     status="failed")
+            return None
+        runs.append(json.loads(done[5:]))
+    info = min(runs, key=lambda i: i["open_seconds"])
     rep = info["report"] or {}
     nbytes = rep.get("bytesChecked") or info["max_offset"]
     # The limit: zlib.crc32 over the same bytes of the same file (page cache warm for both).
@@ -96,7 +106,9 @@ def recovery(res: Results, workdir: str, mode: Mode) -> str | None:
                     seconds=info["open_seconds"], ref="crc32.recovery",
                     params={"segment_bytes": seg, "records": rep.get("recordsChecked"),
                             "abnormal": rep.get("abnormal")},
-                    extra={"report": rep, "writer": wrote, "close_seconds": info.get("close_seconds")})
+                    extra={"report": rep, "writer": wrote, "close_seconds": info.get("close_seconds"),
+                           "first_report": runs[0]["report"],
+                           "rounds": [nbytes / i["open_seconds"] / 1e6 for i in runs]})
     if not rep.get("abnormal"):
         m.note = "the store did not see an unclean shutdown"
     res.add(m)
