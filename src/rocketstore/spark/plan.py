@@ -38,6 +38,7 @@ from .segment import RowFilter, Segment, first_store_timestamp, store_times, wal
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class SegmentInfo:
     path: str
