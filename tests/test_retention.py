@@ -149,15 +149,19 @@ def test_a_segment_being_read_survives_until_released_or_forced(basic_copy):
     with store:
         first, second, third = store.commitlog.queue.files[:3]
         assert first.hold() and second.hold()  # two readers
+        head = bytes(first.mm[:4096])
         assert store.delete_expired_commit_log() == []
-        assert os.path.exists(first.path)
+        # The name is gone at once (a crash now cannot bring the segment back); its reader still has the bytes.
+        assert not os.path.exists(first.path) and bytes(first.mm[:4096]) == head
+        assert store.commitlog.queue.files[0] is first  # listed until the last reader lets go
         r = store.get("TopicA", 1, 0, 1)  # a get on the file being deleted returns a status
         assert r.status in (GetMessageStatus.MESSAGE_WAS_REMOVING, GetMessageStatus.OFFSET_TOO_SMALL)
         assert store.min_phy_offset() == 1048576
         first.release()  # the first reader finishes: the next round deletes its file
         now[0] += 200
         assert store.clean_service.clean_commitlog() == [first.path]  # the second is still read
-        assert not os.path.exists(first.path) and os.path.exists(second.path)
+        assert first.closed and not os.path.exists(second.path) and not second.closed
+        assert store.commitlog.queue.files[0] is second
         now[0] += 121  # destroyMapedFileIntervalForcibly has passed since the second was first asked to go
         assert store.clean_service.clean_commitlog() == [second.path, third.path]
         assert not os.path.exists(second.path)

@@ -72,6 +72,27 @@ def test_put_get_look_query_and_offsets(tmp_path):
         assert uniq.messages == [] or uniq.messages[0].body == b"body-1"
 
 
+def test_a_file_destroyed_while_read_leaves_nothing_on_disk_and_spares_a_later_namesake(tmp_path):
+    """Destroying a held file deletes its name at once (the reader keeps its mapping), so callers that destroy
+    once (queue truncation, index expiry) leave no file behind to come back at the next start, and the last
+    reader's release never touches a later file of the same name."""
+    from rocketstore.mapped_file import MappedFile
+
+    path = str(tmp_path / f"{0:020d}")
+    old = MappedFile(path, 4096, create=True)
+    old.mm[:5] = b"hello"
+    assert old.hold()
+    assert old.destroy() is False  # still read
+    assert not os.path.exists(path) and old.mm[:5] == b"hello"
+    new = MappedFile(path, 4096, create=True)
+    new.mm[:5] = b"fresh"
+    old.release()  # the last reader goes: the old mapping closes
+    assert old.closed and old.destroy() is True
+    with open(path, "rb") as fh:
+        assert fh.read(5) == b"fresh"
+    assert new.destroy() and not os.path.exists(path)
+
+
 def test_a_waiter_for_the_preallocated_segment_may_come_before_the_allocator_thread_starts(tmp_path, monkeypatch):
     """The allocation is published before its thread starts; a waiter arriving in between (the warm-ahead
     service did, in a CI run) waits for the file instead of failing on Thread.join."""

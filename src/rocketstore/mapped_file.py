@@ -94,6 +94,7 @@ class MappedFile:
         self._refs = 1
         self._available = True
         self._shutdown_at = 0.0
+        self._unlinked = False  # the path is deleted once, by the first destroy
         self._ref_lock = threading.Lock()
         self.closed = False
 
@@ -175,10 +176,14 @@ class MappedFile:
         return self._available
 
     def destroy(self, interval_forcibly_ms: int = 0, now: float | None = None) -> bool:
-        """Drop the creator's reference and delete the file once no reader holds it.
+        """Delete the file and drop the creator's reference; the mapping closes once no reader holds it.
 
-        A file still referenced ``interval_forcibly_ms`` after the first call is
-        destroyed anyway (RocketMQ's destroyMapedFileIntervalForcibly).
+        The name goes at the first call, held or not: a reader keeps its
+        mapping and the space is freed when the last one closes, so neither a
+        crash nor a later file of the same name can meet the old one again
+        (RocketMQ keeps the file until it can unmap it).  Returns False while
+        readers hold it; one still held ``interval_forcibly_ms`` after the
+        first call is closed anyway (RocketMQ's destroyMapedFileIntervalForcibly).
         """
         now = time.monotonic() if now is None else now
         with self._ref_lock:
@@ -188,14 +193,16 @@ class MappedFile:
                 self._refs -= 1
             elif self._refs > 0 and (now - self._shutdown_at) * 1000 >= interval_forcibly_ms:
                 self._refs = -1000 - self._refs
-            if self._refs > 0:
-                return False
-            self._cleanup()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        return True
+            unlink, self._unlinked = not self._unlinked, True
+            held = self._refs > 0
+            if not held:
+                self._cleanup()
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        return not held
 
     def _cleanup(self) -> None:
         if self.closed:
