@@ -164,6 +164,7 @@ def test_crashed_store_recovers_through_the_prefix_and_agrees_with_the_walk(tmp_
             b = fh.read(1)
             fh.seek(victim)
             fh.write(bytes([b[0] ^ 0x40]))
+    monkeypatch.setattr(recovery, "VECTORISED_MIN_BYTES", 0)  # segments of 1 MiB: use the tier all the same
     seen = []
     real = queue_checked.checked_prefix
     monkeypatch.setattr(queue_checked, "checked_prefix", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
@@ -181,6 +182,19 @@ def test_crashed_store_recovers_through_the_prefix_and_agrees_with_the_walk(tmp_
         rel = p.relative_to(fast)
         if p.is_file() and rel.parts[0] in ("consumequeue", "commitlog", "index"):
             assert p.read_bytes() == (slow / rel).read_bytes(), rel
+
+
+def test_small_recoveries_walk_without_numpy(tmp_path):
+    """A store whose queues cover little of a segment is only walked: opening it does not import numpy."""
+    import subprocess
+    import sys
+    root = copy_store(golden_store("basic"), tmp_path / "basic")
+    (root / "abort").write_text("1")
+    code = ("import sys; from rocketstore import MessageStore, StoreConfig; "
+            f"s = MessageStore.open({str(root)!r}, StoreConfig(**{CONF!r}), start_services=False); "
+            "print(s.recovery_report.records_checked, 'numpy' in sys.modules); s.close()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert int(out[0]) > 0 and out[1] == "False"
 
 
 def test_units_by_queue_reads_only_the_range_asked(tmp_path):

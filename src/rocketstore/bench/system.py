@@ -85,8 +85,9 @@ def recovery(res: Results, workdir: str, mode: Mode) -> str | None:
     marks = {n: Path(path, n).read_bytes() for n in ("abort", "abort.bootid") if Path(path, n).exists()}
     runs = []
     for r in range(max(1, mode.rounds)):
-        for n, data in marks.items() if r else ():
-            Path(path, n).write_bytes(data)
+        if r:
+            for n, data in marks.items():
+                Path(path, n).write_bytes(data)
         out = subprocess.run(_child("recover", path, str(seg)), capture_output=True, text=True, timeout=3600,
                              env=_env())
         done = next((ln for ln in out.stdout.splitlines() if ln.startswith("DONE ")), None)
