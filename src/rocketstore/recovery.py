@@ -18,7 +18,8 @@ its position, so stale bytes in a reused segment never come back as messages.
 
 Each segment is checked in three tiers, each taking over where the one before
 stops: :func:`queue_checked.checked_prefix` checks the run of records the
-consume queues point at (and already hold) in vectorised passes;
+consume queues point at (and already hold) in vectorised passes, where they
+cover at least ``VECTORISED_MIN_BYTES`` of the segment;
 :func:`codec.scan_records` walks on record by record (all the checks, no objects
 built, CRC over memoryviews) and hands back only the records a consume queue or
 the index may still lack; the first record it does not accept goes through
