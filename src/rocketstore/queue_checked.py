@@ -22,18 +22,19 @@ as the plain walk would.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
 from . import codec
 from .consume_queue import CQ_STORE_UNIT_SIZE
 
-_UNIT_DTYPE = np.dtype([("off", ">i8"), ("size", ">i4"), ("tags", ">i8")])
+UNIT_DTYPE = np.dtype([("off", ">i8"), ("size", ">i4"), ("tags", ">i8")])  # a consume-queue unit
 _HEAD = 88  # the fixed header of a record with IPv4 hosts, up to BODYLENGTH: 22 big-endian int32 words
 _V1, _V2 = (np.array([codec.MAGIC_V1, codec.MAGIC_V2], np.uint32).view(np.int32)).tolist()
 _HOST_EXTRA = np.array([0, 12, 12, 24], np.int64)  # bytes the IPv6 born/store hosts add, by (SYSFLAG >> 4) & 3
 BLOCK = 1 << 13  # records checked per pass
+_MAX = (1 << 63) - 1
 
 QueueUnits = dict[tuple[str, int], np.ndarray]
 
@@ -54,7 +55,7 @@ def units_by_queue(store: Any, lo: int = 0, hi: int = 1 << 62) -> QueueUnits:
             count = (f.wrote_position - start) // CQ_STORE_UNIT_SIZE
             if count <= 0:
                 continue
-            units = np.frombuffer(f.mm, dtype=_UNIT_DTYPE, count=count, offset=start)
+            units = np.frombuffer(f.mm, dtype=UNIT_DTYPE, count=count, offset=start)
             off = units["off"]
             if off[-1] < lo or off[0] >= hi:
                 continue
@@ -102,9 +103,6 @@ def checked_prefix(buf: Any, pos: int, limit: int, *, base: int, units: QueueUni
         if k < len(at):
             break
     return pos, last, n
-
-
-_MAX = (1 << 63) - 1
 
 
 def _check(a: np.ndarray, at: np.ndarray, pos: int, limit: int, base: int, queue_no: np.ndarray,
@@ -160,14 +158,13 @@ def _check(a: np.ndarray, at: np.ndarray, pos: int, limit: int, base: int, queue
     return ok, end, body, blen, crc
 
 
-class _Queues:
+class _Queues(NamedTuple):
     """What each queue pointing into the segment claims of its records, by queue number."""
 
-    def __init__(self) -> None:
-        self.qid: list[int] | np.ndarray = []
-        self.held_end: list[int] | np.ndarray = []
-        self.topic_no: list[int] | np.ndarray = []
-        self.topics: list[bytes] = []  # UTF-8 names, by topic number
+    qid: np.ndarray
+    held_end: np.ndarray  # the queue's max physical offset
+    topic_no: np.ndarray
+    topics: list[bytes]  # UTF-8 names, by topic number
 
 
 def _claims(units: QueueUnits, base: int, pos: int, limit: int, held: Mapping[tuple[bytes, int], int] | None
@@ -175,8 +172,7 @@ def _claims(units: QueueUnits, base: int, pos: int, limit: int, held: Mapping[tu
     """The file positions in [pos, limit) that the units point at, ascending, with the number of the queue
     whose unit points there; None when there is none."""
     lo, hi = base + pos, base + limit
-    parts, numbers = [], []
-    queues = _Queues()
+    parts, numbers, qids, ends, topic_nos = [], [], [], [], []
     topic_numbers: dict[bytes, int] = {}
     for (topic, qid), u in units.items():
         off = u[:, 0]
@@ -191,16 +187,15 @@ def _claims(units: QueueUnits, base: int, pos: int, limit: int, held: Mapping[tu
                 end = min(held.get((name, qid), -1), _MAX)
             except UnicodeEncodeError:  # a name no record's topic decodes to: the queue vouches for nothing
                 end = -1
-        queues.topic_no.append(topic_numbers.setdefault(name, len(topic_numbers)))
-        queues.qid.append(qid)
-        queues.held_end.append(end)
+        topic_nos.append(topic_numbers.setdefault(name, len(topic_numbers)))
+        qids.append(qid)
+        ends.append(end)
         numbers.append(np.full(len(off), len(parts), np.int32))
         parts.append(off - base)
     if not parts:
         return None
-    queues.topics = list(topic_numbers)
-    queues.qid, queues.held_end, queues.topic_no = (np.array(x, np.int64) for x in
-                                                    (queues.qid, queues.held_end, queues.topic_no))
+    queues = _Queues(np.array(qids, np.int64), np.array(ends, np.int64), np.array(topic_nos, np.int64),
+                     list(topic_numbers))
     at = np.concatenate(parts)
     order = np.argsort(at, kind="stable")
     return at[order], np.concatenate(numbers)[order], queues

@@ -38,6 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import codec
+from ..queue_checked import UNIT_DTYPE
 from .gather import fixed, gather, strings_from_fixed
 from .properties import MAP, properties_map
 
@@ -583,13 +584,12 @@ def drop_page_cache(path: str, start: int, end: int) -> None:
 
 # (consume-queue directory, its file size, first unit, end unit): units that point into one segment.
 QueueSlice = tuple[str, int, int, int]
-_UNIT = np.dtype([("off", ">i8"), ("size", ">i4"), ("tags", ">i8")])
 
 
 def read_units(directory: str, file_size: int, lo: int, hi: int) -> np.ndarray:
     """Units ``lo`` to ``hi`` of a consume queue as an (n, 2) array of (commitlog offset, size)."""
     out = []
-    unit = _UNIT.itemsize
+    unit = UNIT_DTYPE.itemsize
     i = lo
     while i < hi:
         start = i * unit - (i * unit) % file_size
@@ -599,7 +599,7 @@ def read_units(directory: str, file_size: int, lo: int, hi: int) -> np.ndarray:
         with open(path, "rb") as fh:
             fh.seek(first * unit)
             raw = fh.read(count * unit)
-        u = np.frombuffer(raw, dtype=_UNIT, count=len(raw) // unit)
+        u = np.frombuffer(raw, dtype=UNIT_DTYPE, count=len(raw) // unit)
         out.append(np.stack([u["off"].astype(np.int64), u["size"].astype(np.int64)], axis=1))
         if len(raw) < count * unit:
             break
