@@ -1,4 +1,4 @@
-"""Shared fixtures: the golden stores (read-only, beside the repo) and writable copies of them."""
+"""Shared fixtures: the golden stores (vendored in tests/golden, never opened for writing) and writable copies of them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-GOLDEN = REPO.parent / "shared" / "golden"
+GOLDEN = REPO / "tests" / "golden"
 GOLDEN_NAMES = ["basic", "ipv6", "batch", "v2", "txn"]
 
 
