@@ -117,37 +117,72 @@ def test_several_stores_in_one_read(spark):
     assert df.rdd.getNumPartitions() == 6
 
 
-# ---------------------------------------------------------------- pushdown
+# ---------------------------------------------------------------- pruning (options) and DataFrame reuse
 
-def test_time_filter_reads_fewer_segments(spark):
+def test_reused_dataframe_after_a_filter_counts_every_row(spark):
+    """Spark 4.3 reuses the partitions planned during filter pushdown for the next query on the same
+    DataFrame that pushes no filter: a source that pruned there made df.count() return 604, not 3000."""
+    exp = golden_expected("basic")
+    n_c = sum(e["topic"] == "TopicC" for e in exp)
+    for pushdown in ("true", "false"):
+        spark.conf.set("spark.sql.python.filterPushdown.enabled", pushdown)
+        try:
+            df = spark.read.format("rocketstore").option("withBody", "false").load(BASIC)
+            assert df.where("topic = 'TopicC'").count() == n_c
+            assert df.count() == len(exp), pushdown
+            assert df.where("length(topic) > 0").count() == len(exp), pushdown
+            late = max(e["storeTimestamp"] for e in exp) - 500
+            assert df.where(f"storeTimestamp > timestamp_millis({late})").count() == \
+                sum(e["storeTimestamp"] > late for e in exp)
+            assert df.groupBy("topic").count().count() == 3
+        finally:
+            spark.conf.unset("spark.sql.python.filterPushdown.enabled")
+
+
+def test_where_filters_return_exactly_the_matching_rows(spark):
+    """Without pushdown Spark evaluates where() itself; the rows are the same as with pruning options."""
+    exp = sorted(golden_expected("basic"), key=lambda e: e["commitLogOffset"])
+    lo, hi = exp[1000]["commitLogOffset"], exp[1200]["commitLogOffset"]
+    df = rs(spark, withBody="false", maxPartitionBytes=str(256 << 20))
+    assert offsets(df.where(f"commitLogOffset >= {lo} and commitLogOffset < {hi}")) == \
+        [e["commitLogOffset"] for e in exp[1000:1200]]
+    assert [r.commitLogOffset for r in df.where(f"msgId = '{exp[2222]['msgId']}'").collect()] == \
+        [exp[2222]["commitLogOffset"]]
+    e = exp[1717]
+    assert [r.commitLogOffset for r in df.where(f"keys = '{e['keys']}'").collect()] == [e["commitLogOffset"]]
+
+
+def test_time_options_read_fewer_segments(spark):
     firsts = sorted(segment.first_store_timestamp(p) for p in glob.glob(BASIC + "/commitlog/*"))
     cut = firsts[1] - 1
-    df = rs(spark, withBody="false").where(f"storeTimestamp <= timestamp_millis({cut})")
+    df = rs(spark, withBody="false", endingTimestamp=str(cut + 1))
     assert df.rdd.getNumPartitions() == 1
     want = [e["commitLogOffset"] for e in golden_expected("basic") if e["storeTimestamp"] <= cut]
     assert offsets(df) == sorted(want)
-    late = rs(spark, withBody="false").where(f"storeTimestamp > timestamp_millis({firsts[3]})")
+    late = rs(spark, withBody="false", startingTimestamp=str(firsts[3] + 1))
     assert late.rdd.getNumPartitions() == 1
     assert offsets(late) == sorted(e["commitLogOffset"] for e in golden_expected("basic")
                                    if e["storeTimestamp"] > firsts[3])
 
 
-def test_offset_range_and_msgid_filters_read_fewer_segments(spark):
+def test_offset_options_read_fewer_segments(spark):
     exp = sorted(golden_expected("basic"), key=lambda e: e["commitLogOffset"])
     lo, hi = exp[1000]["commitLogOffset"], exp[1200]["commitLogOffset"]
-    df = rs(spark, withBody="false").where(f"commitLogOffset >= {lo} and commitLogOffset < {hi}")
+    df = rs(spark, withBody="false", startingOffsets=str(lo), endingOffsets=str(hi))
     assert df.rdd.getNumPartitions() == 1
     assert offsets(df) == [e["commitLogOffset"] for e in exp[1000:1200]]
-    one = rs(spark, withBody="false").where(f"msgId = '{exp[2222]['msgId']}'")
-    assert one.rdd.getNumPartitions() == 1
-    assert [r.commitLogOffset for r in one.collect()] == [exp[2222]["commitLogOffset"]]
 
 
-def test_keys_filter_uses_the_index(spark):
+def test_keys_option_uses_the_index(spark):
     e = golden_expected("basic")[1717]
-    df = rs(spark, withBody="false").where(f"keys = '{e['keys']}'")
+    df = rs(spark, withBody="false", keys=e["keys"])
     assert df.rdd.getNumPartitions() == 1
     assert [r.commitLogOffset for r in df.collect()] == [e["commitLogOffset"]]
+
+
+def test_bad_queue_ids_option_is_a_clear_error(spark):
+    with pytest.raises(Exception, match="option queueIds='1,x'"):
+        rs(spark, withBody="false", queueIds="1,x").count()
 
 
 def _clustered_store(root: Path) -> tuple[str, dict[str, list[int]]]:
@@ -170,17 +205,17 @@ def _clustered_store(root: Path) -> tuple[str, dict[str, list[int]]]:
     return str(root), put
 
 
-def test_topic_and_queue_filters_prune_with_the_consume_queues(spark, tmp_path):
+def test_topic_and_queue_options_prune_with_the_consume_queues(spark, tmp_path):
     root, put = _clustered_store(tmp_path / "store")
     full = rs(spark, root, withBody="false")
     n_segments = full.rdd.getNumPartitions()
-    y = rs(spark, root, withBody="false").where("topic = 'TopicY'")
+    y = rs(spark, root, withBody="false", topics="TopicY")
     assert y.rdd.getNumPartitions() < n_segments
     assert offsets(y) == sorted(put["TopicY"])  # the PREPARED half's segment was not skipped
-    x1 = rs(spark, root, withBody="false").where("topic = 'TopicX' and queueId = 1")
+    x1 = rs(spark, root, withBody="false", topics="TopicX", queueIds="1")
     assert x1.rdd.getNumPartitions() < n_segments
     assert offsets(x1) == sorted(put["TopicX"][1::2])
-    none = rs(spark, root, withBody="false").where("topic in ('TopicY') and queueId = 5")
+    none = rs(spark, root, withBody="false", topics="TopicY", queueIds="5")
     assert none.count() == 0
     report = plan.PlanReport(root)
     plan.plan_scan(root, segment.RowFilter(topics=frozenset({"TopicY"})), report=report)

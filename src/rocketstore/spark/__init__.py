@@ -17,14 +17,14 @@ FORMAT = "rocketstore"
 def register(spark: Any, *, ship_code: bool = False) -> None:
     """Register the ``rocketstore`` format with a SparkSession.
 
-    Also turns on ``spark.sql.python.filterPushdown.enabled`` (the source
-    prunes segments from pushed filters).  ``ship_code=True`` zips the
+    The session's filter-pushdown setting is left alone: the source pushes no
+    filters (see :class:`~rocketstore.spark.source.RocketStoreReader`) and
+    prunes with its read options instead.  ``ship_code=True`` zips the
     ``rocketstore`` package and adds it to the session's Python files, for
     clusters whose executors do not have it installed (spark-submit
     ``--py-files`` does the same).
     """
     from .source import RocketStoreDataSource
-    spark.conf.set("spark.sql.python.filterPushdown.enabled", "true")
     if ship_code:
         from .package import build_zip
         spark.sparkContext.addPyFile(build_zip())

@@ -13,7 +13,6 @@ import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 from pyspark.sql.datasource import (
@@ -21,15 +20,7 @@ from pyspark.sql.datasource import (
     DataSourceArrowWriter,
     DataSourceReader,
     DataSourceStreamReader,
-    EqualNullSafe,
-    EqualTo,
-    Filter,
-    GreaterThan,
-    GreaterThanOrEqual,
-    In,
     InputPartition,
-    LessThan,
-    LessThanOrEqual,
     WriterCommitMessage,
 )
 from pyspark.sql.streaming.datasource import (
@@ -58,7 +49,6 @@ from .segment import RowFilter
 log = logging.getLogger(__name__)
 
 FORMAT = "rocketstore"
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _SPARK_TYPES = {"string": StringType(), "int": IntegerType(), "bigint": LongType(), "timestamp": TimestampType(),
                 "binary": BinaryType(), "map<string,string>": MapType(StringType(), StringType())}
 
@@ -98,14 +88,26 @@ class Options:
         except ValueError:
             raise StoreError(f"option {key}={v!r}: expected an integer") from None
 
-    def topics(self) -> frozenset[str] | None:
-        v = self.get("topics")
+    def names(self, key: str) -> frozenset[str] | None:
+        """A comma-separated list option (topics, keys); None when not given."""
+        v = self.get(key)
         if v is None:
             return None
-        ts = frozenset(t.strip() for t in str(v).split(",") if t.strip())
-        if not ts:
-            raise StoreError("option topics: expected a comma-separated list of topics")
-        return ts
+        items = frozenset(t.strip() for t in str(v).split(",") if t.strip())
+        if not items:
+            raise StoreError(f"option {key}: expected a comma-separated list")
+        return items
+
+    def topics(self) -> frozenset[str] | None:
+        return self.names("topics")
+
+    def queue_ids(self) -> frozenset[int] | None:
+        items = self.names("queueIds")
+        if items is None:
+            return None
+        if not all(i.isdigit() for i in items):
+            raise StoreError(f"option queueIds={self.get('queueIds')!r}: expected comma-separated queue ids (0, 1, ...)")
+        return frozenset(int(i) for i in items)
 
     def roots(self) -> list[str]:
         roots = planner.store_roots({"path": self.get("path"), "paths": self.get("paths")})
@@ -175,7 +177,7 @@ def options_filter(opts: Options, roots: list[str]) -> dict[str, RowFilter]:
     ends = parse_offsets(opts.get("endingOffsets"), roots, "endingOffsets", LATEST)
     t0 = opts.int("startingTimestamp")
     t1 = opts.int("endingTimestamp")
-    topics = opts.topics()
+    topics, queue_ids, keys = opts.topics(), opts.queue_ids(), opts.names("keys")
     out = {}
     for r in roots:
         s, e = starts[r], ends[r]
@@ -185,77 +187,8 @@ def options_filter(opts: Options, roots: list[str]) -> dict[str, RowFilter]:
             raise StoreError("endingOffsets=earliest is not allowed for a batch read")
         out[r] = RowFilter(offset_lo=None if s == EARLIEST else int(s), offset_hi=None if e == LATEST else int(e) - 1,
                            ts_lo=None if t0 is None else t0 * 1000, ts_hi=None if t1 is None else t1 * 1000 - 1,
-                           topics=topics)
+                           topics=topics, queue_ids=queue_ids, keys=keys)
     return out
-
-
-# ---------------------------------------------------------------- filter pushdown
-
-def _micros(v: Any) -> int | None:
-    if isinstance(v, datetime):
-        if v.tzinfo is None:
-            v = v.replace(tzinfo=UTC)
-        return (v - _EPOCH) // timedelta(microseconds=1)
-    if isinstance(v, date):
-        return (datetime(v.year, v.month, v.day, tzinfo=UTC) - _EPOCH) // timedelta(microseconds=1)
-    return None
-
-
-def _int(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
-_RANGE_COLUMNS = {"commitLogOffset": ("offset_lo", "offset_hi", _int),
-                  "storeTimestamp": ("ts_lo", "ts_hi", _micros)}
-_SET_COLUMNS = {"topic": ("topics", lambda v: v if isinstance(v, str) else None),
-                "queueId": ("queue_ids", _int),
-                "keys": ("keys", lambda v: v if isinstance(v, str) else None)}
-
-
-def filter_to_rows(f: Filter) -> tuple[RowFilter | None, bool]:
-    """A pushed Spark filter as a RowFilter, and whether the scan applies it exactly."""
-    col = f.attribute[0] if len(getattr(f, "attribute", ())) == 1 else None
-    if col is None:
-        return None, False
-    if col == "msgId" and isinstance(f, (EqualTo, EqualNullSafe)) and isinstance(f.value, str):
-        text = f.value
-        if len(text) in (32, 56) and all(c in "0123456789ABCDEFabcdef" for c in text):
-            off = int(text[-16:], 16)
-            return RowFilter(offset_lo=off, offset_hi=off), False
-        return RowFilter(topics=frozenset()), True  # not an offset message id: no row has it
-    if col in _RANGE_COLUMNS:
-        lo_name, hi_name, conv = _RANGE_COLUMNS[col]
-        v = conv(getattr(f, "value", None))
-        if v is None:
-            return None, False
-        if isinstance(f, (EqualTo, EqualNullSafe)):
-            return RowFilter(**{lo_name: v, hi_name: v}), True
-        if isinstance(f, GreaterThan):
-            return RowFilter(**{lo_name: v + 1}), True
-        if isinstance(f, GreaterThanOrEqual):
-            return RowFilter(**{lo_name: v}), True
-        if isinstance(f, LessThan):
-            return RowFilter(**{hi_name: v - 1}), True
-        if isinstance(f, LessThanOrEqual):
-            return RowFilter(**{hi_name: v}), True
-        if isinstance(f, In):
-            vals = [conv(x) for x in f.value]
-            if vals and all(x is not None for x in vals):
-                return RowFilter(**{lo_name: min(vals), hi_name: max(vals)}), False
-        return None, False
-    if col in _SET_COLUMNS:
-        name, conv = _SET_COLUMNS[col]
-        if isinstance(f, (EqualTo, EqualNullSafe)):
-            vals = [f.value]
-        elif isinstance(f, In):
-            vals = list(f.value)
-        else:
-            return None, False
-        conv_vals = [conv(x) for x in vals if x is not None]
-        if any(x is None for x in conv_vals):
-            return None, False
-        return RowFilter(**{name: frozenset(conv_vals)}), True
-    return None, False
 
 
 # ---------------------------------------------------------------- batch reads
@@ -353,13 +286,22 @@ def read_task(tasks: list[planner.ScanTask] | None, names: list[str], arrow_sche
 
 
 class RocketStoreReader(DataSourceReader):
+    """A batch scan, limited only by its options (never by pushed filters).
+
+    Spark 4.3 keeps the partitions planned during filter pushdown on the relation and reuses them
+    for the next query on the same DataFrame that pushes no filter, so a reader that pruned with
+    ``where(topic = 'A')`` would make a later ``df.count()`` count only topic A.  The source
+    therefore implements no ``pushFilters``: Spark evaluates ``where`` itself over an unpruned
+    scan, and pruning is asked for with options (topics, queueIds, keys, offsets, timestamps),
+    which belong to the relation and so stay right on every reuse.
+    """
+
     def __init__(self, options: Any, schema: StructType) -> None:
         opts = Options(options)
         self.roots = opts.roots()
         self.names = _check_schema(schema)
         self.arrow_schema = _arrow_schema(schema)
         self.base = options_filter(opts, self.roots)
-        self.pushed = RowFilter()
         self.batch_rows = opts.int("batchRows", segment.DEFAULT_BATCH_ROWS)
         self.max_partition_bytes = opts.int("maxPartitionBytes", DEFAULT_MAX_PARTITION_BYTES)
         self.min_partitions = opts.int("minPartitions", os.cpu_count() or 1)
@@ -367,20 +309,12 @@ class RocketStoreReader(DataSourceReader):
         if self.max_partition_bytes <= 0 or self.min_partitions <= 0:
             raise StoreError("options maxPartitionBytes and minPartitions must be positive")
 
-    def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
-        for f in filters:
-            rows, exact = filter_to_rows(f)
-            if rows is not None:
-                self.pushed = self.pushed.intersect(rows)
-            if rows is None or not exact:
-                yield f
-
     def plan(self) -> tuple[list[planner.ScanTask], list[planner.PlanReport]]:
         tasks: list[planner.ScanTask] = []
         reports = []
         for root in self.roots:
             rep = planner.PlanReport(root)
-            tasks += planner.plan_scan(root, self.base[root].intersect(self.pushed), report=rep,
+            tasks += planner.plan_scan(root, self.base[root], report=rep,
                                        drop_cache=self.drop_cache)
             reports.append(rep)
         return tasks, reports
@@ -419,7 +353,7 @@ class RocketStoreStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNo
         if self.max_bytes is not None and self.max_bytes <= 0:
             raise StoreError("option maxBytesPerTrigger must be positive")
         self.fail_on_data_loss = opts.flag("failOnDataLoss", True)
-        self.flt = RowFilter(topics=opts.topics())
+        self.flt = RowFilter(topics=opts.topics(), queue_ids=opts.queue_ids())
         self.batch_rows = opts.int("batchRows", segment.DEFAULT_BATCH_ROWS)
         self.target: dict[str, int] | None = None
 
