@@ -363,10 +363,101 @@ def test_one_writer_at_a_time(spark, tmp_path):
         with pytest.raises(Exception, match="lock"):
             df.write.format("rocketstore").mode("append").option("lockTimeoutMs", "300").save(str(store_dir))
         assert holder.max_phy_offset() == 3711299
+        assert not os.path.exists(store_dir / ".spark-staging"), "the refused write's staged rows are removed"
     finally:
         holder.close()
     df.write.format("rocketstore").mode("append").save(str(store_dir))
     assert rs(spark, str(store_dir), withBody="false").count() == 3001
+
+
+def test_append_batches_keep_every_queues_order(spark, tmp_path):
+    """The commit appends with put_batch per queue: each queue still holds its rows in the DataFrame's order."""
+    from pyspark.sql import functions as F
+    n = 5000
+    df = spark.range(n).select(F.concat(F.lit("T"), (F.col("id") % 3).cast("string")).alias("topic"),
+                               F.col("id").cast("string").cast("binary").alias("body"),
+                               (F.col("id") % 4).cast("int").alias("queueId"),
+                               F.concat(F.lit("k-"), F.col("id").cast("string")).alias("keys")).coalesce(1)
+    df.write.format("rocketstore").mode("append").options(**GOLDEN_GEOMETRY).save(str(tmp_path / "s"))
+    with MessageStore.open(str(tmp_path / "s"), read_only=True) as store:
+        seen = 0
+        for t in range(3):
+            for q in range(4):
+                want = [i for i in range(n) if i % 3 == t and i % 4 == q]
+                got, offset = [], 0
+                while offset < store.max_offset_in_queue(f"T{t}", q):
+                    r = store.get(f"T{t}", q, offset)
+                    got += [int(m.body) for m in r.messages]
+                    offset = r.next_begin_offset
+                assert got == want, (t, q)
+                seen += len(got)
+        assert seen == n
+        e = store.query("T2", "k-4997").messages
+        assert [m.body for m in e] == [b"4997"]
+
+
+def test_append_batches_units(tmp_path):
+    """Plain appends group rows by queue; a replay batches only runs of one queue and store time, and puts
+    transaction records alone, so that the commitlog order is the rows' order."""
+    from rocketstore.spark.write import BATCH_MESSAGES, batches
+
+    def row(topic, q, ts=None, flag=0):
+        return {"topic": topic, "body": b"b", "queueId": q, "tags": None, "keys": None, "properties": None,
+                "flag": None, "bornTimestamp": None, "bornHost": None, "reconsumeTimes": None, "storeTimestamp": ts,
+                "storeHost": None, "sysFlag": flag, "preparedTransactionOffset": None, "propertiesString": None,
+                "commitLogOffset": None}
+    rows = [row("A", i % 2) for i in range(10)]
+    plain = list(batches(rows, False, 1 << 20))
+    assert [[(m.topic, m.queue_id) for m in b] for b in plain] == [[("A", 0)] * 5, [("A", 1)] * 5]
+    many = list(batches([row("A", 0)] * (BATCH_MESSAGES + 3), False, 1 << 20))
+    assert [len(b) for b in many] == [BATCH_MESSAGES, 3]
+    replay = [row("A", 0, 5), row("A", 0, 5), row("A", 1, 5), row("A", 0, 5), row("A", 0, 6), row("A", 0, 6, 4),
+              row("A", 0, 6)]
+    got = [[(m.queue_id, m.store_timestamp, m.sys_flag) for m in b] for b in batches(replay, True, 1 << 20)]
+    assert got == [[(0, 5, 0), (0, 5, 0)], [(1, 5, 0)], [(0, 5, 0)], [(0, 6, 0)], [(0, 6, 4)], [(0, 6, 0)]]
+
+
+def test_default_min_partitions_is_the_sessions_parallelism():
+    """register() gives the source the session's default parallelism (a cluster's cores), and it survives the
+    pickling that takes the source to Spark's planning worker."""
+    from pyspark import cloudpickle
+
+    import rocketstore.spark
+    registered = []
+
+    class FakeSpark:
+        class sparkContext:
+            defaultParallelism = 7
+
+        class dataSource:
+            register = staticmethod(registered.append)
+    rocketstore.spark.register(FakeSpark)
+    source = cloudpickle.loads(cloudpickle.dumps(registered[0]))
+    reader = source(options={"path": BASIC}).reader(source(options={"path": BASIC}).schema())
+    assert reader.min_partitions == 7
+    explicit = source(options={"path": BASIC, "minPartitions": "3"})
+    assert explicit.reader(explicit.schema()).min_partitions == 3
+
+
+def test_worker_errors_show_the_workers_exception(spark):
+    """The CLI's one line for a failure inside a Python worker is that worker's exception, not Spark's
+    "An exception was thrown from the Python worker:"."""
+    from pyspark.sql import functions as F
+
+    from rocketstore.spark.cli import _spark_error
+
+    @F.udf("int")
+    def boom(x):
+        raise ValueError(f"bad value {x} in column")
+    with pytest.raises(Exception) as failed:
+        spark.range(1).select(boom("id")).collect()
+    assert str(_spark_error(failed.value)) == "ValueError: bad value 0 in column"
+    worker = ("An exception was thrown from the Python worker:\nTraceback (most recent call last):\n"
+              '  File "w.py", line 3, in commit\nrocketstore.errors.StoreLockedError: /s: another writer holds '
+              "the store's lock\n")
+    assert str(_spark_error(Exception(worker))) == "/s: another writer holds the store's lock"
+    java = Exception("Job aborted due to stage failure\norg.apache.spark.SparkException: Task failed: lost\n")
+    assert str(_spark_error(java)) == "Job aborted due to stage failure"
 
 
 # ---------------------------------------------------------------- streaming

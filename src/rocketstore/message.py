@@ -130,6 +130,11 @@ class PutMessageResult:
         return self._msg_id
 
     @property
+    def offsets(self) -> list[int]:
+        """The commitlog offset of each message put, in put order (one for a single put)."""
+        return list(self._offsets) if self._offsets else [self.commit_log_offset]
+
+    @property
     def ok(self) -> bool:
         return self.status is PutMessageStatus.PUT_OK
 

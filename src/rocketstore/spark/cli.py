@@ -42,13 +42,53 @@ def _emit(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, ensure_ascii=False, default=str) + "\n")
 
 
+# The closing line of a Python traceback: "ValueError: bad value" (Java's "org.x.FooException: ..." excluded).
+_PY_ERROR = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)): (.*)$")
+_NOT_PYTHON = ("org.", "java.", "javax.", "scala.", "py4j.", "io.netty.")
+_STORE_ERRORS = {"StoreError"} | {c.__name__ for c in StoreError.__subclasses__()}
+
+
+def _texts(e: BaseException | None, depth: int = 0) -> list[str]:
+    """Every text Spark keeps of a failure: the message, the captured description, stack and cause."""
+    if e is None or depth > 4:
+        return []
+    out = [str(e)]
+    for attr in ("desc", "stackTrace"):
+        v = getattr(e, attr, None)
+        if isinstance(v, str) and v:
+            out.append(v)
+    java = getattr(e, "java_exception", None)
+    if java is not None:
+        out.append(str(java))
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException) and cause is not e:
+        out += _texts(cause, depth + 1)
+    return out
+
+
 def _spark_error(e: BaseException) -> StoreError:
-    """One line for a failure that happened inside Spark (a Python worker's error is buried in its text)."""
-    text = str(e)
-    m = re.search(r"rocketstore\.[\w.]*(?:Error|Exception): (.+)", text) or \
-        re.search(r"(?:StoreError|StoreLoadError|StoreLockedError|RecordFormatError): (.+)", text)
-    line = m.group(1).strip() if m else next((ln.strip() for ln in text.splitlines() if ln.strip()), repr(e))
-    return StoreError(line[:2000])
+    """One line for a failure that happened inside Spark.
+
+    A Python worker's error is buried in Spark's text ("An exception was thrown from the Python
+    worker:" and a traceback): show the worker's own exception, its message only for the store's
+    errors, "Type: message" for any other.
+    """
+    found: tuple[str, str] | None = None
+    for text in _texts(e):
+        for ln in text.splitlines():
+            m = _PY_ERROR.match(ln.strip())
+            if m and not m.group(1).startswith(_NOT_PYTHON):
+                found = (m.group(1), m.group(2).strip())
+        if found:
+            break
+    if found is None:
+        text = str(e)
+        line = next((ln.strip() for ln in text.splitlines() if ln.strip()), repr(e))
+        return StoreError(line[:2000])
+    name, message = found
+    if name.startswith("rocketstore.") or name.rsplit(".", 1)[-1] in _STORE_ERRORS:
+        return StoreError(message[:2000])
+    return StoreError(f"{name.rsplit('.', 1)[-1]}: {message}"[:2000])
 
 
 def _run(args: argparse.Namespace, job: Callable[[Any, argparse.Namespace], int]) -> int:

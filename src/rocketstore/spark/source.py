@@ -296,7 +296,7 @@ class RocketStoreReader(DataSourceReader):
     which belong to the relation and so stay right on every reuse.
     """
 
-    def __init__(self, options: Any, schema: StructType) -> None:
+    def __init__(self, options: Any, schema: StructType, default_min_partitions: int | None = None) -> None:
         opts = Options(options)
         self.roots = opts.roots()
         self.names = _check_schema(schema)
@@ -304,7 +304,7 @@ class RocketStoreReader(DataSourceReader):
         self.base = options_filter(opts, self.roots)
         self.batch_rows = opts.int("batchRows", segment.DEFAULT_BATCH_ROWS)
         self.max_partition_bytes = opts.int("maxPartitionBytes", DEFAULT_MAX_PARTITION_BYTES)
-        self.min_partitions = opts.int("minPartitions", os.cpu_count() or 1)
+        self.min_partitions = opts.int("minPartitions", default_min_partitions or os.cpu_count() or 1)
         self.drop_cache = opts.flag("dropCache", False)
         if self.max_partition_bytes <= 0 or self.min_partitions <= 0:
             raise StoreError("options maxPartitionBytes and minPartitions must be positive")
@@ -472,6 +472,10 @@ class RocketStoreWriter(DataSourceArrowWriter):
 class RocketStoreDataSource(DataSource):
     """``spark.read.format("rocketstore")``: RocketMQ commitlogs as rows (see docs/spark.md)."""
 
+    # The session's default parallelism, set by register() on a subclass of its own (the planning
+    # worker has no SparkContext to ask; without it, minPartitions falls back to the local cores).
+    default_min_partitions: int | None = None
+
     @classmethod
     def name(cls) -> str:
         return FORMAT
@@ -480,7 +484,7 @@ class RocketStoreDataSource(DataSource):
         return spark_schema(Options(self.options).flag("withBody", True))
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return RocketStoreReader(self.options, schema)
+        return RocketStoreReader(self.options, schema, self.default_min_partitions)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         return RocketStoreStreamReader(self.options, schema)

@@ -167,20 +167,36 @@ def to_message(row: dict[str, Any], replay: bool) -> Message:
     return m
 
 
-def validate(row: dict[str, Any], where: str, max_message_size: int, replay: bool,
-             segment_size: int | None = None) -> None:
-    """The checks the store makes before a put, so that a bad row fails its task rather than the commit."""
+def _topic_facts(topic: Any, where: str) -> tuple[int, bool]:
+    """A topic's encoded length and whether it takes the V2 magic; refuses what the store refuses."""
     from ..store import illegal_topic
-    topic = row["topic"]
     err = illegal_topic(topic)
     if err:
         raise StoreError(f"{where}: {err}")
+    try:
+        codec.topic_tail(topic)
+    except (codec.RecordError, ValueError) as e:
+        raise StoreError(f"{where}: {e}") from None
+    return len(topic.encode("utf-8")), codec.java_len(topic) > 127
+
+
+def validate(row: dict[str, Any], where: str, max_message_size: int, replay: bool,
+             segment_size: int | None = None, topics: dict[str, tuple[int, bool]] | None = None) -> None:
+    """The checks the store makes before a put, so that a bad row fails its task rather than the commit.
+
+    ``topics`` memoises the per-topic checks across the rows of a task (a task sees few topics).
+    """
+    topic = row["topic"]
+    facts = topics.get(topic) if topics is not None and isinstance(topic, str) else None
+    if facts is None:
+        facts = _topic_facts(topic, where)
+        if topics is not None:
+            topics[topic] = facts
     if row["body"] is None:
         raise StoreError(f"{where}: body is null (RocketMQ messages need a body)")
     try:
-        codec.topic_tail(topic)
         m = to_message(row, replay)
-        props = m.build_properties().encode("utf-8")
+        props = (m.properties_string if m.properties_string is not None else m.build_properties()).encode("utf-8")
         if len(props) > codec.MAX_PROPERTIES_BYTES:
             raise codec.PropertiesTooLarge(f"properties are {len(props)} bytes, more than {codec.MAX_PROPERTIES_BYTES}")
         if len(row["body"]) > max_message_size:
@@ -192,8 +208,7 @@ def validate(row: dict[str, Any], where: str, max_message_size: int, replay: boo
         if segment_size is not None:
             sys_flag = codec.with_host_flags(m.sys_flag, hosts[0][0] if hosts[0] else b"\0" * 4,
                                              hosts[1][0] if hosts[1] else b"\0" * 4)
-            tb = topic.encode("utf-8")
-            size = codec.record_length(len(row["body"]), len(tb), len(props), sys_flag, codec.java_len(topic) > 127)
+            size = codec.record_length(len(row["body"]), facts[0], len(props), sys_flag, facts[1])
             if size + codec.BLANK_RECORD_SIZE > segment_size:
                 raise codec.MessageTooLarge(f"a {size}-byte record does not fit the store's {segment_size}-byte "
                                             "commitlog segments (mappedFileSizeCommitLog)")
@@ -219,6 +234,7 @@ def stage(batches: Iterator[pa.RecordBatch], staging_dir: str, partition: int, a
     tmp = path + ".tmp"
     rows = 0
     staged: list[pa.RecordBatch] = []
+    topics: dict[str, tuple[int, bool]] = {}
     with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, STAGED_SCHEMA) as writer:
         for batch in batches:
             if batch.num_rows == 0:
@@ -226,7 +242,8 @@ def stage(batches: Iterator[pa.RecordBatch], staging_dir: str, partition: int, a
             check_columns(batch.schema.names)
             nb = normalize(batch, opts.replay)
             for i, row in enumerate(nb.to_pylist()):
-                validate(row, f"partition {partition} row {rows + i}", max_message_size, opts.replay, segment_size)
+                validate(row, f"partition {partition} row {rows + i}", max_message_size, opts.replay, segment_size,
+                         topics)
             rows += nb.num_rows
             if opts.replay:
                 staged.append(nb)
@@ -276,8 +293,68 @@ def _merged_rows(parts: list[StagedPart]) -> Iterator[dict[str, Any]]:
         yield row
 
 
+# A put_batch holds at most this many messages and body bytes (a batch must fit one commitlog segment).
+BATCH_MESSAGES = 128
+BATCH_BYTES = 1 << 20
+
+
+def batches(rows: Iterable[dict[str, Any]], replay: bool, segment_size: int) -> Iterator[list[Message]]:
+    """The staged rows as put_batch units of one topic and queue.
+
+    A plain append groups rows by queue within a window of rows (each queue keeps the rows' order;
+    only the interleaving of queues in the commitlog changes, which no consumer sees).  A replay
+    keeps the commitlog order exactly, so it batches only consecutive rows of one queue with the
+    same store time, and puts transaction records alone (a batch cannot hold them).
+    """
+    limit = min(BATCH_BYTES, segment_size // 4)
+    if replay:
+        run: list[Message] = []
+        size = 0
+        for row in rows:
+            m = to_message(row, True)
+            alone = m.sys_flag & codec.TRANSACTION_MASK
+            if run and (alone or size + len(m.body) > limit or len(run) >= BATCH_MESSAGES or
+                        (m.topic, m.queue_id, m.store_timestamp) != (run[0].topic, run[0].queue_id,
+                                                                      run[0].store_timestamp)):
+                yield run
+                run, size = [], 0
+            if alone:
+                yield [m]
+                continue
+            run.append(m)
+            size += len(m.body)
+        if run:
+            yield run
+        return
+    queues: dict[tuple[str, int], tuple[list[Message], int]] = {}
+    pending = 0
+    for row in rows:
+        m = to_message(row, False)
+        key = (m.topic, m.queue_id)
+        run, size = queues.get(key, ([], 0))
+        if run and (size + len(m.body) > limit or len(run) >= BATCH_MESSAGES):
+            yield run
+            pending -= len(run)
+            run, size = [], 0
+        run.append(m)
+        queues[key] = (run, size + len(m.body))
+        pending += 1
+        if pending >= 8 * BATCH_MESSAGES:  # bound the window: flush every queue's run
+            for run, _ in queues.values():
+                if run:
+                    yield run
+            queues.clear()
+            pending = 0
+    for run, _ in queues.values():
+        if run:
+            yield run
+
+
 def commit(root: str, parts: list[StagedPart], opts: WriteOptions) -> dict[str, Any]:
-    """Append the staged rows; return a summary.  Raises StoreError naming what was written if a put fails."""
+    """Append the staged rows in put_batch units; return a summary.
+
+    Raises StoreError naming what was written if a put fails (a refused batch writes nothing of itself).
+    """
     parts = sorted(parts, key=lambda p: p.partition)
     total = sum(p.rows for p in parts)
     written = 0
@@ -286,19 +363,21 @@ def commit(root: str, parts: list[StagedPart], opts: WriteOptions) -> dict[str, 
     store = open_for_append(root, opts)
     try:
         rows = _merged_rows(parts) if opts.replay else _rows(parts)
-        for row in rows:
-            r = store.put(to_message(row, opts.replay))
+        for batch in batches(rows, opts.replay, store.config.mappedFileSizeCommitLog):
+            r = store.put(batch[0]) if len(batch) == 1 else store.put_batch(batch)
             if not r.ok:
+                m = batch[0]
                 where = (f"wrote {written} of {total} messages" +
                          (f" (commitlog offsets {first}..{last})" if written else "") +
-                         f"; message {written + 1} (topic {row['topic']!r}, queue {row['queueId'] or 0}) "
+                         f"; a put of {len(batch)} message(s) (topic {m.topic!r}, queue {m.queue_id}) "
                          f"was refused: {r.status.value}: {r.error}")
                 log.error("%s: %s", root, where)
                 raise StoreError(f"{root}: {where}")
-            if first is None:
+            if first is None or r.commit_log_offset < first:
                 first = r.commit_log_offset
-            last = r.commit_log_offset
-            written += 1
+            end = r.offsets[-1]
+            last = end if last is None else max(last, end)
+            written += len(batch)
         store.wait_dispatched()
     finally:
         store.close()
