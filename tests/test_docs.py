@@ -216,6 +216,8 @@ def test_every_inline_command_parses(where, span):
         if is_command_path(variant):
             continue
         err = parse_error(variant)
+        if err and "invalid" in err:  # a placeholder not in PLACEHOLDERS may stand for a number
+            err = parse_error([re.sub(r"^[A-Z][A-Z0-9_]*$", "0", t) for t in variant])
         assert err is None, f"{where}: `{span}` as `rocketstore {shlex.join(variant)}`: {err}"
 
 
