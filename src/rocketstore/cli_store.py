@@ -13,7 +13,7 @@ from .consume_queue import LOWER, UPPER
 from .message import Message, parse_tag_filter
 from .progress import progress_bar
 from .selection import Selection
-from .store import MessageStore, iter_json_lines
+from .store import MessageStore
 
 
 def _nonneg(text: str) -> int:
@@ -172,13 +172,24 @@ def cmd_put(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from .importer import import_messages
-    lines = list(iter_json_lines(args.source))
+    import os
+    from .importer import import_file
+    passes = 1 if args.continue_on_error else 2  # validate, then write
+    total = os.path.getsize(args.source) * passes  # (an unreadable file fails here, before the store is opened)
+    created = not os.path.exists(args.store)
     with open_writable(args) as store:
-        with progress_bar(len(lines), "import", unit="msg") as bar:
-            results = import_messages(store, lines, bar)
+        try:
+            with progress_bar(total, "import", unit="B") as bar:
+                result = import_file(store, args.source, args.continue_on_error, bar)
+        except StoreError:
+            unused = created and store.max_phy_offset() == 0
+            store.close()
+            if unused:  # the store this command made and never wrote to: leave no trace of it either
+                import shutil
+                shutil.rmtree(args.store)
+            raise
         store.wait_dispatched()
-        emit({"imported": sum(r.msg_num for r in results), "maxPhyOffset": store.max_phy_offset()})
+        emit({"imported": result.imported, "skipped": result.skipped, "maxPhyOffset": store.max_phy_offset()})
     return 0
 
 
@@ -289,62 +300,67 @@ def register(sub: argparse._SubParsersAction) -> None:
     add("state", cmd_state, "offsets, checkpoint and queues as JSON")
 
     p = add("get", cmd_get, "read a consume queue (RocketMQ's getMessage)")
-    p.add_argument("--topic", required=True)
-    p.add_argument("--queue-id", type=_nonneg, required=True)
-    p.add_argument("--offset", type=_nonneg, required=True)
-    p.add_argument("--max", type=_positive, default=32)
+    p.add_argument("--topic", required=True, help="topic to read")
+    p.add_argument("--queue-id", type=_nonneg, required=True, metavar="Q", help="queue id within the topic")
+    p.add_argument("--offset", type=_nonneg, required=True, metavar="N", help="queue offset to start at")
+    p.add_argument("--max", type=_positive, default=32, metavar="N", help="at most N messages (default 32)")
     p.add_argument("--tags", help='tag filter, e.g. "TagA||TagB" or "*"')
-    p.add_argument("--no-body", action="store_true")
+    p.add_argument("--no-body", action="store_true", help="omit bodies")
 
     p = add("query", cmd_query, "messages by key or UNIQ_KEY through the index (queryMessage)")
-    p.add_argument("--topic", required=True)
-    p.add_argument("--key", required=True)
-    p.add_argument("--max", type=_positive, default=32)
-    p.add_argument("--begin", type=_int, default=0, metavar="MS")
-    p.add_argument("--end", type=_int, default=2 ** 63 - 1, metavar="MS")
-    p.add_argument("--no-body", action="store_true")
+    p.add_argument("--topic", required=True, help="topic of the messages")
+    p.add_argument("--key", required=True, help="a key (KEYS) or UNIQ_KEY")
+    p.add_argument("--max", type=_positive, default=32, metavar="N", help="at most N messages (default 32)")
+    p.add_argument("--begin", type=_int, default=0, metavar="MS", help="earliest store timestamp (epoch ms)")
+    p.add_argument("--end", type=_int, default=2 ** 63 - 1, metavar="MS", help="latest store timestamp (epoch ms)")
+    p.add_argument("--no-body", action="store_true", help="omit bodies")
 
     p = add("offset-by-time", cmd_offset_by_time, "queue offset for a store timestamp")
-    p.add_argument("--topic", required=True)
-    p.add_argument("--queue-id", type=_nonneg, required=True)
-    p.add_argument("--timestamp", type=_int, required=True, metavar="MS")
-    p.add_argument("--boundary", choices=[LOWER, UPPER], default=LOWER)
+    p.add_argument("--topic", required=True, help="topic of the queue")
+    p.add_argument("--queue-id", type=_nonneg, required=True, metavar="Q", help="queue id within the topic")
+    p.add_argument("--timestamp", type=_int, required=True, metavar="MS", help="store timestamp (epoch ms)")
+    p.add_argument("--boundary", choices=[LOWER, UPPER], default=LOWER,
+                   help="which offset when several messages share the time (default lower)")
 
     p = add("verify", cmd_verify, "CRC-check records, cross-check consume queues and index (exit 1 if not OK)")
     p.add_argument("--json", action="store_true", help="JSON instead of a table")
     p.add_argument("--repair", action="store_true", help="rebuild consume queues, index and checkpoint offline")
 
     p = add("put", cmd_put, "put one message and print the result")
-    p.add_argument("--topic", required=True)
-    p.add_argument("--queue-id", type=_nonneg, default=0)
-    p.add_argument("--tags")
+    p.add_argument("--topic", required=True, help="topic to put into")
+    p.add_argument("--queue-id", type=_nonneg, default=0, metavar="Q", help="queue id (default 0)")
+    p.add_argument("--tags", help="the message's tag")
     p.add_argument("--keys", help='space-separated keys, e.g. "k1 k2"')
-    p.add_argument("--property", action="append", default=[], metavar="K=V")
+    p.add_argument("--property", action="append", default=[], metavar="K=V", help="a user property (repeatable)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--body", help="body text (UTF-8)")
-    g.add_argument("--body-file", metavar="FILE")
+    g.add_argument("--body", help="body text (UTF-8); without --body or --body-file the body is read from stdin")
+    g.add_argument("--body-file", metavar="FILE", help="body from this file")
+    g.add_argument("-", dest="stdin_body", action="store_true", help="body from stdin (the default)")
 
     p = add("import", cmd_import, "replay dump output (JSON lines) into a store, byte for byte")
-    p.add_argument("--from", dest="source", required=True, metavar="FILE.jsonl")
+    p.add_argument("--from", dest="source", required=True, metavar="FILE.jsonl",
+                   help="dump output or a golden expected.jsonl")
+    p.add_argument("--continue-on-error", action="store_true",
+                   help="skip bad lines (each named on stderr) instead of importing nothing")
 
     add("recover", cmd_recover, "open with recovery, close cleanly, print what was recovered and the state")
 
     p = add("retention", cmd_retention, "dry run of expired-file cleaning: what would be deleted and why")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="JSON instead of a table")
 
     p = add("stats", cmd_stats, "messages per topic and disk use; --live: put latency, lock hold, flush and "
             "dispatch lag of the process that has the store open")
     p.add_argument("--live", action="store_true", help="follow the live metrics of the open store")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--interval", type=float, default=1.0, metavar="S")
+    p.add_argument("--json", action="store_true", help="JSON instead of a table")
+    p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between --live samples")
     p.add_argument("--count", type=_positive, metavar="N", help="stop after N samples")
 
     admin = sub.add_parser("admin", help="administrative commands (mqadmin counterparts)")
     asub = admin.add_subparsers(dest="admin_command", metavar="ADMIN_COMMAND")
     asub.required = True
     p = asub.add_parser("delete-expired", help="delete expired commitlog files now (deleteExpiredCommitLog)")
-    p.add_argument("store", metavar="STORE")
-    p.add_argument("--config", metavar="FILE")
+    p.add_argument("store", metavar="STORE", help="store root directory (storePathRootDir)")
+    p.add_argument("--config", metavar="FILE", help="broker.conf style file (key=value)")
     p.set_defaults(handler=cmd_delete_expired)
 
 

@@ -20,9 +20,29 @@ from .store import MessageStore
 TOPICS = {"Orders": 4, "Payments": 2, "Audit": 1}
 
 
-def run(path: str, count: int = 300_000) -> dict[str, float]:
+# Written into every store the demo makes: the only kind of directory it will delete to start afresh.
+MARKER = ".rocketstore-demo"
+
+
+class DemoDirError(Exception):
+    """The demo directory exists and is not a store the demo made."""
+
+
+def prepare(path: str) -> None:
+    """Empty ``path`` for a new demo store, deleting it only if an earlier demo made it."""
     if os.path.exists(path):
+        if not os.path.isfile(os.path.join(path, MARKER)):
+            if not os.path.isdir(path) or os.listdir(path):
+                raise DemoDirError(f"{path} exists and is not a store made by the demo ({MARKER} missing); "
+                                   "refusing to delete it: remove it yourself or set ROCKETSTORE_DEMO_DIR elsewhere")
         shutil.rmtree(path)
+    os.makedirs(path)
+    with open(os.path.join(path, MARKER), "w", encoding="utf-8") as fh:
+        fh.write("made by rocketstore.demo; deleted and rewritten by the next demo run\n")
+
+
+def run(path: str, count: int = 300_000) -> dict[str, float]:
+    prepare(path)
     cfg = StoreConfig(mappedFileSizeCommitLog=64 * 1024 * 1024, mappedFileSizeConsumeQueue=300_000 * 20,
                       maxHashSlotNum=500_000, maxIndexNum=2_000_000)
     rng = random.Random(7)
@@ -84,7 +104,11 @@ def run(path: str, count: int = 300_000) -> dict[str, float]:
 def main() -> int:
     path = os.environ.get("ROCKETSTORE_DEMO_DIR", "demo-store")
     count = int(os.environ.get("ROCKETSTORE_DEMO_MESSAGES", "300000"))
-    s = run(path, count)
+    try:
+        s = run(path, count)
+    except DemoDirError as e:
+        sys.stderr.write(f"rocketstore demo: error: {e}\n")
+        return 2
     rows = [
         ("store", os.path.abspath(path)),
         ("messages written", f"{int(s['messages']):,}"),

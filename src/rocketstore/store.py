@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from time import perf_counter
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 from . import codec
 from .checkpoint import StoreCheckpoint
@@ -144,7 +144,9 @@ class MessageStore:
             if read_only:
                 raise StoreLoadError(f"{root}: no such store directory")
             os.makedirs(root, exist_ok=True)
-        elif not read_only:
+        elif read_only:
+            self._refuse_non_store()
+        else:
             self._refuse_foreign_directory()
         if not read_only:
             self._acquire_lock()
@@ -186,6 +188,13 @@ class MessageStore:
         if entries and not any(e in known for e in entries):
             raise StoreLoadError(f"{self.root}: directory holds files that are not a message store "
                                  f"({', '.join(sorted(entries)[:3])}); refusing to write into it")
+
+    def _refuse_non_store(self) -> None:
+        """A reader given a directory that holds no store would report it as empty and healthy: refuse."""
+        marks = ("commitlog", "consumequeue", "index", "checkpoint")
+        if not any(os.path.exists(os.path.join(self.root, m)) for m in marks):
+            raise StoreLoadError(f"{self.root}: not a message store (no commitlog/, consumequeue/, index/ "
+                                 "or checkpoint)")
 
     def _acquire_lock(self) -> None:
         with _OPEN_LOCK:
@@ -388,16 +397,9 @@ class MessageStore:
 
     def put_batch(self, messages: list[Message]) -> PutMessageResult:
         """Append messages of one topic/queue as one unit (RocketMQ's putMessages with a MessageExtBatch)."""
-        if not messages:
-            return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error="empty batch")
-        first = messages[0]
-        for m in messages:
-            if (m.topic, m.queue_id) != (first.topic, first.queue_id):
-                return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL,
-                                        error="a batch must hold one topic and queue")
-            if m.sys_flag & codec.TRANSACTION_MASK:
-                return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL,
-                                        error="a batch cannot hold transaction messages")
+        why = batch_problem(messages)
+        if why:
+            return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error=why)
         return self._put(messages, batch=True)
 
     def _encode(self, m: Message, now_ms: int) -> codec.EncodedRecord:
@@ -855,12 +857,14 @@ def illegal_topic(topic: object) -> str | None:
     return None
 
 
-def iter_json_lines(path: str) -> Iterable[dict]:
-    import json
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise StoreLoadError(f"{path}:{n}: not a JSON line: {e.msg}") from None
+def batch_problem(messages: list[Message]) -> str | None:
+    """Why ``put_batch`` would refuse these messages as one batch, or None."""
+    if not messages:
+        return "empty batch"
+    first = messages[0]
+    for m in messages:
+        if (m.topic, m.queue_id) != (first.topic, first.queue_id):
+            return "a batch must hold one topic and queue"
+        if m.sys_flag & codec.TRANSACTION_MASK:
+            return "a batch cannot hold transaction messages"
+    return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import tempfile
 
 log = logging.getLogger("rocketstore.bench")
 
@@ -19,8 +20,9 @@ def register(subparsers) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="shorter measurements, 256 MiB recovery, 1 GiB memory run")
     g.add_argument("--smoke", action="store_true",
-                   help="a few seconds per workload family, under 60 s: keeps the harness alive in CI")
-    p.add_argument("--out", metavar="DIR", help="where the reports go (default: bench/results of the checkout)")
+                   help="a few milliseconds per figure, about 10 s in all: keeps the harness alive in CI")
+    p.add_argument("--out", metavar="DIR", help="where the reports go (default: bench/results of the checkout; "
+                   "for --smoke a new temporary directory, so a smoke run never replaces the day's full results)")
     p.add_argument("--only", metavar="WORKLOAD", nargs="+", choices=WORKLOAD_NAMES,
                    help=f"run only these workloads (with the peers and limits their ratios need): "
                         f"{', '.join(WORKLOAD_NAMES)}")
@@ -39,7 +41,10 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from .suite import run_suite
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
-    summary = run_suite(mode, out_dir=args.out, only=args.only, workdir=args.workdir, keep=args.keep,
+    out_dir = args.out
+    if out_dir is None and args.smoke:
+        out_dir = tempfile.mkdtemp(prefix="rocketstore-bench-smoke-")
+    summary = run_suite(mode, out_dir=out_dir, only=args.only, workdir=args.workdir, keep=args.keep,
                         profile=args.profile, update_docs=False if args.no_docs else None, seconds=args.seconds,
                         progress=False if args.no_progress else None)
     out = sys.stdout

@@ -9,13 +9,20 @@ process of its own keeps the JVM out of the suite and lets py-spy follow it.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 
 
 def main(argv: list[str]) -> None:
-    store, workdir, repeats = argv[0], argv[1], int(argv[2])
+    parser = argparse.ArgumentParser(prog="python -m rocketstore.bench.spark_job",
+                                     description="The benchmark's Spark scan workload (run by rocketstore bench).")
+    parser.add_argument("store", metavar="STORE", help="store to scan")
+    parser.add_argument("workdir", metavar="WORKDIR", help="scratch directory for the Parquet copy")
+    parser.add_argument("repeats", metavar="REPEATS", type=int, help="timed scans; the best one counts")
+    args = parser.parse_args(argv)
+    store, workdir, repeats = args.store, args.workdir, args.repeats
     # Spark's Python workers must run this interpreter (the one that has rocketstore and its dependencies).
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable

@@ -184,16 +184,17 @@ def add_jobs(ssub: argparse._SubParsersAction) -> None:
 
     from ..cli_store import add_selection_flags
     p = add("export", _export, "messages as Parquet (or ORC) files: all, or those the dump flags select")
-    p.add_argument("--to", required=True, metavar="DIR")
-    p.add_argument("--format", default="parquet", choices=["parquet", "orc"])
+    p.add_argument("--to", required=True, metavar="DIR", help="output directory")
+    p.add_argument("--format", default="parquet", choices=["parquet", "orc"], help="file format (default parquet)")
     p.add_argument("--partition-by", metavar="COLS", help="comma-separated: topic, queueId, date, hour (UTC)")
-    p.add_argument("--mode", default="errorifexists", choices=["errorifexists", "overwrite", "append", "ignore"])
+    p.add_argument("--mode", default="errorifexists", choices=["errorifexists", "overwrite", "append", "ignore"],
+                   help="Spark save mode when DIR exists (default errorifexists)")
     p.add_argument("--no-body", action="store_true", help="leave bodies out")
     add_selection_flags(p)
 
     p = add("import", _import, "append the messages of an export (Parquet/ORC with topic and body) to a store")
-    p.add_argument("--from", dest="source", required=True, metavar="DIR")
-    p.add_argument("--format", default="parquet", choices=["parquet", "orc"])
+    p.add_argument("--from", dest="source", required=True, metavar="DIR", help="directory written by spark export")
+    p.add_argument("--format", default="parquet", choices=["parquet", "orc"], help="file format (default parquet)")
     p.add_argument("--replay", action="store_true",
                    help="keep store times, hosts and exact properties, in commitLogOffset order")
     p.add_argument("--config", metavar="FILE", help="broker.conf for a new store's geometry")
@@ -203,7 +204,7 @@ def add_jobs(ssub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="also draw traffic over time")
 
     p = ssub.add_parser("package", help="zip rocketstore for spark-submit --py-files, with a launcher script")
-    p.add_argument("--out", default="dist", metavar="DIR")
+    p.add_argument("--out", default="dist", metavar="DIR", help="where the zip and launcher go (default dist)")
     p.set_defaults(handler=_package, spark_command="package")
 
 
@@ -225,7 +226,7 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> int:
     """The jobs without the ``rocketstore`` command around them (spark-submit's launcher calls this)."""
     parser = _Parser(prog="rocketstore spark", description="distributed jobs on Spark")
-    parser.add_argument("-v", "--verbose", action="count", default=0)
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging on stderr")
     ssub = parser.add_subparsers(dest="spark_command", metavar="JOB", parser_class=_Parser)
     ssub.required = True
     add_jobs(ssub)
