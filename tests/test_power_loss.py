@@ -158,8 +158,9 @@ def run_round(tmp: Path, seed: int) -> tuple[int, list[str]]:
         acked += _read_acks(acks)
         image = tmp / f"image{gen}"
         fate = crash_image(live, shadow, image)
-        if fate.get("abort") != "zeroed" and gen == 0:
-            return len(acked), [f"{where}: the model should leave a zero-filled abort file, got {fate.get('abort')}"]
+        if gen == 0 and (fate.get("abort"), fate.get("abort.bootid")) != ("zeroed", "zeroed"):
+            return len(acked), [f"{where}: the model should leave zero-filled abort and abort.bootid files "
+                                f"(an unclean exit, another boot), got {fate}"]
     problems = []
     try:
         store = MessageStore.open(str(image), writer_config(seed))

@@ -253,16 +253,22 @@ def query_sample(store: MessageStore, golden: Golden, rng: random.Random, n: int
     return problems
 
 
-def unexplained_findings(result: dict, golden: Golden, damaged_from: int | None) -> list[dict]:
-    """verify's findings not explained by damaged commitlog bytes.
+def unexplained_findings(result: dict, golden: Golden, mutation: Mutation) -> list[dict]:
+    """verify's findings not explained by the damage itself.
 
-    Records at or after the start of the record holding the first damaged byte
-    may be reported bad, and queue units or index entries pointing at them
-    dangling; anything else means recover/repair left the store inconsistent.
+    Explained: the damaged file itself moved to quarantine (verify names it for
+    the operator); records at or after the start of the record holding the first
+    damaged commitlog byte reported bad, and queue units or index entries
+    pointing at them dangling.  Anything else means recover/repair left the
+    store inconsistent.
     """
+    damaged_from = mutation.damaged_from
     floor = None if damaged_from is None else golden.record_start(damaged_from)
+    quarantined_name = mutation.rel.replace("/", "__")
     out = []
     for f in result["problems"]:
+        if f["kind"] == "quarantined" and os.path.basename(f["file"]) == quarantined_name:
+            continue
         if floor is not None:
             if f["kind"] in ("bad-record", "torn-tail") and f["offset"] >= floor:
                 continue
