@@ -82,6 +82,10 @@ def run_case(tmp: Path, kind: str, i: int) -> tuple[Mutation, dict[str, list[str
     def reads(store: MessageStore, where: str) -> set:
         seen, problems = read_everything(store, g, where)
         problems += query_sample(store, g, random.Random(seed), 12, where)
+        try:
+            store.consumer_offsets()  # reads config/consumerOffset.json
+        except Exception as e:  # noqa: BLE001
+            problems += [p for p in [store_error_problem(e, f"{where} consumer_offsets()")] if p]
         for p in problems:
             out["wrong" if "not a StoreError" not in p else "traceback"].append(p)
         return seen
@@ -219,3 +223,34 @@ def test_fuzz_no_intact_record_lost(fuzz, kind):
 def test_fuzz_verify_clean_after_recover_or_repair(fuzz, kind):
     results = fuzz(kind)
     assert not any(out["verify"] for _, out in results), _report(results, "verify")
+
+
+@pytest.mark.parametrize("doc", ['{"offsetTable": {"TopicV6@g": {"x": 1}}}', '{"offsetTable": {"TopicV6@g": {"0": "7"}}}',
+                                 '{"offsetTable": [1, 2]}', '{"offsetTable": {"TopicV6@g": [1]}}', '[1]'])
+def test_consumer_offsets_of_the_wrong_shape_are_a_store_error(tmp_path, doc):
+    """Valid JSON of the wrong shape in config/consumerOffset.json: a StoreError naming the file, no traceback."""
+    root = copy_store(golden_store("ipv6"), tmp_path / "store")
+    (root / "config").mkdir()
+    (root / "config" / "consumerOffset.json").write_text(doc)
+    with _open(root, read_only=True) as store:
+        with pytest.raises(StoreError, match="consumerOffset.json"):
+            store.consumer_offsets()
+
+
+def test_consumer_offsets_read_the_lowest_offset_of_each_queue(tmp_path):
+    root = copy_store(golden_store("ipv6"), tmp_path / "store")
+    (root / "config").mkdir()
+    (root / "config" / "consumerOffset.json").write_text(
+        '{"offsetTable": {"TopicV6@g1": {"0": 3, "1": 5}, "TopicV6@g2": {"0": 2}}}')
+    with _open(root, read_only=True) as store:
+        assert store.consumer_offsets() == {("TopicV6", 0): 2, ("TopicV6", 1): 5}
+
+
+def test_consumer_offsets_read_rocketmq_fastjson_output(tmp_path):
+    """RocketMQ's fastjson writes the queue ids as bare integer keys; the store reads them (retention warns
+    about consumers from them)."""
+    root = copy_store(golden_store("ipv6"), tmp_path / "store")
+    (root / "config").mkdir()
+    (root / "config" / "consumerOffset.json").write_text('{"offsetTable":{"TopicV6@g1":{0:12,1:7}}}')
+    with _open(root, read_only=True) as store:
+        assert store.consumer_offsets() == {("TopicV6", 0): 12, ("TopicV6", 1): 7}

@@ -28,16 +28,20 @@ def main() -> None:
     while True:
         topic = rng.choice(["PowerA", "PowerB"])
         qid = rng.randrange(3)
-        body = rng.randbytes(rng.choice([rng.randint(1, 200), rng.randint(200, 3000)]))
-        key = f"pl-{seed}-{i}"
-        r = store.put(Message(topic, body, queue_id=qid, tags=rng.choice(["TagA", "TagB", None]), keys=key))
+        n = rng.randint(2, 4) if rng.random() < 0.2 else 1  # some puts are batches (one record run, one sync)
+        msgs = []
+        for j in range(n):
+            body = rng.randbytes(rng.choice([rng.randint(1, 200), rng.randint(200, 3000)]))
+            msgs.append(Message(topic, body, queue_id=qid, tags=rng.choice(["TagA", "TagB", None]),
+                                keys=f"pl-{seed}-{i + j}"))
+        r = store.put(msgs[0]) if n == 1 else store.put_batch(msgs)
         if r.status is PutMessageStatus.PUT_OK:
-            line = {"topic": topic, "queueId": qid, "queueOffset": r.queue_offset, "key": key,
-                    "commitLogOffset": r.commit_log_offset, "size": r.wrote_bytes, "bodyCrc": zlib.crc32(body)}
-            os.write(fd, (json.dumps(line) + "\n").encode())
+            lines = [{"topic": topic, "queueId": qid, "queueOffset": r.queue_offset + j, "key": m.keys,
+                      "commitLogOffset": r.commit_log_offset if n == 1 else None, "batch": n,
+                      "bodyCrc": zlib.crc32(m.body)} for j, m in enumerate(msgs)]
+            os.write(fd, "".join(json.dumps(line) + "\n" for line in lines).encode())
             os.fsync(fd)  # outside the store root: a real fsync, not shadowed
-        i += 1
-
+        i += n
 
 if __name__ == "__main__":
     main()
