@@ -14,9 +14,10 @@ The properties, each a test per file kind:
 - verify clean after recover or ``verify --repair`` (findings about the damaged
   commitlog bytes themselves excepted).
 
-Every problem names the case's seed and mutation.  ROCKETSTORE_FUZZ_CASES (per kind)
-and ROCKETSTORE_FUZZ_SEED widen or move the search; the defaults keep the whole file
-under a minute on a loaded 2-core machine.
+Every problem names the case's seed and mutation (seed = ROCKETSTORE_FUZZ_SEED * 100000
++ kind index * 1000 + case number, so a case replays with the same base seed and enough
+cases).  ROCKETSTORE_FUZZ_CASES (per kind) and ROCKETSTORE_FUZZ_SEED widen or move the
+search; the defaults keep the whole file under a minute on a loaded 2-core machine.
 """
 
 from __future__ import annotations
@@ -108,17 +109,18 @@ def run_case(tmp: Path, kind: str, i: int) -> tuple[Mutation, dict[str, list[str
             out["lost"].append("the writable open refused the store but changed commitlog files")
         return mut, out
 
-    final = _final_state(root, mut, g, out)
-    if final is None:
-        return mut, out
-    with final as store:
-        seen = reads(store, "after recover")
-        intact = g.intact_before(mut.damaged_from)
+    intact = g.intact_before(mut.damaged_from)
+
+    def unreadable(store: MessageStore, when: str) -> None:
+        """Every intact record readable at its queue offset; a sample of them found by UNIQ_KEY."""
+        seen = reads(store, when)
         lost = [e for e in intact if (e["topic"], e["queueId"], e["queueOffset"]) not in seen]
         if lost:
             e = lost[0]
-            out["lost"].append(f"{len(lost)} of {len(intact)} intact records unreadable after recover, e.g. "
+            out["lost"].append(f"{len(lost)} of {len(intact)} intact records unreadable {when}, e.g. "
                                f"{e['topic']}-{e['queueId']}@{e['queueOffset']} (commitlog {e['commitLogOffset']})")
+
+    def unfindable(store: MessageStore, when: str) -> None:
         for e in random.Random(seed).sample(intact, min(10, len(intact))):
             uniq = e["properties"]["UNIQ_KEY"]
             try:
@@ -126,34 +128,36 @@ def run_case(tmp: Path, kind: str, i: int) -> tuple[Mutation, dict[str, list[str
             except StoreError as ex:
                 found = [f"{type(ex).__name__}: {ex}"]
             if e["commitLogOffset"] not in found:
-                out["lost"].append(f"intact record {e['commitLogOffset']} not found by UNIQ_KEY {uniq} "
-                                   f"after recover (got {found})")
-    return mut, out
+                out["lost"].append(f"intact record {e['commitLogOffset']} not found by UNIQ_KEY {uniq} {when} "
+                                   f"(got {found})")
 
-
-def _final_state(root: Path, mut: Mutation, g: Golden, out: dict[str, list[str]]) -> MessageStore | None:
-    """The recovered store, read-only; repaired first (verify --repair) when verify is not clean after recover."""
+    # After recover: every intact record readable; then verify, and verify --repair when it is not clean.
     try:
         store = _open(root, config=golden_config(), read_only=True)
     except Exception as e:  # noqa: BLE001
         out["verify" if isinstance(e, StoreError) else "traceback"].append(
             f"cannot open the recovered store read-only: {type(e).__name__}: {e}")
-        return None
-    first = unexplained_findings(verify_store(store), g, mut)
-    if not first:
-        return store
-    store.close()
+        return mut, out
+    with store:
+        unreadable(store, "after recover")
+        first = unexplained_findings(verify_store(store), g, mut)
+        if not first:
+            unfindable(store, "after recover (verify clean)")
+            return mut, out
     try:
         result = repair_store(str(root), golden_config())
     except Exception as e:  # noqa: BLE001
         out["verify" if isinstance(e, StoreError) else "traceback"].append(
             f"verify --repair failed: {type(e).__name__}: {e} (verify after recover found {first[:3]})")
-        return None
+        return mut, out
     left = unexplained_findings(result, g, mut)
     if left:
         out["verify"].append(f"verify after recover found {len(first)} problem(s) ({first[:2]}); "
                              f"after verify --repair still {len(left)}: {left[:3]}")
-    return _open(root, config=golden_config(), read_only=True)
+    with _open(root, config=golden_config(), read_only=True) as store:
+        unreadable(store, "after verify --repair")
+        unfindable(store, "after verify --repair")
+    return mut, out
 
 
 _RESULTS: dict[str, list[tuple[Mutation, dict[str, list[str]]]]] = {}
