@@ -26,6 +26,7 @@ import hashlib
 import logging
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -40,7 +41,7 @@ from rocketstore.errors import StoreError
 from rocketstore.repair import repair_store
 from rocketstore.verify import verify_store
 
-CASES = int(os.environ.get("ROCKETSTORE_FUZZ_CASES", "32"))
+CASES = int(os.environ.get("ROCKETSTORE_FUZZ_CASES", "24"))
 BASE_SEED = int(os.environ.get("ROCKETSTORE_FUZZ_SEED", "16"))
 # basic has every structure (several segments, rolled queue and index files); the small ones add batches,
 # IPv6 hosts, V2 topics and transactions.
@@ -173,7 +174,11 @@ def fuzz(tmp_path_factory):
             logging.getLogger("rocketstore").setLevel(logging.CRITICAL)  # damaged stores log a lot, on purpose
             t0 = time.monotonic()
             try:
-                _RESULTS[kind] = [run_case(tmp, kind, i) for i in range(CASES)]
+                results = []
+                for i in range(CASES):
+                    results.append(run_case(tmp, kind, i))
+                    shutil.rmtree(tmp / f"{kind}-{i}", ignore_errors=True)  # replayable from its seed
+                _RESULTS[kind] = results
             finally:
                 logging.getLogger("rocketstore").setLevel(level)
             logging.getLogger(__name__).info("fuzz %s: %d cases in %.1f s", kind, CASES, time.monotonic() - t0)
