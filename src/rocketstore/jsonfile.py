@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,17 @@ def write_json_atomic(path: str, obj: Any) -> None:
             log.warning("%s: current file is corrupt; keeping the older backup", path)
     os.replace(tmp, path)
     _fsync_dir(directory)
+
+
+_UNQUOTED_INT_KEY = re.compile(r'([{,]\s*)(-?\d+)(\s*:)')
+
+
+def loads_lenient(text: str) -> Any:
+    """JSON, or fastjson's JSON with bare integer map keys (RocketMQ writes ``{0:12,1:7}``)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return json.loads(_UNQUOTED_INT_KEY.sub(r'\1"\2"\3', text))
 
 
 def read_json(path: str, default: Any = None, loads: Callable[[str], Any] = json.loads) -> Any:

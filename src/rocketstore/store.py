@@ -754,12 +754,21 @@ class MessageStore:
 
     def consumer_offsets(self) -> dict[tuple[str, int], int]:
         """Lowest committed offset per queue over all groups, from RocketMQ's config/consumerOffset.json."""
-        from .jsonfile import read_json
-        data = read_json(os.path.join(self.paths.config, "consumerOffset.json"))
+        from .jsonfile import loads_lenient, read_json
+        path = os.path.join(self.paths.config, "consumerOffset.json")
+        data = read_json(path, loads=loads_lenient)  # RocketMQ's fastjson writes bare integer keys
+        table = data.get("offsetTable") if isinstance(data, dict) else data
+        if not isinstance(table or {}, dict):
+            raise StoreLoadError(f"{path}: offsetTable is not an object")
         out: dict[tuple[str, int], int] = {}
-        for key, queues in ((data or {}).get("offsetTable") or {}).items():
+        for key, queues in (table or {}).items():
             topic = key.rsplit("@", 1)[0]
+            if not isinstance(queues or {}, dict):
+                raise StoreLoadError(f"{path}: offsetTable entry {key!r} is not an object of queue offsets")
             for qid, off in (queues or {}).items():
+                if not (qid.lstrip("-").isdigit() and type(off) is int):
+                    raise StoreLoadError(f"{path}: offsetTable entry {key!r}: queue {qid!r} offset {off!r} "
+                                         "is not an integer pair")
                 k = (topic, int(qid))
                 out[k] = min(out.get(k, off), off)
         return out

@@ -12,23 +12,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from typing import Any
 
-from ..jsonfile import read_json, write_json_atomic
+from ..jsonfile import loads_lenient, read_json, write_json_atomic
 
 log = logging.getLogger(__name__)
-
-_UNQUOTED_INT_KEY = re.compile(r'([{,]\s*)(-?\d+)(\s*:)')
-
-
-def loads_lenient(text: str) -> Any:
-    """JSON, or fastjson's JSON with bare integer map keys."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return json.loads(_UNQUOTED_INT_KEY.sub(r'\1"\2"\3', text))
 
 
 def read_json_lenient(path: str) -> Any:

@@ -1,0 +1,131 @@
+"""A power-loss model of the disk: each file as of its last successful sync, never-synced files zero-filled.
+
+``SyncShadow`` intercepts every way the store makes bytes durable (``os.fsync``,
+``os.fdatasync``, ``rocketstore.mapped_file.fdatasync`` and the index's
+``mmap.flush``).  At each sync of a file under the store root it reads the file's
+bytes *before* the real call and, once the call has succeeded, stores them under
+the shadow directory (temp file + rename, so a SIGKILL never leaves a torn copy).
+Bytes written before a sync began are durable after it; bytes written while it ran
+may or may not be, and the model takes the pessimistic answer.
+
+``crash_image`` builds the directory a power cut would leave: every file the store
+had, with its shadow bytes if it was ever synced, else zeros of its current length.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Callable
+
+import rocketstore.index as index_mod
+from rocketstore import StoreConfig
+import rocketstore.mapped_file as mapped_file_mod
+
+SHADOW_TMP = ".shadow-tmp"
+
+
+def writer_config(seed: int) -> StoreConfig:
+    """SYNC_FLUSH with a geometry small enough that commitlog segments, queue files and index files roll
+    within a round; how often the consume queues are flushed varies with the round."""
+    return StoreConfig(mappedFileSizeCommitLog=32 * 1024, mappedFileSizeConsumeQueue=10 * 20, maxHashSlotNum=32,
+                       maxIndexNum=128, flushDiskType="SYNC_FLUSH", warmAheadBytes=0,
+                       flushIntervalConsumeQueue=(5, 50, 300, 1000)[seed % 4], flushConsumeQueueLeastPages=0)
+
+
+class SyncShadow:
+    """While installed, every successful sync of a file under ``root`` copies it to ``shadow``."""
+
+    def __init__(self, root: str | Path, shadow: str | Path) -> None:
+        self.root = os.path.realpath(root)
+        self.shadow = str(shadow)
+        self._lock = threading.Lock()  # syncs of one file commit in call order
+        self._saved: list[tuple[object, str, object]] = []
+        self.synced: dict[str, int] = {}  # relative path -> number of syncs recorded
+
+    # ------------------------------------------------------------ install
+    def install(self) -> "SyncShadow":
+        real_fsync, real_fdatasync = os.fsync, os.fdatasync
+        real_index_flush = index_mod.IndexFile.flush
+        self._patch(os, "fsync", lambda fd: self._sync_fd(fd, real_fsync))
+        self._patch(os, "fdatasync", lambda fd: self._sync_fd(fd, real_fdatasync))
+        self._patch(mapped_file_mod, "fdatasync", lambda fd: self._sync_fd(fd, real_fdatasync))
+
+        def index_flush(f: index_mod.IndexFile) -> None:  # mmap.flush is msync: the map's pages become durable
+            self._sync_path(f.path, lambda: real_index_flush(f))
+        self._patch(index_mod.IndexFile, "flush", index_flush)
+        return self
+
+    def uninstall(self) -> None:
+        for obj, name, value in reversed(self._saved):
+            setattr(obj, name, value)
+        self._saved.clear()
+
+    def __enter__(self) -> "SyncShadow":
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    def _patch(self, obj: object, name: str, value: object) -> None:
+        self._saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    # ------------------------------------------------------------ syncing
+    def _sync_fd(self, fd: int, real: Callable[[int], None]) -> None:
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            path = ""
+        self._sync_path(path, lambda: real(fd), fd=fd)
+
+    def _sync_path(self, path: str, real: Callable[[], None], fd: int | None = None) -> None:
+        rel = self._relative(path)
+        if rel is None:
+            real()
+            return
+        with self._lock:
+            src = f"/proc/self/fd/{fd}" if fd is not None else path
+            with open(src, "rb") as fh:  # reopened: the store's fd may be write-only
+                data = fh.read()
+            real()  # raises on failure: then nothing is recorded as durable
+            dest = os.path.join(self.shadow, rel)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            tmp = dest + SHADOW_TMP
+            with open(tmp, "wb") as out:
+                out.write(data)
+            os.replace(tmp, dest)
+            self.synced[rel] = self.synced.get(rel, 0) + 1
+
+    def _relative(self, path: str) -> str | None:
+        """The path under the store root of a regular file, or None (directories, other files)."""
+        if not path.startswith(self.root + os.sep) or path.endswith(" (deleted)") or not os.path.isfile(path):
+            return None
+        return os.path.relpath(path, self.root)
+
+
+def crash_image(live: str | Path, shadow: str | Path, dest: str | Path) -> dict[str, str]:
+    """Build the post-power-loss copy of ``live`` in ``dest``; returns each file's fate ("synced"/"zeroed")."""
+    live, shadow, dest = Path(live), Path(shadow), Path(dest)
+    fate = {}
+    for d, _dirs, files in os.walk(live):
+        for name in files:
+            src = Path(d) / name
+            rel = src.relative_to(live)
+            out = dest / rel
+            out.parent.mkdir(parents=True, exist_ok=True)
+            synced = shadow / rel
+            if synced.is_file():
+                shutil.copyfile(synced, out)
+                fate[str(rel)] = "synced"
+            else:
+                try:
+                    size = src.stat().st_size
+                except FileNotFoundError:
+                    continue
+                with open(out, "wb") as fh:
+                    fh.truncate(size)
+                fate[str(rel)] = "zeroed"
+    return fate
