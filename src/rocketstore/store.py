@@ -30,7 +30,7 @@ from .errors import (CommitLogWriteError, ConfigError, ReadOnlyStoreError, Store
 from .flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeService, GroupCommitService
 from .index import IndexService, index_file_size
 from .message import (DEFAULT_STORE_HOST, LOCALHOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
-                      PutMessageStatus, QueryMessageResult, host_tuple)
+                      PutMessageStatus, QueryMessageResult, host_tuple, parse_tag_filter)
 from .metrics import SAMPLE_EVERY, MetricsService, StoreMetrics
 from .recovery import RecoveryReport, recover
 from .running_flags import RunningFlags
@@ -588,9 +588,10 @@ class MessageStore:
 
     # ------------------------------------------------------------ reading
     def get(self, topic: str, queue_id: int, offset: int, max_msgs: int = 32,
-            tag_filter: set[int] | None = None, max_total_bytes: int = 128 * 1024 * 1024,
+            tag_filter: set[int] | str | None = None, max_total_bytes: int = 128 * 1024 * 1024,
             read_body: bool = True) -> GetMessageResult:
-        """Read through the consume queue (RocketMQ's getMessage).  ``tag_filter``: tag hash codes or None.
+        """Read through the consume queue (RocketMQ's getMessage).  ``tag_filter``: tag hash codes, a
+        subscription expression (``"TagA"``, ``"TagA || TagB"``, ``"*"``) or None.
 
         Consumers call this in a loop, so the fixed cost of a call weighs about as
         much as the per-message cost: units are read in blocks of one unpack each,
@@ -599,6 +600,8 @@ class MessageStore:
         """
         if self.closed:
             raise StoreClosedError(f"{self.root}: store is closed")
+        if isinstance(tag_filter, str):
+            tag_filter = parse_tag_filter(tag_filter)
         cq = self._cq_table.get((topic, queue_id))
         if cq is None:
             return GetMessageResult(GetMessageStatus.NO_MESSAGE_IN_QUEUE, 0, 0, 0)
