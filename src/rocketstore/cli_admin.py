@@ -250,7 +250,8 @@ def dump_follow(args: argparse.Namespace, sel: Any) -> int:
     import sys
     from .follow import follow
     out = sys.stdout
-    for msg in follow(lambda: open_read_only(args), sel, read_body=not args.no_body, interval=args.interval):
-        out.write(json.dumps(message_json(msg, not args.no_body, args.text_bodies), ensure_ascii=False) + "\n")
-        out.flush()
+    with open_read_only(args) as store:
+        for msg in follow(store, sel, read_body=not args.no_body, interval=args.interval):
+            out.write(json.dumps(message_json(msg, not args.no_body, args.text_bodies), ensure_ascii=False) + "\n")
+            out.flush()
     return 0

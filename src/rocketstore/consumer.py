@@ -12,37 +12,33 @@ Waiting for new messages:
 
 - on a writable store of this process, the consumer sleeps on the dispatcher's
   condition (``ReputMessageService.caught_up``) and wakes when a put has been
-  dispatched to the consume queues: latency is the dispatcher's (a millisecond
-  or so);
-- on a store directory written by another process (``Consumer(path, ...)`` or a
-  read-only store), it reads the next consume-queue unit of each queue from the
-  files every ``poll_interval`` (default 50 ms; one 20-byte ``pread`` a queue)
-  and re-opens the store read-only when one is there.  A read-only open does the
-  store's (in-memory) recovery, so following a busy writer costs a re-open per
-  ``poll_interval`` at most.
+  dispatched to the consume queues: latency is the dispatcher's (about a
+  millisecond);
+- on a read-only store (``Consumer(path, ...)`` opens one), typically of a
+  directory another process writes, it extends the view every
+  ``poll_interval`` (default 50 ms) to the records and consume-queue units
+  appended since, each checked (:mod:`rocketstore.tail_view`): latency is
+  ``poll_interval`` plus the check of what is new.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import struct
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 
 from .codec import MessageExt
-from .consume_queue import CQ_STORE_UNIT_SIZE
-from .errors import StoreError, StoreLoadError
+from .errors import StoreError
 from .group_offsets import commit_offsets, read_offsets
 from .message import GetMessageStatus, parse_tag_filter
 from .store import MessageStore
+from .tail_view import extend_view
 
 log = logging.getLogger(__name__)
 
 EARLIEST, LATEST = "earliest", "latest"
-_UNIT = struct.Struct(">qiq")
 # Statuses after which the queue has nothing more for now.
 _IDLE = (GetMessageStatus.OFFSET_OVERFLOW_ONE, GetMessageStatus.NO_MESSAGE_IN_QUEUE)
 
@@ -220,50 +216,11 @@ class Consumer:
             with reput.caught_up:
                 reput.caught_up.wait_for(lambda: reput.reput_from_offset != mark or reput.stopped, slice_s)
             return
-        # Another process writes: look for the next unit in the files, re-open when one is there.
+        # Another process writes: extend the read-only view to what it has appended since.
         time.sleep(self.poll_interval if remaining is None else min(remaining, self.poll_interval))
-        if self._files_have_more():
-            self._reopen()
-
-    def _files_have_more(self) -> bool:
-        cq_size = self._store.config.mappedFileSizeConsumeQueue
-        tdir = os.path.join(self._store.paths.consumequeue, self.topic)
         with self._lock:
-            positions = dict(self._next)
-        if self._fixed_queues is None:
-            try:
-                for name in os.listdir(tdir):
-                    if name.isdigit() and int(name) not in positions:
-                        return True  # a new queue
-            except OSError:
-                return False
-        for q, offset in positions.items():
-            pos = offset * CQ_STORE_UNIT_SIZE
-            path = os.path.join(tdir, str(q), f"{pos - pos % cq_size:020d}")
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                raw = os.pread(fd, CQ_STORE_UNIT_SIZE, pos % cq_size)
-            finally:
-                os.close(fd)
-            if len(raw) == CQ_STORE_UNIT_SIZE and _UNIT.unpack(raw)[1] > 0:
-                return True
-        return False
-
-    def _reopen(self) -> None:
-        """A fresh read-only view of the directory (the old one is closed if the consumer opened it)."""
-        try:
-            fresh = MessageStore.open(self.root, read_only=True)
-        except StoreLoadError as e:  # a file the writer is creating right now: try again next time
-            log.debug("%s: re-open failed, retrying: %s", self.root, e)
-            return
-        with self._lock:
-            old, self._store = self._store, fresh
-            own, self._own_store = self._own_store, True
-        if own:
-            old.close()
+            if not self._closed and self._store.read_only:
+                extend_view(self._store, [self.topic])
 
     # ------------------------------------------------------------ committing
     def commit(self) -> dict[int, int]:
