@@ -241,17 +241,3 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-body", action="store_true")
     add_text_bodies_flag(p)
 
-
-# ---------------------------------------------------------------- dump --follow
-
-def dump_follow(args: argparse.Namespace, sel: Any) -> int:
-    """``dump --follow``: the selection, then new messages as they are written, one JSON line each, flushed."""
-    import json
-    import sys
-    from .follow import follow
-    out = sys.stdout
-    with open_read_only(args) as store:
-        for msg in follow(store, sel, read_body=not args.no_body, interval=args.interval):
-            out.write(json.dumps(message_json(msg, not args.no_body, args.text_bodies), ensure_ascii=False) + "\n")
-            out.flush()
-    return 0

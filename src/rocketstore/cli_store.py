@@ -50,13 +50,14 @@ def cmd_dump(args: argparse.Namespace) -> int:
     import json
     sel = selection_from_args(args)
     out = sys.stdout
-    if args.follow:
-        from .cli_admin import dump_follow
-        return dump_follow(args, sel)
     with open_read_only(args) as store:
         n = size = 0
+        more = None
+        if args.follow:
+            from .tail_view import follower
+            more = follower(store, args.interval, out.flush)
         try:
-            for msg in sel.scan(store, read_body=not args.no_body):
+            for msg in sel.scan(store, read_body=not args.no_body, more=more):
                 out.write(json.dumps(message_json(msg, not args.no_body, args.text_bodies),
                                      ensure_ascii=False) + "\n")
                 n += 1

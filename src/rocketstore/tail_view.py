@@ -23,7 +23,8 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 from . import codec
 from .consume_queue import CQ_STORE_UNIT_SIZE, ConsumeQueue
@@ -44,6 +45,19 @@ def extend_view(store: MessageStore, topics: Iterable[str] | None = None) -> boo
     for cq in _queues(store, topics):
         grew |= _extend_consume_queue(store, cq, end)
     return grew
+
+
+def follower(store: MessageStore, interval: float, on_idle: Callable[[], None] | None = None
+             ) -> Callable[[], bool]:
+    """For ``Selection.scan(more=...)`` (``dump --follow``): at the end of the view, call ``on_idle`` (flush the
+    output), then look every ``interval`` seconds until the writer has appended a record."""
+    def more() -> bool:
+        if on_idle is not None:
+            on_idle()
+        while not extend_view(store, topics=()):
+            time.sleep(interval)
+        return True
+    return more
 
 
 def _next_file(queue: MappedFileQueue) -> MappedFile | None:
