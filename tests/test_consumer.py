@@ -62,6 +62,10 @@ def test_poll_commit_and_resume_in_rocketmq_layout(tmp_path):
         assert sorted(m.body for m in again.poll(0) + again.poll(0)) == [b"m10", b"m11", b"m12", b"m13"]
         fresh = Consumer(store, "Other", "T", start="latest")
         assert fresh.poll(0) == [] and fresh.position() == {0: 7, 1: 7}
+        store.put(Message("T", b"new-queue", queue_id=5))  # a queue that appears later: read from its start
+        store.put(Message("T", b"old-queue", queue_id=0))
+        store.wait_dispatched()
+        assert sorted(m.body for m in fresh.poll(0) + fresh.poll(0)) == [b"new-queue", b"old-queue"]
 
 
 def test_tag_filter_skips_and_commits_past_filtered_units(tmp_path):

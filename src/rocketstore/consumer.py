@@ -69,7 +69,6 @@ class Consumer:
         self.group = group
         self.topic = topic
         self.tag_filter = parse_tag_filter(tag_filter) if isinstance(tag_filter, str) else tag_filter
-        self.start = start
         self.max_messages = max_messages
         self.auto_commit = auto_commit
         self.poll_interval = poll_interval
@@ -77,12 +76,10 @@ class Consumer:
         self._lock = threading.RLock()
         self._next: dict[int, int] = {}       # where the next read of each queue begins
         self._consumed: dict[int, int] = {}   # what commit() writes: the next offset to consume per queue
-        self._committed: dict[int, int] = {}
+        self._committed: dict[int, int] = dict(read_offsets(self.root).table.get(f"{topic}@{group}", {}))
         self._rr = 0
         self._closed = False
-        committed = read_offsets(self.root).table.get(f"{topic}@{group}", {})
-        self._committed = dict(committed)
-        self._refresh_queues()
+        self._refresh_queues(start)
 
     # ------------------------------------------------------------ queues and positions
     @property
@@ -115,7 +112,9 @@ class Consumer:
             for q in list(self._next):
                 self.seek(q, self._store.offset_by_time(self.topic, q, timestamp_ms))
 
-    def _refresh_queues(self) -> None:
+    def _refresh_queues(self, start: str = EARLIEST) -> None:
+        """Take in the topic's queues; one without a committed offset starts at ``start`` (queues that appear
+        later start at their beginning: everything in them came after this consumer started)."""
         ids = self._fixed_queues
         if ids is None:
             ids = [q for t, q in self._store.queue_keys() if t == self.topic]
@@ -124,7 +123,7 @@ class Consumer:
                 continue
             if q in self._committed:
                 off = self._committed[q]
-            elif self.start == LATEST:
+            elif start == LATEST:
                 off = self._store.max_offset_in_queue(self.topic, q)
             else:
                 off = self._store.min_offset_in_queue(self.topic, q)
