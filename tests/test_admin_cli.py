@@ -151,6 +151,9 @@ def test_reset_offset_refuses_while_a_writer_has_the_store(basic_copy):
                  match="open by a running process")
     assert (basic_copy / "config" / "consumerOffset.json").read_bytes() == before
     _refused("reset-offset", basic_copy, "--group", "billing", "--topic", "TopicA", match="--to-")
+    (basic_copy / "config" / "consumerOffset.json").write_bytes(b'{"offsetTable": {"TopicA@bil')  # torn, no .bak
+    _refused("reset-offset", basic_copy, "--group", "g", "--topic", "TopicA", "--to-earliest", match="unreadable")
+    assert (basic_copy / "config" / "consumerOffset.json").read_bytes() == b'{"offsetTable": {"TopicA@bil'
     _refused("reset-offset", basic_copy, "--group", "g", "--topic", "Nope", "--to-earliest", match="'Nope'")
     _refused("reset-offset", basic_copy, "--group", "g", "--topic", "TopicC", "--queue-id", "5", "--to-earliest",
              match="no queue 5")

@@ -197,3 +197,15 @@ def test_bad_arguments():
             Consumer(store, "G", "TopicA", start="middle")
         c = Consumer(store, "G", "TopicA", queues=[2])
         assert c.queues() == [2] and c.poll(0)[0].queue_id == 2
+
+
+def test_commit_over_a_corrupt_file_keeps_the_good_backup(tmp_path):
+    cfg = tmp_path / "s" / "config"
+    cfg.mkdir(parents=True)
+    good = {"offsetTable": {"T@Old": {"0": 4}}}
+    (cfg / "consumerOffset.json.bak").write_text(json.dumps(good))
+    (cfg / "consumerOffset.json").write_bytes(b'{"offsetTable": {"T@Ol')  # torn
+    from rocketstore.group_offsets import commit_offsets
+    commit_offsets(str(tmp_path / "s"), "T", "New", {0: 9})
+    assert _offsets_file(tmp_path / "s") == {"T@Old": {"0": 4}, "T@New": {"0": 9}}
+    assert json.loads((cfg / "consumerOffset.json.bak").read_text()) == good

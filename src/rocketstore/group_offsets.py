@@ -18,7 +18,8 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .broker.offsets import ConsumerOffsetManager
+from .broker.offsets import ConsumerOffsetManager, loads_lenient
+from .errors import StoreError
 
 
 def config_dir(root: str) -> str:
@@ -38,6 +39,10 @@ def updating_offsets(root: str) -> Iterator[ConsumerOffsetManager]:
     fd = os.open(os.path.join(directory, "consumerOffset.json.lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+        path = os.path.join(directory, "consumerOffset.json")
+        if not _readable_or_absent(path):
+            raise StoreError(f"{path}: unreadable, and so is its .bak; refusing to overwrite the offsets of "
+                             "every group (repair or remove the file)")
         manager = ConsumerOffsetManager(directory)
         yield manager
         snapshot = manager.snapshot()
@@ -45,6 +50,20 @@ def updating_offsets(root: str) -> Iterator[ConsumerOffsetManager]:
             manager.write(snapshot)
     finally:
         os.close(fd)  # releases the lock
+
+
+def _readable_or_absent(path: str) -> bool:
+    """Whether the offsets file or its backup parses, or neither exists (a first commit)."""
+    present = False
+    for candidate in (path, f"{path}.bak"):
+        try:
+            with open(candidate, "rb") as fh:
+                present = True
+                loads_lenient(fh.read().decode("utf-8"))
+            return True
+        except (ValueError, OSError):  # missing, unreadable or not JSON
+            continue
+    return not present
 
 
 def commit_offsets(root: str, topic: str, group: str, offsets: dict[int, int]) -> None:
