@@ -247,3 +247,10 @@ def test_dump_follow_prints_messages_written_by_another_process(tmp_path):
             p.kill()
         assert bodies == ["live-1", "y" * 700_000, "z" * 700_000]
         assert len(list((root / "commitlog").iterdir())) >= 2
+
+
+def test_retention_reads_rocketmqs_own_offsets_file(basic_copy):
+    """store.consumer_offsets (the retention warning's input) reads the file as lag does: fastjson keys too."""
+    _write_offsets(basic_copy, '{"offsetTable":{"TopicA@g1":{0:5,1:9},"TopicA@g2":{0:3},"TopicB@g1":{1:2}}}')
+    with MessageStore.open(str(basic_copy), read_only=True) as store:
+        assert store.consumer_offsets() == {("TopicA", 0): 3, ("TopicA", 1): 9, ("TopicB", 1): 2}

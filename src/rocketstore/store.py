@@ -754,15 +754,14 @@ class MessageStore:
         return self.max_phy_offset() if best is None else max(best, self.min_phy_offset())
 
     def consumer_offsets(self) -> dict[tuple[str, int], int]:
-        """Lowest committed offset per queue over all groups, from RocketMQ's config/consumerOffset.json."""
-        from .jsonfile import read_json
-        data = read_json(os.path.join(self.paths.config, "consumerOffset.json"))
+        """Lowest committed offset per queue over all groups, from RocketMQ's config/consumerOffset.json
+        (as the broker reads it: fastjson's unquoted keys too)."""
+        from .group_offsets import read_offsets
         out: dict[tuple[str, int], int] = {}
-        for key, queues in ((data or {}).get("offsetTable") or {}).items():
+        for key, queues in read_offsets(self.root).table.items():
             topic = key.rsplit("@", 1)[0]
-            for qid, off in (queues or {}).items():
-                k = (topic, int(qid))
-                out[k] = min(out.get(k, off), off)
+            for qid, off in queues.items():
+                out[(topic, qid)] = min(out.get((topic, qid), off), off)
         return out
 
     def state(self) -> dict[str, Any]:
