@@ -19,12 +19,14 @@ from typing import Any, Callable, NoReturn
 from . import __version__
 from .config import StoreConfig
 from .errors import StoreError
+from .timeparse import NEGATIVE_VALUE
 
 log = logging.getLogger("rocketstore")
 
 # Subcommands that live in other modules: (module, function that adds them to the subparsers).
 PLUGINS = [
     ("rocketstore.cli_store", "register"),
+    ("rocketstore.cli_admin", "register"),
     ("rocketstore.spark.cli", "register"),
     ("rocketstore.broker.cli", "register"),
     ("rocketstore.bench.cli", "register"),
@@ -32,6 +34,10 @@ PLUGINS = [
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._negative_number_matcher = NEGATIVE_VALUE  # "-1h" is a value (a relative time), as "-5" is
+
     def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"rocketstore: error: {message}\n")
         raise SystemExit(2)

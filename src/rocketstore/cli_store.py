@@ -7,6 +7,8 @@ import sys
 from typing import Any
 
 from .cli import emit, load_config
+from .cli_format import JSON, MESSAGE_COLUMNS, add_format_flag, add_text_bodies_flag, message_json, message_row, \
+    print_rows
 from .errors import CliError, StoreError
 from .config import StoreConfig
 from .consume_queue import LOWER, UPPER
@@ -14,6 +16,7 @@ from .message import Message, parse_tag_filter
 from .progress import progress_bar
 from .selection import Selection
 from .store import MessageStore
+from .timeparse import time_arg
 
 
 def _nonneg(text: str) -> int:
@@ -33,13 +36,6 @@ def _positive(text: str) -> int:
     return v
 
 
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-
-
 def open_read_only(args: argparse.Namespace) -> MessageStore:
     return MessageStore.open(args.store, load_config(getattr(args, "config", None)), read_only=True)
 
@@ -56,9 +52,14 @@ def cmd_dump(args: argparse.Namespace) -> int:
     out = sys.stdout
     with open_read_only(args) as store:
         n = size = 0
+        more = None
+        if args.follow:
+            from .tail_view import follower
+            more = follower(store, args.interval, out.flush)
         try:
-            for msg in sel.scan(store, read_body=not args.no_body):
-                out.write(json.dumps(msg.to_json(not args.no_body), ensure_ascii=False) + "\n")
+            for msg in sel.scan(store, read_body=not args.no_body, more=more):
+                out.write(json.dumps(message_json(msg, not args.no_body, args.text_bodies),
+                                     ensure_ascii=False) + "\n")
                 n += 1
                 size += msg.size
         except StoreError as e:
@@ -81,14 +82,19 @@ def add_selection_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topic", help="only this topic")
     p.add_argument("--max-messages", type=_nonneg, metavar="N", help="at most N messages")
     p.add_argument("--max-bytes", type=_positive, metavar="N", help="stop once N bytes of records are taken")
-    p.add_argument("--from-time", type=_int, metavar="MS", help="store timestamp (epoch ms) to start at "
-                   "(seeks through the consume queues)")
-    p.add_argument("--to-time", type=_int, metavar="MS", help="store timestamp (epoch ms) to stop after")
+    p.add_argument("--from-time", type=time_arg, metavar="TIME", help="store time to start at: epoch ms, ISO-8601 "
+                   "or relative (-1h) (seeks through the consume queues)")
+    p.add_argument("--to-time", type=time_arg, metavar="TIME", help="store time to stop after (as --from-time)")
 
 
 def cmd_state(args: argparse.Namespace) -> int:
     with open_read_only(args) as store:
-        emit(store.state())
+        state = store.state()
+    if args.format == JSON:
+        emit(state)
+    else:
+        print_rows(state["queues"], ("topic", "queueId", "minOffsetInQueue", "maxOffsetInQueue",
+                                     "messageTotalInQueue"), args.format)
     return 0
 
 
@@ -96,15 +102,25 @@ def cmd_get(args: argparse.Namespace) -> int:
     with open_read_only(args) as store:
         r = store.get(args.topic, args.queue_id, args.offset, args.max, parse_tag_filter(args.tags),
                       read_body=not args.no_body)
-        emit(r.to_json(not args.no_body))
+        _emit_messages(args, r.to_json(not args.no_body), r.messages)
     return 0
 
 
 def cmd_query(args: argparse.Namespace) -> int:
     with open_read_only(args) as store:
         r = store.query(args.topic, args.key, args.max, args.begin, args.end, read_body=not args.no_body)
-        emit(r.to_json(not args.no_body))
+        _emit_messages(args, r.to_json(not args.no_body), r.messages)
     return 0
+
+
+def _emit_messages(args: argparse.Namespace, doc: dict[str, Any], messages: list[Any]) -> None:
+    """A get/query result: the JSON document (bodies as text with --text-bodies), or one row per message."""
+    if args.format != JSON:
+        print_rows([message_row(m, not args.no_body) for m in messages], MESSAGE_COLUMNS, args.format)
+        return
+    if args.text_bodies:
+        doc["messages"] = [message_json(m, not args.no_body, True) for m in messages]
+    emit(doc)
 
 
 def cmd_offset_by_time(args: argparse.Namespace) -> int:
@@ -296,8 +312,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_selection_flags(p)
     p.add_argument("--from-offset", type=_nonneg, metavar="N", help="start at this commitlog offset")
     p.add_argument("--limit", type=_nonneg, metavar="N", help="same as --max-messages")
+    add_text_bodies_flag(p)
+    p.add_argument("--follow", action="store_true", help="at the end, wait for and print new messages "
+                   "(another process writes; stops at --to-time or the limits)")
+    p.add_argument("--interval", type=float, default=0.2, metavar="S", help="--follow: how often to look for new "
+                   "records (default 0.2 s)")
 
-    add("state", cmd_state, "offsets, checkpoint and queues as JSON")
+    p = add("state", cmd_state, "offsets, checkpoint and queues as JSON")
+    add_format_flag(p, JSON)
 
     p = add("get", cmd_get, "read a consume queue (RocketMQ's getMessage)")
     p.add_argument("--topic", required=True, help="topic to read")
@@ -306,19 +328,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max", type=_positive, default=32, metavar="N", help="at most N messages (default 32)")
     p.add_argument("--tags", help='tag filter, e.g. "TagA||TagB" or "*"')
     p.add_argument("--no-body", action="store_true", help="omit bodies")
+    add_format_flag(p, JSON)
+    add_text_bodies_flag(p)
 
     p = add("query", cmd_query, "messages by key or UNIQ_KEY through the index (queryMessage)")
     p.add_argument("--topic", required=True, help="topic of the messages")
     p.add_argument("--key", required=True, help="a key (KEYS) or UNIQ_KEY")
     p.add_argument("--max", type=_positive, default=32, metavar="N", help="at most N messages (default 32)")
-    p.add_argument("--begin", type=_int, default=0, metavar="MS", help="earliest store timestamp (epoch ms)")
-    p.add_argument("--end", type=_int, default=2 ** 63 - 1, metavar="MS", help="latest store timestamp (epoch ms)")
+    p.add_argument("--begin", type=time_arg, default=0, metavar="TIME",
+                   help="earliest store time: epoch ms, ISO-8601 or -1h style")
+    p.add_argument("--end", type=time_arg, default=2 ** 63 - 1, metavar="TIME",
+                   help="latest store time: epoch ms, ISO-8601 or -1h style")
     p.add_argument("--no-body", action="store_true", help="omit bodies")
+    add_format_flag(p, JSON)
+    add_text_bodies_flag(p)
 
     p = add("offset-by-time", cmd_offset_by_time, "queue offset for a store timestamp")
     p.add_argument("--topic", required=True, help="topic of the queue")
     p.add_argument("--queue-id", type=_nonneg, required=True, metavar="Q", help="queue id within the topic")
-    p.add_argument("--timestamp", type=_int, required=True, metavar="MS", help="store timestamp (epoch ms)")
+    p.add_argument("--timestamp", type=time_arg, required=True, metavar="TIME",
+                   help="store time: epoch ms, ISO-8601 or -1h style")
     p.add_argument("--boundary", choices=[LOWER, UPPER], default=LOWER,
                    help="which offset when several messages share the time (default lower)")
 

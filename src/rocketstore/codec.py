@@ -202,6 +202,19 @@ def offset_msg_id(store_addr: bytes, store_port: int, commit_log_offset: int) ->
     return (store_addr + struct.pack(">iq", store_port, commit_log_offset)).hex().upper()
 
 
+def decode_offset_msg_id(msg_id: str) -> tuple[bytes, int, int] | None:
+    """(store address, port, commitlog offset) of an offsetMsgId (32 hex digits for IPv4, 56 for IPv6), or
+    None when ``msg_id`` is not of that form (a UNIQ_KEY client id, say)."""
+    if len(msg_id) not in (32, 56):
+        return None
+    try:
+        raw = bytes.fromhex(msg_id)
+    except ValueError:
+        return None
+    port, offset = struct.unpack(">iq", raw[-12:])
+    return raw[:-12], port, offset
+
+
 def record_length(body_len: int, topic_len: int, props_len: int, sys_flag: int, v2: bool) -> int:
     """RocketMQ's calMsgLength."""
     born = 20 if sys_flag & SYSFLAG_BORNHOST_V6 else 8

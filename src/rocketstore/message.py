@@ -79,9 +79,14 @@ class Message:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Message":
-        """A message from one ``dump`` line, keeping every stored field."""
+        """A message from one ``dump`` line, keeping every stored field (``body`` is base64 unless
+        ``bodyEncoding`` is ``"utf-8"``, as ``dump --text-bodies`` writes valid UTF-8 bodies)."""
         import base64
-        return cls(topic=d["topic"], body=base64.b64decode(d.get("body") or ""), queue_id=d.get("queueId", 0),
+        encoding = d.get("bodyEncoding", "base64")
+        if encoding not in ("base64", "utf-8"):
+            raise ValueError(f"bodyEncoding {encoding!r}: expected 'base64' or 'utf-8'")
+        body = (d.get("body") or "").encode("utf-8") if encoding == "utf-8" else base64.b64decode(d.get("body") or "")
+        return cls(topic=d["topic"], body=body, queue_id=d.get("queueId", 0),
                    flag=d.get("flag", 0), sys_flag=d.get("sysFlag", 0), born_timestamp=d.get("bornTimestamp"),
                    born_host=d.get("bornHost"), store_host=d.get("storeHost"),
                    reconsume_times=d.get("reconsumeTimes", 0),

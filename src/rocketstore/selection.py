@@ -9,7 +9,7 @@ segments from the page cache.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,24 +43,33 @@ class Selection:
             return self.from_offset
         return store.seek_offset(self.topic, self.from_time)
 
-    def scan(self, store: MessageStore, *, read_body: bool = True) -> Iterator[MessageExt]:
-        """The selected messages; a record that does not decode stops the scan with a StoreError."""
+    def scan(self, store: MessageStore, *, read_body: bool = True,
+             more: Callable[[], bool] | None = None) -> Iterator[MessageExt]:
+        """The selected messages; a record that does not decode stops the scan with a StoreError.
+
+        ``more``, if given, is called at the end of the records: True goes on from
+        there (``dump --follow`` waits for the writer and extends the view)."""
         if self.reached(0, 0):
             return
         n = size = 0
-        for off, _size, msg, problem in store.messages(self.start(store), read_body=read_body, drop_cache=True):
-            if msg is None:
-                raise StoreError(f"scan stopped at commitlog offset {off}: {problem}")
-            if self.to_time is not None and msg.store_timestamp > self.to_time:
-                return  # store times ascend in commitlog order (stamped under the put lock)
-            if self.topic is not None and msg.topic != self.topic:
-                continue
-            if self.from_time is not None and msg.store_timestamp < self.from_time:
-                continue
-            yield msg
-            n += 1
-            size += msg.size
-            if self.reached(n, size):
+        offset = self.start(store)
+        while True:
+            for off, rec_size, msg, problem in store.messages(offset, read_body=read_body, drop_cache=True):
+                if msg is None:
+                    raise StoreError(f"scan stopped at commitlog offset {off}: {problem}")
+                offset = off + rec_size
+                if self.to_time is not None and msg.store_timestamp > self.to_time:
+                    return  # store times ascend in commitlog order (stamped under the put lock)
+                if self.topic is not None and msg.topic != self.topic:
+                    continue
+                if self.from_time is not None and msg.store_timestamp < self.from_time:
+                    continue
+                yield msg
+                n += 1
+                size += msg.size
+                if self.reached(n, size):
+                    return
+            if more is None or not more():
                 return
 
     def reached(self, messages: int, size: int) -> bool:

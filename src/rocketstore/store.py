@@ -30,7 +30,7 @@ from .errors import (CommitLogWriteError, ConfigError, ReadOnlyStoreError, Store
 from .flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeService, GroupCommitService
 from .index import IndexService, index_file_size
 from .message import (DEFAULT_STORE_HOST, LOCALHOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
-                      PutMessageStatus, QueryMessageResult, host_tuple)
+                      PutMessageStatus, QueryMessageResult, host_tuple, parse_tag_filter)
 from .metrics import SAMPLE_EVERY, MetricsService, StoreMetrics
 from .recovery import RecoveryReport, recover
 from .running_flags import RunningFlags
@@ -590,9 +590,10 @@ class MessageStore:
 
     # ------------------------------------------------------------ reading
     def get(self, topic: str, queue_id: int, offset: int, max_msgs: int = 32,
-            tag_filter: set[int] | None = None, max_total_bytes: int = 128 * 1024 * 1024,
+            tag_filter: set[int] | str | None = None, max_total_bytes: int = 128 * 1024 * 1024,
             read_body: bool = True) -> GetMessageResult:
-        """Read through the consume queue (RocketMQ's getMessage).  ``tag_filter``: tag hash codes or None.
+        """Read through the consume queue (RocketMQ's getMessage).  ``tag_filter``: tag hash codes, a
+        subscription expression (``"TagA"``, ``"TagA || TagB"``, ``"*"``) or None.
 
         Consumers call this in a loop, so the fixed cost of a call weighs about as
         much as the per-message cost: units are read in blocks of one unpack each,
@@ -601,6 +602,8 @@ class MessageStore:
         """
         if self.closed:
             raise StoreClosedError(f"{self.root}: store is closed")
+        if isinstance(tag_filter, str):
+            tag_filter = parse_tag_filter(tag_filter)
         cq = self._cq_table.get((topic, queue_id))
         if cq is None:
             return GetMessageResult(GetMessageStatus.NO_MESSAGE_IN_QUEUE, 0, 0, 0)
@@ -753,24 +756,14 @@ class MessageStore:
         return self.max_phy_offset() if best is None else max(best, self.min_phy_offset())
 
     def consumer_offsets(self) -> dict[tuple[str, int], int]:
-        """Lowest committed offset per queue over all groups, from RocketMQ's config/consumerOffset.json."""
-        from .jsonfile import loads_lenient, read_json
-        path = os.path.join(self.paths.config, "consumerOffset.json")
-        data = read_json(path, loads=loads_lenient)  # RocketMQ's fastjson writes bare integer keys
-        table = data.get("offsetTable") if isinstance(data, dict) else data
-        if not isinstance(table or {}, dict):
-            raise StoreLoadError(f"{path}: offsetTable is not an object")
+        """Lowest committed offset per queue over all groups, from RocketMQ's config/consumerOffset.json
+        (as the broker reads it: fastjson's unquoted keys too)."""
+        from .group_offsets import read_offsets
         out: dict[tuple[str, int], int] = {}
-        for key, queues in (table or {}).items():
+        for key, queues in read_offsets(self.root).table.items():
             topic = key.rsplit("@", 1)[0]
-            if not isinstance(queues or {}, dict):
-                raise StoreLoadError(f"{path}: offsetTable entry {key!r} is not an object of queue offsets")
-            for qid, off in (queues or {}).items():
-                if not (qid.lstrip("-").isdigit() and type(off) is int):
-                    raise StoreLoadError(f"{path}: offsetTable entry {key!r}: queue {qid!r} offset {off!r} "
-                                         "is not an integer pair")
-                k = (topic, int(qid))
-                out[k] = min(out.get(k, off), off)
+            for qid, off in queues.items():
+                out[(topic, qid)] = min(out.get((topic, qid), off), off)
         return out
 
     def state(self) -> dict[str, Any]:

@@ -36,9 +36,14 @@ class ConsumerOffsetManager:
         self._fastjson = False
         try:
             with open(self.path, encoding="utf-8") as fh:
-                json.loads(fh.read())
+                text = fh.read()
+            json.loads(text)
         except ValueError:
-            self._fastjson = True  # RocketMQ's own file: kept as the .bak on the first write
+            try:
+                loads_lenient(text)
+                self._fastjson = True  # RocketMQ's own file: kept as the .bak on the first write
+            except ValueError:
+                pass  # corrupt: read from the .bak below, which must stay the backup
         except OSError:
             pass
         data = read_json_lenient(self.path) or {}

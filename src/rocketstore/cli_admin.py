@@ -1,0 +1,243 @@
+"""Operator verbs (mqadmin's topicList/topicStatus, consumerProgress, resetOffsetByTime, queryMsgById):
+``topics``, ``groups``, ``lag``, ``reset-offset``, ``msg``.
+
+All but ``reset-offset`` open the store read-only.  ``reset-offset`` is offline:
+it takes the store's lock for the time of the change, so it refuses (exit 2)
+while a broker or any writer has the store open, and writes
+``config/consumerOffset.json`` atomically (see :mod:`rocketstore.group_offsets`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from . import codec
+from .broker.offsets import read_json_lenient
+from .cli import emit
+from .cli_format import JSON, MESSAGE_COLUMNS, TABLE, add_format_flag, add_text_bodies_flag, message_json, \
+    message_row, print_rows
+from .cli_store import _nonneg, open_read_only
+from .consume_queue import LOWER
+from .errors import CliError, CorruptRecordError, StoreLockedError
+from .group_offsets import read_offsets, updating_offsets
+from .store import MessageStore, StorePaths
+from .timeparse import time_arg
+
+
+# ---------------------------------------------------------------- topics
+
+def topic_table(store: MessageStore) -> list[dict[str, Any]]:
+    """Every topic with consume queues or in ``config/topics.json``: queues on disk, messages, configured queues."""
+    rows: dict[str, dict[str, Any]] = {}
+    for q in store.state()["queues"]:
+        r = rows.setdefault(q["topic"], {"topic": q["topic"], "queues": 0, "messages": 0, "minOffset": 0,
+                                         "maxOffset": 0, "readQueueNums": None, "writeQueueNums": None})
+        r["queues"] += 1
+        r["messages"] += q["messageTotalInQueue"]
+        r["minOffset"] += q["minOffsetInQueue"]
+        r["maxOffset"] += q["maxOffsetInQueue"]
+    configured = read_json_lenient(os.path.join(store.paths.config, "topics.json")) or {}
+    for name, conf in (configured.get("topicConfigTable") or {}).items() if isinstance(configured, dict) else ():
+        r = rows.setdefault(name, {"topic": name, "queues": 0, "messages": 0, "minOffset": 0, "maxOffset": 0,
+                                   "readQueueNums": None, "writeQueueNums": None})
+        if isinstance(conf, dict):
+            r["readQueueNums"] = conf.get("readQueueNums")
+            r["writeQueueNums"] = conf.get("writeQueueNums")
+    return [rows[t] for t in sorted(rows)]
+
+
+def cmd_topics(args: argparse.Namespace) -> int:
+    with open_read_only(args) as store:
+        rows = topic_table(store)
+    if args.format == JSON:
+        emit({"topics": rows})
+    else:
+        print_rows(rows, ("topic", "queues", "messages", "readQueueNums", "writeQueueNums"), args.format)
+    return 0
+
+
+# ---------------------------------------------------------------- groups and lag
+
+def lag_table(store: MessageStore, group: str | None = None, topic: str | None = None) -> list[dict[str, Any]]:
+    """Per group, topic and queue: the committed offset, the queue's range and the lag (messages behind).
+
+    A group whose offset is below the queue's minimum (messages deleted before it
+    read them) lags by the whole queue and is flagged ``behindMin``."""
+    rows = []
+    for key, queues in sorted(read_offsets(store.root).table.items()):
+        t, _, g = key.rpartition("@")
+        if (group is not None and g != group) or (topic is not None and t != topic):
+            continue
+        for qid in sorted(set(queues) | {q for tt, q in store.queue_keys() if tt == t}):
+            lo, hi = store.min_offset_in_queue(t, qid), store.max_offset_in_queue(t, qid)
+            committed = queues.get(qid)
+            start = lo if committed is None else max(committed, lo)
+            rows.append({"group": g, "topic": t, "queueId": qid, "consumerOffset": committed, "minOffset": lo,
+                         "brokerOffset": hi, "lag": max(0, hi - start),
+                         "behindMin": committed is not None and committed < lo})
+    return rows
+
+
+def cmd_lag(args: argparse.Namespace) -> int:
+    with open_read_only(args) as store:
+        rows = lag_table(store, args.group, args.topic)
+    if args.group is not None and not rows:
+        raise CliError(f"{args.store}: no committed offsets for group {args.group!r}"
+                       + (f" on topic {args.topic!r}" if args.topic else "") + " in config/consumerOffset.json")
+    if args.format == JSON:
+        emit({"lag": rows, "totalLag": sum(r["lag"] for r in rows)})
+    else:
+        print_rows(rows, ("group", "topic", "queueId", "consumerOffset", "brokerOffset", "lag"), args.format)
+    return 0
+
+
+def cmd_groups(args: argparse.Namespace) -> int:
+    with open_read_only(args) as store:
+        rows = lag_table(store)
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in rows:
+        g = groups.setdefault((r["group"], r["topic"]), {"group": r["group"], "topic": r["topic"], "queues": 0,
+                                                         "lag": 0})
+        g["queues"] += 1
+        g["lag"] += r["lag"]
+    out = [groups[k] for k in sorted(groups)]
+    if args.format == JSON:
+        emit({"groups": out})
+    else:
+        print_rows(out, ("group", "topic", "queues", "lag"), args.format)
+    return 0
+
+
+# ---------------------------------------------------------------- reset-offset
+
+@contextmanager
+def store_locked_offline(root: str) -> Iterator[None]:
+    """Hold the store's lock (as a writer would) so no writer starts while offline tools change files;
+    StoreLockedError when a writer has it."""
+    paths = StorePaths(root)
+    if not os.path.isdir(paths.commitlog):
+        raise CliError(f"{root}: not a message store (no commitlog directory)")
+    fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+        except OSError:
+            raise StoreLockedError(f"{paths.lock}: store is open by a running process (broker or writer); "
+                                   "stop it first, reset-offset works offline") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def cmd_reset_offset(args: argparse.Namespace) -> int:
+    with store_locked_offline(args.store):
+        with open_read_only(args) as store:
+            qids = [q for t, q in store.queue_keys() if t == args.topic]
+            if args.queue_id is not None:
+                if args.queue_id not in qids:
+                    raise CliError(f"{args.store}: topic {args.topic!r} has no queue {args.queue_id}")
+                qids = [args.queue_id]
+            if not qids:
+                raise CliError(f"{args.store}: topic {args.topic!r} has no consume queues")
+            targets = {}
+            for q in qids:
+                lo, hi = store.min_offset_in_queue(args.topic, q), store.max_offset_in_queue(args.topic, q)
+                if args.to_time is not None:
+                    targets[q] = store.offset_by_time(args.topic, q, args.to_time, LOWER)
+                elif args.to_offset is not None:
+                    targets[q] = min(max(args.to_offset, lo), hi)
+                else:
+                    targets[q] = lo if args.to_earliest else hi
+        rows = []
+        with updating_offsets(args.store) as manager:
+            for q, new in sorted(targets.items()):
+                rows.append({"group": args.group, "topic": args.topic, "queueId": q,
+                             "oldOffset": manager.get(args.topic, args.group, q), "newOffset": new})
+                manager.commit(args.topic, args.group, q, new)
+    if args.format == JSON:
+        emit({"reset": rows})
+    else:
+        print_rows(rows, ("group", "topic", "queueId", "oldOffset", "newOffset"), args.format)
+    return 0
+
+
+# ---------------------------------------------------------------- msg --id
+
+def find_by_id(store: MessageStore, msg_id: str, topic: str | None = None) -> tuple[str, list[codec.MessageExt]]:
+    """Messages with this id: an offset msgId of this store (decoded to its commitlog offset and checked),
+    else a UNIQ_KEY (client message id) looked up through the index in ``topic`` or every topic."""
+    decoded = codec.decode_offset_msg_id(msg_id)
+    if decoded is not None:
+        offset = decoded[2]
+        if store.min_phy_offset() <= offset < store.max_phy_offset():
+            try:
+                m = store.look(offset)
+            except CorruptRecordError:
+                m = None
+            if m is not None and m.msg_id == msg_id.upper() and (topic is None or m.topic == topic):
+                return "offsetMsgId", [m]
+    topics = [topic] if topic is not None else sorted({t for t, _ in store.queue_keys()})
+    hits = []
+    for t in topics:
+        for m in store.query(t, msg_id, max_num=store.config.maxMsgsNumBatch).messages:
+            if m.uniq_key == msg_id:
+                hits.append(m)
+    return "uniqKey", sorted(hits, key=lambda m: m.commit_log_offset)
+
+
+def cmd_msg(args: argparse.Namespace) -> int:
+    with open_read_only(args) as store:
+        how, msgs = find_by_id(store, args.id, args.topic)
+        if not msgs:
+            raise CliError(f"{args.store}: no message with id {args.id}: neither an offset msgId of this store "
+                           "nor a UNIQ_KEY in the index" + (f" of topic {args.topic!r}" if args.topic else ""))
+        if args.format == JSON:
+            emit({"id": args.id, "resolvedBy": how,
+                  "messages": [message_json(m, not args.no_body, args.text_bodies) for m in msgs]})
+        else:
+            print_rows([message_row(m, not args.no_body) for m in msgs], MESSAGE_COLUMNS, args.format)
+    return 0
+
+
+# ---------------------------------------------------------------- wiring
+
+def register(sub: argparse._SubParsersAction) -> None:
+    def add(name: str, handler: Any, help: str, default_format: str = TABLE) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.add_argument("store", metavar="STORE", help="store root directory (storePathRootDir)")
+        p.add_argument("--config", metavar="FILE", help="broker.conf style file (key=value)")
+        add_format_flag(p, default_format)
+        p.set_defaults(handler=handler)
+        return p
+
+    add("topics", cmd_topics, "topics with their queue and message counts (also topics of config/topics.json "
+        "without messages)")
+    add("groups", cmd_groups, "consumer groups of config/consumerOffset.json with their lag per topic")
+    p = add("lag", cmd_lag, "consumer lag per group, topic and queue (committed offset against the queue's end)")
+    p.add_argument("--group", help="only this group")
+    p.add_argument("--topic", help="only this topic")
+
+    p = add("reset-offset", cmd_reset_offset, "set a group's committed offsets of a topic (offline: refuses "
+            "while the store is open by a writer; atomic write)")
+    p.add_argument("--group", required=True)
+    p.add_argument("--topic", required=True)
+    p.add_argument("--queue-id", type=_nonneg, help="only this queue (default: every queue of the topic)")
+    to = p.add_mutually_exclusive_group(required=True)
+    to.add_argument("--to-time", type=time_arg, metavar="TIME",
+                    help="first message stored at or after TIME (epoch ms, ISO-8601, or -1h style)")
+    to.add_argument("--to-offset", type=_nonneg, metavar="N", help="queue offset N (clamped to the queue's range)")
+    to.add_argument("--to-earliest", action="store_true", help="each queue's first message")
+    to.add_argument("--to-latest", action="store_true", help="each queue's end (skip everything stored)")
+
+    p = add("msg", cmd_msg, "a message by id: offset msgId (decoded to its commitlog offset) or UNIQ_KEY "
+            "(through the index)", default_format=JSON)
+    p.add_argument("--id", required=True, metavar="MSGID")
+    p.add_argument("--topic", help="look the UNIQ_KEY up in this topic only (default: every topic)")
+    p.add_argument("--no-body", action="store_true")
+    add_text_bodies_flag(p)
+
