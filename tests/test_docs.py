@@ -40,7 +40,8 @@ EXE = ("rocketstore", ".venv/bin/rocketstore")
 
 # Example values for the placeholders of the synopses.
 PLACEHOLDERS = {"STORE": "store", "T": "TopicA", "Q": "0", "N": "1", "MS": "0", "K": "key", "S": "1",
-                "TEXT": "hello", "F": "file", "FILE": "file", "DIR": "dir", "PEM": "x.pem"}
+                "TEXT": "hello", "F": "file", "FILE": "file", "DIR": "dir", "PEM": "x.pem", "TIME": "-1h",
+                "G": "GroupA", "MSGID": "7F00000100002A9F0000000000000000"}
 
 
 class Block(NamedTuple):
@@ -139,7 +140,7 @@ def synopsis_variants(span: str) -> list[list[str]]:
     Omitting every optional part, taking all of them, and taking each one (each alternative) alone.
     """
     span = re.sub(r"\s\\?\|\s", " \u00a6 ", span).replace("\\|", "|")  # spaced bars split sequences
-    lex = shlex.shlex(span, posix=True, punctuation_chars="[]|\u00a6")
+    lex = shlex.shlex(span, posix=True, punctuation_chars="[]()|\u00a6")
     lex.whitespace_split = True
     toks = [t for t in lex if t != "..."]
 
@@ -153,6 +154,10 @@ def synopsis_variants(span: str) -> list[list[str]]:
                 group, i = parse(i + 1, "]")
                 alts[-1].append(Optional(group))
                 continue
+            if t == "(":  # ``(a | b)``: exactly one of the alternatives
+                group, i = parse(i + 1, ")")
+                alts[-1].append(Choice(group))
+                continue
             if t == "\u00a6":
                 alts.append([])
             elif t == "|" and alts[-1] and i + 1 < len(toks):
@@ -164,7 +169,7 @@ def synopsis_variants(span: str) -> list[list[str]]:
             else:
                 alts[-1].append(PLACEHOLDERS.get(t, t))
             i += 1
-        assert close is None, f"unclosed [ in {span!r}"
+        assert close is None, f"unclosed {'[' if close == ']' else '('} in {span!r}"
         return alts, i
 
     top, _ = parse(0, None)

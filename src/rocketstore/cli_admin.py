@@ -224,8 +224,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = add("reset-offset", cmd_reset_offset, "set a group's committed offsets of a topic (offline: refuses "
             "while the store is open by a writer; atomic write)")
-    p.add_argument("--group", required=True)
-    p.add_argument("--topic", required=True)
+    p.add_argument("--group", required=True, help="consumer group whose offsets are set")
+    p.add_argument("--topic", required=True, help="topic whose queues are set")
     p.add_argument("--queue-id", type=_nonneg, help="only this queue (default: every queue of the topic)")
     to = p.add_mutually_exclusive_group(required=True)
     to.add_argument("--to-time", type=time_arg, metavar="TIME",
@@ -236,8 +236,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = add("msg", cmd_msg, "a message by id: offset msgId (decoded to its commitlog offset) or UNIQ_KEY "
             "(through the index)", default_format=JSON)
-    p.add_argument("--id", required=True, metavar="MSGID")
+    p.add_argument("--id", required=True, metavar="MSGID", help="offset msgId (32 or 56 hex digits) or UNIQ_KEY")
     p.add_argument("--topic", help="look the UNIQ_KEY up in this topic only (default: every topic)")
-    p.add_argument("--no-body", action="store_true")
+    p.add_argument("--no-body", action="store_true", help="omit the body")
     add_text_bodies_flag(p)
 

@@ -28,7 +28,7 @@ def config_dir(root: str) -> str:
 
 def read_offsets(root: str) -> ConsumerOffsetManager:
     """The committed offsets of every group (empty when the file does not exist)."""
-    return ConsumerOffsetManager(config_dir(root))
+    return ConsumerOffsetManager(config_dir(root), strict=True)
 
 
 @contextmanager
@@ -43,7 +43,7 @@ def updating_offsets(root: str) -> Iterator[ConsumerOffsetManager]:
         if not _readable_or_absent(path):
             raise StoreError(f"{path}: unreadable, and so is its .bak; refusing to overwrite the offsets of "
                              "every group (repair or remove the file)")
-        manager = ConsumerOffsetManager(directory)
+        manager = ConsumerOffsetManager(directory, strict=True)
         yield manager
         snapshot = manager.snapshot()
         if snapshot is not None:

@@ -15,6 +15,7 @@ import os
 import time
 from typing import Any
 
+from ..errors import StoreLoadError
 from ..jsonfile import loads_lenient, read_json, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -28,34 +29,53 @@ def read_json_lenient(path: str) -> Any:
 class ConsumerOffsetManager:
     """Committed offsets per (topic, group, queue)."""
 
-    def __init__(self, config_dir: str) -> None:
+    def __init__(self, config_dir: str, *, strict: bool = False) -> None:
+        """Load the file (or its ``.bak``).  ``strict`` refuses an entry of the wrong shape with a
+        StoreLoadError naming it; otherwise (the broker) such an entry is skipped with a warning."""
         self.path = os.path.join(config_dir, "consumerOffset.json")
         self.table: dict[str, dict[int, int]] = {}
         self.version = 0
         self.dirty = False
         self._fastjson = False
+        text: str | None = None
         try:
-            with open(self.path, encoding="utf-8") as fh:
-                text = fh.read()
+            with open(self.path, "rb") as fh:
+                text = fh.read().decode("utf-8")
             json.loads(text)
-        except ValueError:
+        except ValueError:  # not JSON (or not UTF-8): fastjson's own output, or a corrupt file
             try:
-                loads_lenient(text)
-                self._fastjson = True  # RocketMQ's own file: kept as the .bak on the first write
+                if text is not None:
+                    loads_lenient(text)
+                    self._fastjson = True  # RocketMQ's own file: kept as the .bak on the first write
             except ValueError:
                 pass  # corrupt: read from the .bak below, which must stay the backup
         except OSError:
             pass
         data = read_json_lenient(self.path) or {}
-        if isinstance(data, dict):
-            self.version = int((data.get("dataVersion") or {}).get("counter", 0) or 0)
-            for key, queues in (data.get("offsetTable") or {}).items():
-                if not isinstance(queues, dict) or "@" not in key:
-                    continue
-                try:
-                    self.table[key] = {int(q): int(o) for q, o in queues.items()}
-                except (TypeError, ValueError):
-                    log.warning("%s: ignoring bad entry %s", self.path, key)
+        if not isinstance(data, dict):
+            self._bad(strict, "is not a JSON object")
+            return
+        table = data.get("offsetTable") or {}
+        if not isinstance(table, dict):
+            self._bad(strict, "offsetTable is not an object")
+            return
+        self.version = int((data.get("dataVersion") or {}).get("counter", 0) or 0) \
+            if isinstance(data.get("dataVersion") or {}, dict) else 0
+        for key, queues in table.items():
+            if not isinstance(queues, dict) or "@" not in key:
+                self._bad(strict, f"offsetTable entry {key!r} is not topic@group with an object of queue offsets")
+                continue
+            if strict and not all(str(q).lstrip("-").isdigit() and type(o) is int for q, o in queues.items()):
+                self._bad(strict, f"offsetTable entry {key!r}: queue offsets must be integer pairs, not {queues!r}")
+            try:
+                self.table[key] = {int(q): int(o) for q, o in queues.items()}
+            except (TypeError, ValueError):
+                log.warning("%s: ignoring bad entry %s", self.path, key)
+
+    def _bad(self, strict: bool, why: str) -> None:
+        if strict:
+            raise StoreLoadError(f"{self.path}: {why}")
+        log.warning("%s: %s; ignored", self.path, why)
 
     @staticmethod
     def key(topic: str, group: str) -> str:
