@@ -54,10 +54,16 @@ def cmd_dump(args: argparse.Namespace) -> int:
     import json
     sel = selection_from_args(args)
     out = sys.stdout
+    skipped: list[int] = []
+
+    def skip(offset: int, problem: str) -> None:
+        skipped.append(offset)
+        sys.stderr.write(f"rocketstore: skipped damaged record at commitlog offset {offset}: {problem}\n")
+
     with open_read_only(args) as store:
         n = size = 0
         try:
-            for msg in sel.scan(store, read_body=not args.no_body):
+            for msg in sel.scan(store, read_body=not args.no_body, on_damaged=skip if args.skip_damaged else None):
                 out.write(json.dumps(msg.to_json(not args.no_body), ensure_ascii=False) + "\n")
                 n += 1
                 size += msg.size
@@ -66,6 +72,9 @@ def cmd_dump(args: argparse.Namespace) -> int:
         report = store.recovery_report
         if not sel.reached(n, size) and report is not None and report.stopped_because:
             raise CliError(f"scan stopped at commitlog offset {report.process_offset}: {report.stopped_because}")
+    if skipped:
+        sys.stderr.write(f"rocketstore: dump: {n} message(s) written, {len(skipped)} damaged record(s) skipped\n")
+        return 1
     return 0
 
 
@@ -280,8 +289,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(handler=handler)
         return p
 
-    p = add("dump", cmd_dump, "every message in commitlog order, one JSON object per line")
-    p.add_argument("--no-body", action="store_true", help="omit bodies")
+    p = add("dump", cmd_dump, "every message in commitlog order, one JSON object per line (bodies are checked "
+            "against their CRC; a damaged record stops the dump with exit status 2)")
+    p.add_argument("--no-body", action="store_true", help="omit bodies (and their CRC check)")
+    p.add_argument("--skip-damaged", action="store_true", help="report each damaged record on stderr, resume at "
+                   "the next intact record, and exit 1 if any was skipped")
     add_selection_flags(p)
     p.add_argument("--from-offset", type=_nonneg, metavar="N", help="start at this commitlog offset")
     p.add_argument("--limit", type=_nonneg, metavar="N", help="same as --max-messages")

@@ -9,7 +9,7 @@ segments from the page cache.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,13 +43,20 @@ class Selection:
             return self.from_offset
         return store.seek_offset(self.topic, self.from_time)
 
-    def scan(self, store: MessageStore, *, read_body: bool = True) -> Iterator[MessageExt]:
-        """The selected messages; a record that does not decode stops the scan with a StoreError."""
+    def scan(self, store: MessageStore, *, read_body: bool = True,
+             on_damaged: Callable[[int, str], None] | None = None) -> Iterator[MessageExt]:
+        """The selected messages; a damaged record (it does not decode, or the body read fails its CRC)
+        stops the scan with a StoreError, or, given ``on_damaged``, is passed to it as (commitlog offset,
+        problem) and skipped: the scan resumes at the next intact record."""
         if self.reached(0, 0):
             return
         n = size = 0
-        for off, _size, msg, problem in store.messages(self.start(store), read_body=read_body, drop_cache=True):
+        for off, _size, msg, problem in store.messages(self.start(store), read_body=read_body, drop_cache=True,
+                                                       skip_damaged=on_damaged is not None):
             if msg is None:
+                if on_damaged is not None:
+                    on_damaged(off, problem or "damaged record")
+                    continue
                 raise StoreError(f"scan stopped at commitlog offset {off}: {problem}")
             if self.to_time is not None and msg.store_timestamp > self.to_time:
                 return  # store times ascend in commitlog order (stamped under the put lock)
