@@ -1,0 +1,152 @@
+"""Issue 16 items 3 and 7: reads never return a damaged record, nor one that is not what the consume-queue unit or
+index entry claims.  Every case damages a copy of the golden store written by RocketMQ 5.3.3."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+
+from rocketstore import CorruptRecordError, GetMessageStatus, Message, MessageStore, codec
+from conftest import GOLDEN_CONF, copy_store, golden_expected, golden_store, run_cli
+
+SEG0 = "commitlog/00000000000000000000"
+DAMAGED = 696  # the second record of the basic store: TopicA, queue 1, queue offset 1
+
+
+def one_error_line(r) -> str:
+    lines = r.stderr.decode().strip().splitlines()
+    assert r.returncode == 2, r.stderr
+    assert len(lines) == 1, lines
+    assert "Traceback" not in lines[0]
+    return lines[0]
+
+
+def flip_body_bit(store, offset: int) -> None:
+    """Flip one bit of the body of the record at ``offset`` (in the first segment), leaving its header intact."""
+    path = store / SEG0
+    data = path.read_bytes()
+    m = codec.decode(data, offset, len(data))
+    assert m.body_length > 4
+    at = offset + m.size - m.body_length - len(m.topic.encode()) - 1 - 2 - len(m.properties_string.encode()) + 3
+    assert data[at - 3:at - 3 + m.body_length] == m.body
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        fh.write(bytes([data[at] ^ 0x10]))
+
+
+@pytest.fixture
+def flipped(tmp_path):
+    store = copy_store(golden_store("basic"), tmp_path / "s")
+    flip_body_bit(store, DAMAGED)
+    return store
+
+
+def test_get_refuses_a_damaged_body_and_never_steps_over_it(flipped):
+    with MessageStore.open(str(flipped), read_only=True) as s:
+        r = s.get("TopicA", 1, 0, 32)  # the message before it, and no further
+        assert r.status is GetMessageStatus.FOUND and r.next_begin_offset == 1
+        assert [m.commit_log_offset for m in r.messages] == [0]
+        with pytest.raises(CorruptRecordError) as e:
+            s.get("TopicA", 1, 1, 32)
+        assert e.value.path == str(flipped / SEG0) and e.value.offset == DAMAGED
+        assert f"{flipped / SEG0} at offset {DAMAGED}" in str(e.value) and "body CRC mismatch" in str(e.value)
+        # without the body there is nothing damaged to return: headers still read
+        r = s.get("TopicA", 1, 1, 32, read_body=False)
+        assert r.status is GetMessageStatus.FOUND and r.messages[0].commit_log_offset == DAMAGED
+        with pytest.raises(CorruptRecordError, match=f"at offset {DAMAGED}"):
+            s.look(DAMAGED)
+        assert s.look(DAMAGED, read_body=False).queue_offset == 1
+
+
+def test_cli_get_and_query_of_a_damaged_body_exit_2_naming_file_and_offset(flipped):
+    line = one_error_line(run_cli("get", flipped, "--topic", "TopicA", "--queue-id", "1", "--offset", "1"))
+    assert f"{flipped / SEG0} at offset {DAMAGED}" in line and "body CRC mismatch" in line
+    key = [e for e in golden_expected("basic") if e["commitLogOffset"] == DAMAGED][0]["keys"].split()[0]
+    line = one_error_line(run_cli("query", flipped, "--topic", "TopicA", "--key", key))
+    assert f"{flipped / SEG0} at offset {DAMAGED}" in line and "body CRC mismatch" in line
+    r = run_cli("query", flipped, "--topic", "TopicA", "--key", key, "--no-body")
+    assert r.returncode == 0 and DAMAGED in json.loads(r.stdout)["phyOffsets"]
+
+
+def test_dump_stops_at_a_damaged_body_and_skip_damaged_resumes_after_it(flipped):
+    line = one_error_line(run_cli("dump", flipped))
+    assert f"{flipped / SEG0} at file position {DAMAGED}" in line and "body CRC mismatch" in line
+    expected = [e["commitLogOffset"] for e in golden_expected("basic")]
+    r = run_cli("dump", flipped, "--skip-damaged")
+    assert r.returncode == 1
+    got = [json.loads(x)["commitLogOffset"] for x in r.stdout.decode().splitlines()]
+    assert got == [o for o in expected if o != DAMAGED]
+    err = r.stderr.decode()
+    assert f"skipped damaged record at commitlog offset {DAMAGED}" in err and str(flipped / SEG0) in err
+    assert "1 damaged record(s) skipped" in err and "Traceback" not in err
+
+
+def test_dump_skip_damaged_resynchronises_past_garbage(tmp_path):
+    store = copy_store(golden_store("basic"), tmp_path / "s")
+    expected = [e["commitLogOffset"] for e in golden_expected("basic")]
+    # garbage over the header of one record and into the next: the walk cannot step over it by its size
+    start = expected[5]
+    with open(store / SEG0, "r+b") as fh:
+        fh.seek(start)
+        fh.write(os.urandom(expected[6] - start + 30))
+    r = run_cli("dump", store, "--skip-damaged", "--no-body")
+    assert r.returncode == 1, r.stderr
+    got = [json.loads(x)["commitLogOffset"] for x in r.stdout.decode().splitlines()]
+    assert got == [o for o in expected if o not in (expected[5], expected[6])]
+    assert f"at commitlog offset {start}" in r.stderr.decode()
+
+
+def test_get_through_a_unit_pointing_at_another_queues_record_is_an_error(tmp_path):
+    store = copy_store(golden_store("basic"), tmp_path / "s")
+    # unit 0 of TopicA/0 now claims the record at offset 0, which is TopicA/1's offset 0 (size 696)
+    with open(store / "consumequeue/TopicA/0/00000000000000000000", "r+b") as fh:
+        fh.write(struct.pack(">qi", 0, 696))
+    with MessageStore.open(str(store), read_only=True) as s:
+        with pytest.raises(CorruptRecordError) as e:
+            s.get("TopicA", 0, 0, 32)
+        assert e.value.offset == 0
+        assert "TopicA/1 offset 0" in str(e.value) and "consumequeue/TopicA/0/00000000000000000000" in str(e.value)
+    line = one_error_line(run_cli("get", store, "--topic", "TopicA", "--queue-id", "0", "--offset", "0", "--no-body"))
+    assert "TopicA/1 offset 0" in line and f"{store / SEG0} at offset 0" in line
+
+
+def test_query_drops_an_index_entry_pointing_at_an_unrelated_record(tmp_path):
+    store = copy_store(golden_store("basic"), tmp_path / "s")
+    rows = golden_expected("basic")
+    target = next(e for e in rows if e["topic"] == "TopicA" and e["keys"])
+    other = next(e for e in rows if e["topic"] == "TopicB")
+    key = target["keys"].split()[0]
+    slots = 1000  # golden geometry: maxHashSlotNum
+    moved = 0
+    for name in sorted(os.listdir(store / "index")):
+        path = store / "index" / name
+        data = bytearray(path.read_bytes())
+        for at in range(40 + 4 * slots, len(data) - 19, 20):
+            key_hash, phy, _diff, _prev = struct.unpack_from(">iqii", data, at)
+            if phy == target["commitLogOffset"] and key_hash == codec.index_key_hash(f"TopicA#{key}"):
+                struct.pack_into(">q", data, at + 4, other["commitLogOffset"])
+                path.write_bytes(bytes(data))
+                moved += 1
+    assert moved == 1
+    with MessageStore.open(str(store), read_only=True) as s:
+        r = s.query("TopicA", key)
+        assert other["commitLogOffset"] not in r.phy_offsets
+        assert all(m.topic == "TopicA" and key in m.keys.split() for m in r.messages)
+
+
+def test_query_drops_hash_collisions(tmp_path):
+    """"Aa" and "BB" have the same Java hashCode, so TopicX#Aa and TopicX#BB share index slot and key hash."""
+    assert codec.java_hash("TopicX#Aa") == codec.java_hash("TopicX#BB")
+    conf = tmp_path / "broker.conf"
+    conf.write_text(GOLDEN_CONF)
+    with MessageStore.open(str(tmp_path / "s"), str(conf)) as s:
+        assert s.put(Message("TopicX", b"a", keys="Aa")).ok
+        assert s.put(Message("TopicX", b"b", keys="x BB")).ok
+        assert s.put(Message("TopicY", b"c", keys="BB")).ok
+        assert s.wait_dispatched()
+        assert [m.body for m in s.query("TopicX", "BB").messages] == [b"b"]
+        assert [m.body for m in s.query("TopicX", "Aa").messages] == [b"a"]
+        assert [m.body for m in s.query("TopicY", "BB").messages] == [b"c"]
