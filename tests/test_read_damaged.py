@@ -150,3 +150,38 @@ def test_query_drops_hash_collisions(tmp_path):
         assert [m.body for m in s.query("TopicX", "BB").messages] == [b"b"]
         assert [m.body for m in s.query("TopicX", "Aa").messages] == [b"a"]
         assert [m.body for m in s.query("TopicY", "BB").messages] == [b"c"]
+
+
+def test_pop_consumer_stops_at_a_damaged_message_and_never_acks_it(tmp_path):
+    from rocketstore.broker.offsets import ConsumerOffsetManager
+    from rocketstore.broker.pop import PopService, TagFilter
+    conf = tmp_path / "broker.conf"
+    conf.write_text(GOLDEN_CONF)
+    with MessageStore.open(str(tmp_path / "s"), str(conf)) as s:
+        for i in range(5):
+            assert s.put(Message("T", f"body-{i}".encode(), queue_id=0)).ok
+        assert s.put(Message("T", b"other", queue_id=1)).ok
+        assert s.wait_dispatched()
+        seg = s.commitlog.queue.files[0]
+        m = s.get("T", 0, 2, 1).messages[0]
+        at = m.commit_log_offset + m.size - len(m.body) - 1 - 1 - 2 - len(m.properties_string.encode())
+        assert seg.mm[at:at + len(m.body)] == m.body
+        seg.mm[at] ^= 0x01
+        offsets = ConsumerOffsetManager(s.paths.config)
+        pop = PopService(s, offsets, s.paths.config)
+
+        def recv(qids):
+            return pop.receive("G", "T", list(qids), 32, 10_000, TagFilter("*"), fifo=False, max_attempts=16,
+                               client="c1", auto_renew=False)
+
+        out, _ = recv([0])
+        assert [d.entry.offset for d in out] == [0, 1]
+        for d in out:
+            assert pop.ack("G", "T", d.handle)
+        with pytest.raises(CorruptRecordError, match=f"at offset {m.commit_log_offset}"):
+            recv([0])
+        out, _ = recv([0, 1])  # the other queue still delivers
+        assert [(d.queue_id, d.entry.offset) for d in out] == [(1, 0)]
+        with pytest.raises(CorruptRecordError):
+            recv([0])
+        assert offsets.get("T", "G", 0) == 2  # the damaged message is neither delivered nor acked
