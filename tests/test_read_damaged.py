@@ -10,7 +10,7 @@ import struct
 import pytest
 
 from rocketstore import CorruptRecordError, GetMessageStatus, Message, MessageStore, codec
-from conftest import GOLDEN_CONF, copy_store, golden_expected, golden_store, run_cli
+from conftest import GOLDEN_CONF, copy_store, flip_body_bit, golden_expected, golden_store, run_cli
 
 SEG0 = "commitlog/00000000000000000000"
 DAMAGED = 696  # the second record of the basic store: TopicA, queue 1, queue offset 1
@@ -22,19 +22,6 @@ def one_error_line(r) -> str:
     assert len(lines) == 1, lines
     assert "Traceback" not in lines[0]
     return lines[0]
-
-
-def flip_body_bit(store, offset: int) -> None:
-    """Flip one bit of the body of the record at ``offset`` (in the first segment), leaving its header intact."""
-    path = store / SEG0
-    data = path.read_bytes()
-    m = codec.decode(data, offset, len(data))
-    assert m.body_length > 4
-    at = offset + m.size - m.body_length - len(m.topic.encode()) - 1 - 2 - len(m.properties_string.encode()) + 3
-    assert data[at - 3:at - 3 + m.body_length] == m.body
-    with open(path, "r+b") as fh:
-        fh.seek(at)
-        fh.write(bytes([data[at] ^ 0x10]))
 
 
 @pytest.fixture
