@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 
 import pytest
 
@@ -172,3 +173,40 @@ def test_pop_consumer_stops_at_a_damaged_message_and_never_acks_it(tmp_path):
         with pytest.raises(CorruptRecordError):
             recv([0])
         assert offsets.get("T", "G", 0) == 2  # the damaged message is neither delivered nor acked
+
+
+@pytest.mark.timeout(120)
+def test_broker_answers_message_corrupted_naming_file_and_offset(tmp_path):
+    pytest.importorskip("grpc")
+    from test_broker_bad_input import md, receive, send_req
+
+    from rocketstore.broker.harness import BrokerProcess
+    from rocketstore.broker.proto import pb, svc_grpc
+    import grpc
+    root = tmp_path / "store"
+    b = BrokerProcess(str(root), conf={"mappedFileSizeCommitLog": 1048576, "mappedFileSizeConsumeQueue": 6000},
+                      args=["--no-auto-create-topics", "--topic", "Damaged:1:NORMAL"])
+    b.start()
+    try:
+        with grpc.insecure_channel(b.endpoint) as ch:
+            stub = svc_grpc.MessagingServiceStub(ch)
+            for body in (b"first message", b"second message"):
+                r = stub.SendMessage(send_req(topic="Damaged", body=body), metadata=md(), timeout=5)
+                assert r.status.code == pb.Code.OK, r.status
+            deadline = time.monotonic() + 10
+            while True:
+                with MessageStore.open(str(root), read_only=True) as s:
+                    got = s.get("Damaged", 0, 0, 2, read_body=False).messages
+                if len(got) == 2 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            flip_body_bit(root, got[0].commit_log_offset)
+            first = receive(stub, topic="Damaged", group="G")[0]
+            assert first.status.code == pb.Code.MESSAGE_CORRUPTED, first.status
+            assert f"{root / SEG0} at offset {got[0].commit_log_offset}" in first.status.message
+            again = receive(stub, topic="Damaged", group="G")[0]  # neither skipped nor acked
+            assert again.status.code == pb.Code.MESSAGE_CORRUPTED
+            r = stub.SendMessage(send_req(topic="Damaged", body=b"still serving"), metadata=md(), timeout=5)
+            assert r.status.code == pb.Code.OK
+    finally:
+        assert b.stop() == 0, b.tail_log()
