@@ -12,17 +12,10 @@ import pytest
 
 from rocketstore import CorruptRecordError, GetMessageStatus, Message, MessageStore, codec
 from conftest import GOLDEN_CONF, copy_store, flip_body_bit, golden_expected, golden_store, run_cli
+from test_read_bad_input import one_error_line
 
 SEG0 = "commitlog/00000000000000000000"
 DAMAGED = 696  # the second record of the basic store: TopicA, queue 1, queue offset 1
-
-
-def one_error_line(r) -> str:
-    lines = r.stderr.decode().strip().splitlines()
-    assert r.returncode == 2, r.stderr
-    assert len(lines) == 1, lines
-    assert "Traceback" not in lines[0]
-    return lines[0]
 
 
 @pytest.fixture
