@@ -177,6 +177,7 @@ class PopService:
         self.max_span = max_span
         self.queues: dict[tuple[str, str, int], QueueState] = {}
         self.dirty = False
+        self._damaged_seen: set[tuple[str, str, int, int | None]] = set()  # logged once at error level
         self._run = os.urandom(3).hex()
         self._seq = itertools.count(1)
         self._rotation = itertools.count()
@@ -325,7 +326,10 @@ class PopService:
                 if len(out) < batch:
                     self._read_new(qs, now, batch, invisible_ms, flt, client, auto_renew, out)
             except CorruptRecordError as e:  # this queue stops at the damaged message; the others go on
-                log.error("%s@%s queue %d: %s", topic, group, qid, e)
+                seen = (group, topic, qid, e.offset)
+                log.log(logging.DEBUG if seen in self._damaged_seen else logging.ERROR, "%s@%s queue %d: %s",
+                        topic, group, qid, e)
+                self._damaged_seen.add(seen)
                 damaged = damaged or e
         if damaged is not None and not out and not dead:
             raise damaged
