@@ -198,3 +198,18 @@ def test_broker_answers_message_corrupted_naming_file_and_offset(tmp_path):
             assert r.status.code == pb.Code.OK
     finally:
         assert b.stop() == 0, b.tail_log()
+
+
+def test_cli_get_at_the_end_the_record_check_cut_names_the_damage(tmp_path):
+    """A damaged body inside the range the open re-checks ends the readable log there (the queues are cut);
+    a get that would answer "no more messages" at that cut names the damaged record instead."""
+    store = copy_store(golden_store("basic"), tmp_path / "s")
+    last = "commitlog/00000000000003145728"
+    row = [e for e in golden_expected("basic") if e["commitLogOffset"] > 3145728][100]
+    flip_body_bit(store, row["commitLogOffset"], last)
+    args = ["--topic", row["topic"], "--queue-id", str(row["queueId"])]
+    line = one_error_line(run_cli("get", store, *args, "--offset", str(row["queueOffset"])))
+    assert f"{store / last} at file position {row['commitLogOffset'] - 3145728}" in line
+    assert "body CRC mismatch" in line and f"queue offset {row['queueOffset']}" in line
+    r = run_cli("get", store, *args, "--offset", "0", "--max", "1")
+    assert r.returncode == 0 and json.loads(r.stdout)["status"] == "FOUND"

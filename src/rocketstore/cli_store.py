@@ -10,7 +10,7 @@ from .cli import emit, load_config
 from .errors import CliError, StoreError
 from .config import StoreConfig
 from .consume_queue import LOWER, UPPER
-from .message import Message, parse_tag_filter
+from .message import GetMessageStatus, Message, parse_tag_filter
 from .progress import progress_bar
 from .selection import Selection
 from .store import MessageStore, iter_json_lines
@@ -105,6 +105,13 @@ def cmd_get(args: argparse.Namespace) -> int:
     with open_read_only(args) as store:
         r = store.get(args.topic, args.queue_id, args.offset, args.max, parse_tag_filter(args.tags),
                       read_body=not args.no_body)
+        report = store.recovery_report
+        cut = report.queues_truncated.get(f"{args.topic}-{args.queue_id}") if report is not None else None
+        if cut and report.stopped_because and r.status in (GetMessageStatus.OFFSET_OVERFLOW_ONE,
+                                                            GetMessageStatus.OFFSET_OVERFLOW_BADLY):
+            raise CliError(f"{args.topic}/{args.queue_id}: {cut} message(s) from queue offset {r.max_offset} on "
+                           f"are past commitlog offset {report.process_offset}, where the record check stopped: "
+                           f"{report.stopped_because}")
         emit(r.to_json(not args.no_body))
     return 0
 
