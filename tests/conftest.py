@@ -60,3 +60,18 @@ def golden_conf(tmp_path: Path) -> Path:
     p = tmp_path / "broker.conf"
     p.write_text(GOLDEN_CONF)
     return p
+
+
+def flip_body_bit(store: Path, offset: int, segment: str = "commitlog/00000000000000000000") -> None:
+    """Flip one bit of the body of the record at ``offset`` of a (copied) segment; its header stays intact."""
+    from rocketstore import codec
+    path = store / segment
+    data = path.read_bytes()
+    pos = offset - int(os.path.basename(segment))
+    m = codec.decode(data, pos, len(data))
+    assert m.body_length > 4
+    at = pos + m.size - m.body_length - len(m.topic.encode()) - 1 - 2 - len(m.properties_string.encode()) + 3
+    assert data[at - 3:at - 3 + m.body_length] == m.body
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        fh.write(bytes([data[at] ^ 0x10]))

@@ -121,9 +121,20 @@ def test_corrupt_records_are_refused_with_reason():
     assert codec.check(blank + bytes(92), 0, 100, check_crc=False)[0] == 0
 
 
+def unit_of(buf: bytes, pos: int, size: int, read_body: bool = True) -> codec.MessageExt | None:
+    """decode_unit with the claims a consume-queue unit of the record at ``pos`` makes (topic, queue id and
+    queue offset as decode reads them; a record that does not decode gets topic T, queue 0, offset 0)."""
+    try:
+        m = codec.decode(buf, pos, len(buf), read_body=False)
+        topic, qid, qoff = m.topic, m.queue_id, m.queue_offset
+    except codec.RecordError:
+        topic, qid, qoff = "T", 0, 0
+    return codec.decode_unit(buf, pos, size, read_body, topic, topic.encode(), qid, qoff)
+
+
 def test_decode_unit_equals_decode_on_every_golden_record():
     """The consume path's inline decoder builds exactly what decode builds: V1 and V2, IPv4 and IPv6 hosts,
-    batches and transaction halves, with and without the body, and the same verdict on a unit of the wrong size."""
+    batches and transaction halves, with and without the body; a unit of the wrong size is refused."""
     seen = 0
     for name in GOLDEN_NAMES:
         for seg in sorted((golden_store(name) / "commitlog").iterdir()):
@@ -133,11 +144,11 @@ def test_decode_unit_equals_decode_on_every_golden_record():
                     continue
                 for read_body in (True, False):
                     want = codec.decode(data, pos, pos + size, read_body=read_body)
-                    got = codec.decode_unit(data, pos, size, read_body)
+                    got = unit_of(data, pos, size, read_body)
                     assert got == want and got.to_json() == want.to_json()
                     assert type(got.body) is (bytes if read_body else type(None))
-                assert codec.decode_unit(data, pos, size - 1) is None
-                assert codec.decode_unit(data, pos, size + 1) == codec.decode(data, pos, pos + size + 1)
+                assert unit_of(data, pos, size - 1) is None
+                assert unit_of(data, pos, size + 1) is None
                 seen += 1
     assert seen > 3000
 
@@ -146,7 +157,8 @@ def test_decode_unit_equals_decode_on_every_golden_record():
 @given(topic=st.text(alphabet="abcXYZ_-", min_size=1, max_size=200), body=st.binary(max_size=300),
        born=hosts, props=st.dictionaries(prop_text, prop_text, max_size=3), data=st.data())
 def test_decode_unit_agrees_with_decode_on_damaged_records(topic, body, born, props, data):
-    """Whatever the bytes, decode_unit returns decode's message, or None where decode raises."""
+    """Whatever the bytes, decode_unit returns decode's message (body CRC checked), or None where decode raises
+    or the record is not the one the unit claims."""
     rec = bytearray(codec.encode_bytes(topic, body, born_host=born, properties=codec.properties_to_string(props)))
     n = len(rec)
     msg = codec.decode(bytes(rec), 0, n)
@@ -160,10 +172,12 @@ def test_decode_unit_agrees_with_decode_on_damaged_records(topic, body, born, pr
     buf = bytes(rec) + bytes(data.draw(st.integers(0, 4)))
     size = n + data.draw(st.integers(-3, 3))
     try:
-        want = codec.decode(buf, 0, size)
+        want = codec.decode(buf, 0, size, check_crc=True)
+        if (want.size, want.topic, want.queue_id, want.queue_offset) != (size, topic, 0, 0):
+            want = None  # not the record the unit claims
     except codec.RecordError:
         want = None
-    assert codec.decode_unit(buf, 0, size) == want
+    assert codec.decode_unit(buf, 0, size, True, topic, topic.encode(), 0, 0) == want
 
 
 def _crafted_v1(body: bytes, tail: bytes, *, body_len: int | None = None, prepared: int = 0) -> bytes:
@@ -192,7 +206,7 @@ def test_decode_unit_refuses_negative_lengths_that_add_up():
     for rec in (topic_200, props_neg, neg_body, bytes(bad_total)):
         with pytest.raises(codec.RecordError):
             codec.decode(rec, 0, len(rec))
-        assert codec.decode_unit(rec, 0, len(rec)) is None
+        assert unit_of(rec, 0, len(rec)) is None
     # a BODYLENGTH so negative that the topic length's index wraps to the buffer's end, where a consistent
     # tail waits (the bytes past a record are another record's, or zeros)
     rec = _crafted_v1(b"body", b"\x01T\x00\x00")
@@ -204,19 +218,19 @@ def test_decode_unit_refuses_negative_lengths_that_add_up():
     buf[hs - 4:hs] = struct.pack(">i", -k - hs)  # the topic length byte at buf[-k]
     with pytest.raises(codec.RecordError):
         codec.decode(bytes(buf), 0, size)
-    assert codec.decode_unit(bytes(buf), 0, size) is None
+    assert unit_of(bytes(buf), 0, size) is None
     # a V2 record whose topic length (0x0001), topic ("A") and properties length read as a V1 tail add up
     v2 = bytearray(_crafted_v1(b"body", b"\x00\x01A" + struct.pack(">h", 319) + b"p" * 319))
     v2[4:8] = struct.pack(">I", codec.MAGIC_V2)
     want = codec.decode(bytes(v2), 0, len(v2))
     assert want.topic == "A" and want.properties_string == "p" * 319
-    assert codec.decode_unit(bytes(v2), 0, len(v2)) == want
+    assert unit_of(bytes(v2), 0, len(v2)) == want
     # invalid UTF-8 (a lone byte, a surrogate) is not an error: both decoders put in replacement characters
     for tail in (b"\x02\xffT\x00\x04a\x01b\x02", b"\x01T\x00\x06a\x01\xed\xa0\x80\x02"):
         bad_utf8 = _crafted_v1(b"body", tail)
         want = codec.decode(bad_utf8, 0, len(bad_utf8))
         assert "\ufffd" in want.topic + want.properties_string
-        assert codec.decode_unit(bad_utf8, 0, len(bad_utf8)) == want
+        assert unit_of(bad_utf8, 0, len(bad_utf8)) == want
 
 
 def test_decode_unit_reads_an_ipv6_record_as_ipv6_even_when_ipv4_offsets_look_consistent():
@@ -228,4 +242,4 @@ def test_decode_unit_reads_an_ipv6_record_as_ipv6_even_when_ipv4_offsets_look_co
                              properties="a\x01b\x02")
     want = codec.decode(rec, 0, len(rec))
     assert want.body == body and want.born_host.startswith("[")
-    assert codec.decode_unit(rec, 0, len(rec)) == want
+    assert unit_of(rec, 0, len(rec)) == want

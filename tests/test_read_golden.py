@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rocketstore import GetMessageStatus, MessageStore, parse_tag_filter
+from rocketstore import CorruptRecordError, GetMessageStatus, MessageStore, parse_tag_filter
 from conftest import GOLDEN_NAMES, copy_store, golden_expected, golden_queries, golden_store, run_cli
 
 DUMP_FIELDS = ["topic", "queueId", "queueOffset", "commitLogOffset", "size", "sysFlag", "flag", "bodyCrc",
@@ -242,18 +242,24 @@ def _reference_get_units(store, cq, f, offset, lo, hi, max_msgs, tag_filter, max
             continue
         if phy < skip_end:
             continue
-        seg, msg = clog.queue.find(phy), None
-        if seg is not None and phy - seg.file_from_offset + size <= seg.wrote_position:
-            try:
-                msg = codec.decode(seg.mm, phy - seg.file_from_offset, phy - seg.file_from_offset + size,
-                                   read_body=read_body)
-            except codec.RecordError:
-                pass
-        if msg is None:
+        seg = clog.queue.find(phy)
+        if seg is None or phy - seg.file_from_offset + size > seg.wrote_position:
             if not out:
                 status = S.MESSAGE_WAS_REMOVING
             skip_end = phy - phy % clog.file_size + clog.file_size
             continue
+        try:
+            msg = codec.decode(seg.mm, phy - seg.file_from_offset, phy - seg.file_from_offset + size,
+                               read_body=read_body, check_crc=read_body)
+            if (msg.size, msg.topic, msg.queue_id, msg.queue_offset) != (size, cq.topic, cq.queue_id, idx):
+                msg = None
+        except codec.RecordError:
+            msg = None
+        if msg is None:  # damaged, or not the unit's record: never returned, never stepped over
+            if not out:
+                raise CorruptRecordError(f"commitlog offset {phy}")
+            nxt = idx
+            break
         if not out:
             in_mem = clog.max_offset() - phy <= store._ram * cfg.accessMessageInMemoryMaxRatio // 100
             count_cap = min(max_msgs, cfg.maxTransferCountOnMessageInMemory if in_mem
@@ -264,6 +270,14 @@ def _reference_get_units(store, cq, f, offset, lo, hi, max_msgs, tag_filter, max
         total += size
         status = S.FOUND
     return GetMessageResult(status, nxt, lo, hi, out)
+
+
+def _result_or_error(fn, *args):
+    """What a get returns, or the commitlog offset of the damaged record it refuses."""
+    try:
+        return fn(*args)
+    except CorruptRecordError as e:
+        return ("damaged", int(str(e).split("offset ")[1].split()[0]))
 
 
 @pytest.mark.parametrize("name", GOLDEN_NAMES)
@@ -295,6 +309,7 @@ def test_get_equals_the_unit_by_unit_reference(name, tmp_path):
                                                            (100, filters[3], 128 << 20, False),
                                                            (70, None, 3000, True), (0, None, 50, True)):
                         args = (topic, qid, off, max_msgs, flt, max_bytes, body)
-                        assert store.get(*args) == _reference_get(store, *args), args
+                        assert _result_or_error(store.get, *args) == \
+                            _result_or_error(_reference_get, store, *args), args
                         checked += 1
         assert checked > 100

@@ -22,7 +22,7 @@ import pytest
 
 pyspark = pytest.importorskip("pyspark")
 
-from conftest import GOLDEN, copy_store, golden_expected, golden_queries, golden_store, run_cli
+from conftest import GOLDEN, copy_store, flip_body_bit, golden_expected, golden_queries, golden_store, run_cli
 
 from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.config import golden_config
@@ -252,6 +252,17 @@ def test_bad_options_are_clear_errors(spark):
         rs(spark, str(GOLDEN / "basic")).count()
     with pytest.raises(Exception, match="no column"):
         spark.read.format("rocketstore").schema("nope string").load(BASIC).count()
+
+
+def test_a_damaged_body_fails_the_job_naming_file_and_offset_unless_skip_damaged(spark, tmp_path):
+    root = copy_store(golden_store("basic"), tmp_path / "s")
+    flip_body_bit(root, 696)
+    with pytest.raises(Exception, match="00000000000000000000 at offset 696 .*body CRC mismatch"):
+        rs(spark, str(root)).select("commitLogOffset", "body").collect()
+    no_body = spark.read.format("rocketstore").schema("commitLogOffset bigint").load(str(root))
+    assert no_body.count() == 3000  # no body read: nothing damaged is returned
+    got = offsets(rs(spark, str(root), skipDamaged="true"))
+    assert got == sorted(e["commitLogOffset"] for e in golden_expected("basic") if e["commitLogOffset"] != 696)
 
 
 def test_user_schema_selects_columns(spark):

@@ -13,7 +13,7 @@ pytest.importorskip("pyarrow")
 pytest.importorskip("numpy")
 
 import pyarrow as pa
-from conftest import GOLDEN_NAMES, golden_expected, golden_store
+from conftest import GOLDEN_NAMES, copy_store, flip_body_bit, golden_expected, golden_store
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -315,3 +315,24 @@ def test_find_tail_through_the_consume_queues_equals_the_walk(tmp_path, monkeypa
     cq.write_bytes(bytes(data))
     assert plan._queue_verified_prefix(str(store), int(newest.name), str(newest), newest.stat().st_size) is None
     assert plan.find_tail(str(store)) == plan.find_tail(str(golden_store("basic")))
+
+
+def test_a_damaged_body_fails_the_read_naming_file_and_offset_or_is_skipped_on_request(tmp_path):
+    """Issue 16 item 7: a flipped body bit is never returned; skipDamaged drops just that row."""
+    root = copy_store(golden_store("basic"), tmp_path / "s")
+    flip_body_bit(root, 696)
+    seg0 = str(root / "commitlog" / "00000000000000000000")
+    tasks = plan.plan_scan(str(root), RowFilter())
+
+    def rows(names, skip=False):
+        return [r for t in tasks for b in segment.read_range(t.path, t.start, t.end, names, t.filter,
+                                                              boundary_known=t.boundary_known, queues=t.queues,
+                                                              skip_damaged=skip) for r in b.to_pylist()]
+
+    with pytest.raises(segment.RecordFormatError, match=f"{seg0} at offset 696 .*body CRC mismatch"):
+        rows(["commitLogOffset", "body"])
+    assert len(rows(["commitLogOffset", "topic"])) == 3000  # no body read, nothing damaged returned
+    expected = [e for e in golden_expected("basic") if e["commitLogOffset"] != 696]
+    got = rows(["commitLogOffset", "topic", "body"], skip=True)
+    assert [r["commitLogOffset"] for r in got] == [e["commitLogOffset"] for e in expected]
+    assert [r["topic"] for r in got] == [e["topic"] for e in expected]

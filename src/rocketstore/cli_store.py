@@ -12,7 +12,7 @@ from .cli_format import JSON, MESSAGE_COLUMNS, add_format_flag, add_text_bodies_
 from .errors import CliError, StoreError
 from .config import StoreConfig
 from .consume_queue import LOWER, UPPER
-from .message import Message, parse_tag_filter
+from .message import GetMessageStatus, Message, parse_tag_filter
 from .progress import progress_bar
 from .selection import Selection
 from .store import MessageStore
@@ -50,6 +50,12 @@ def cmd_dump(args: argparse.Namespace) -> int:
     import json
     sel = selection_from_args(args)
     out = sys.stdout
+    skipped: list[int] = []
+
+    def skip(offset: int, problem: str) -> None:
+        skipped.append(offset)
+        sys.stderr.write(f"rocketstore: skipped damaged record at commitlog offset {offset}: {problem}\n")
+
     with open_read_only(args) as store:
         n = size = 0
         more = None
@@ -57,7 +63,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
             from .tail_view import follower
             more = follower(store, args.interval, out.flush)
         try:
-            for msg in sel.scan(store, read_body=not args.no_body, more=more):
+            for msg in sel.scan(store, read_body=not args.no_body, more=more,
+                                on_damaged=skip if args.skip_damaged else None):
                 out.write(json.dumps(message_json(msg, not args.no_body, args.text_bodies),
                                      ensure_ascii=False) + "\n")
                 n += 1
@@ -67,6 +74,9 @@ def cmd_dump(args: argparse.Namespace) -> int:
         report = store.recovery_report
         if not sel.reached(n, size) and report is not None and report.stopped_because:
             raise CliError(f"scan stopped at commitlog offset {report.process_offset}: {report.stopped_because}")
+    if skipped:
+        sys.stderr.write(f"rocketstore: dump: {n} message(s) written, {len(skipped)} damaged record(s) skipped\n")
+        return 1
     return 0
 
 
@@ -102,6 +112,13 @@ def cmd_get(args: argparse.Namespace) -> int:
     with open_read_only(args) as store:
         r = store.get(args.topic, args.queue_id, args.offset, args.max, parse_tag_filter(args.tags),
                       read_body=not args.no_body)
+        report = store.recovery_report
+        cut = report.queues_truncated.get(f"{args.topic}-{args.queue_id}") if report is not None else None
+        if cut and report.stopped_because and r.status in (GetMessageStatus.OFFSET_OVERFLOW_ONE,
+                                                            GetMessageStatus.OFFSET_OVERFLOW_BADLY):
+            raise CliError(f"{args.topic}/{args.queue_id}: {cut} message(s) from queue offset {r.max_offset} on "
+                           f"are past commitlog offset {report.process_offset}, where the record check stopped: "
+                           f"{report.stopped_because}")
         _emit_messages(args, r.to_json(not args.no_body), r.messages)
     return 0
 
@@ -307,8 +324,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(handler=handler)
         return p
 
-    p = add("dump", cmd_dump, "every message in commitlog order, one JSON object per line")
-    p.add_argument("--no-body", action="store_true", help="omit bodies")
+    p = add("dump", cmd_dump, "every message in commitlog order, one JSON object per line (bodies are checked "
+            "against their CRC; a damaged record stops the dump with exit status 2)")
+    p.add_argument("--no-body", action="store_true", help="omit bodies (and their CRC check)")
+    p.add_argument("--skip-damaged", action="store_true", help="report each damaged record on stderr, resume at "
+                   "the next intact record, and exit 1 if any was skipped")
     add_selection_flags(p)
     p.add_argument("--from-offset", type=_nonneg, metavar="N", help="start at this commitlog offset")
     p.add_argument("--limit", type=_nonneg, metavar="N", help="same as --max-messages")

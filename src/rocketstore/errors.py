@@ -16,7 +16,13 @@ class CommitLogWriteError(StoreError):
 
 
 class CorruptRecordError(StoreError):
-    """A record that does not decode: the message says which file and offset."""
+    """A record that does not decode, whose body fails its CRC, or that is not the one its consume-queue
+    unit or index entry claims: the message says which file and offset (also as ``path``/``offset``)."""
+
+    def __init__(self, message: str, *, path: str | None = None, offset: int | None = None) -> None:
+        super().__init__(message)
+        self.path = path  # the commitlog segment file
+        self.offset = offset  # the record's commitlog offset
 
 
 class StoreLockedError(StoreError):

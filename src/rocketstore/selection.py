@@ -44,8 +44,11 @@ class Selection:
         return store.seek_offset(self.topic, self.from_time)
 
     def scan(self, store: MessageStore, *, read_body: bool = True,
-             more: Callable[[], bool] | None = None) -> Iterator[MessageExt]:
-        """The selected messages; a record that does not decode stops the scan with a StoreError.
+             more: Callable[[], bool] | None = None,
+             on_damaged: Callable[[int, str], None] | None = None) -> Iterator[MessageExt]:
+        """The selected messages; a damaged record (it does not decode, or the body read fails its CRC)
+        stops the scan with a StoreError, or, given ``on_damaged``, is passed to it as (commitlog offset,
+        problem) and skipped: the scan resumes at the next intact record.
 
         ``more``, if given, is called at the end of the records: True goes on from
         there (``dump --follow`` waits for the writer and extends the view)."""
@@ -54,8 +57,13 @@ class Selection:
         n = size = 0
         offset = self.start(store)
         while True:
-            for off, rec_size, msg, problem in store.messages(offset, read_body=read_body, drop_cache=True):
+            for off, rec_size, msg, problem in store.messages(offset, read_body=read_body, drop_cache=True,
+                                                              skip_damaged=on_damaged is not None):
                 if msg is None:
+                    if on_damaged is not None:
+                        on_damaged(off, problem or "damaged record")
+                        offset = off + max(rec_size, 1)
+                        continue
                     raise StoreError(f"scan stopped at commitlog offset {off}: {problem}")
                 offset = off + rec_size
                 if self.to_time is not None and msg.store_timestamp > self.to_time:

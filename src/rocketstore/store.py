@@ -25,8 +25,8 @@ from .commitlog import CommitLog
 from .config import SYNC_FLUSH, StoreConfig, total_memory_bytes
 from .consume_queue import CQ_STORE_UNIT_SIZE, LOWER, ConsumeQueue
 from .dispatch import ReputMessageService
-from .errors import (CommitLogWriteError, ConfigError, ReadOnlyStoreError, StoreClosedError, StoreLoadError,
-                     StoreLockedError)
+from .errors import (CommitLogWriteError, ConfigError, CorruptRecordError, ReadOnlyStoreError, StoreClosedError,
+                     StoreLoadError, StoreLockedError)
 from .flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeService, GroupCommitService
 from .index import IndexService, index_file_size
 from .message import (DEFAULT_STORE_HOST, LOCALHOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
@@ -595,6 +595,13 @@ class MessageStore:
         """Read through the consume queue (RocketMQ's getMessage).  ``tag_filter``: tag hash codes, a
         subscription expression (``"TagA"``, ``"TagA || TagB"``, ``"*"``) or None.
 
+        A unit whose record is damaged (does not decode, or its body fails
+        BODYCRC when bodies are read) or is not the record the unit claims
+        (topic, queue id, queue offset, size) is never returned nor skipped:
+        the call returns the messages before it (FOUND, ``next_begin_offset``
+        at that unit), and a call starting at it raises
+        :class:`CorruptRecordError` naming the segment file and offset.
+
         Consumers call this in a loop, so the fixed cost of a call weighs about as
         much as the per-message cost: units are read in blocks of one unpack each,
         ``min``/``max`` are written as comparisons (each builtin call costs more
@@ -637,6 +644,7 @@ class MessageStore:
         skip_file_end = -1
         seg, seg_start, seg_end, mm = None, 0, -1, None  # the commitlog segment held while reading from it
         decode_unit = codec.decode_unit
+        topic_bytes = topic.encode("utf-8")
         read_units = cq.read_units
         idx = offset  # the next unit; where the next call begins
         want = max_msgs if max_msgs > 1 else 1  # units in the first block: what an unfiltered call takes
@@ -667,15 +675,19 @@ class MessageStore:
                             seg, seg_start, seg_end, mm = None, 0, -1, None
                         else:
                             seg_start, seg_end, mm = seg.file_from_offset, seg.end_offset, seg.mm
-                    msg = None
                     pos = phy - seg_start
-                    if seg is not None and pos + size <= seg.wrote_position:
-                        msg = decode_unit(mm, pos, size, read_body)
-                    if msg is None:
+                    if seg is None or pos + size > seg.wrote_position:
                         if not n:
                             status = GetMessageStatus.MESSAGE_WAS_REMOVING
                         skip_file_end = phy - phy % self.commitlog.file_size + self.commitlog.file_size
                         continue
+                    msg = decode_unit(mm, pos, size, read_body, topic, topic_bytes, queue_id, idx - 1)
+                    if msg is None:
+                        if n:  # return what was read; the next call starts at the damaged unit and raises
+                            idx -= 1
+                            full = True
+                            break
+                        raise _damaged_unit(seg, pos, size, cq, f, topic, queue_id, idx - 1, read_body)
                     if not n:
                         # "In memory" (within 40 % of RAM of the log's end): 32 messages / 256 KiB a call,
                         # else 8 / 64 KiB.
@@ -700,25 +712,50 @@ class MessageStore:
         return GetMessageResult(status, idx, lo, hi, out)
 
     def look(self, commit_log_offset: int, *, read_body: bool = True) -> MessageExt:
-        """The message at a commitlog offset (RocketMQ's lookMessageByOffset)."""
-        return self.commitlog.read_message(commit_log_offset, read_body=read_body)
+        """The message at a commitlog offset (RocketMQ's lookMessageByOffset).
+
+        Raises :class:`CorruptRecordError` (file and offset) when no record
+        decodes there or, reading the body, the body fails its BODYCRC.
+        """
+        return self.commitlog.read_message(commit_log_offset, read_body=read_body, check_crc=read_body)
 
     def query(self, topic: str, key: str, max_num: int = 32, begin: int = 0, end: int = 2 ** 63 - 1,
               *, read_body: bool = True) -> QueryMessageResult:
-        """Messages by key or UNIQ_KEY through the index (RocketMQ's queryMessage): newest hits, ascending."""
+        """Messages by key or UNIQ_KEY through the index (RocketMQ's queryMessage): newest hits, ascending.
+
+        The index holds only hashes, so, as RocketMQ's client does after the
+        broker answers, a hit is kept only when its topic is ``topic`` and
+        ``key`` is one of its KEYS or its UNIQ_KEY (hash collisions and stale
+        entries are dropped).  A kept hit whose body fails its BODYCRC, or an
+        entry pointing at bytes that are no record, raises
+        :class:`CorruptRecordError` naming the file and offset.
+        """
         limit = min(max_num, self.config.maxMsgsNumBatch)
         offsets, last_ts, last_phy = self.index_service.query_offset(topic, key, limit, begin, end)
         offsets.sort()
         msgs, phys = [], []
         for off in offsets:
             f = self.commitlog.queue.find(off)
-            if f is None or off - f.file_from_offset + 4 > f.wrote_position:
-                continue
-            size = codec.read_total_size(f.mm, off - f.file_from_offset)
-            m = self.commitlog.read_message_or_none(off, size, read_body=read_body)
-            if m is not None:
-                msgs.append(m)
-                phys.append(off)
+            if f is None or not f.hold():
+                continue  # the segment was deleted (retention): RocketMQ skips such entries too
+            try:
+                pos = off - f.file_from_offset
+                if pos + 4 > f.wrote_position:
+                    continue
+                m = _indexed_record(f, pos, read_body)
+                if m.topic != topic or (key != m.uniq_key and key not in (m.keys or "").split(" ")):
+                    log.debug("%s: index hit at offset %d is %s, not %s#%s (hash collision)",
+                              self.paths.index, off, m.topic, topic, key)
+                    continue
+                if read_body and m.body and codec.body_crc(m.body) != m.body_crc:
+                    raise CorruptRecordError(f"{f.path} at offset {off} (file position {pos}): damaged record: "
+                                             f"body CRC mismatch (stored {m.body_crc}, computed "
+                                             f"{codec.body_crc(m.body)}); found through the index by "
+                                             f"{topic}#{key}", path=f.path, offset=off)
+            finally:
+                f.release()
+            msgs.append(m)
+            phys.append(off)
         if not msgs:
             last_ts = last_phy = 0
         return QueryMessageResult(phys, msgs, last_ts, last_phy)
@@ -731,10 +768,46 @@ class MessageStore:
         return cq.offset_by_time(timestamp, boundary, self.commitlog.pickup_store_timestamp,
                                  self.commitlog.min_offset())
 
-    def messages(self, from_offset: int = -1, *, read_body: bool = True, check_crc: bool = False,
-                 drop_cache: bool = False) -> Iterator[tuple[int, int, MessageExt | None, str | None]]:
-        """Every record in commitlog order (including ones in no consume queue); see CommitLog.scan."""
-        return self.commitlog.scan(from_offset, read_body=read_body, check_crc=check_crc, drop_cache=drop_cache)
+    def messages(self, from_offset: int = -1, *, read_body: bool = True, check_crc: bool | None = None,
+                 drop_cache: bool = False, skip_damaged: bool = False
+                 ) -> Iterator[tuple[int, int, MessageExt | None, str | None]]:
+        """Every record in commitlog order (including ones in no consume queue); see CommitLog.scan.
+
+        Bodies read are checked against BODYCRC (``check_crc`` defaults to
+        ``read_body``).  A damaged record is yielded once as (offset, size,
+        None, problem naming file and position) and ends the walk, unless
+        ``skip_damaged``: then the walk resumes at the next intact record
+        after it (:func:`codec.find_record`).
+        """
+        check = read_body if check_crc is None else check_crc
+        if not skip_damaged:
+            return self.commitlog.scan(from_offset, read_body=read_body, check_crc=check, drop_cache=drop_cache)
+        return self._messages_resync(from_offset, read_body, check, drop_cache)
+
+    def _messages_resync(self, offset: int, read_body: bool, check_crc: bool, drop_cache: bool
+                         ) -> Iterator[tuple[int, int, MessageExt | None, str | None]]:
+        while offset is not None:
+            damaged = None
+            for item in self.commitlog.scan(offset, read_body=read_body, check_crc=check_crc, drop_cache=drop_cache):
+                yield item
+                if item[2] is None:
+                    damaged = item[0]
+            offset = None if damaged is None else self._next_record_after(damaged, check_crc)
+
+    def _next_record_after(self, offset: int, check_crc: bool) -> int | None:
+        """The commitlog offset of the first intact record after ``offset``, up to the log's end, or None."""
+        queue = self.commitlog.queue
+        f = queue.find(offset)
+        pos = offset - f.file_from_offset + 1 if f is not None else 0
+        while f is not None and f.hold():
+            try:
+                found = codec.find_record(f.mm, pos, f.wrote_position, f.file_from_offset, check_crc=check_crc)
+            finally:
+                f.release()
+            if found is not None:
+                return f.file_from_offset + found
+            f, pos = queue.find(f.end_offset), 0
+        return None
 
     def seek_offset(self, topic: str | None = None, from_time: int | None = None) -> int:
         """Where a scan for a topic and/or from a store time can start, found through the consume queues.
@@ -829,6 +902,31 @@ def _read_text(path: str) -> str | None:
             return fh.read().strip()
     except (OSError, ValueError):
         return None
+
+
+def _damaged_unit(seg: Any, pos: int, size: int, cq: ConsumeQueue, cq_file: Any, topic: str, queue_id: int,
+                  unit: int, check_crc: bool) -> CorruptRecordError:
+    """The error for a consume-queue unit whose record is damaged or is another queue's (the slow path)."""
+    phy = seg.file_from_offset + pos
+    where = (f"{seg.path} at offset {phy} (file position {pos}), read through consume queue {topic}/{queue_id} "
+             f"offset {unit} ({cq_file.path} position {unit * CQ_STORE_UNIT_SIZE % cq.file_size})")
+    try:
+        m = codec.decode(seg.mm, pos, pos + size, check_crc=check_crc, read_body=False)
+    except codec.RecordError as e:
+        return CorruptRecordError(f"{where}: damaged record: {e}", path=seg.path, offset=phy)
+    return CorruptRecordError(
+        f"{where}: the record there is {m.topic}/{m.queue_id} offset {m.queue_offset}, {m.size} bytes, "
+        f"not the unit's {topic}/{queue_id} offset {unit}, {size} bytes", path=seg.path, offset=phy)
+
+
+def _indexed_record(f: Any, pos: int, read_body: bool) -> MessageExt:
+    """The record an index entry points at (position ``pos`` of segment ``f``); its CRC is not checked yet."""
+    try:
+        return codec.decode(f.mm, pos, f.wrote_position, read_body=read_body)
+    except codec.RecordError as e:
+        raise CorruptRecordError(f"{f.path} at offset {f.file_from_offset + pos} (file position {pos}): an index "
+                                 f"entry points here but no record decodes: {e}", path=f.path,
+                                 offset=f.file_from_offset + pos) from None
 
 
 def _signed32(v: int) -> int:

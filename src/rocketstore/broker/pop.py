@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from ..codec import MessageExt, java_hash
+from ..errors import CorruptRecordError
 from ..jsonfile import write_json_atomic
 from ..message import GetMessageStatus
 from .offsets import ConsumerOffsetManager, read_json_lenient
@@ -176,6 +177,7 @@ class PopService:
         self.max_span = max_span
         self.queues: dict[tuple[str, str, int], QueueState] = {}
         self.dirty = False
+        self._damaged_seen: set[tuple[str, str, int, int | None]] = set()  # logged once at error level
         self._run = os.urandom(3).hex()
         self._seq = itertools.count(1)
         self._rotation = itertools.count()
@@ -302,21 +304,35 @@ class PopService:
     def receive(self, group: str, topic: str, queue_ids: list[int], batch: int, invisible_ms: int,
                 flt: TagFilter, *, fifo: bool, max_attempts: int, client: str,
                 auto_renew: bool) -> tuple[list[Delivery], list[DeadLetter]]:
-        """Pop up to ``batch`` messages (redeliveries first, then new ones) and the messages now due for the DLQ."""
+        """Pop up to ``batch`` messages (redeliveries first, then new ones) and the messages now due for the DLQ.
+
+        A queue whose next message is damaged stops there (it is neither delivered nor skipped); when no
+        queue gave anything, the first such :class:`CorruptRecordError` is raised.
+        """
         now = now_ms()
         out: list[Delivery] = []
         dead: list[DeadLetter] = []
         if not queue_ids:
             return out, dead
         start = next(self._rotation) % len(queue_ids)
+        damaged: CorruptRecordError | None = None
         for qid in queue_ids[start:] + queue_ids[:start]:
             if len(out) >= batch:
                 break
             qs = self._queue(group, topic, qid, fifo)
-            if now >= qs.next_due:
-                self._redeliver(qs, now, batch, invisible_ms, flt, max_attempts, client, auto_renew, out, dead)
-            if len(out) < batch:
-                self._read_new(qs, now, batch, invisible_ms, flt, client, auto_renew, out)
+            try:
+                if now >= qs.next_due:
+                    self._redeliver(qs, now, batch, invisible_ms, flt, max_attempts, client, auto_renew, out, dead)
+                if len(out) < batch:
+                    self._read_new(qs, now, batch, invisible_ms, flt, client, auto_renew, out)
+            except CorruptRecordError as e:  # this queue stops at the damaged message; the others go on
+                seen = (group, topic, qid, e.offset)
+                log.log(logging.DEBUG if seen in self._damaged_seen else logging.ERROR, "%s@%s queue %d: %s",
+                        topic, group, qid, e)
+                self._damaged_seen.add(seen)
+                damaged = damaged or e
+        if damaged is not None and not out and not dead:
+            raise damaged
         return out, dead
 
     def _deliver(self, qs: QueueState, e: Entry, now: int, invisible_ms: int, client: str, auto_renew: bool) -> str:
@@ -363,7 +379,11 @@ class PopService:
     def _read(self, e: Entry) -> MessageExt | None:
         try:
             return self.store.look(e.phy)
-        except Exception:  # deleted by retention, or a bad offset from an old state file
+        except CorruptRecordError:
+            if self.store.min_phy_offset() <= e.phy < self.store.max_phy_offset():
+                raise  # damaged in place: never dropped (acked) on the quiet
+            return None  # deleted by retention, or a bad offset from an old state file
+        except Exception:
             return None
 
     def _read_new(self, qs: QueueState, now: int, batch: int, invisible_ms: int, flt: TagFilter, client: str,

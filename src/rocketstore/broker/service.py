@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Callable
 
 import grpc
 
+from ..errors import CorruptRecordError
 from ..message import Message, PutMessageStatus
 from .broker import Broker
 from .convert import (P_DLQ_MSG_ID, P_DLQ_TOPIC, P_ORIGIN_MSG_ID, P_RECONSUME, P_RETRY_TOPIC, TYPE_NAMES, BadMessage,
@@ -442,6 +443,9 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
                     _set(first.status, Code.OK)
                 else:
                     _set(first.status, Code.MESSAGE_NOT_FOUND, "no new message")
+            except CorruptRecordError as e:  # the next message is damaged: say so, deliver nothing in its place
+                replies = []
+                _set(first.status, Code.MESSAGE_CORRUPTED, str(e)[:500])
             except Exception as e:
                 log.exception("ReceiveMessage failed")
                 replies = []

@@ -15,7 +15,8 @@ Then it decodes every field of a batch of records at once:
 * the properties map is split on the 0x01/0x02 separators with numpy, exactly
   as RocketMQ's ``string2messageProperties`` splits (:mod:`.properties`).
 
-A record whose fields disagree with its size stops the read with
+A record whose fields disagree with its size, or whose body (when the body
+column is read) fails its BODYCRC, stops the read with
 :class:`RecordFormatError` naming the file and offset; a read never returns
 something ``rocketstore dump`` would not.
 
@@ -25,6 +26,7 @@ The column names and values are those of :meth:`MessageExt.to_json`
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import struct
@@ -41,6 +43,8 @@ from .. import codec
 from ..queue_checked import UNIT_DTYPE
 from .gather import fixed, gather, strings_from_fixed
 from .properties import MAP, properties_map
+
+log = logging.getLogger(__name__)
 
 TS = pa.timestamp("us", tz="UTC")
 
@@ -294,11 +298,13 @@ def _numeric(values: np.ndarray, typ: pa.DataType) -> pa.Array:
 # ---------------------------------------------------------------- decoding
 
 def decode(seg: Segment, positions: np.ndarray, names: Sequence[str], flt: RowFilter | None = None,
-           limit: int | None = None) -> pa.RecordBatch | None:
+           limit: int | None = None, skip_damaged: bool = False) -> pa.RecordBatch | None:
     """Decode the records at ``positions`` (file positions) into a batch of the columns ``names``.
 
     Rows not passing ``flt`` are dropped before the expensive columns are built.
-    Raises :class:`RecordFormatError` at the first record whose fields disagree with its size.
+    Raises :class:`RecordFormatError` at the first record whose fields disagree with its size, and, when
+    the body is read, at the first whose body fails its BODYCRC (``skip_damaged``: such rows are dropped
+    and logged instead).
     """
     buf = seg.np
     limit = len(buf) if limit is None else limit
@@ -353,6 +359,16 @@ def decode(seg: Segment, positions: np.ndarray, names: Sequence[str], flt: RowFi
         positions = positions[keep]
         cols = _subset(cols, keep)
         n = len(positions)
+    if "body" in names:
+        intact = _intact_bodies(seg, positions, cols, skip_damaged)
+        if intact is not None:
+            if not intact.any():
+                return None
+            positions = positions[intact]
+            cols = _subset(cols, intact)
+            n = len(positions)
+            if topic_bin is not None:
+                topic_bin = topic_bin.filter(pa.array(intact))
     need_props = any(x in names for x in ("properties", "propertiesString", "tags", "keys")) or (
         flt is not None and flt.keys is not None)
     props_bin = gather(seg.pa, cols["props_start"], cols["props_len"]) if need_props else None
@@ -461,6 +477,28 @@ def _decode_header(seg: Segment, positions: np.ndarray, groups: list, head: np.n
     return cols
 
 
+def _intact_bodies(seg: Segment, positions: np.ndarray, cols: dict[str, Any], skip_damaged: bool
+                   ) -> np.ndarray | None:
+    """None when every body matches its BODYCRC, else the mask of the rows that do (``skip_damaged``);
+    without ``skip_damaged`` the first damaged record raises :class:`RecordFormatError`."""
+    crc = codec.body_crc
+    with memoryview(seg.np) as mv:
+        bad = [i for i, (b, n, c) in enumerate(zip(cols["body_start"].tolist(), cols["body_len"].tolist(),
+                                                    cols["crc"].tolist()))
+               if n and crc(mv[b:b + n]) != c]
+    if not bad:
+        return None
+    for i in bad if skip_damaged else bad[:1]:
+        pos = int(positions[i])
+        text = f"{seg.path} at offset {seg.base + pos} (file position {pos}): body CRC mismatch"
+        if not skip_damaged:
+            raise RecordFormatError(f"{text} (set skipDamaged=true to skip damaged records)")
+        log.warning("%s; record skipped (skipDamaged)", text)
+    intact = np.ones(len(positions), dtype=bool)
+    intact[bad] = False
+    return intact
+
+
 def _validate(seg: Segment, positions: np.ndarray, cols: dict[str, Any], limit: int) -> None:
     end = positions + cols["total"]
     bad = (cols["total"] < cols["hsize"]) | (end > limit)
@@ -534,7 +572,7 @@ def _column(name: str, seg: Segment, positions: np.ndarray, cols: dict[str, Any]
 def read_range(path: str, start: int, end: int, names: Sequence[str], flt: RowFilter | None = None,
                batch_rows: int = DEFAULT_BATCH_ROWS, zeros_end: bool = False,
                boundary_known: bool = True, queues: Sequence[QueueSlice] | None = None,
-               drop_cache: bool = False) -> Iterator[pa.RecordBatch]:
+               drop_cache: bool = False, skip_damaged: bool = False) -> Iterator[pa.RecordBatch]:
     """Batches of the records of one segment file between file positions ``start`` and ``end``.
 
     ``start`` must be a record boundary unless ``boundary_known`` is False, in
@@ -543,6 +581,7 @@ def read_range(path: str, start: int, end: int, names: Sequence[str], flt: RowFi
     :func:`positions_from_queues`), which spare the walk over record headers.
     ``drop_cache``: tell the kernel the range's pages are not needed any more
     (``posix_fadvise`` DONTNEED), so an export of a live store keeps its hot set.
+    ``skip_damaged``: drop (and log) records whose body fails its CRC rather than fail (see :func:`decode`).
     """
     seg = Segment(path)
     try:
@@ -559,7 +598,7 @@ def read_range(path: str, start: int, end: int, names: Sequence[str], flt: RowFi
         if start > 0 and len(pos) and pos[0] < start:
             pos = pos[pos >= start]
         for i in range(0, len(pos), batch_rows):
-            b = decode(seg, pos[i:i + batch_rows], names, flt, limit=end)
+            b = decode(seg, pos[i:i + batch_rows], names, flt, limit=end, skip_damaged=skip_damaged)
             if b is not None and b.num_rows:
                 yield b
     finally:

@@ -270,15 +270,18 @@ def _arrow_schema(schema: StructType):
 
 
 def read_task(tasks: list[planner.ScanTask] | None, names: list[str], arrow_schema: Any,
-              batch_rows: int) -> Iterator[Any]:
-    """The rows of one partition, as Arrow batches of exactly the Spark schema."""
+              batch_rows: int, skip_damaged: bool = False) -> Iterator[Any]:
+    """The rows of one partition, as Arrow batches of exactly the Spark schema.
+
+    A record whose body fails its BODYCRC fails the task naming file and offset, unless ``skip_damaged``
+    (option ``skipDamaged``), which drops it with a warning in the executor's log."""
     if not tasks:
         return
     import pyarrow as pa
     for task in tasks:
         for b in segment.read_range(task.path, task.start, task.end, names, task.filter, batch_rows=batch_rows,
                                     boundary_known=task.boundary_known, queues=task.queues,
-                                    drop_cache=task.drop_cache):
+                                    drop_cache=task.drop_cache, skip_damaged=skip_damaged):
             if b.schema.equals(arrow_schema):
                 yield b
             else:
@@ -306,6 +309,7 @@ class RocketStoreReader(DataSourceReader):
         self.max_partition_bytes = opts.int("maxPartitionBytes", DEFAULT_MAX_PARTITION_BYTES)
         self.min_partitions = opts.int("minPartitions", default_min_partitions or os.cpu_count() or 1)
         self.drop_cache = opts.flag("dropCache", False)
+        self.skip_damaged = opts.flag("skipDamaged", False)
         if self.max_partition_bytes <= 0 or self.min_partitions <= 0:
             raise StoreError("options maxPartitionBytes and minPartitions must be positive")
 
@@ -328,7 +332,7 @@ class RocketStoreReader(DataSourceReader):
         return [ScanPartition(p) for p in parts]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        return read_task(partition.value, self.names, self.arrow_schema, self.batch_rows)
+        return read_task(partition.value, self.names, self.arrow_schema, self.batch_rows, self.skip_damaged)
 
 
 # ---------------------------------------------------------------- streaming reads
@@ -353,6 +357,7 @@ class RocketStoreStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNo
         if self.max_bytes is not None and self.max_bytes <= 0:
             raise StoreError("option maxBytesPerTrigger must be positive")
         self.fail_on_data_loss = opts.flag("failOnDataLoss", True)
+        self.skip_damaged = opts.flag("skipDamaged", False)
         self.flt = RowFilter(topics=opts.topics(), queue_ids=opts.queue_ids())
         self.batch_rows = opts.int("batchRows", segment.DEFAULT_BATCH_ROWS)
         self.target: dict[str, int] | None = None
@@ -410,7 +415,7 @@ class RocketStoreStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNo
         return [ScanPartition([t]) for t in tasks]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        return read_task(partition.value, self.names, self.arrow_schema, self.batch_rows)
+        return read_task(partition.value, self.names, self.arrow_schema, self.batch_rows, self.skip_damaged)
 
     def commit(self, end: dict) -> None:
         pass
