@@ -369,8 +369,8 @@ def commit(root: str, parts: list[StagedPart], opts: WriteOptions) -> dict[str, 
                 m = batch[0]
                 where = (f"wrote {written} of {total} messages" +
                          (f" (commitlog offsets {first}..{last})" if written else "") +
-                         f"; a put of {len(batch)} message(s) (topic {m.topic!r}, queue {m.queue_id}) "
-                         f"was refused: {r.status.value}: {r.error}")
+                         f"; message {written + 1}" + (f"..{written + len(batch)}" if len(batch) > 1 else "") +
+                         f" (topic {m.topic!r}, queue {m.queue_id}) was refused: {r.status.value}: {r.error}")
                 log.error("%s: %s", root, where)
                 raise StoreError(f"{root}: {where}")
             if first is None or r.commit_log_offset < first:
