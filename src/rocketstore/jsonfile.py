@@ -17,12 +17,22 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
+    """Make a directory's entries (a created, renamed or deleted name) durable."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_file_durably(path: str, data: bytes) -> None:
+    """Write a small file in place, fsync it and its directory (a marker file a power cut must not lose)."""
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
@@ -43,7 +53,7 @@ def write_json_atomic(path: str, obj: Any) -> None:
         except (ValueError, OSError):
             log.warning("%s: current file is corrupt; keeping the older backup", path)
     os.replace(tmp, path)
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def read_json(path: str, default: Any = None, loads: Callable[[str], Any] = json.loads) -> Any:

@@ -29,6 +29,7 @@ from .errors import (CommitLogWriteError, ConfigError, ReadOnlyStoreError, Store
                      StoreLockedError)
 from .flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeService, GroupCommitService
 from .index import IndexService, index_file_size
+from .jsonfile import write_file_durably
 from .message import (DEFAULT_STORE_HOST, LOCALHOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
                       PutMessageStatus, QueryMessageResult, host_tuple)
 from .metrics import SAMPLE_EVERY, MetricsService, StoreMetrics
@@ -124,7 +125,7 @@ class MessageStore:
         self.running_flags = RunningFlags()
         self.flush_error: str | None = None
         self.closed = False
-        self._lock_fd: int | None = None
+        self._lock_fds: tuple[int, int] | None = None  # the lock file's and the store directory's
         self._real_root = os.path.realpath(root)
         self._cq_table: dict[tuple[str, int], ConsumeQueue] = {}
         self._cq_lock = threading.Lock()
@@ -188,30 +189,45 @@ class MessageStore:
                                  f"({', '.join(sorted(entries)[:3])}); refusing to write into it")
 
     def _acquire_lock(self) -> None:
+        """Lock the store directory itself (flock on a descriptor kept open) and the ``lock`` file.
+
+        The ``lock`` file's record lock is what RocketMQ takes, so a Java broker and rocketstore exclude
+        each other; the directory lock still holds when someone deletes the ``lock`` file under an open
+        store (a new file would carry no lock, and a second writer would get in).
+        """
         with _OPEN_LOCK:
             if self._real_root in _OPEN_STORES:
                 raise StoreLockedError(f"{self.paths.lock}: store already open in this process")
+            locked = f"{self.paths.lock}: store is locked by another process (Lock failed, MQ already started)"
+            dir_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(dir_fd)
+                raise StoreLockedError(locked) from None
             fd = os.open(self.paths.lock, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
             except OSError:
                 os.close(fd)
-                raise StoreLockedError(f"{self.paths.lock}: store is locked by another process "
-                                       "(Lock failed, MQ already started)") from None
+                os.close(dir_fd)
+                raise StoreLockedError(locked) from None
             os.pwrite(fd, b"lock", 0)
             os.fsync(fd)
-            self._lock_fd = fd
+            self._lock_fds = (fd, dir_fd)
             _OPEN_STORES.add(self._real_root)
 
     def _release_lock(self) -> None:
-        if self._lock_fd is None:
+        if self._lock_fds is None:
             return
+        fd, dir_fd = self._lock_fds
         with _OPEN_LOCK:
             try:
-                fcntl.lockf(self._lock_fd, fcntl.LOCK_UN, 1, 0)
+                fcntl.lockf(fd, fcntl.LOCK_UN, 1, 0)
             finally:
-                os.close(self._lock_fd)
-                self._lock_fd = None
+                os.close(fd)
+                os.close(dir_fd)  # closing the last descriptor releases the flock
+                self._lock_fds = None
                 _OPEN_STORES.discard(self._real_root)
 
     def _load(self) -> None:
@@ -312,14 +328,13 @@ class MessageStore:
         if os.path.exists(self.paths.abort):
             with open(self.paths.abort, "rb") as fh:
                 previous = fh.read()
-        with open(self.paths.abort_bak, "wb") as fh:
-            fh.write(previous)
-        with open(self.paths.abort, "wb") as fh:
-            fh.write(str(os.getpid()).encode())
+        # Durable before the first put is taken: a power cut must not lose the mark that says "recover".
         boot = _boot_id()
         if boot is not None:
-            with open(self.paths.abort_boot, "w", encoding="ascii") as fh:
-                fh.write(boot)
+            write_file_durably(self.paths.abort_boot, boot.encode("ascii"))
+        with open(self.paths.abort_bak, "wb") as fh:
+            fh.write(previous)
+        write_file_durably(self.paths.abort, str(os.getpid()).encode())
 
     # ------------------------------------------------------------ queues
     def find_consume_queue(self, topic: str, queue_id: int) -> ConsumeQueue:

@@ -1,0 +1,65 @@
+"""Issue 16 items 8 and 9: the store's lock, abort file, checkpoint, flush, metrics and dispatch guards."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rocketstore import Message, MessageStore, StoreConfig, StoreLockedError
+from conftest import REPO
+
+_HOLDER = """
+import sys
+from rocketstore import MessageStore
+store = MessageStore.open(sys.argv[1])
+print("open", flush=True)
+sys.stdin.read()
+store.close()
+"""
+
+
+def _hold_open(path) -> subprocess.Popen:
+    """Another process that opens the store writable and keeps it open until its stdin closes."""
+    p = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, cwd=REPO)
+    assert p.stdout.readline() == b"open\n", p.stderr.read()
+    return p
+
+
+def test_a_deleted_lock_file_lets_no_second_writer_in(tmp_path):
+    path = tmp_path / "s"
+    holder = _hold_open(path)
+    try:
+        with pytest.raises(StoreLockedError, match="locked by another process"):
+            MessageStore.open(str(path))
+        os.unlink(path / "lock")
+        with pytest.raises(StoreLockedError, match="locked by another process"):
+            MessageStore.open(str(path))
+        assert not (path / "lock").exists()
+    finally:
+        holder.communicate(b"", timeout=60)
+    assert holder.returncode == 0
+    with MessageStore.open(str(path)) as store:  # the holder is gone: its locks went with it
+        assert store.put(Message("T", b"x")).ok
+    assert (path / "lock").read_bytes() == b"lock"  # still written, for RocketMQ
+
+
+def test_abort_files_are_fsynced_with_their_directory(tmp_path, monkeypatch):
+    path = tmp_path / "s"
+    synced: list[str] = []
+    real = os.fsync
+
+    def recording(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+    monkeypatch.setattr(os, "fsync", recording)
+    with MessageStore.open(str(path)):
+        root = os.path.realpath(path)
+        want = {os.path.join(root, "abort"), root}
+        if os.path.exists("/proc/sys/kernel/random/boot_id"):
+            want.add(os.path.join(root, "abort.bootid"))
+        assert want <= set(synced)
