@@ -63,3 +63,44 @@ def test_abort_files_are_fsynced_with_their_directory(tmp_path, monkeypatch):
         if os.path.exists("/proc/sys/kernel/random/boot_id"):
             want.add(os.path.join(root, "abort.bootid"))
         assert want <= set(synced)
+
+
+_METRICS_WRITER = """
+import os, sys, time
+from rocketstore import Message, MessageStore
+store = MessageStore.open(sys.argv[1])
+store.put(Message("T", b"x"))
+while not os.path.exists(os.path.join(sys.argv[1], "metrics.json")):
+    time.sleep(0.05)
+print("live", flush=True)
+time.sleep(60)
+"""
+
+
+def test_stats_live_says_not_live_when_the_writer_died(tmp_path):
+    import json
+    import signal
+
+    from conftest import run_cli
+    path = tmp_path / "s"
+    p = subprocess.Popen([sys.executable, "-c", _METRICS_WRITER, str(path)], stdout=subprocess.PIPE, cwd=REPO)
+    try:
+        assert p.stdout.readline() == b"live\n"
+        r = run_cli("stats", path, "--live", "--count", "1", "--json")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["pid"] == p.pid
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=60)
+    assert (path / "metrics.json").exists()  # killed: nobody removed it
+    r = run_cli("stats", path, "--live", "--count", "1")
+    assert r.returncode == 2 and f"process {p.pid}, which is no longer running".encode() in r.stderr, r.stderr
+    assert r.stderr.count(b"\n") == 1
+    r = run_cli("stats", path, "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["live"] is None
+    # a pid that a later process reuses is told apart by its start time
+    m = json.loads((path / "metrics.json").read_text())
+    m["pid"], m["pidStartTicks"] = os.getpid(), 1
+    (path / "metrics.json").write_text(json.dumps(m))
+    r = run_cli("stats", path, "--live", "--count", "1")
+    assert r.returncode == 2 and b"the pid now names another process" in r.stderr, r.stderr

@@ -222,7 +222,7 @@ def cmd_delete_expired(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     import os
     import time
-    from .metrics import read_metrics
+    from .metrics import not_live_reason, read_metrics
     if not os.path.isdir(args.store):
         raise CliError(f"{args.store}: no such store directory")
     if not args.live:
@@ -250,7 +250,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     while args.count is None or shown < args.count:
         m = read_metrics(args.store)
         if m is None:
-            raise CliError(f"{args.store}: no live metrics (is the store open in a running process?)")
+            raise CliError(f"{args.store}: {not_live_reason(args.store)}")
         if args.json:
             emit(m)
         else:
