@@ -104,3 +104,34 @@ def test_stats_live_says_not_live_when_the_writer_died(tmp_path):
     (path / "metrics.json").write_text(json.dumps(m))
     r = run_cli("stats", path, "--live", "--count", "1")
     assert r.returncode == 2 and b"the pid now names another process" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("content, says", [
+    ("[1, 2]", "the file holds a list"),
+    ('{"offsetTable": [1]}', "offsetTable is a list"),
+    ('{"offsetTable": {"TopicTest@g": 5}}', "offsetTable['TopicTest@g'] is not"),
+    ('{"offsetTable": {"TopicTest@g": {"0": "x"}, "TopicTest@h": {"1": 3}}}', "offsetTable['TopicTest@g']['0'] = 'x'"),
+    ('{"offsetTable": {"TopicTest@g": {"q": 1}}}', "offsetTable['TopicTest@g']['q'] = 1"),
+])
+def test_retention_reports_a_wrong_shaped_consumer_offset_file(basic_copy, content, says):
+    import json
+
+    from conftest import run_cli
+    (basic_copy / "config").mkdir(exist_ok=True)
+    (basic_copy / "config" / "consumerOffset.json").write_text(content)
+    r = run_cli("retention", basic_copy, "--json")
+    assert r.returncode == 0, r.stderr
+    warnings = json.loads(r.stdout)["warnings"]
+    assert any("consumerOffset.json" in w and says in w for w in warnings), warnings
+    r = run_cli("retention", basic_copy)
+    assert r.returncode == 0 and b"warning: " in r.stdout and b"Traceback" not in r.stderr
+
+
+def test_consumer_offsets_read_rocketmq_fastjson_and_skip_only_bad_entries(basic_copy):
+    (basic_copy / "config").mkdir(exist_ok=True)
+    (basic_copy / "config" / "consumerOffset.json").write_text(
+        '{"offsetTable":{"TopicTest@g":{0:12,1:7},"TopicTest@h":{0:3,1:"x"}}}')
+    problems: list[str] = []
+    with MessageStore.open(str(basic_copy), read_only=True) as store:
+        assert store.consumer_offsets(problems) == {("TopicTest", 0): 3, ("TopicTest", 1): 7}
+    assert len(problems) == 1 and "offsetTable['TopicTest@h']['1'] = 'x'" in problems[0]

@@ -277,10 +277,11 @@ def retention_plan(store: "MessageStore") -> dict[str, Any]:
             deleted += 1
         segments.append({"file": f.path, "fromOffset": f.file_from_offset, "size": f.file_size,
                          "ageHours": round(age_h, 2), "expired": expired, "wouldDelete": would, "reason": reason})
-    warnings = []
+    warnings: list[str] = []
+    consumed_at = store.consumer_offsets(warnings)
     doomed_end = max((s["fromOffset"] + s["size"] for s in segments if s["wouldDelete"]), default=-1)
     if doomed_end > 0:
-        for (topic, qid), consumed in store.consumer_offsets().items():
+        for (topic, qid), consumed in consumed_at.items():
             cq = store._cq_table.get((topic, qid))
             unit = cq.get_unit(consumed) if cq else None
             if unit is not None and unit[0] < doomed_end:

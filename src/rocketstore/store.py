@@ -765,14 +765,37 @@ class MessageStore:
                 best = unit[0]
         return self.max_phy_offset() if best is None else max(best, self.min_phy_offset())
 
-    def consumer_offsets(self) -> dict[tuple[str, int], int]:
-        """Lowest committed offset per queue over all groups, from RocketMQ's config/consumerOffset.json."""
-        from .jsonfile import read_json
-        data = read_json(os.path.join(self.paths.config, "consumerOffset.json"))
+    def consumer_offsets(self, problems: list[str] | None = None) -> dict[tuple[str, int], int]:
+        """Lowest committed offset per queue over all groups, from RocketMQ's config/consumerOffset.json.
+
+        The file is written by other programs, so its shape is checked: an entry that is not
+        ``"topic@group": {queueId: offset}`` is skipped and described in ``problems``."""
+        from .broker.offsets import read_json_lenient
+        path = os.path.join(self.paths.config, "consumerOffset.json")
+        data = read_json_lenient(path)
         out: dict[tuple[str, int], int] = {}
-        for key, queues in ((data or {}).get("offsetTable") or {}).items():
+
+        def bad(what: str) -> None:
+            if problems is not None:
+                problems.append(f"{path}: {what}; consumer positions there are not checked")
+        if data is None:
+            return out
+        if not isinstance(data, dict):
+            bad(f"the file holds a {type(data).__name__}, not an object with an offsetTable")
+            return out
+        table = data.get("offsetTable") or {}
+        if not isinstance(table, dict):
+            bad(f"offsetTable is a {type(table).__name__}, not an object")
+            return out
+        for key, queues in table.items():
+            if "@" not in key or not isinstance(queues, dict):
+                bad(f"offsetTable[{key!r}] is not a \"topic@group\" key with an object of queue offsets")
+                continue
             topic = key.rsplit("@", 1)[0]
-            for qid, off in (queues or {}).items():
+            for qid, off in queues.items():
+                if not qid.lstrip("-").isdigit() or type(off) is not int:
+                    bad(f"offsetTable[{key!r}][{qid!r}] = {off!r} is not a queue id with an integer offset")
+                    continue
                 k = (topic, int(qid))
                 out[k] = min(out.get(k, off), off)
         return out
