@@ -135,3 +135,19 @@ def test_consumer_offsets_read_rocketmq_fastjson_and_skip_only_bad_entries(basic
     with MessageStore.open(str(basic_copy), read_only=True) as store:
         assert store.consumer_offsets(problems) == {("TopicTest", 0): 3, ("TopicTest", 1): 7}
     assert len(problems) == 1 and "offsetTable['TopicTest@h']['1'] = 'x'" in problems[0]
+
+
+def test_one_async_flush_round_flushes_every_filled_segment(tmp_path):
+    cfg = StoreConfig(mappedFileSizeCommitLog=16 * 1024, mappedFileSizeConsumeQueue=20 * 200)
+    with MessageStore.open(str(tmp_path / "s"), cfg, start_services=False) as store:
+        for _ in range(100):  # about 10 segments
+            assert store.put(Message("T", b"x" * 1500)).ok
+        queue = store.commitlog.queue
+        assert len(queue.files) >= 8 and queue.flushed_where == 0
+        last = queue.files[-1]
+        assert last.wrote_position < 4 * 4096  # fewer dirty pages than flushCommitLogLeastPages
+        store.flush_commitlog(cfg.flushCommitLogLeastPages, False)  # one FlushRealTimeService round
+        assert queue.flushed_where == last.file_from_offset
+        assert all(f.flushed_position == f.file_size for f in queue.files[:-1])
+        store.flush_commitlog(0, True)  # a thorough round takes the rest
+        assert queue.flushed_where == store.max_phy_offset()
