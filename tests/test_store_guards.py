@@ -151,3 +151,23 @@ def test_one_async_flush_round_flushes_every_filled_segment(tmp_path):
         assert all(f.flushed_position == f.file_size for f in queue.files[:-1])
         store.flush_commitlog(0, True)  # a thorough round takes the rest
         assert queue.flushed_where == store.max_phy_offset()
+
+
+def test_checkpoint_logics_timestamp_never_runs_ahead_of_flushed_queues(tmp_path):
+    import struct
+    path = tmp_path / "s"
+    cfg = StoreConfig(mappedFileSizeCommitLog=1 << 20, flushIntervalConsumeQueue=50,
+                      flushConsumeQueueLeastPages=1000, flushConsumeQueueThoroughInterval=600000)
+    base = int(time.time() * 1000) - 1000_000
+    with MessageStore.open(str(path), cfg) as store:
+        time.sleep(0.3)  # the consume-queue flusher's first (thorough) round is over
+        for i in range(100):
+            assert store.put(Message("T", b"x", store_timestamp=base + i * 1000)).ok
+        store.wait_dispatched()
+        time.sleep(1.5)  # the checkpoint page is rewritten every second
+        on_disk = struct.unpack(">qq", (path / "checkpoint").read_bytes()[:16])[1]
+        durable = store.find_consume_queue("T", 0).queue.flushed_where // 20
+        assert durable < 100
+        assert on_disk <= (base + (durable - 1) * 1000 if durable else 0)
+    # a clean close flushes the queues, and then the page says so
+    assert struct.unpack(">qq", (path / "checkpoint").read_bytes()[:16])[1] == base + 99 * 1000

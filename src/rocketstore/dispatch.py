@@ -53,7 +53,7 @@ class CommitLogDispatcher:
                         self._tags_codes.clear()
             cq = store.find_consume_queue(msg.topic, msg.queue_id)
             cq.put_unit(msg.commit_log_offset, msg.size, code, msg.queue_offset)
-            store.checkpoint.logicsMsgTimestamp = msg.store_timestamp
+            store.checkpoint.logics_dispatched = msg.store_timestamp
         if index and store.config.messageIndexEnable:
             store.index_service.build_index(msg.topic, msg.commit_log_offset, msg.store_timestamp, txn,
                                             props.get("UNIQ_KEY"), props.get("KEYS"))
@@ -153,7 +153,7 @@ class ReputMessageService(ServiceThread):
         if offsets:
             self._put_units(run_key, offsets, sizes, codes, run_first)
         if last_ts is not None:
-            store.checkpoint.logicsMsgTimestamp = last_ts
+            store.checkpoint.logics_dispatched = last_ts
         done = expected != self.reput_from_offset
         self.reput_from_offset = expected
         return done
