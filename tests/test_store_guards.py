@@ -171,3 +171,37 @@ def test_checkpoint_logics_timestamp_never_runs_ahead_of_flushed_queues(tmp_path
         assert on_disk <= (base + (durable - 1) * 1000 if durable else 0)
     # a clean close flushes the queues, and then the page says so
     assert struct.unpack(">qq", (path / "checkpoint").read_bytes()[:16])[1] == base + 99 * 1000
+
+
+def test_a_record_with_damaged_topic_bytes_is_left_out_of_the_queues_not_the_store(tmp_path, caplog):
+    import logging
+
+    from rocketstore import GetMessageStatus, PutMessageStatus
+    path = tmp_path / "s"
+    cfg = StoreConfig(mappedFileSizeCommitLog=1 << 20)
+    with MessageStore.open(str(path), cfg) as store:
+        assert store.put(Message("Good", b"before")).ok
+        bad = store.put(Message("A" * 100, b"damaged"))
+        assert store.put(Message("Good", b"after")).ok
+        # a topic no directory can be named after is refused at the put, not at the dispatch
+        r = store.put(Message("L" * 256, b"long"))
+        assert r.status is PutMessageStatus.MESSAGE_ILLEGAL and "at most 255" in r.error
+    seg = path / "commitlog" / f"{0:020d}"
+    data = seg.read_bytes()
+    assert data.count(b"A" * 100) == 1
+    seg.write_bytes(data.replace(b"A" * 100, b"\xff" * 100))  # the body CRC still holds
+    os.unlink(path / "consumequeue" / ("A" * 100) / "0" / f"{0:020d}")
+    os.rmdir(path / "consumequeue" / ("A" * 100) / "0")
+    os.rmdir(path / "consumequeue" / ("A" * 100))
+    (path / "abort").write_text("1")  # recovery re-dispatches every record
+    with caplog.at_level(logging.ERROR, logger="rocketstore.dispatch"):
+        with MessageStore.open(str(path), cfg) as store:
+            assert [k for k in store.queue_keys()] == [("Good", 0)]
+            r = store.get("Good", 0, 0)
+            assert r.status is GetMessageStatus.FOUND and [m.body for m in r.messages] == [b"before", b"after"]
+            assert store.look(bad.commit_log_offset).body == b"damaged"  # still in the log
+            assert store.put(Message("Good", b"later")).ok
+            store.wait_dispatched()
+            assert store.max_offset_in_queue("Good", 0) == 3
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any(f"commitlog offset {bad.commit_log_offset}" in e and "illegal characters" in e for e in errors), errors

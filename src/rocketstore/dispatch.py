@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 from . import codec
 from .codec import MessageExt
+from .message import illegal_topic
 from .service import ServiceThread
 
 if TYPE_CHECKING:
@@ -33,13 +34,14 @@ class CommitLogDispatcher:
     def __init__(self, store: "MessageStore") -> None:
         self.store = store
         self._tags_codes: dict[str, int] = {}
+        self._queue_topics: set[str] = set()  # topics seen to be legal directory names
 
     def dispatch(self, msg: MessageExt, index: bool = True) -> None:
         """Apply one record; ``index=False`` builds only the consume queue (duplicates are skipped there)."""
         store = self.store
         props = msg.properties
         txn = msg.sys_flag & codec.TRANSACTION_MASK
-        if txn == codec.TRANSACTION_NOT_TYPE or txn == codec.TRANSACTION_COMMIT:
+        if (txn == codec.TRANSACTION_NOT_TYPE or txn == codec.TRANSACTION_COMMIT) and self._queue_topic_ok(msg):
             tags = props.get("TAGS")
             if msg.topic == codec.SCHEDULE_TOPIC:
                 code = codec.dispatch_tags_code(msg.topic, props, msg.store_timestamp)
@@ -57,6 +59,22 @@ class CommitLogDispatcher:
         if index and store.config.messageIndexEnable:
             store.index_service.build_index(msg.topic, msg.commit_log_offset, msg.store_timestamp, txn,
                                             props.get("UNIQ_KEY"), props.get("KEYS"))
+
+    def _queue_topic_ok(self, msg: MessageExt) -> bool:
+        """Whether the record's topic can name a consume-queue directory; a record whose topic bytes are
+        damaged or illegal (not UTF-8, ``/``, too long) is left out of the queues, never the store's end."""
+        topic = msg.topic
+        if topic in self._queue_topics:
+            return True
+        why = illegal_topic(topic)
+        if why is None:
+            if len(self._queue_topics) > 100000:
+                self._queue_topics.clear()
+            self._queue_topics.add(topic)
+            return True
+        log.error("%s: record at commitlog offset %d (queue %d, offset %d) left out of the consume queues: %s",
+                  self.store.paths.commitlog, msg.commit_log_offset, msg.queue_id, msg.queue_offset, why)
+        return False
 
 
 class ReputMessageService(ServiceThread):

@@ -31,7 +31,7 @@ from .flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeSer
 from .index import IndexService, index_file_size
 from .jsonfile import write_file_durably
 from .message import (DEFAULT_STORE_HOST, LOCALHOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
-                      PutMessageStatus, QueryMessageResult, host_tuple)
+                      PutMessageStatus, QueryMessageResult, host_tuple, illegal_topic)
 from .metrics import SAMPLE_EVERY, MetricsService, StoreMetrics
 from .recovery import RecoveryReport, recover
 from .running_flags import RunningFlags
@@ -876,21 +876,10 @@ def _wait_store_msg_ok(m: Message) -> bool:
     return v is None or v.lower() == "true"
 
 
-_TOPIC_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789%|-_")
 _QUEUED_TXN = (codec.TRANSACTION_NOT_TYPE, codec.TRANSACTION_COMMIT)
 _PLAIN_DISPATCH = (0, None, None)  # (tagsCode, KEYS, UNIQ_KEY) of a message with no properties
 _PLAIN_COLUMNS = (None, None, None)  # the same for every message of a put
 _UNSAMPLED = SAMPLE_EVERY - 1
-
-
-def illegal_topic(topic: object) -> str | None:
-    """The topic checks RocketMQ's broker applies before the store: present and of legal characters."""
-    if not isinstance(topic, str) or not topic:
-        return "topic is empty"
-    if not set(topic) <= _TOPIC_CHARS:
-        bad = sorted(set(topic) - _TOPIC_CHARS)[:3]
-        return f"topic {topic[:40]!r} has illegal characters {bad} (allowed: letters, digits, %|-_)"
-    return None
 
 
 def iter_json_lines(path: str) -> Iterable[dict]:
