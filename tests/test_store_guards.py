@@ -205,3 +205,113 @@ def test_a_record_with_damaged_topic_bytes_is_left_out_of_the_queues_not_the_sto
             assert store.max_offset_in_queue("Good", 0) == 3
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert any(f"commitlog offset {bad.commit_log_offset}" in e and "illegal characters" in e for e in errors), errors
+
+
+class _FailingAllocate:
+    """Index file creation fails with ENOSPC while ``failing`` is set (a full disk, without a small file system)."""
+
+    def __init__(self, real):
+        self.real = real
+        self.failing = False
+        self.calls = 0
+
+    def __call__(self, fd, size):
+        import errno
+        if self.failing:
+            self.calls += 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.real(fd, size)
+
+
+def _wait(cond, timeout=10.0):
+    deadline = time.time() + timeout
+    while not cond() and time.time() < deadline:
+        time.sleep(0.05)
+    return cond()
+
+
+def test_a_failing_index_never_stops_the_consume_queues_and_catches_up(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from rocketstore import GetMessageStatus
+    from rocketstore import index as index_mod
+    alloc = _FailingAllocate(index_mod.allocate)
+    monkeypatch.setattr(index_mod, "allocate", alloc)
+    # 21 entries a file (entry 0 is never used): two keys a message, so a file fills in the middle of one
+    cfg = StoreConfig(mappedFileSizeCommitLog=1 << 20, maxHashSlotNum=8, maxIndexNum=22)
+    with caplog.at_level(logging.INFO):
+        with MessageStore.open(str(tmp_path / "s"), cfg) as store:
+            for i in range(3):  # the first index file is made
+                assert store.put(Message("T", b"x", keys=[f"a{i}", f"b{i}"])).ok
+            store.wait_dispatched()
+            alloc.failing = True
+            for i in range(3, 60):
+                assert store.put(Message("T", f"m{i}".encode(), keys=[f"a{i}", f"b{i}"])).ok
+            assert store.wait_dispatched(timeout=10)
+            bodies, off = [], 0
+            while (r := store.get("T", 0, off, 32)).status is GetMessageStatus.FOUND:
+                bodies += [m.body for m in r.messages]
+                off = r.next_begin_offset
+            assert bodies == [b"x"] * 3 + [f"m{i}".encode() for i in range(3, 60)]  # readable all the same
+            state = store.state()
+            assert "No space left on device" in state["indexError"] and state["indexMissedFrom"] is not None
+            time.sleep(2.5)  # a few retries
+            assert alloc.calls >= 2
+            assert store.query("T", "a40").messages == []  # not indexed yet
+            alloc.failing = False
+            assert _wait(lambda: store.state()["indexError"] is None)
+            for i in range(60, 65):
+                assert store.put(Message("T", f"m{i}".encode(), keys=[f"a{i}", f"b{i}"])).ok
+            store.wait_dispatched()
+            for i in range(65):
+                for k in (f"a{i}", f"b{i}"):
+                    hits = store.query("T", k).messages
+                    assert len(hits) == 1 and hits[0].keys == f"a{i} b{i}", (k, hits)
+    records = [r for r in caplog.records if r.name.startswith("rocketstore")]
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING and "index file" in r.getMessage()]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0] and "commitlog offset" in warnings[0]
+    assert not [r for r in records if r.exc_info], "no traceback"
+    assert any("index builds again" in r.getMessage() for r in records)
+
+
+def test_index_records_missed_at_close_are_recovered_by_the_next_open(tmp_path, monkeypatch):
+    from rocketstore import index as index_mod
+    alloc = _FailingAllocate(index_mod.allocate)
+    monkeypatch.setattr(index_mod, "allocate", alloc)
+    path = tmp_path / "s"
+    cfg = StoreConfig(mappedFileSizeCommitLog=1 << 20, maxHashSlotNum=8, maxIndexNum=21)
+    with MessageStore.open(str(path), cfg) as store:
+        alloc.failing = True
+        for i in range(30):
+            assert store.put(Message("T", b"x", keys=f"k{i}")).ok
+        store.wait_dispatched()
+        assert store.state()["indexError"]
+    assert (path / "abort").exists()  # not a clean close: the index misses records
+    alloc.failing = False
+    with MessageStore.open(str(path), cfg) as store:
+        assert store.recovery_report.abnormal
+        assert all(len(store.query("T", f"k{i}").messages) == 1 for i in range(30))
+        assert store.state()["indexError"] is None
+
+
+def test_disk_guard_counts_the_next_segment_and_index_file(tmp_path):
+    from rocketstore import PutMessageStatus
+    from rocketstore.index import index_file_size
+    cfg = StoreConfig(mappedFileSizeCommitLog=1 << 20, maxHashSlotNum=1000, maxIndexNum=4000)
+    need = (1 << 20) + index_file_size(1000, 4000)
+    with MessageStore.open(str(tmp_path / "s"), cfg, start_services=False) as store:
+        free = [need - 1]
+        store.disk_guard.free_bytes = lambda path: free[0]
+        store.disk_guard.check()
+        r = store.put(Message("T", b"x"))
+        assert r.status is PutMessageStatus.SERVICE_NOT_AVAILABLE
+        assert (f"disk has {need - 1} bytes free < {need} needed (next commitlog segment 1048576 + "
+                f"next index file {index_file_size(1000, 4000)})") in r.error
+        assert store.disk_guard.to_json()["neededFreeBytes"] == need
+        free[0] = need
+        store.disk_guard.check()
+        assert store.put(Message("T", b"x")).ok
+        store.config.messageIndexEnable = False  # no index: only the segment counts
+        free[0] = 1 << 20
+        store.disk_guard.check()
+        assert store.put(Message("T", b"x")).ok

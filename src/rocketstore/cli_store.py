@@ -261,7 +261,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 f"{time.strftime('%H:%M:%S', time.localtime(m['time'] / 1000)):<9} {m['puts']:>10} "
                 f"{pl.get('p50Ms', 0):>7.3f}/{pl.get('p99Ms', 0):<8.3f} {lh.get('p99Ms', 0):>12.4f} "
                 f"{m['flushLagBytes']:>12} {m['dispatchBehindBytes']:>13} {m['disk']['usedRatio'] * 100:>5.1f}%  "
-                f"{'writeable' if m['writeable'] else 'REFUSING: ' + str(m['notWriteableReason'])}\n")
+                f"{'writeable' if m['writeable'] else 'REFUSING: ' + str(m['notWriteableReason'])}"
+                f"{'; INDEX: ' + m['indexError'] if m.get('indexError') else ''}\n")
             sys.stdout.flush()
         shown += 1
         if args.count is None or shown < args.count:

@@ -174,6 +174,9 @@ class FlushConsumeQueueService(ServiceThread):
             self.last_thorough = now
         checkpoint = self.store.checkpoint
         dispatched = checkpoint.logics_dispatched  # read first: every unit up to it is in the queues' maps
+        index = self.store.index_service
+        if index.missed_from is not None:  # records the index missed: a crash must recover from them on
+            dispatched = min(dispatched, index.missed_ts)
         for cq in self.store.consume_queues():
             cq.flush(0 if thorough else cfg.flushConsumeQueueLeastPages)
         if thorough:  # every queue is flushed whole: the checkpoint may say so

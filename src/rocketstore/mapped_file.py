@@ -378,6 +378,12 @@ class MappedFileQueue:
             self._next_done = done
         threading.Thread(target=run, name="AllocateMappedFileService", daemon=True).start()
 
+    def next_file_reserved(self) -> bool:
+        """Whether the next file is made ahead (or being made), so its space is already taken from the disk."""
+        with self._lock:
+            done, nxt = self._next_done, self._next
+        return done is not None and (nxt is not None or not done.is_set())
+
     def discard_preallocated(self) -> None:
         """Delete a pre-allocated file that was never handed out (done at clean shutdown)."""
         nxt = self._take_preallocated()

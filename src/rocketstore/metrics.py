@@ -71,6 +71,7 @@ def snapshot(store: "MessageStore") -> dict[str, Any]:
         "maxPhyOffset": max_phy, "flushLagBytes": max(0, max_phy - store.commitlog.queue.flushed_where),
         "dispatchBehindBytes": store.dispatch_behind_bytes(), "disk": store.disk_guard.to_json(),
         "writeable": store.running_flags.is_writeable(), "notWriteableReason": store.running_flags.why_not_writeable(),
+        "indexError": store.index_service.build_error,
     }
 
 

@@ -814,6 +814,8 @@ class MessageStore:
             d["writeable"] = self.running_flags.why_not_writeable() is None
             d["notWriteableReason"] = self.running_flags.why_not_writeable()
             d["dispatchBehindBytes"] = self.dispatch_behind_bytes()
+            d["indexError"] = self.index_service.build_error
+            d["indexMissedFrom"] = self.index_service.missed_from
         return d
 
     # ------------------------------------------------------------ closing
@@ -832,6 +834,10 @@ class MessageStore:
         for s in reversed(self._services):
             s.shutdown()
         clean = self.running_flags.why_not_writeable() is None and self.dispatch_behind_bytes() == 0
+        if self.index_service.missed_from is not None:  # the abort file stays: the next open re-indexes them
+            log.warning("%s: records from commitlog offset %d on are not indexed yet (%s); the next open recovers "
+                        "them", self.root, self.index_service.missed_from, self.index_service.build_error)
+            clean = False
         try:
             self.index_service.flush()
             self.flush_checkpoint()
