@@ -62,7 +62,8 @@ class CommitLogDispatcher:
         store = self.store
         props = msg.properties
         txn = msg.sys_flag & codec.TRANSACTION_MASK
-        if (txn == codec.TRANSACTION_NOT_TYPE or txn == codec.TRANSACTION_COMMIT) and self._queue_topic_ok(msg):
+        if (txn == codec.TRANSACTION_NOT_TYPE or txn == codec.TRANSACTION_COMMIT) and \
+                (msg.topic in self._queue_topics or self._queue_topic_ok(msg)):
             tags = props.get("TAGS")
             if msg.topic == codec.SCHEDULE_TOPIC:
                 code = codec.dispatch_tags_code(msg.topic, props, msg.store_timestamp)
@@ -88,8 +89,6 @@ class CommitLogDispatcher:
         """Whether the record's topic can name a consume-queue directory; a record whose topic bytes are
         damaged or illegal (not UTF-8, ``/``, too long) is left out of the queues, never the store's end."""
         topic = msg.topic
-        if topic in self._queue_topics:
-            return True
         why = illegal_topic(topic)
         if why is None:
             if len(self._queue_topics) > 100000:
