@@ -95,8 +95,8 @@ class CommitLogDispatcher:
                 self._queue_topics.clear()
             self._queue_topics.add(topic)
             return True
-        log.error("%s: record at commitlog offset %d (queue %d, offset %d) left out of the consume queues: %s",
-                  self.store.paths.commitlog, msg.commit_log_offset, msg.queue_id, msg.queue_offset, why)
+        log.error("record at commitlog offset %d (queue %d, offset %d) left out of the consume queues: %s",
+                  msg.commit_log_offset, msg.queue_id, msg.queue_offset, why)
         return False
 
 

@@ -9,7 +9,6 @@ file, maps opened read-only), so it can read a live or a read-only directory.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import threading
@@ -25,8 +24,7 @@ from .commitlog import CommitLog
 from .config import SYNC_FLUSH, StoreConfig, total_memory_bytes
 from .consume_queue import CQ_STORE_UNIT_SIZE, LOWER, ConsumeQueue
 from .dispatch import ReputMessageService
-from .errors import (CommitLogWriteError, ConfigError, ReadOnlyStoreError, StoreClosedError, StoreLoadError,
-                     StoreLockedError)
+from .errors import CommitLogWriteError, ConfigError, ReadOnlyStoreError, StoreClosedError, StoreLoadError
 from .flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeService, GroupCommitService
 from .index import IndexService, index_file_size
 from .jsonfile import write_file_durably
@@ -35,12 +33,10 @@ from .message import (DEFAULT_STORE_HOST, LOCALHOST, GetMessageResult, GetMessag
 from .metrics import SAMPLE_EVERY, MetricsService, StoreMetrics
 from .recovery import RecoveryReport, recover
 from .running_flags import RunningFlags
+from .store_lock import StoreLock
 from .warm_ahead import WarmAheadService
 
 log = logging.getLogger(__name__)
-
-_OPEN_STORES: set[str] = set()
-_OPEN_LOCK = threading.Lock()
 
 
 class StorePaths:
@@ -125,8 +121,7 @@ class MessageStore:
         self.running_flags = RunningFlags()
         self.flush_error: str | None = None
         self.closed = False
-        self._lock_fds: tuple[int, int] | None = None  # the lock file's and the store directory's
-        self._real_root = os.path.realpath(root)
+        self._store_lock: StoreLock | None = None
         self._cq_table: dict[tuple[str, int], ConsumeQueue] = {}
         self._cq_lock = threading.Lock()
         self.topic_queue_table: dict[tuple[str, int], int] = {}
@@ -189,46 +184,13 @@ class MessageStore:
                                  f"({', '.join(sorted(entries)[:3])}); refusing to write into it")
 
     def _acquire_lock(self) -> None:
-        """Lock the store directory itself (flock on a descriptor kept open) and the ``lock`` file.
-
-        The ``lock`` file's record lock is what RocketMQ takes, so a Java broker and rocketstore exclude
-        each other; the directory lock still holds when someone deletes the ``lock`` file under an open
-        store (a new file would carry no lock, and a second writer would get in).
-        """
-        with _OPEN_LOCK:
-            if self._real_root in _OPEN_STORES:
-                raise StoreLockedError(f"{self.paths.lock}: store already open in this process")
-            locked = f"{self.paths.lock}: store is locked by another process (Lock failed, MQ already started)"
-            dir_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(dir_fd)
-                raise StoreLockedError(locked) from None
-            fd = os.open(self.paths.lock, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
-            except OSError:
-                os.close(fd)
-                os.close(dir_fd)
-                raise StoreLockedError(locked) from None
-            os.pwrite(fd, b"lock", 0)
-            os.fsync(fd)
-            self._lock_fds = (fd, dir_fd)
-            _OPEN_STORES.add(self._real_root)
+        self._store_lock = StoreLock(self.root)
+        self._store_lock.acquire()
 
     def _release_lock(self) -> None:
-        if self._lock_fds is None:
-            return
-        fd, dir_fd = self._lock_fds
-        with _OPEN_LOCK:
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_UN, 1, 0)
-            finally:
-                os.close(fd)
-                os.close(dir_fd)  # closing the last descriptor releases the flock
-                self._lock_fds = None
-                _OPEN_STORES.discard(self._real_root)
+        if self._store_lock is not None:
+            self._store_lock.release()
+            self._store_lock = None
 
     def _load(self) -> None:
         cfg, ro = self.config, self.read_only
