@@ -235,6 +235,7 @@ def test_a_failing_index_never_stops_the_consume_queues_and_catches_up(tmp_path,
 
     from rocketstore import GetMessageStatus
     from rocketstore import index as index_mod
+    from rocketstore.metrics import snapshot
     alloc = _FailingAllocate(index_mod.allocate)
     monkeypatch.setattr(index_mod, "allocate", alloc)
     # 21 entries a file (entry 0 is never used): two keys a message, so a file fills in the middle of one
@@ -255,6 +256,7 @@ def test_a_failing_index_never_stops_the_consume_queues_and_catches_up(tmp_path,
             assert bodies == [b"x"] * 3 + [f"m{i}".encode() for i in range(3, 60)]  # readable all the same
             state = store.state()
             assert "No space left on device" in state["indexError"] and state["indexMissedFrom"] is not None
+            assert snapshot(store)["indexError"] == state["indexError"]  # what stats --live shows
             time.sleep(2.5)  # a few retries
             assert alloc.calls >= 2
             assert store.query("T", "a40").messages == []  # not indexed yet

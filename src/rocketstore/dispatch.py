@@ -283,7 +283,7 @@ class ReputMessageService(ServiceThread):
             index.missed_from, index.missed_ts = at, ts  # more next round, without waiting
             return
         log.info("index builds again; records from commitlog offset %d to %d indexed (was: %s)",
-                    start, end, index.build_error)
+                 start, end, index.build_error)
         index.missed_from, index.build_error = None, None
 
     @staticmethod
