@@ -317,3 +317,16 @@ def test_disk_guard_counts_the_next_segment_and_index_file(tmp_path):
         free[0] = 1 << 20
         store.disk_guard.check()
         assert store.put(Message("T", b"x")).ok
+
+
+def test_async_flush_service_keeps_up_with_small_segments(tmp_path):
+    cfg = StoreConfig(mappedFileSizeCommitLog=16 * 1024, flushIntervalCommitLog=100,
+                      flushCommitLogThoroughInterval=600000)
+    with MessageStore.open(str(tmp_path / "s"), cfg) as store:
+        for _ in range(2000):  # about 190 segments, put faster than one segment a round
+            assert store.put(Message("T", b"x" * 1500)).ok
+        queue = store.commitlog.queue
+        assert len(queue.files) > 150
+        # within a few rounds every filled segment is flushed (one segment a round would take ~19 s)
+        assert _wait(lambda: queue.flushed_where >= queue.files[-1].file_from_offset, timeout=3.0), \
+            (queue.flushed_where, queue.files[-1].file_from_offset)
