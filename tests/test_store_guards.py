@@ -330,3 +330,18 @@ def test_async_flush_service_keeps_up_with_small_segments(tmp_path):
         # within a few rounds every filled segment is flushed (one segment a round would take ~19 s)
         assert _wait(lambda: queue.flushed_where >= queue.files[-1].file_from_offset, timeout=3.0), \
             (queue.flushed_where, queue.files[-1].file_from_offset)
+
+
+def test_a_store_opened_without_services_flushes_its_queues_and_says_so_at_close(basic_copy):
+    import shutil
+    import struct
+
+    from conftest import golden_expected
+    cp = bytearray((basic_copy / "checkpoint").read_bytes())
+    cp[8:16] = struct.pack(">q", 1)  # logicsMsgTimestamp
+    (basic_copy / "checkpoint").write_bytes(bytes(cp))
+    shutil.rmtree(basic_copy / "consumequeue")  # recovery re-dispatches every record
+    with MessageStore.open(str(basic_copy), start_services=False) as store:
+        assert store.recovery_report is not None
+    last = max(e["storeTimestamp"] for e in golden_expected("basic") if e["cqUnit"])
+    assert struct.unpack(">q", (basic_copy / "checkpoint").read_bytes()[8:16])[0] == last

@@ -801,6 +801,8 @@ class MessageStore:
                         "them", self.root, self.index_service.missed_from, self.index_service.build_error)
             clean = False
         try:
+            if not self._services:  # no flusher ran: flush the queues, and let the checkpoint say so, here
+                FlushConsumeQueueService(self).run_once(force=True)
             self.index_service.flush()
             self.flush_checkpoint()
             self.commitlog.queue.discard_preallocated()
