@@ -3,7 +3,7 @@
 ::
 
     0   physicMsgTimestamp    store time of the last thoroughly flushed commitlog message
-    8   logicsMsgTimestamp    store time of the last message written to any consume queue
+    8   logicsMsgTimestamp    store time of the last message flushed to the consume queues
     16  indexMsgTimestamp     end time of the last index file that filled up and was flushed
     24  masterFlushedOffset   HA bookkeeping (0 on a master)
     32  confirmPhyOffset      start of the last valid record, as recovery found it
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import StoreLoadError
 
@@ -30,6 +30,10 @@ class StoreCheckpoint:
     masterFlushedOffset: int = 0
     confirmPhyOffset: int = 0
     read_only: bool = False
+    # Store time of the last record dispatched to a consume queue, in memory only: it becomes
+    # logicsMsgTimestamp once the consume queues are flushed up to it (FlushConsumeQueueService), so the
+    # page never claims queue units a crash could still lose.
+    logics_dispatched: int = field(default=0, repr=False, compare=False)
 
     @classmethod
     def load(cls, path: str, *, read_only: bool = False, on_bad: "callable | None" = None) -> "StoreCheckpoint":

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from .index import index_file_size
 from .service import ServiceThread
 
 if TYPE_CHECKING:
@@ -64,6 +65,8 @@ class DiskVerdict:
     clean_immediately: bool
     space_to_delete: bool
     disk_full_reason: str | None
+    free_bytes: int = -1
+    needed_free_bytes: int = 0
 
 
 class CleanService(ServiceThread):
@@ -199,10 +202,13 @@ class DiskGuard:
                 clean_now = True
             elif ratio > th["forcibly"]:
                 clean_now = True
-        if cfg.diskMinFreeBytes > 0:
-            free = self.free_bytes(store.paths.commitlog)
-            if 0 <= free < cfg.diskMinFreeBytes:
-                reason = reason or f"disk has {free} bytes free < diskMinFreeBytes {cfg.diskMinFreeBytes}"
+        needs = self.space_needed()
+        needed = sum(needs.values())
+        free = self.free_bytes(store.paths.commitlog) if needed else -1
+        if 0 <= free < needed:
+            reason = reason or (f"disk has {free} bytes free < {needed} needed ("
+                                + " + ".join(f"{k} {v}" for k, v in needs.items()) + ")")
+            if free < cfg.diskMinFreeBytes:  # only the configured floor also deletes files early
                 clean_now = True
         if reason:
             if not store.running_flags.is_disk_full():
@@ -212,14 +218,28 @@ class DiskGuard:
             store.running_flags.clear_disk_full()
             log.info("%s: disk has space again (%.1f %% used); accepting puts", store.root, p * 100)
         space = clean_now or p < 0 or p > th["max"] or q < 0 or q > th["max"]
-        self.last = DiskVerdict(p, clean_now, space, reason)
+        self.last = DiskVerdict(p, clean_now, space, reason, free, needed)
         return self.last
+
+    def space_needed(self) -> dict[str, int]:
+        """Free bytes the store needs before it fills the files it has: the next commitlog segment (unless
+        already made ahead), the next index file (made whole, even on a small disk) and diskMinFreeBytes."""
+        store, cfg = self.store, self.store.config
+        needs = {}
+        if not store.commitlog.queue.next_file_reserved():
+            needs["next commitlog segment"] = cfg.mappedFileSizeCommitLog
+        if cfg.messageIndexEnable:
+            needs["next index file"] = index_file_size(cfg.maxHashSlotNum, cfg.maxIndexNum)
+        if cfg.diskMinFreeBytes > 0:
+            needs["diskMinFreeBytes"] = cfg.diskMinFreeBytes
+        return needs
 
     def to_json(self) -> dict[str, Any]:
         v = self.last or self.check()
         th = self.thresholds()
         return {"usedRatio": v.ratio, "diskMaxUsedSpaceRatio": th["max"], "diskSpaceCleanForciblyRatio":
-                th["forcibly"], "diskSpaceWarningLevelRatio": th["warning"], "diskFull": v.disk_full_reason}
+                th["forcibly"], "diskSpaceWarningLevelRatio": th["warning"], "diskFull": v.disk_full_reason,
+                "freeBytes": v.free_bytes, "neededFreeBytes": v.needed_free_bytes}
 
 
 class DiskGuardService(ServiceThread):
@@ -277,10 +297,11 @@ def retention_plan(store: "MessageStore") -> dict[str, Any]:
             deleted += 1
         segments.append({"file": f.path, "fromOffset": f.file_from_offset, "size": f.file_size,
                          "ageHours": round(age_h, 2), "expired": expired, "wouldDelete": would, "reason": reason})
-    warnings = []
+    warnings: list[str] = []
+    consumed_at = store.consumer_offsets(warnings)
     doomed_end = max((s["fromOffset"] + s["size"] for s in segments if s["wouldDelete"]), default=-1)
     if doomed_end > 0:
-        for (topic, qid), consumed in store.consumer_offsets().items():
+        for (topic, qid), consumed in consumed_at.items():
             cq = store._cq_table.get((topic, qid))
             unit = cq.get_unit(consumed) if cq else None
             if unit is not None and unit[0] < doomed_end:

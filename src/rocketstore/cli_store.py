@@ -266,7 +266,7 @@ def cmd_delete_expired(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     import os
     import time
-    from .metrics import read_metrics
+    from .metrics import not_live_reason, read_metrics
     if not os.path.isdir(args.store):
         raise CliError(f"{args.store}: no such store directory")
     if not args.live:
@@ -294,7 +294,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     while args.count is None or shown < args.count:
         m = read_metrics(args.store)
         if m is None:
-            raise CliError(f"{args.store}: no live metrics (is the store open in a running process?)")
+            raise CliError(f"{args.store}: {not_live_reason(args.store)}")
         if args.json:
             emit(m)
         else:
@@ -305,7 +305,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 f"{time.strftime('%H:%M:%S', time.localtime(m['time'] / 1000)):<9} {m['puts']:>10} "
                 f"{pl.get('p50Ms', 0):>7.3f}/{pl.get('p99Ms', 0):<8.3f} {lh.get('p99Ms', 0):>12.4f} "
                 f"{m['flushLagBytes']:>12} {m['dispatchBehindBytes']:>13} {m['disk']['usedRatio'] * 100:>5.1f}%  "
-                f"{'writeable' if m['writeable'] else 'REFUSING: ' + str(m['notWriteableReason'])}\n")
+                f"{'writeable' if m['writeable'] else 'REFUSING: ' + str(m['notWriteableReason'])}"
+                f"{'; INDEX: ' + m['indexError'] if m.get('indexError') else ''}\n")
             sys.stdout.flush()
         shown += 1
         if args.count is None or shown < args.count:

@@ -9,18 +9,40 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from itertools import repeat
 from typing import TYPE_CHECKING, Callable
 
 from . import codec
 from .codec import MessageExt
+from .message import illegal_topic
 from .service import ServiceThread
 
 if TYPE_CHECKING:
+    from .index import IndexService
     from .store import MessageStore
 
 log = logging.getLogger(__name__)
+
+INDEX_RETRY_S = 1.0  # how often a failed index is tried again
+CATCH_UP_SLICE_S = 0.2  # index catch-up work per dispatch round, so the consume queues keep up meanwhile
+
+
+def note_index_failure(index: "IndexService", offset: int, store_ts: int, e: OSError) -> None:
+    """Remember the first record the index missed and why; warn once per failure, not once per record.
+
+    The consume queues go on being built: a message stays readable through them, and is found by key
+    once the index can grow again (the reput service retries and indexes what it missed).
+    """
+    first = index.build_error is None
+    if index.missed_from is None:
+        index.missed_from, index.missed_ts = offset, store_ts
+    index.build_error = f"cannot create an index file: {e.filename or index.directory}: {e.strerror or e}"
+    if first:
+        log.warning("%s; consume queues are still built, and the records from commitlog offset %d on are "
+                    "indexed once a file can be made (tried every %.0f s)", index.build_error, index.missed_from,
+                    INDEX_RETRY_S)
 
 
 class CommitLogDispatcher:
@@ -33,13 +55,15 @@ class CommitLogDispatcher:
     def __init__(self, store: "MessageStore") -> None:
         self.store = store
         self._tags_codes: dict[str, int] = {}
+        self._queue_topics: set[str] = set()  # topics seen to be legal directory names
 
     def dispatch(self, msg: MessageExt, index: bool = True) -> None:
         """Apply one record; ``index=False`` builds only the consume queue (duplicates are skipped there)."""
         store = self.store
         props = msg.properties
         txn = msg.sys_flag & codec.TRANSACTION_MASK
-        if txn == codec.TRANSACTION_NOT_TYPE or txn == codec.TRANSACTION_COMMIT:
+        if (txn == codec.TRANSACTION_NOT_TYPE or txn == codec.TRANSACTION_COMMIT) and \
+                (msg.topic in self._queue_topics or self._queue_topic_ok(msg)):
             tags = props.get("TAGS")
             if msg.topic == codec.SCHEDULE_TOPIC:
                 code = codec.dispatch_tags_code(msg.topic, props, msg.store_timestamp)
@@ -53,10 +77,27 @@ class CommitLogDispatcher:
                         self._tags_codes.clear()
             cq = store.find_consume_queue(msg.topic, msg.queue_id)
             cq.put_unit(msg.commit_log_offset, msg.size, code, msg.queue_offset)
-            store.checkpoint.logicsMsgTimestamp = msg.store_timestamp
-        if index and store.config.messageIndexEnable:
-            store.index_service.build_index(msg.topic, msg.commit_log_offset, msg.store_timestamp, txn,
-                                            props.get("UNIQ_KEY"), props.get("KEYS"))
+            store.checkpoint.logics_dispatched = msg.store_timestamp
+        if index and store.config.messageIndexEnable and store.index_service.missed_from is None:
+            try:
+                store.index_service.build_index(msg.topic, msg.commit_log_offset, msg.store_timestamp, txn,
+                                                props.get("UNIQ_KEY"), props.get("KEYS"))
+            except OSError as e:
+                note_index_failure(store.index_service, msg.commit_log_offset, msg.store_timestamp, e)
+
+    def _queue_topic_ok(self, msg: MessageExt) -> bool:
+        """Whether the record's topic can name a consume-queue directory; a record whose topic bytes are
+        damaged or illegal (not UTF-8, ``/``, too long) is left out of the queues, never the store's end."""
+        topic = msg.topic
+        why = illegal_topic(topic)
+        if why is None:
+            if len(self._queue_topics) > 100000:
+                self._queue_topics.clear()
+            self._queue_topics.add(topic)
+            return True
+        log.error("record at commitlog offset %d (queue %d, offset %d) left out of the consume queues: %s",
+                  msg.commit_log_offset, msg.queue_id, msg.queue_offset, why)
+        return False
 
 
 class ReputMessageService(ServiceThread):
@@ -84,6 +125,7 @@ class ReputMessageService(ServiceThread):
         # What the put path knows of a record it appended, called under the put lock in commitlog order
         # (the deque's own append: a method of ours around it would double the cost of the call).
         self.hand_over: Callable[[tuple], None] = self.handed_over.append
+        self._index_retry_at = 0.0
 
     def behind(self) -> int:
         return max(0, self.store.confirm_offset() - self.reput_from_offset)
@@ -93,6 +135,8 @@ class ReputMessageService(ServiceThread):
         commitlog = store.commitlog
         if self.reput_from_offset < commitlog.min_offset():
             self.reput_from_offset = commitlog.min_offset()
+        if store.index_service.missed_from is not None and time.monotonic() >= self._index_retry_at:
+            self._index_catch_up()
         end = store.confirm_offset()
         progressed = False
         pending = self.handed_over
@@ -120,6 +164,8 @@ class ReputMessageService(ServiceThread):
         """
         store = self.store
         index = store.index_service if store.config.messageIndexEnable else None
+        if index is not None and index.missed_from is not None:
+            index = None  # the catch-up indexes these records, in commitlog order
         expected = self.reput_from_offset
         run_key = None
         run_next = run_first = 0
@@ -145,15 +191,20 @@ class ReputMessageService(ServiceThread):
                 codes += cds if cds is not None else (0,) * len(offs)
                 last_ts = ts
             if index is not None:
-                if keys is None and uniqs is None:  # one call stands for all: it only makes a first index file
-                    index.build_index(topic, offset, ts, txn, None, None)
-                else:
-                    for off, key, uniq in zip(offs, keys or repeat(None), uniqs or repeat(None)):
-                        index.build_index(topic, off, ts, txn, uniq, key)
+                at = offset
+                try:
+                    if keys is None and uniqs is None:  # one call stands for all: it only makes a first index file
+                        index.build_index(topic, offset, ts, txn, None, None)
+                    else:
+                        for at, key, uniq in zip(offs, keys or repeat(None), uniqs or repeat(None)):
+                            index.build_index(topic, at, ts, txn, uniq, key)
+                except OSError as e:
+                    note_index_failure(index, at, ts, e)
+                    index = None
         if offsets:
             self._put_units(run_key, offsets, sizes, codes, run_first)
         if last_ts is not None:
-            store.checkpoint.logicsMsgTimestamp = last_ts
+            store.checkpoint.logics_dispatched = last_ts
         done = expected != self.reput_from_offset
         self.reput_from_offset = expected
         return done
@@ -195,6 +246,60 @@ class ReputMessageService(ServiceThread):
         finally:
             f.release()
         return progressed
+
+    def _index_catch_up(self) -> None:
+        """Index the records the index missed while it failed, in commitlog order, up to the reput offset.
+
+        Runs in the dispatch thread, a slice at a time; live dispatch leaves the index alone until the
+        catch-up reaches it, so every record is indexed once and in order.
+        """
+        store = self.store
+        index = store.index_service
+        commitlog = store.commitlog
+        at = max(index.missed_from or 0, commitlog.min_offset())
+        start, end = at, self.reput_from_offset
+        deadline = time.monotonic() + CATCH_UP_SLICE_S
+        ts = index.missed_ts
+        try:
+            while at < end and time.monotonic() < deadline:
+                for off, size, msg, problem in commitlog.scan(at, read_body=False, end=end):
+                    if msg is None:  # dispatch skipped it too
+                        log.error("index catch-up: %s; skipped", problem)
+                        at = off + size if size > 0 else end
+                        break
+                    ts = msg.store_timestamp
+                    self._index_again(index, msg, off == start)
+                    at = off + size
+                    if time.monotonic() >= deadline:
+                        break
+                else:
+                    at = end
+        except OSError as e:
+            index.missed_from, index.missed_ts = at, ts
+            note_index_failure(index, at, ts, e)
+            self._index_retry_at = time.monotonic() + INDEX_RETRY_S
+            return
+        if at < end:
+            index.missed_from, index.missed_ts = at, ts  # more next round, without waiting
+            return
+        log.info("index builds again; records from commitlog offset %d to %d indexed (was: %s)",
+                 start, end, index.build_error)
+        index.missed_from, index.build_error = None, None
+
+    @staticmethod
+    def _index_again(index: "IndexService", msg: MessageExt, first: bool) -> None:
+        """Index one record; the first record of a catch-up may hold keys indexed before the failure."""
+        props = msg.properties
+        uniq, keys = props.get("UNIQ_KEY"), props.get("KEYS")
+        phy = msg.commit_log_offset
+        if first and (uniq or keys) and index.files and index.files[-1].end_phy_offset == phy:
+            def indexed(key: str) -> bool:
+                return phy in index.query_offset(msg.topic, key, 64, 0, 2 ** 63 - 1)[0]
+            if uniq and indexed(uniq):
+                uniq = None
+            if keys:
+                keys = " ".join(k for k in keys.split(" ") if k and not indexed(k)) or None
+        index.build_index(msg.topic, phy, msg.store_timestamp, msg.sys_flag & codec.TRANSACTION_MASK, uniq, keys)
 
     def wait_dispatched(self, offset: int, timeout: float) -> bool:
         """Block until everything before ``offset`` is dispatched (or the timeout passes)."""

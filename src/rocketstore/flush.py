@@ -154,7 +154,10 @@ class GroupCommitService(ServiceThread):
 
 
 class FlushConsumeQueueService(ServiceThread):
-    """Flush consume queues every flushIntervalConsumeQueue; thoroughly (and the checkpoint) every 60 s."""
+    """Flush consume queues every flushIntervalConsumeQueue; thoroughly (and the checkpoint) every 60 s.
+
+    Only a thorough round advances the checkpoint's logicsMsgTimestamp, to the store time dispatched
+    before the round began: what the rounds in between flush is partial."""
 
     name = "FlushConsumeQueueService"
 
@@ -169,11 +172,16 @@ class FlushConsumeQueueService(ServiceThread):
         thorough = force or (now - self.last_thorough) * 1000 >= cfg.flushConsumeQueueThoroughInterval
         if thorough:
             self.last_thorough = now
-        logics_ts = self.store.checkpoint.logicsMsgTimestamp
+        checkpoint = self.store.checkpoint
+        dispatched = checkpoint.logics_dispatched  # read first: every unit up to it is in the queues' maps
+        index = self.store.index_service
+        if index.missed_from is not None:  # records the index missed: a crash must recover from them on
+            dispatched = min(dispatched, index.missed_ts)
         for cq in self.store.consume_queues():
             cq.flush(0 if thorough else cfg.flushConsumeQueueLeastPages)
-        if thorough:
-            self.store.checkpoint.logicsMsgTimestamp = logics_ts
+        if thorough:  # every queue is flushed whole: the checkpoint may say so
+            if dispatched > checkpoint.logicsMsgTimestamp:
+                checkpoint.logicsMsgTimestamp = dispatched
             self.store.flush_checkpoint()
 
     def on_shutdown(self) -> None:

@@ -177,6 +177,11 @@ class IndexService:
         self.clock = clock
         self.on_file_full = on_file_full
         self.lock = threading.RLock()
+        # Set by dispatch when a new index file cannot be made (full disk): why, and the first record (commitlog
+        # offset, store time) left unindexed since; dispatch retries and indexes the records it missed.
+        self.build_error: str | None = None
+        self.missed_from: int | None = None
+        self.missed_ts = 0
 
     def load(self, last_exit_ok: bool, index_msg_timestamp: int,
              on_bad_file: Callable[[str, str], None] | None = None) -> list[str]:

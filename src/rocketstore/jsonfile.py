@@ -18,12 +18,22 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
+    """Make a directory's entries (a created, renamed or deleted name) durable."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_file_durably(path: str, data: bytes) -> None:
+    """Write a small file in place, fsync it and its directory (a marker file a power cut must not lose)."""
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
@@ -44,7 +54,7 @@ def write_json_atomic(path: str, obj: Any) -> None:
         except (ValueError, OSError):
             log.warning("%s: current file is corrupt; keeping the older backup", path)
     os.replace(tmp, path)
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 _UNQUOTED_INT_KEY = re.compile(r'([{,]\s*)(-?\d+)(\s*:)')

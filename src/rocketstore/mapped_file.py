@@ -378,6 +378,12 @@ class MappedFileQueue:
             self._next_done = done
         threading.Thread(target=run, name="AllocateMappedFileService", daemon=True).start()
 
+    def next_file_reserved(self) -> bool:
+        """Whether the next file is made ahead (or being made), so its space is already taken from the disk."""
+        with self._lock:
+            done, nxt = self._next_done, self._next
+        return done is not None and (nxt is not None or not done.is_set())
+
     def discard_preallocated(self) -> None:
         """Delete a pre-allocated file that was never handed out (done at clean shutdown)."""
         nxt = self._take_preallocated()
@@ -386,18 +392,24 @@ class MappedFileQueue:
 
     # ------------------------------------------------------------ flush
     def flush(self, least_pages: int = 0) -> bool:
-        """Flush the file holding ``flushed_where``; return True if nothing was written."""
-        f = self.find(self.flushed_where, return_first=self.flushed_where == 0)
-        if f is None:
-            return True
-        ts = f.store_timestamp
-        pos = f.flush(least_pages)
-        where = f.file_from_offset + pos
-        result = where == self.flushed_where
-        self.flushed_where = where
-        if least_pages == 0:
-            self.store_timestamp = ts
-        return result
+        """Flush every dirty file from ``flushed_where`` on; return True if nothing was written.
+
+        Filled files are flushed whole and the round goes on to the next; the file being written is
+        flushed when ``least_pages`` of it are dirty.  (RocketMQ flushes one file a round: with small
+        files and fast puts the lag would grow without bound.)
+        """
+        start = self.flushed_where
+        f = self.find(start, return_first=start == 0)
+        while f is not None:
+            ts = f.store_timestamp
+            pos = f.flush(least_pages)
+            self.flushed_where = f.file_from_offset + pos
+            if least_pages == 0:
+                self.store_timestamp = ts
+            if pos < f.file_size:
+                break
+            f = self.find(self.flushed_where)
+        return self.flushed_where == start
 
     # ------------------------------------------------------------ truncation and deletion
     def truncate_dirty(self, offset: int) -> list[str]:

@@ -192,3 +192,21 @@ def parse_tag_filter(expr: str | None) -> set[int] | None:
     if not expr or expr == "*":
         return None
     return {codec.java_hash(t.strip()) for t in expr.split("||") if t.strip()}
+
+
+_TOPIC_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789%|-_")
+NAME_MAX = 255  # bytes in one file name: a topic names its consume-queue directory
+
+
+def illegal_topic(topic: object) -> str | None:
+    """Why a topic is refused (None when it is legal): RocketMQ's broker checks (present, of legal
+    characters), and short enough to name its consume-queue directory."""
+    if not isinstance(topic, str) or not topic:
+        return "topic is empty"
+    if not set(topic) <= _TOPIC_CHARS:
+        bad = sorted(set(topic) - _TOPIC_CHARS)[:3]
+        return f"topic {topic[:40]!r} has illegal characters {bad} (allowed: letters, digits, %|-_)"
+    if len(topic) > NAME_MAX:  # legal characters are ASCII: one byte each
+        return (f"topic {topic[:40]!r}... is {len(topic)} characters; a consume-queue directory name holds "
+                f"at most {NAME_MAX}")
+    return None

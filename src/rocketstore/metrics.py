@@ -65,11 +65,13 @@ def snapshot(store: "MessageStore") -> dict[str, Any]:
     m = store.metrics
     max_phy = store.max_phy_offset()
     return {
-        "time": int(time.time() * 1000), "pid": os.getpid(), "uptimeSeconds": round(time.time() - m.started, 1),
+        "time": int(time.time() * 1000), "pid": os.getpid(), "pidStartTicks": process_start_ticks(os.getpid()),
+        "uptimeSeconds": round(time.time() - m.started, 1),
         "puts": m.puts, "putLatency": m.put_latency.percentiles(), "lockHold": m.lock_hold.percentiles(),
         "maxPhyOffset": max_phy, "flushLagBytes": max(0, max_phy - store.commitlog.queue.flushed_where),
         "dispatchBehindBytes": store.dispatch_behind_bytes(), "disk": store.disk_guard.to_json(),
         "writeable": store.running_flags.is_writeable(), "notWriteableReason": store.running_flags.why_not_writeable(),
+        "indexError": store.index_service.build_error,
     }
 
 
@@ -100,9 +102,51 @@ class MetricsService(ServiceThread):
             pass
 
 
-def read_metrics(root: str) -> dict[str, Any] | None:
+def process_start_ticks(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot (/proc/PID/stat field 22); None if unknown.
+
+    With the pid it names one process: a pid reused by a later process has another start time."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return int(fh.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def writer_gone(m: dict[str, Any]) -> str | None:
+    """Why the process that wrote these metrics no longer has the store open, or None while it runs."""
+    pid = m.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return "metrics.json names no process"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"metrics.json was written by process {pid}, which is no longer running"
+    except PermissionError:
+        pass  # alive, under another user
+    started = m.get("pidStartTicks")
+    if started is not None and process_start_ticks(pid) not in (None, started):
+        return f"metrics.json was written by process {pid}, which has ended (the pid now names another process)"
+    return None
+
+
+def _read(root: str) -> dict[str, Any] | None:
     try:
         with open(metrics_path(root), encoding="utf-8") as fh:
-            return json.load(fh)
+            m = json.load(fh)
     except (OSError, ValueError):
         return None
+    return m if isinstance(m, dict) else None
+
+
+def read_metrics(root: str) -> dict[str, Any] | None:
+    """The metrics of the process that has the store open; None when none does (no file, or its writer died)."""
+    m = _read(root)
+    return m if m is not None and writer_gone(m) is None else None
+
+
+def not_live_reason(root: str) -> str:
+    """What to tell a user for whom :func:`read_metrics` found nothing."""
+    m = _read(root)
+    why = "is the store open in a running process?" if m is None else writer_gone(m)
+    return f"no live metrics ({why})"

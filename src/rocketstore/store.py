@@ -9,7 +9,6 @@ file, maps opened read-only), so it can read a live or a read-only directory.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import threading
@@ -29,17 +28,16 @@ from .errors import (CommitLogWriteError, ConfigError, CorruptRecordError, ReadO
                      StoreLoadError, StoreLockedError)
 from .flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeService, GroupCommitService
 from .index import IndexService, index_file_size
+from .jsonfile import write_file_durably
 from .message import (DEFAULT_STORE_HOST, LOCALHOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
-                      PutMessageStatus, QueryMessageResult, host_tuple, parse_tag_filter)
+                      PutMessageStatus, QueryMessageResult, host_tuple, illegal_topic, parse_tag_filter)
 from .metrics import SAMPLE_EVERY, MetricsService, StoreMetrics
 from .recovery import RecoveryReport, recover
 from .running_flags import RunningFlags
+from .store_lock import StoreLock
 from .warm_ahead import WarmAheadService
 
 log = logging.getLogger(__name__)
-
-_OPEN_STORES: set[str] = set()
-_OPEN_LOCK = threading.Lock()
 
 
 class StorePaths:
@@ -124,8 +122,7 @@ class MessageStore:
         self.running_flags = RunningFlags()
         self.flush_error: str | None = None
         self.closed = False
-        self._lock_fd: int | None = None
-        self._real_root = os.path.realpath(root)
+        self._store_lock: StoreLock | None = None
         self._cq_table: dict[tuple[str, int], ConsumeQueue] = {}
         self._cq_lock = threading.Lock()
         self.topic_queue_table: dict[tuple[str, int], int] = {}
@@ -197,31 +194,13 @@ class MessageStore:
                                  "or checkpoint)")
 
     def _acquire_lock(self) -> None:
-        with _OPEN_LOCK:
-            if self._real_root in _OPEN_STORES:
-                raise StoreLockedError(f"{self.paths.lock}: store already open in this process")
-            fd = os.open(self.paths.lock, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
-            except OSError:
-                os.close(fd)
-                raise StoreLockedError(f"{self.paths.lock}: store is locked by another process "
-                                       "(Lock failed, MQ already started)") from None
-            os.pwrite(fd, b"lock", 0)
-            os.fsync(fd)
-            self._lock_fd = fd
-            _OPEN_STORES.add(self._real_root)
+        self._store_lock = StoreLock(self.root)
+        self._store_lock.acquire()
 
     def _release_lock(self) -> None:
-        if self._lock_fd is None:
-            return
-        with _OPEN_LOCK:
-            try:
-                fcntl.lockf(self._lock_fd, fcntl.LOCK_UN, 1, 0)
-            finally:
-                os.close(self._lock_fd)
-                self._lock_fd = None
-                _OPEN_STORES.discard(self._real_root)
+        if self._store_lock is not None:
+            self._store_lock.release()
+            self._store_lock = None
 
     def _load(self) -> None:
         cfg, ro = self.config, self.read_only
@@ -321,14 +300,13 @@ class MessageStore:
         if os.path.exists(self.paths.abort):
             with open(self.paths.abort, "rb") as fh:
                 previous = fh.read()
-        with open(self.paths.abort_bak, "wb") as fh:
-            fh.write(previous)
-        with open(self.paths.abort, "wb") as fh:
-            fh.write(str(os.getpid()).encode())
+        # Durable before the first put is taken: a power cut must not lose the mark that says "recover".
         boot = _boot_id()
         if boot is not None:
-            with open(self.paths.abort_boot, "w", encoding="ascii") as fh:
-                fh.write(boot)
+            write_file_durably(self.paths.abort_boot, boot.encode("ascii"))
+        with open(self.paths.abort_bak, "wb") as fh:
+            fh.write(previous)
+        write_file_durably(self.paths.abort, str(os.getpid()).encode())
 
     # ------------------------------------------------------------ queues
     def find_consume_queue(self, topic: str, queue_id: int) -> ConsumeQueue:
@@ -828,12 +806,24 @@ class MessageStore:
                 best = unit[0]
         return self.max_phy_offset() if best is None else max(best, self.min_phy_offset())
 
-    def consumer_offsets(self) -> dict[tuple[str, int], int]:
+    def consumer_offsets(self, problems: list[str] | None = None) -> dict[tuple[str, int], int]:
         """Lowest committed offset per queue over all groups, from RocketMQ's config/consumerOffset.json
-        (as the broker reads it: fastjson's unquoted keys too)."""
-        from .group_offsets import read_offsets
+        (as the broker reads it: fastjson's unquoted keys too).
+
+        The file is written by other programs, so its shape is checked: an entry that is not
+        ``"topic@group": {queueId: offset}`` raises StoreLoadError naming it, or, given ``problems``
+        (retention's warnings), is described there and skipped."""
+        from .broker.offsets import ConsumerOffsetManager
+        from .group_offsets import config_dir, read_offsets
+        try:
+            table = read_offsets(self.root).table
+        except StoreLoadError as e:
+            if problems is None:
+                raise
+            problems.append(f"{e}; consumer positions there are not checked")
+            table = ConsumerOffsetManager(config_dir(self.root)).table  # the well-formed entries
         out: dict[tuple[str, int], int] = {}
-        for key, queues in read_offsets(self.root).table.items():
+        for key, queues in table.items():
             topic = key.rsplit("@", 1)[0]
             for qid, off in queues.items():
                 out[(topic, qid)] = min(out.get((topic, qid), off), off)
@@ -853,6 +843,8 @@ class MessageStore:
             d["writeable"] = self.running_flags.why_not_writeable() is None
             d["notWriteableReason"] = self.running_flags.why_not_writeable()
             d["dispatchBehindBytes"] = self.dispatch_behind_bytes()
+            d["indexError"] = self.index_service.build_error
+            d["indexMissedFrom"] = self.index_service.missed_from
         return d
 
     # ------------------------------------------------------------ closing
@@ -871,7 +863,13 @@ class MessageStore:
         for s in reversed(self._services):
             s.shutdown()
         clean = self.running_flags.why_not_writeable() is None and self.dispatch_behind_bytes() == 0
+        if self.index_service.missed_from is not None:  # the abort file stays: the next open re-indexes them
+            log.warning("%s: records from commitlog offset %d on are not indexed yet (%s); the next open recovers "
+                        "them", self.root, self.index_service.missed_from, self.index_service.build_error)
+            clean = False
         try:
+            if not self._services:  # no flusher ran: flush the queues, and let the checkpoint say so, here
+                FlushConsumeQueueService(self).run_once(force=True)
             self.index_service.flush()
             self.flush_checkpoint()
             self.commitlog.queue.discard_preallocated()
@@ -940,21 +938,10 @@ def _wait_store_msg_ok(m: Message) -> bool:
     return v is None or v.lower() == "true"
 
 
-_TOPIC_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789%|-_")
 _QUEUED_TXN = (codec.TRANSACTION_NOT_TYPE, codec.TRANSACTION_COMMIT)
 _PLAIN_DISPATCH = (0, None, None)  # (tagsCode, KEYS, UNIQ_KEY) of a message with no properties
 _PLAIN_COLUMNS = (None, None, None)  # the same for every message of a put
 _UNSAMPLED = SAMPLE_EVERY - 1
-
-
-def illegal_topic(topic: object) -> str | None:
-    """The topic checks RocketMQ's broker applies before the store: present and of legal characters."""
-    if not isinstance(topic, str) or not topic:
-        return "topic is empty"
-    if not set(topic) <= _TOPIC_CHARS:
-        bad = sorted(set(topic) - _TOPIC_CHARS)[:3]
-        return f"topic {topic[:40]!r} has illegal characters {bad} (allowed: letters, digits, %|-_)"
-    return None
 
 
 def batch_problem(messages: list[Message]) -> str | None:

@@ -9,7 +9,6 @@ store's lock.
 
 from __future__ import annotations
 
-import fcntl
 import io
 import logging
 import os
@@ -19,12 +18,13 @@ import time
 from collections.abc import Iterable
 from datetime import UTC
 from types import SimpleNamespace
-from typing import Any, Self
+from typing import Any
 
 from .. import codec
-from ..errors import StoreError, StoreLockedError
+from ..errors import StoreError
 from ..selection import Selection
 from ..store import MessageStore, StorePaths
+from ..store_lock import StoreLock
 
 log = logging.getLogger(__name__)
 
@@ -121,36 +121,6 @@ def _dispatch_rows(task: tuple[str, int, int]) -> bytes:
     return sink.getvalue()
 
 
-class _StoreLock:
-    """The store's ``lock`` file, held the way an open writable store holds it (no other writer meanwhile)."""
-
-    def __init__(self, root: str) -> None:
-        self.root = root
-        self.fd: int | None = None
-
-    def __enter__(self) -> Self:
-        from .. import store as store_mod
-        if os.path.realpath(self.root) in getattr(store_mod, "_OPEN_STORES", ()):
-            raise StoreLockedError(f"{self.root}/lock: store already open in this process")
-        path = StorePaths(self.root).lock
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
-        except OSError:
-            os.close(fd)
-            raise StoreLockedError(f"{path}: store is locked by another process (a writer has it open)") from None
-        self.fd = fd
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.fd is not None:
-            try:
-                fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, 0)
-            finally:
-                os.close(self.fd)
-                self.fd = None
-
-
 class _RebuildTarget:
     """What CommitLogDispatcher needs of a store, pointing at fresh consume-queue and index directories."""
 
@@ -202,7 +172,7 @@ def rebuild(spark: Any, store_path: str, config: Any = None) -> dict[str, Any]:
     paths = StorePaths(root)
     if not os.path.isdir(paths.commitlog):
         raise StoreError(f"{root}: not a message store (no commitlog directory)")
-    with _StoreLock(root):
+    with StoreLock(root):
         with MessageStore.open(root, config, read_only=True) as store:
             config = store.config
             tasks = [(f.path, 0, f.wrote_position) for f in store.commitlog.queue.files if f.wrote_position > 0]
@@ -234,6 +204,9 @@ def rebuild(spark: Any, store_path: str, config: Any = None) -> dict[str, Any]:
                         dispatcher.dispatch(codec.MessageExt(header, topic, props or "", None))
                         records += 1
                         last_ts = ts
+            if target.index_service.build_error:  # dispatch notes an index failure and goes on; a rebuild must not
+                raise StoreError(f"{root}: index rebuild failed from commitlog offset "
+                                 f"{target.index_service.missed_from}: {target.index_service.build_error}")
             index_files = len(target.index_service.files)
             index_entries = sum(f.index_count - 1 for f in target.index_service.files)
             index_end_ts = target.index_service.files[-1].end_timestamp if target.index_service.files else 0
