@@ -810,20 +810,13 @@ class MessageStore:
         """Lowest committed offset per queue over all groups, from RocketMQ's config/consumerOffset.json
         (as the broker reads it: fastjson's unquoted keys too).
 
-        The file is written by other programs, so its shape is checked: an entry that is not
-        ``"topic@group": {queueId: offset}`` raises StoreLoadError naming it, or, given ``problems``
+        An entry of the wrong shape raises StoreLoadError naming it, or, given ``problems``
         (retention's warnings), is described there and skipped."""
         from .broker.offsets import ConsumerOffsetManager
-        from .group_offsets import config_dir, read_offsets
-        try:
-            table = read_offsets(self.root).table
-        except StoreLoadError as e:
-            if problems is None:
-                raise
-            problems.append(f"{e}; consumer positions there are not checked")
-            table = ConsumerOffsetManager(config_dir(self.root)).table  # the well-formed entries
+        from .group_offsets import config_dir
+        manager = ConsumerOffsetManager(config_dir(self.root), strict=problems is None, problems=problems)
         out: dict[tuple[str, int], int] = {}
-        for key, queues in table.items():
+        for key, queues in manager.table.items():
             topic = key.rsplit("@", 1)[0]
             for qid, off in queues.items():
                 out[(topic, qid)] = min(out.get((topic, qid), off), off)

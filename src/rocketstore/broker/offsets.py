@@ -29,14 +29,19 @@ def read_json_lenient(path: str) -> Any:
 class ConsumerOffsetManager:
     """Committed offsets per (topic, group, queue)."""
 
-    def __init__(self, config_dir: str, *, strict: bool = False) -> None:
-        """Load the file (or its ``.bak``).  ``strict`` refuses an entry of the wrong shape with a
-        StoreLoadError naming it; otherwise (the broker) such an entry is skipped with a warning."""
+    def __init__(self, config_dir: str, *, strict: bool = False, problems: list[str] | None = None) -> None:
+        """Load the file (or its ``.bak``).
+
+        The file is written by other programs, so its shape is checked.  An entry that is not
+        ``"topic@group": {queueId: offset}`` raises StoreLoadError naming it when ``strict``; else it is
+        skipped, described in ``problems`` when given, otherwise logged (the broker)."""
         self.path = os.path.join(config_dir, "consumerOffset.json")
         self.table: dict[str, dict[int, int]] = {}
         self.version = 0
         self.dirty = False
         self._fastjson = False
+        self._strict = strict
+        self._problems = problems
         text: str | None = None
         try:
             with open(self.path, "rb") as fh:
@@ -51,31 +56,36 @@ class ConsumerOffsetManager:
                 pass  # corrupt: read from the .bak below, which must stay the backup
         except OSError:
             pass
-        data = read_json_lenient(self.path) or {}
-        if not isinstance(data, dict):
-            self._bad(strict, "is not a JSON object")
+        data = read_json_lenient(self.path)
+        if data is None:
             return
+        if not isinstance(data, dict):
+            return self._bad(f"the file holds a {type(data).__name__}, not an object with an offsetTable")
         table = data.get("offsetTable") or {}
         if not isinstance(table, dict):
-            self._bad(strict, "offsetTable is not an object")
-            return
-        self.version = int((data.get("dataVersion") or {}).get("counter", 0) or 0) \
-            if isinstance(data.get("dataVersion") or {}, dict) else 0
+            return self._bad(f"offsetTable is a {type(table).__name__}, not an object")
+        version = data.get("dataVersion") or {}
+        counter = version.get("counter", 0) if isinstance(version, dict) else 0
+        self.version = counter if type(counter) is int else 0
         for key, queues in table.items():
-            if not isinstance(queues, dict) or "@" not in key:
-                self._bad(strict, f"offsetTable entry {key!r} is not topic@group with an object of queue offsets")
+            if "@" not in key or not isinstance(queues, dict):
+                self._bad(f"offsetTable[{key!r}] is not a \"topic@group\" key with an object of queue offsets")
                 continue
-            if strict and not all(str(q).lstrip("-").isdigit() and type(o) is int for q, o in queues.items()):
-                self._bad(strict, f"offsetTable entry {key!r}: queue offsets must be integer pairs, not {queues!r}")
-            try:
-                self.table[key] = {int(q): int(o) for q, o in queues.items()}
-            except (TypeError, ValueError):
-                log.warning("%s: ignoring bad entry %s", self.path, key)
+            entry: dict[int, int] = {}
+            for qid, off in queues.items():
+                if not str(qid).lstrip("-").isdigit() or type(off) is not int:
+                    self._bad(f"offsetTable[{key!r}][{qid!r}] = {off!r} is not a queue id with an integer offset")
+                    continue
+                entry[int(qid)] = off
+            self.table[key] = entry
 
-    def _bad(self, strict: bool, why: str) -> None:
-        if strict:
-            raise StoreLoadError(f"{self.path}: {why}")
-        log.warning("%s: %s; ignored", self.path, why)
+    def _bad(self, what: str) -> None:
+        if self._strict:
+            raise StoreLoadError(f"{self.path}: {what}")
+        if self._problems is not None:
+            self._problems.append(f"{self.path}: {what}; consumer positions there are not checked")
+        else:
+            log.warning("%s: %s; ignored", self.path, what)
 
     @staticmethod
     def key(topic: str, group: str) -> str:
