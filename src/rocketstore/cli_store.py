@@ -1,4 +1,4 @@
-"""Store subcommands: dump, state, get, query, offset-by-time, verify, put, import, recover, retention, admin."""
+"""Store subcommands: init, dump, state, get, query, offset-by-time, verify, put, import, recover, retention, admin."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 
 from .cli import emit, load_config
 from .errors import CliError, StoreError
-from .config import StoreConfig
+from .config import PRESETS, StoreConfig
+from .geometry import reserved_bytes
 from .consume_queue import LOWER, UPPER
 from .message import Message, parse_tag_filter
 from .progress import progress_bar
@@ -45,7 +46,28 @@ def open_read_only(args: argparse.Namespace) -> MessageStore:
 
 
 def open_writable(args: argparse.Namespace, **kw: Any) -> MessageStore:
-    return MessageStore.open(args.store, load_config(getattr(args, "config", None)), **kw)
+    return MessageStore.open(args.store, load_config(getattr(args, "config", None)),
+                             allow_quarantine=getattr(args, "allow_quarantine", False), **kw)
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    """Create a store directory holding a broker.conf with a preset geometry; every later open reads it."""
+    import os
+    from .config import PRESETS, read_conf_file, write_preset
+    from .geometry import STORE_CONF
+    conf = os.path.join(args.store, STORE_CONF)
+    entries = [e for e in os.listdir(args.store) if not e.startswith(".")] if os.path.isdir(args.store) else []
+    if entries:
+        want = {k: str(v) for k, v in PRESETS[args.preset].items()}
+        if os.path.isfile(conf) and read_conf_file(conf) == want:
+            emit({"store": args.store, "preset": args.preset, "config": conf, "created": False})
+            return 0
+        raise CliError(f"{args.store}: not empty ({', '.join(sorted(entries)[:3])}) and not a store made by "
+                       f"init --preset {args.preset}; refusing to initialise it")
+    os.makedirs(args.store, exist_ok=True)
+    write_preset(conf, args.preset)
+    emit({"store": args.store, "preset": args.preset, "config": conf, "created": True, **PRESETS[args.preset]})
+    return 0
 
 
 # ---------------------------------------------------------------- readers
@@ -165,7 +187,7 @@ def cmd_put(args: argparse.Namespace) -> int:
     with open_writable(args) as store:
         r = store.put(msg)
         store.wait_dispatched()
-    emit(r.to_json())
+    emit({**r.to_json(), "reservedBytes": reserved_bytes(args.store)["total"]})
     if not r.ok:
         raise CliError(f"put refused: {r.status.value}: {r.error}")
     return 0
@@ -272,13 +294,24 @@ def cmd_stats(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- wiring
 
 def register(sub: argparse._SubParsersAction) -> None:
-    def add(name: str, handler: Any, help: str, config: bool = True) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help)
+    def add(name: str, handler: Any, help: str, config: bool = True, writes: bool = False,
+            parent: Any = sub) -> argparse.ArgumentParser:
+        p = parent.add_parser(name, help=help, description=help)
         p.add_argument("store", metavar="STORE", help="store root directory (storePathRootDir)")
         if config:
-            p.add_argument("--config", metavar="FILE", help="broker.conf style file (key=value)")
+            p.add_argument("--config", metavar="FILE", help="broker.conf style file (key=value), over "
+                           "STORE/broker.conf; geometry keys it leaves out are measured from the files")
+        if writes:
+            p.add_argument("--allow-quarantine", action="store_true",
+                           help="let an explicit geometry key win over the files, and move more than one file "
+                           "of a kind to STORE/quarantine/ (refused otherwise)")
         p.set_defaults(handler=handler)
         return p
+
+    p = add("init", cmd_init, "create a store whose STORE/broker.conf fixes its geometry", config=False)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default",
+                   help="default: RocketMQ's (1 GiB segments, 420 MB index files); small: 64 MiB segments, "
+                   "600 KB consume-queue files, 4.2 MB index files")
 
     p = add("dump", cmd_dump, "every message in commitlog order, one JSON object per line")
     p.add_argument("--no-body", action="store_true", help="omit bodies")
@@ -314,7 +347,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="JSON instead of a table")
     p.add_argument("--repair", action="store_true", help="rebuild consume queues, index and checkpoint offline")
 
-    p = add("put", cmd_put, "put one message and print the result")
+    p = add("put", cmd_put, "put one message and print the result (and the bytes the store's files reserve)",
+            writes=True)
     p.add_argument("--topic", required=True)
     p.add_argument("--queue-id", type=_nonneg, default=0)
     p.add_argument("--tags")
@@ -324,10 +358,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--body", help="body text (UTF-8)")
     g.add_argument("--body-file", metavar="FILE")
 
-    p = add("import", cmd_import, "replay dump output (JSON lines) into a store, byte for byte")
+    p = add("import", cmd_import, "replay dump output (JSON lines) into a store, byte for byte", writes=True)
     p.add_argument("--from", dest="source", required=True, metavar="FILE.jsonl")
 
-    add("recover", cmd_recover, "open with recovery, close cleanly, print what was recovered and the state")
+    add("recover", cmd_recover, "open with recovery, close cleanly, print what was recovered and the state",
+        writes=True)
 
     p = add("retention", cmd_retention, "dry run of expired-file cleaning: what would be deleted and why")
     p.add_argument("--json", action="store_true")
@@ -342,10 +377,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     admin = sub.add_parser("admin", help="administrative commands (mqadmin counterparts)")
     asub = admin.add_subparsers(dest="admin_command", metavar="ADMIN_COMMAND")
     asub.required = True
-    p = asub.add_parser("delete-expired", help="delete expired commitlog files now (deleteExpiredCommitLog)")
-    p.add_argument("store", metavar="STORE")
-    p.add_argument("--config", metavar="FILE")
-    p.set_defaults(handler=cmd_delete_expired)
+    add("delete-expired", cmd_delete_expired, "delete expired commitlog files now (deleteExpiredCommitLog)",
+        writes=True, parent=asub)
 
 
 __all__ = ["register", "StoreConfig"]

@@ -25,10 +25,11 @@ from .commitlog import CommitLog
 from .config import SYNC_FLUSH, StoreConfig, total_memory_bytes
 from .consume_queue import CQ_STORE_UNIT_SIZE, LOWER, ConsumeQueue
 from .dispatch import ReputMessageService
-from .errors import (CommitLogWriteError, ConfigError, ReadOnlyStoreError, StoreClosedError, StoreLoadError,
+from .errors import (CommitLogWriteError, ReadOnlyStoreError, StoreClosedError, StoreLoadError,
                      StoreLockedError)
 from .flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeService, GroupCommitService
-from .index import IndexService, index_file_size
+from .geometry import STORE_CONF, reserved_bytes, store_config
+from .index import IndexService
 from .message import (DEFAULT_STORE_HOST, LOCALHOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
                       PutMessageStatus, QueryMessageResult, host_tuple)
 from .metrics import SAMPLE_EVERY, MetricsService, StoreMetrics
@@ -57,56 +58,13 @@ class StorePaths:
         self.abort_boot = os.path.join(root, "abort.bootid")  # rocketstore: the OS boot the abort file is from
         self.config = os.path.join(root, "config")
         self.quarantine = os.path.join(root, "quarantine")
+        self.store_conf = os.path.join(root, STORE_CONF)  # rocketstore init: the store's own broker.conf
+        self.cq_rebuild = os.path.join(root, "consumequeue.rebuild")  # rocketstore: queues being rebuilt
 
 
 def infer_config(root: str, base: StoreConfig | None = None) -> StoreConfig:
-    """Geometry from the files: commitlog and CQ file sizes from their lengths, index slots from its size.
-
-    Values set explicitly in ``base`` (differing from the defaults) win.
-    """
-    paths = StorePaths(root)
-    default = StoreConfig()
-    cfg = base or default
-    changes: dict[str, Any] = {}
-
-    def first_file(d: str) -> str | None:
-        try:
-            names = sorted(n for n in os.listdir(d) if len(n) == 20 and n.isdigit())
-        except OSError:
-            return None
-        for n in names:
-            size = os.path.getsize(os.path.join(d, n))
-            if size:
-                return os.path.join(d, n)
-        return None
-
-    if cfg.mappedFileSizeCommitLog == default.mappedFileSizeCommitLog:
-        f = first_file(paths.commitlog)
-        if f:
-            changes["mappedFileSizeCommitLog"] = os.path.getsize(f)
-    if cfg.mappedFileSizeConsumeQueue == default.mappedFileSizeConsumeQueue and os.path.isdir(paths.consumequeue):
-        for topic in sorted(os.listdir(paths.consumequeue)):
-            tdir = os.path.join(paths.consumequeue, topic)
-            for qid in sorted(os.listdir(tdir)) if os.path.isdir(tdir) else []:
-                f = first_file(os.path.join(tdir, qid))
-                if f:
-                    changes["mappedFileSizeConsumeQueue"] = os.path.getsize(f)
-                    break
-            if "mappedFileSizeConsumeQueue" in changes:
-                break
-    if (cfg.maxHashSlotNum, cfg.maxIndexNum) == (default.maxHashSlotNum, default.maxIndexNum) and \
-            os.path.isdir(paths.index):
-        names = sorted(os.listdir(paths.index))
-        if names:
-            size = os.path.getsize(os.path.join(paths.index, names[0]))
-            if size != index_file_size(cfg.maxHashSlotNum, cfg.maxIndexNum):
-                if (size - 40) % 84 == 0 and size > 40:
-                    slots = (size - 40) // 84  # RocketMQ's default ratio: maxIndexNum = 4 x maxHashSlotNum
-                    changes["maxHashSlotNum"], changes["maxIndexNum"] = slots, 4 * slots
-    try:
-        return cfg.replace(**changes) if changes else cfg
-    except ConfigError as e:
-        raise StoreLoadError(f"{root}: cannot infer the store geometry from its files: {e}") from None
+    """The config an open of ``root`` uses (see :func:`geometry.store_config`): measured before files move."""
+    return store_config(root, base)
 
 
 class MessageStore:
@@ -114,12 +72,17 @@ class MessageStore:
 
     def __init__(self, root: str, config: StoreConfig, *, read_only: bool = False,
                  clock: Callable[[], float] = time.time, start_services: bool = True,
-                 disk_usage: Callable[[str], float] | None = None, sleep: Callable[[float], None] = time.sleep) -> None:
+                 disk_usage: Callable[[str], float] | None = None, sleep: Callable[[float], None] = time.sleep,
+                 allow_quarantine: bool = False) -> None:
         self.paths = StorePaths(root)
         self.sleep = sleep
         self.root = root
         self.config = config
         self.read_only = read_only
+        self.allow_quarantine = allow_quarantine
+        self._quarantine: list[tuple[str, str]] = []  # (path, reason): moved once loading has checked them
+        self._rebuild_drop: list[str] = []  # sound files of queues being rebuilt, deleted with the quarantine
+        self.queues_to_rebuild: list[str] = []  # "topic/queueId" whose units recovery redispatches from the start
         self.clock = clock
         self.running_flags = RunningFlags()
         self.flush_error: str | None = None
@@ -160,17 +123,20 @@ class MessageStore:
     # ------------------------------------------------------------ opening
     @classmethod
     def open(cls, path: str, config: StoreConfig | str | None = None, *, read_only: bool = False,
-             **kw: Any) -> "MessageStore":
+             allow_quarantine: bool = False, **kw: Any) -> "MessageStore":
         """Open (or, writable, create) the store at ``path``.
 
-        ``config`` is a StoreConfig, a ``broker.conf`` path, or None.  Read-only
-        opens infer the file geometry from the files when not configured.
+        ``config`` is a StoreConfig, a ``broker.conf`` path, or None; it overlays
+        ``<path>/broker.conf`` when that exists (``rocketstore init``).  Geometry
+        keys neither sets explicitly are measured from the files; one that
+        contradicts them refuses the open (ConfigError) before anything is
+        touched.  ``allow_quarantine``: let such a key win, and let one open move
+        more than one file of a kind to ``quarantine/`` (refused otherwise).
         """
         if isinstance(config, str):
             config = StoreConfig.load(config)
-        if read_only or (config is None and os.path.isdir(os.path.join(path, "commitlog"))):
-            config = infer_config(path, config)
-        return cls(path, config or StoreConfig(), read_only=read_only, **kw)
+        config = store_config(path, config, allow_quarantine=allow_quarantine)
+        return cls(path, config, read_only=read_only, allow_quarantine=allow_quarantine, **kw)
 
     def __enter__(self) -> "MessageStore":
         return self
@@ -180,7 +146,7 @@ class MessageStore:
 
     def _refuse_foreign_directory(self) -> None:
         known = {"commitlog", "consumequeue", "index", "checkpoint", "lock", "abort", "abort.bak", "config",
-                 "abort.bootid", "metrics.json",
+                 "abort.bootid", "metrics.json", STORE_CONF, "consumequeue.rebuild",
                  "quarantine", "compaction", "timerwheel", "timerlog", "timercheck", "timermetrics"}
         entries = [e for e in os.listdir(self.root) if not e.startswith(".")]
         if entries and not any(e in known for e in entries):
@@ -227,27 +193,115 @@ class MessageStore:
             os.makedirs(self.paths.consumequeue, exist_ok=True)
         self.commitlog = CommitLog(self.paths.commitlog, cfg.mappedFileSizeCommitLog, read_only=ro, clock=self.clock,
                                    warm=cfg.warmMapedFileEnable, gather_all=cfg.flushDiskType == SYNC_FLUSH)
+        unfinished = _read_text(self.paths.cq_rebuild)
+        if unfinished is not None:
+            if ro:
+                raise StoreLoadError(f"{self.paths.cq_rebuild}: the rebuild of consume queues {unfinished.split()} "
+                                     "has not finished; a writable open (rocketstore recover) finishes it")
+            self.queues_to_rebuild += unfinished.split()
         self.commitlog.load(on_bad_file=self._on_bad_file)
         self._load_consume_queues()
+        self._check_quarantine()  # before the checkpoint and the index are touched
         self.checkpoint = StoreCheckpoint.load(self.paths.checkpoint, read_only=ro, on_bad=self._on_bad_file)
         self.index_service = IndexService(self.paths.index, cfg.maxHashSlotNum, cfg.maxIndexNum, read_only=ro,
                                           clock=self.clock, on_file_full=self._on_index_file_full)
         dropped = self.index_service.load(self.last_exit_ok or ro or self.process_crash_only,
                                           self.checkpoint.indexMsgTimestamp,
                                           on_bad_file=self._on_bad_file)
+        self._move_to_quarantine()
         self.recovery_report = recover(self, self.last_exit_ok)
         self.recovery_report.index_files_dropped = dropped
+        self._finish_queue_rebuild()
         self.commitlog.confirm_offset = self.commitlog.max_offset()
 
     def _on_bad_file(self, path: str, reason: str) -> None:
-        """A stray file: refuse when read-only; move it to quarantine/ when writable (rocketstore extension)."""
+        """A bad file: refuse when read-only; when writable, note it for quarantine/ (rocketstore extension),
+        where :meth:`_move_to_quarantine` moves it once loading has seen every file."""
         if self.read_only:
             raise StoreLoadError(f"{path}: {reason}")
-        rel = os.path.relpath(path, self.root)
-        dest = os.path.join(self.paths.quarantine, rel.replace(os.sep, "__"))
-        os.makedirs(self.paths.quarantine, exist_ok=True)
-        os.replace(path, dest)
-        log.warning("%s: %s; moved to %s", path, reason, dest)
+        self._quarantine.append((path, reason))
+
+    def _check_quarantine(self) -> None:
+        """Refuse (nothing moved yet) to quarantine more than one file of a kind without allow_quarantine:
+        that many bad files means a wrong config or a damaged store, not a stray file."""
+        if self.allow_quarantine:
+            return
+        by_kind: dict[str, list[tuple[str, str]]] = {}
+        for path, reason in self._quarantine:
+            kind = _file_kind(self.root, path)
+            if kind is not None:
+                by_kind.setdefault(kind, []).append((path, reason))
+        for kind, bad in by_kind.items():
+            if len(bad) > 1:
+                shown = "; ".join(f"{p}: {r}" for p, r in bad[:2])
+                raise StoreLoadError(f"{self.root}: {len(bad)} {kind} files would go to quarantine/ ({shown}"
+                                     f"{'; ...' if len(bad) > 2 else ''}); refusing to open, nothing was moved "
+                                     "(check the config, or pass --allow-quarantine to move them)")
+
+    def _move_to_quarantine(self) -> None:
+        """Move the bad files found while loading to quarantine/; delete the sound files of queues to rebuild."""
+        self._check_quarantine()
+        if self._rebuild_drop:
+            with open(self.paths.cq_rebuild, "w", encoding="utf-8") as fh:  # until recovery has refilled them
+                fh.write("\n".join(self.queues_to_rebuild) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        for path, reason in self._quarantine:
+            rel = os.path.relpath(path, self.root)
+            dest = os.path.join(self.paths.quarantine, rel.replace(os.sep, "__"))
+            os.makedirs(self.paths.quarantine, exist_ok=True)
+            os.replace(path, dest)
+            log.warning("%s: %s; moved to %s", path, reason, dest)
+            if path == self.paths.checkpoint:
+                self.checkpoint.flush()
+        for path in self._rebuild_drop:
+            os.unlink(path)
+        self._quarantine, self._rebuild_drop = [], []
+
+    def _finish_queue_rebuild(self) -> None:
+        """Make the rebuilt queues durable, then drop the marker that made recovery start at the first segment."""
+        if self.read_only or not self.queues_to_rebuild:
+            return
+        for name in self.queues_to_rebuild:
+            topic, _, qid = name.rpartition("/")
+            cq = self._cq_table.get((topic, int(qid)))
+            if cq is not None:
+                cq.flush(0)
+        os.unlink(self.paths.cq_rebuild)
+        log.warning("consume queues %s rebuilt from the commitlog", ", ".join(self.queues_to_rebuild))
+
+    def _rebuild_queue(self, cq: ConsumeQueue, bad: list[tuple[str, str]]) -> None:
+        """A queue with a file of the wrong size or a hole: the odd files go to quarantine, the files from the
+        first bad one on are dropped, and recovery refills the queue from the commitlog where what is kept
+        ends (dispatch only appends to a queue, so a hole would never fill)."""
+        if self.read_only:
+            path, reason = bad[0]
+            raise StoreLoadError(f"{path}: {reason}; a writable open (rocketstore recover) rebuilds "
+                                 f"{cq.topic}/{cq.queue_id} from the commitlog")
+        first_bad = min(int(os.path.basename(p)) for p, _ in bad if _file_kind(self.root, p))
+        for path, reason in bad:
+            name = os.path.basename(path)
+            if _file_kind(self.root, path) and os.path.getsize(path) == cq.file_size and int(name) % cq.file_size == 0:
+                self._rebuild_drop.append(path)  # sound, cut off by the hole: refilled, not quarantined
+            else:
+                self._on_bad_file(path, reason)
+        for f in [f for f in cq.queue.files if f.file_from_offset > first_bad]:
+            cq.queue.files.remove(f)
+            f.close()
+            self._rebuild_drop.append(f.path)
+        self.queues_to_rebuild.append(f"{cq.topic}/{cq.queue_id}")
+
+    def refill_from(self) -> int | None:
+        """The commitlog offset from which recovery must offer every record: where the shortest queue being
+        rebuilt ends (-1: from the first segment); None when no queue is being rebuilt."""
+        if not self.queues_to_rebuild:
+            return None
+        ends = []
+        for name in self.queues_to_rebuild:
+            topic, _, qid = name.rpartition("/")
+            cq = self._cq_table.get((topic, int(qid)))
+            ends.append(cq.max_physic_offset if cq is not None else -1)
+        return min(ends)
 
     def _load_consume_queues(self) -> None:
         root = self.paths.consumequeue
@@ -261,7 +315,13 @@ class MessageStore:
                 if not qid.lstrip("-").isdigit() or not os.path.isdir(os.path.join(tdir, qid)):
                     continue
                 cq = ConsumeQueue(root, topic, int(qid), self.config.mappedFileSizeConsumeQueue, read_only=self.read_only)
-                cq.load(on_bad_file=self._on_bad_file)
+                bad: list[tuple[str, str]] = []
+                cq.load(on_bad_file=lambda path, reason: bad.append((path, reason)))
+                if any(_file_kind(self.root, path) for path, _ in bad):
+                    self._rebuild_queue(cq, bad)
+                else:
+                    for path, reason in bad:
+                        self._on_bad_file(path, reason)
                 self._cq_table[(topic, int(qid))] = cq
 
     def recover_topic_queue_table(self) -> None:
@@ -771,7 +831,7 @@ class MessageStore:
                            "messageTotalInQueue": cq.message_total_in_queue})
         d = {"minPhyOffset": self.min_phy_offset(), "maxPhyOffset": self.max_phy_offset(),
              "abortFilePresent": self.abort_file_present, "checkpoint": self.checkpoint.to_dict(),
-             "queues": queues}
+             "reservedBytes": reserved_bytes(self.root), "queues": queues}
         if not self.read_only:
             d["writeable"] = self.running_flags.why_not_writeable() is None
             d["notWriteableReason"] = self.running_flags.why_not_writeable()
@@ -813,6 +873,16 @@ class MessageStore:
                 obj.close()
         for cq in self._cq_table.values():
             cq.close()
+
+
+def _file_kind(root: str, path: str) -> str | None:
+    """"commitlog", "consumequeue" or "index" for a data file of that kind (by its name); None for a stray."""
+    kind = os.path.relpath(path, root).split(os.sep, 1)[0]
+    name = os.path.basename(path)
+    digits = 17 if kind == "index" else 20
+    if kind in ("commitlog", "consumequeue", "index") and len(name) == digits and name.isdigit():
+        return kind
+    return None
 
 
 def _boot_id() -> str | None:
