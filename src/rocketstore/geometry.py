@@ -107,9 +107,9 @@ def measure(root: str) -> dict[str, Measured]:
 
 def _contradiction(setting: str, source: str, m: Measured, expected: int) -> ConfigError:
     size = m.most_common()
-    return ConfigError(f"{setting} ({source}) contradicts {m.example(size)}: the file is {size} bytes, the config "
-                       f"means {expected}; refusing to open (leave the key out to use the files' size, or pass "
-                       "--allow-quarantine to move the files of the other size to quarantine/)")
+    return ConfigError(f"{setting} ({source}) contradicts the files: {m.example(size)}: file is {size} bytes, "
+                       f"expected {expected}; refusing to open (leave the key out to use the files' size; a writable "
+                       "command's --allow-quarantine moves the files of the other size to quarantine/)")
 
 
 def _ambiguous(key: str, m: Measured) -> ConfigError:

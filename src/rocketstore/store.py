@@ -227,8 +227,13 @@ class MessageStore:
         if self.allow_quarantine:
             return
         by_kind: dict[str, list[tuple[str, str]]] = {}
+        segments = self.commitlog.queue.files
         for path, reason in self._quarantine:
             kind = _file_kind(self.root, path)
+            if kind == "commitlog" and (os.path.getsize(path) == self.commitlog.file_size or
+                                        (segments and int(os.path.basename(path)) < segments[-1].file_from_offset)):
+                raise StoreLoadError(f"{path}: {reason}; it may hold messages that moving it to quarantine/ would "
+                                     "hide; refusing to open, nothing was moved (pass --allow-quarantine to move it)")
             if kind is not None:
                 by_kind.setdefault(kind, []).append((path, reason))
         for kind, bad in by_kind.items():
@@ -241,7 +246,7 @@ class MessageStore:
     def _move_to_quarantine(self) -> None:
         """Move the bad files found while loading to quarantine/; delete the sound files of queues to rebuild."""
         self._check_quarantine()
-        if self._rebuild_drop:
+        if self.queues_to_rebuild:
             with open(self.paths.cq_rebuild, "w", encoding="utf-8") as fh:  # until recovery has refilled them
                 fh.write("\n".join(self.queues_to_rebuild) + "\n")
                 fh.flush()
