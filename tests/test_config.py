@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import copy_store, golden_expected, golden_store, run_cli
-from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore import Message, MessageStore, StoreConfig, init_store
 from rocketstore.errors import ConfigError, StoreLoadError
 from rocketstore.message import GetMessageStatus
 from rocketstore.store import infer_config
@@ -226,4 +226,12 @@ def test_init_refuses_a_used_directory_and_bad_presets(tmp_path, basic_copy):
         r = run_cli(*args)
         assert r.returncode == 2 and r.stderr.count(b"\n") == 1 and b"Traceback" not in r.stderr, args
     assert not (basic_copy / "broker.conf").exists()
+    api = tmp_path / "api"
+    assert init_store(str(api), "small") is True and init_store(str(api), "small") is False
+    with pytest.raises(ConfigError, match="not empty"):
+        init_store(str(api), "default")
+    with pytest.raises(ConfigError, match="preset 'huge'"):
+        init_store(str(tmp_path / "other"), "huge")
+    with MessageStore.open(str(api)) as s:
+        assert s.config.mappedFileSizeConsumeQueue == 600000 and s.config.maxIndexNum == 200000
 

@@ -9,7 +9,7 @@ from typing import Any
 from .cli import emit, load_config
 from .errors import CliError, StoreError
 from .config import PRESETS, StoreConfig
-from .geometry import reserved_bytes
+from .geometry import init_store, reserved_bytes
 from .consume_queue import LOWER, UPPER
 from .message import Message, parse_tag_filter
 from .progress import progress_bar
@@ -52,21 +52,8 @@ def open_writable(args: argparse.Namespace, **kw: Any) -> MessageStore:
 
 def cmd_init(args: argparse.Namespace) -> int:
     """Create a store directory holding a broker.conf with a preset geometry; every later open reads it."""
-    import os
-    from .config import PRESETS, read_conf_file, write_preset
-    from .geometry import STORE_CONF
-    conf = os.path.join(args.store, STORE_CONF)
-    entries = [e for e in os.listdir(args.store) if not e.startswith(".")] if os.path.isdir(args.store) else []
-    if entries:
-        want = {k: str(v) for k, v in PRESETS[args.preset].items()}
-        if os.path.isfile(conf) and read_conf_file(conf) == want:
-            emit({"store": args.store, "preset": args.preset, "config": conf, "created": False})
-            return 0
-        raise CliError(f"{args.store}: not empty ({', '.join(sorted(entries)[:3])}) and not a store made by "
-                       f"init --preset {args.preset}; refusing to initialise it")
-    os.makedirs(args.store, exist_ok=True)
-    write_preset(conf, args.preset)
-    emit({"store": args.store, "preset": args.preset, "config": conf, "created": True, **PRESETS[args.preset]})
+    created = init_store(args.store, args.preset)
+    emit({"store": args.store, "preset": args.preset, "created": created, **PRESETS[args.preset]})
     return 0
 
 

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import CQ_UNIT_SIZE, MIN_COMMITLOG_FILE_SIZE, StoreConfig
+from .config import CQ_UNIT_SIZE, MIN_COMMITLOG_FILE_SIZE, PRESETS, StoreConfig, read_conf_file, write_preset
 from .errors import ConfigError
 from .index import ENTRY_SIZE, HEADER_SIZE, SLOT_SIZE, index_file_size
 
@@ -186,6 +186,26 @@ def store_config(root: str, config: StoreConfig | None = None, *, allow_quaranti
     elif config is not None:
         cfg = cfg.overlay(config)
     return resolve_geometry(root, cfg, allow_quarantine=allow_quarantine)
+
+
+def init_store(root: str, preset: str = "default") -> bool:
+    """Create a store directory whose ``broker.conf`` holds a preset geometry (see config.PRESETS).
+
+    Returns False when ``root`` already is a store made with that preset; refuses any other
+    non-empty directory (its files, not a new config, decide its geometry).
+    """
+    if preset not in PRESETS:
+        raise ConfigError(f"preset {preset!r}: expected one of {', '.join(sorted(PRESETS))}")
+    conf = os.path.join(root, STORE_CONF)
+    entries = [e for e in os.listdir(root) if not e.startswith(".")] if os.path.isdir(root) else []
+    if entries:
+        if os.path.isfile(conf) and read_conf_file(conf) == {k: str(v) for k, v in PRESETS[preset].items()}:
+            return False
+        raise ConfigError(f"{root}: not empty ({', '.join(sorted(entries)[:3])}) and not a store made with "
+                          f"preset {preset}; refusing to initialise it")
+    os.makedirs(root, exist_ok=True)
+    write_preset(conf, preset)
+    return True
 
 
 def reserved_bytes(root: str) -> dict[str, int]:
