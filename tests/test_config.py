@@ -169,6 +169,7 @@ def test_one_torn_consume_queue_file_is_quarantined_and_its_queue_refilled(name,
         MessageStore.open(str(basic_copy), read_only=True)
     r = run_cli("recover", basic_copy)
     assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["queuesRefilled"] == [name.rsplit("/", 1)[0]]
     assert os.listdir(basic_copy / "quarantine") == ["consumequeue__" + name.replace("/", "__")]
     assert not (basic_copy / "consumequeue.rebuild").exists()
     golden = golden_store("basic") / "consumequeue"

@@ -198,7 +198,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
         state = store.state()
     finally:
         store.close()
-    emit({"recovery": report.to_json() if report else None, "state": state})
+    emit({"recovery": report.to_json() if report else None, "queuesRefilled": store.queues_to_rebuild,
+          "state": state})
     return 0
 
 
