@@ -33,6 +33,7 @@ from .index import IndexService
 from .message import (DEFAULT_STORE_HOST, LOCALHOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
                       PutMessageStatus, QueryMessageResult, host_tuple)
 from .metrics import SAMPLE_EVERY, MetricsService, StoreMetrics
+from .quarantine import QuarantinePlan, file_kind
 from .recovery import RecoveryReport, recover
 from .running_flags import RunningFlags
 from .warm_ahead import WarmAheadService
@@ -58,7 +59,6 @@ class StorePaths:
         self.abort_boot = os.path.join(root, "abort.bootid")  # rocketstore: the OS boot the abort file is from
         self.config = os.path.join(root, "config")
         self.quarantine = os.path.join(root, "quarantine")
-        self.store_conf = os.path.join(root, STORE_CONF)  # rocketstore init: the store's own broker.conf
         self.cq_rebuild = os.path.join(root, "consumequeue.rebuild")  # rocketstore: queues being rebuilt
 
 
@@ -80,9 +80,8 @@ class MessageStore:
         self.config = config
         self.read_only = read_only
         self.allow_quarantine = allow_quarantine
-        self._quarantine: list[tuple[str, str]] = []  # (path, reason): moved once loading has checked them
-        self._rebuild_drop: list[str] = []  # sound files of queues being rebuilt, deleted with the quarantine
-        self.queues_to_rebuild: list[str] = []  # "topic/queueId" whose units recovery redispatches from the start
+        self._quarantine = QuarantinePlan(root, allow_quarantine)  # carried out once loading has seen every file
+        self.queues_to_rebuild: list[str] = []  # "topic/queueId" that recovery refills from the commitlog
         self.clock = clock
         self.running_flags = RunningFlags()
         self.flush_error: str | None = None
@@ -215,56 +214,29 @@ class MessageStore:
         self.commitlog.confirm_offset = self.commitlog.max_offset()
 
     def _on_bad_file(self, path: str, reason: str) -> None:
-        """A bad file: refuse when read-only; when writable, note it for quarantine/ (rocketstore extension),
-        where :meth:`_move_to_quarantine` moves it once loading has seen every file."""
+        """A bad file: refuse when read-only; when writable, plan to move it to quarantine/ (rocketstore
+        extension), done by :meth:`_move_to_quarantine` once loading has seen every file."""
         if self.read_only:
             raise StoreLoadError(f"{path}: {reason}")
-        self._quarantine.append((path, reason))
+        self._quarantine.moves.append((path, reason))
 
     def _check_quarantine(self) -> None:
-        """Refuse (nothing moved yet) to quarantine more than one file of a kind without allow_quarantine:
-        that many bad files means a wrong config or a damaged store, not a stray file."""
-        if self.allow_quarantine:
-            return
-        by_kind: dict[str, list[tuple[str, str]]] = {}
-        segments = self.commitlog.queue.files
-        for path, reason in self._quarantine:
-            kind = _file_kind(self.root, path)
-            if kind == "commitlog" and (os.path.getsize(path) == self.commitlog.file_size or
-                                        (segments and int(os.path.basename(path)) < segments[-1].file_from_offset)):
-                raise StoreLoadError(f"{path}: {reason}; it may hold messages that moving it to quarantine/ would "
-                                     "hide; refusing to open, nothing was moved (pass --allow-quarantine to move it)")
-            if kind is not None:
-                by_kind.setdefault(kind, []).append((path, reason))
-        for kind, bad in by_kind.items():
-            if len(bad) > 1:
-                shown = "; ".join(f"{p}: {r}" for p, r in bad[:2])
-                raise StoreLoadError(f"{self.root}: {len(bad)} {kind} files would go to quarantine/ ({shown}"
-                                     f"{'; ...' if len(bad) > 2 else ''}); refusing to open, nothing was moved "
-                                     "(check the config, or pass --allow-quarantine to move them)")
+        self._quarantine.check(self.commitlog.queue.files, self.commitlog.file_size)
 
     def _move_to_quarantine(self) -> None:
-        """Move the bad files found while loading to quarantine/; delete the sound files of queues to rebuild."""
+        """Carry out the quarantine plan, after a marker naming the queues to refill is durable."""
         self._check_quarantine()
         if self.queues_to_rebuild:
+            self.queues_to_rebuild = list(dict.fromkeys(self.queues_to_rebuild))
             with open(self.paths.cq_rebuild, "w", encoding="utf-8") as fh:  # until recovery has refilled them
                 fh.write("\n".join(self.queues_to_rebuild) + "\n")
                 fh.flush()
                 os.fsync(fh.fileno())
-        for path, reason in self._quarantine:
-            rel = os.path.relpath(path, self.root)
-            dest = os.path.join(self.paths.quarantine, rel.replace(os.sep, "__"))
-            os.makedirs(self.paths.quarantine, exist_ok=True)
-            os.replace(path, dest)
-            log.warning("%s: %s; moved to %s", path, reason, dest)
-            if path == self.paths.checkpoint:
-                self.checkpoint.flush()
-        for path in self._rebuild_drop:
-            os.unlink(path)
-        self._quarantine, self._rebuild_drop = [], []
+        if self.paths.checkpoint in self._quarantine.carry_out():
+            self.checkpoint.flush()  # a fresh one where the bad one was
 
     def _finish_queue_rebuild(self) -> None:
-        """Make the rebuilt queues durable, then drop the marker that made recovery start at the first segment."""
+        """Make the refilled queues durable, then drop the marker that made recovery start where they end."""
         if self.read_only or not self.queues_to_rebuild:
             return
         for name in self.queues_to_rebuild:
@@ -283,17 +255,17 @@ class MessageStore:
             path, reason = bad[0]
             raise StoreLoadError(f"{path}: {reason}; a writable open (rocketstore recover) rebuilds "
                                  f"{cq.topic}/{cq.queue_id} from the commitlog")
-        first_bad = min(int(os.path.basename(p)) for p, _ in bad if _file_kind(self.root, p))
+        first_bad = min(int(os.path.basename(p)) for p, _ in bad if file_kind(self.root, p))
         for path, reason in bad:
             name = os.path.basename(path)
-            if _file_kind(self.root, path) and os.path.getsize(path) == cq.file_size and int(name) % cq.file_size == 0:
-                self._rebuild_drop.append(path)  # sound, cut off by the hole: refilled, not quarantined
+            if file_kind(self.root, path) and os.path.getsize(path) == cq.file_size and int(name) % cq.file_size == 0:
+                self._quarantine.deletes.append(path)  # sound, cut off by the hole: refilled, not quarantined
             else:
                 self._on_bad_file(path, reason)
         for f in [f for f in cq.queue.files if f.file_from_offset > first_bad]:
             cq.queue.files.remove(f)
             f.close()
-            self._rebuild_drop.append(f.path)
+            self._quarantine.deletes.append(f.path)
         self.queues_to_rebuild.append(f"{cq.topic}/{cq.queue_id}")
 
     def refill_from(self) -> int | None:
@@ -322,7 +294,7 @@ class MessageStore:
                 cq = ConsumeQueue(root, topic, int(qid), self.config.mappedFileSizeConsumeQueue, read_only=self.read_only)
                 bad: list[tuple[str, str]] = []
                 cq.load(on_bad_file=lambda path, reason: bad.append((path, reason)))
-                if any(_file_kind(self.root, path) for path, _ in bad):
+                if any(file_kind(self.root, path) for path, _ in bad):
                     self._rebuild_queue(cq, bad)
                 else:
                     for path, reason in bad:
@@ -878,16 +850,6 @@ class MessageStore:
                 obj.close()
         for cq in self._cq_table.values():
             cq.close()
-
-
-def _file_kind(root: str, path: str) -> str | None:
-    """"commitlog", "consumequeue" or "index" for a data file of that kind (by its name); None for a stray."""
-    kind = os.path.relpath(path, root).split(os.sep, 1)[0]
-    name = os.path.basename(path)
-    digits = 17 if kind == "index" else 20
-    if kind in ("commitlog", "consumequeue", "index") and len(name) == digits and name.isdigit():
-        return kind
-    return None
 
 
 def _boot_id() -> str | None:
