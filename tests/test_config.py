@@ -250,3 +250,13 @@ def test_init_refuses_a_used_directory_and_bad_presets(tmp_path, basic_copy):
     with MessageStore.open(str(api)) as s:
         assert s.config.mappedFileSizeConsumeQueue == 600000 and s.config.maxIndexNum == 200000
 
+
+
+def test_a_conf_directory_is_not_taken_for_a_store(tmp_path):
+    conf_dir = tmp_path / "conf"
+    conf_dir.mkdir()
+    (conf_dir / "broker.conf").write_text("flushDiskType=SYNC_FLUSH\n")
+    (conf_dir / "logback_broker.xml").write_text("<configuration/>")
+    with pytest.raises(StoreLoadError, match="not a message store"):
+        MessageStore.open(str(conf_dir))
+    assert sorted(os.listdir(conf_dir)) == ["broker.conf", "logback_broker.xml"]

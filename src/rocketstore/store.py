@@ -145,10 +145,11 @@ class MessageStore:
 
     def _refuse_foreign_directory(self) -> None:
         known = {"commitlog", "consumequeue", "index", "checkpoint", "lock", "abort", "abort.bak", "config",
-                 "abort.bootid", "metrics.json", STORE_CONF, "consumequeue.rebuild",
+                 "abort.bootid", "metrics.json", "consumequeue.rebuild",
                  "quarantine", "compaction", "timerwheel", "timerlog", "timercheck", "timermetrics"}
         entries = [e for e in os.listdir(self.root) if not e.startswith(".")]
-        if entries and not any(e in known for e in entries):
+        # A broker.conf alone marks a store made by init; beside other files it may be a RocketMQ conf/ directory.
+        if entries and entries != [STORE_CONF] and not any(e in known for e in entries):
             raise StoreLoadError(f"{self.root}: directory holds files that are not a message store "
                                  f"({', '.join(sorted(entries)[:3])}); refusing to write into it")
 
