@@ -6,9 +6,10 @@ from .errors import (ConfigError, CorruptRecordError, ReadOnlyStoreError, StoreC
                      StoreLoadError, StoreLockedError)
 from .message import (GetMessageResult, GetMessageStatus, Message, PutMessageResult, PutMessageStatus,
                       QueryMessageResult, parse_tag_filter)
+from .geometry import init_store
 from .store import MessageStore
 
-__all__ = ["MessageStore", "StoreConfig", "Message", "MessageExt", "PutMessageResult", "PutMessageStatus",
+__all__ = ["MessageStore", "StoreConfig", "init_store", "Message", "MessageExt", "PutMessageResult", "PutMessageStatus",
            "GetMessageResult", "GetMessageStatus", "QueryMessageResult", "parse_tag_filter", "StoreError",
            "StoreLoadError", "StoreLockedError", "StoreClosedError", "ReadOnlyStoreError", "ConfigError",
            "CorruptRecordError"]

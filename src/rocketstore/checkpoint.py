@@ -49,7 +49,7 @@ class StoreCheckpoint:
             if on_bad is None:
                 raise StoreLoadError(reason)
             on_bad(path, reason)
-            if not read_only:
+            if not read_only and not os.path.exists(path):  # on_bad may move the file later (and then flush)
                 cp.flush()
             return cp
         with open(path, "rb") as fh:

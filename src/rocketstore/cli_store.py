@@ -1,4 +1,4 @@
-"""Store subcommands: dump, state, get, query, offset-by-time, verify, put, import, recover, retention, admin."""
+"""Store subcommands: init, dump, state, get, query, offset-by-time, verify, put, import, recover, retention, admin."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from .cli import emit, load_config
 from .cli_format import JSON, MESSAGE_COLUMNS, add_format_flag, add_text_bodies_flag, message_json, message_row, \
     print_rows
 from .errors import CliError, StoreError
-from .config import StoreConfig
+from .config import PRESETS, StoreConfig
+from .geometry import init_store, reserved_bytes
 from .consume_queue import LOWER, UPPER
 from .message import GetMessageStatus, Message, parse_tag_filter
 from .progress import progress_bar
@@ -41,7 +42,15 @@ def open_read_only(args: argparse.Namespace) -> MessageStore:
 
 
 def open_writable(args: argparse.Namespace, **kw: Any) -> MessageStore:
-    return MessageStore.open(args.store, load_config(getattr(args, "config", None)), **kw)
+    return MessageStore.open(args.store, load_config(getattr(args, "config", None)),
+                             allow_quarantine=getattr(args, "allow_quarantine", False), **kw)
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    """Create a store directory holding a broker.conf with a preset geometry; every later open reads it."""
+    created = init_store(args.store, args.preset)
+    emit({"store": args.store, "preset": args.preset, "created": created, **PRESETS[args.preset]})
+    return 0
 
 
 # ---------------------------------------------------------------- readers
@@ -198,7 +207,7 @@ def cmd_put(args: argparse.Namespace) -> int:
     with open_writable(args) as store:
         r = store.put(msg)
         store.wait_dispatched()
-    emit(r.to_json())
+    emit({**r.to_json(), "reservedBytes": reserved_bytes(args.store)["total"]})
     if not r.ok:
         raise CliError(f"put refused: {r.status.value}: {r.error}")
     return 0
@@ -233,7 +242,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
         state = store.state()
     finally:
         store.close()
-    emit({"recovery": report.to_json() if report else None, "state": state})
+    emit({"recovery": report.to_json() if report else None, "queuesRefilled": store.queues_to_rebuild,
+          "state": state})
     return 0
 
 
@@ -317,13 +327,24 @@ def cmd_stats(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- wiring
 
 def register(sub: argparse._SubParsersAction) -> None:
-    def add(name: str, handler: Any, help: str, config: bool = True) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help)
+    def add(name: str, handler: Any, help: str, config: bool = True, writes: bool = False,
+            parent: Any = sub) -> argparse.ArgumentParser:
+        p = parent.add_parser(name, help=help, description=help)
         p.add_argument("store", metavar="STORE", help="store root directory (storePathRootDir)")
         if config:
-            p.add_argument("--config", metavar="FILE", help="broker.conf style file (key=value)")
+            p.add_argument("--config", metavar="FILE", help="broker.conf style file (key=value), over "
+                           "STORE/broker.conf; geometry keys it leaves out are measured from the files")
+        if writes:
+            p.add_argument("--allow-quarantine", action="store_true",
+                           help="let an explicit geometry key win over the files, and move more than one file "
+                           "of a kind to STORE/quarantine/ (refused otherwise)")
         p.set_defaults(handler=handler)
         return p
+
+    p = add("init", cmd_init, "create a store whose STORE/broker.conf fixes its geometry", config=False)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default",
+                   help="default: RocketMQ's (1 GiB segments, 420 MB index files); small: 64 MiB segments, "
+                   "600 KB consume-queue files, 4.2 MB index files")
 
     p = add("dump", cmd_dump, "every message in commitlog order, one JSON object per line (bodies are checked "
             "against their CRC; a damaged record stops the dump with exit status 2)")
@@ -376,7 +397,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="JSON instead of a table")
     p.add_argument("--repair", action="store_true", help="rebuild consume queues, index and checkpoint offline")
 
-    p = add("put", cmd_put, "put one message and print the result")
+    p = add("put", cmd_put, "put one message and print the result (and the bytes the store's files reserve)",
+            writes=True)
     p.add_argument("--topic", required=True, help="topic to put into")
     p.add_argument("--queue-id", type=_nonneg, default=0, metavar="Q", help="queue id (default 0)")
     p.add_argument("--tags", help="the message's tag")
@@ -387,13 +409,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--body-file", metavar="FILE", help="body from this file")
     g.add_argument("-", dest="stdin_body", action="store_true", help="body from stdin (the default)")
 
-    p = add("import", cmd_import, "replay dump output (JSON lines) into a store, byte for byte")
+    p = add("import", cmd_import, "replay dump output (JSON lines) into a store, byte for byte", writes=True)
     p.add_argument("--from", dest="source", required=True, metavar="FILE.jsonl",
                    help="dump output or a golden expected.jsonl")
     p.add_argument("--continue-on-error", action="store_true",
                    help="skip bad lines (each named on stderr) instead of importing nothing")
 
-    add("recover", cmd_recover, "open with recovery, close cleanly, print what was recovered and the state")
+    add("recover", cmd_recover, "open with recovery, close cleanly, print what was recovered and the state",
+        writes=True)
 
     p = add("retention", cmd_retention, "dry run of expired-file cleaning: what would be deleted and why")
     p.add_argument("--json", action="store_true", help="JSON instead of a table")
@@ -408,10 +431,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     admin = sub.add_parser("admin", help="administrative commands (mqadmin counterparts)")
     asub = admin.add_subparsers(dest="admin_command", metavar="ADMIN_COMMAND")
     asub.required = True
-    p = asub.add_parser("delete-expired", help="delete expired commitlog files now (deleteExpiredCommitLog)")
-    p.add_argument("store", metavar="STORE", help="store root directory (storePathRootDir)")
-    p.add_argument("--config", metavar="FILE", help="broker.conf style file (key=value)")
-    p.set_defaults(handler=cmd_delete_expired)
+    add("delete-expired", cmd_delete_expired, "delete expired commitlog files now (deleteExpiredCommitLog)",
+        writes=True, parent=asub)
 
 
 __all__ = ["register", "StoreConfig"]

@@ -19,6 +19,20 @@ SYNC_FLUSH = "SYNC_FLUSH"
 CQ_UNIT_SIZE = 20
 MIN_COMMITLOG_FILE_SIZE = 4096
 
+# The keys that fix the size of files already on disk: a store's files, not its config, decide them
+# unless a key is set explicitly (see geometry.py).
+GEOMETRY_KEYS = ("mappedFileSizeCommitLog", "mappedFileSizeConsumeQueue", "maxHashSlotNum", "maxIndexNum")
+
+# ``rocketstore init --preset``: the geometry written into a new store's broker.conf.  ``default`` is
+# RocketMQ's (1 GiB segments, 420 MB index files); ``small`` suits an embedded store: 64 MiB segments,
+# consume-queue files of 30,000 units (600 KB) and 4.2 MB index files (50,000 slots, 200,000 entries).
+PRESETS: dict[str, dict[str, int]] = {
+    "default": {"mappedFileSizeCommitLog": 1024 * 1024 * 1024, "mappedFileSizeConsumeQueue": 300000 * CQ_UNIT_SIZE,
+                "maxHashSlotNum": 5000000, "maxIndexNum": 5000000 * 4},
+    "small": {"mappedFileSizeCommitLog": 64 * 1024 * 1024, "mappedFileSizeConsumeQueue": 30000 * CQ_UNIT_SIZE,
+              "maxHashSlotNum": 50000, "maxIndexNum": 50000 * 4},
+}
+
 # Broker-side keys that may sit in a broker.conf beside the store's; accepted and ignored.
 _BROKER_KEYS = {"brokerClusterName", "brokerName", "brokerId", "brokerRole", "namesrvAddr",
                 "listenPort", "haListenPort", "brokerIP1", "brokerIP2", "storePathRootDir",
@@ -33,7 +47,13 @@ def require(config: object, ok: bool, key: str, why: str) -> None:
 
 @dataclass
 class StoreConfig:
-    """Store settings (RocketMQ 5.3.3 names and defaults)."""
+    """Store settings (RocketMQ 5.3.3 names and defaults).
+
+    Each instance remembers which keys were given explicitly (as arguments, in
+    a conf file, or through :meth:`replace`) and where: :attr:`explicit`.  Only
+    those geometry keys may contradict the files of an existing store (and then
+    the open is refused); the others are measured from the files.
+    """
 
     mappedFileSizeCommitLog: int = 1024 * 1024 * 1024  # 1 GiB segments
     mappedFileSizeConsumeQueue: int = 300000 * CQ_UNIT_SIZE  # 6,000,000 bytes
@@ -76,8 +96,19 @@ class StoreConfig:
     warmMapedFileEnable: bool = False
     warmAheadBytes: int = 64 * 1024 * 1024  # rocketstore: page cache read ahead of the commitlog writer (0 = off)
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "StoreConfig":
+        self = super().__new__(cls)
+        names = [f.name for f in fields(cls)]
+        self.__dict__["_explicit"] = dict.fromkeys([*names[:len(args)], *kwargs], "StoreConfig")
+        return self
+
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def explicit(self) -> dict[str, str]:
+        """The keys given explicitly, each with where it was given (a file path or ``StoreConfig``)."""
+        return dict(self.__dict__.get("_explicit", {}))
 
     # ------------------------------------------------------------ validation
     def validate(self) -> None:
@@ -134,7 +165,9 @@ class StoreConfig:
             if key not in types:
                 raise ConfigError(f"{source}: unknown key {key!r}")
             kwargs[key] = _convert(raw, types[key], f"{source}: {key}")
-        return cls(**kwargs)
+        cfg = cls(**kwargs)
+        cfg.__dict__["_explicit"] = dict.fromkeys(kwargs, source)
+        return cfg
 
     @classmethod
     def load(cls, path: str) -> "StoreConfig":
@@ -142,7 +175,26 @@ class StoreConfig:
         return cls.from_mapping(read_conf_file(path), source=path)
 
     def replace(self, **changes: Any) -> "StoreConfig":
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``, which count as set explicitly."""
+        return self._copy(changes, {**self.explicit, **dict.fromkeys(changes, "StoreConfig")})
+
+    def inferred(self, **changes: Any) -> "StoreConfig":
+        """A copy with values measured from the files: they do not count as set explicitly."""
+        return self._copy(changes, self.explicit)
+
+    def overlay(self, other: "StoreConfig") -> "StoreConfig":
+        """This config with the keys ``other`` sets explicitly; a geometry key both set differently is refused."""
+        mine, theirs = self.explicit, other.explicit
+        for key in GEOMETRY_KEYS:
+            if key in mine and key in theirs and getattr(self, key) != getattr(other, key):
+                raise ConfigError(f"{key}: {theirs[key]} says {getattr(other, key)} but {mine[key]} says "
+                                  f"{getattr(self, key)}; refusing to open")
+        return self._copy({k: getattr(other, k) for k in theirs}, {**mine, **theirs})
+
+    def _copy(self, changes: dict[str, Any], explicit: dict[str, str]) -> "StoreConfig":
+        cfg = dataclasses.replace(self, **changes)
+        cfg.__dict__["_explicit"] = explicit
+        return cfg
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -184,6 +236,14 @@ def _convert(raw: Any, typ: Any, where: str) -> Any:
         return str(raw)
     except ValueError:
         raise ConfigError(f"{where}: {raw!r} is not a valid {name}") from None
+
+
+def write_preset(path: str, preset: str) -> None:
+    """Write a ``broker.conf`` holding a preset's geometry (``rocketstore init``)."""
+    lines = [f"# rocketstore init --preset {preset}: this store's file geometry (RocketMQ key names)"]
+    lines += [f"{k}={v}" for k, v in PRESETS[preset].items()]
+    with open(path, "x", encoding="utf-8") as fh:
+        fh.write("\n".join(lines) + "\n")
 
 
 def golden_config() -> StoreConfig:

@@ -87,6 +87,9 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
         store.recover_topic_queue_table()
         return report
     start_idx = _start_file(store, last_exit_ok, max_cq)
+    refill = store.refill_from()  # rocketstore: queues that lost files are refilled from where they end
+    if refill is not None:
+        start_idx = min(start_idx, _file_index(files, refill))
     start = files[start_idx]
     report.start_offset = start.file_from_offset
     dispatcher = CommitLogDispatcher(store) if writable else None

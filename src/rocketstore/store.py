@@ -24,14 +24,15 @@ from .commitlog import CommitLog
 from .config import SYNC_FLUSH, StoreConfig, total_memory_bytes
 from .consume_queue import CQ_STORE_UNIT_SIZE, LOWER, ConsumeQueue
 from .dispatch import ReputMessageService
-from .errors import (CommitLogWriteError, ConfigError, CorruptRecordError, ReadOnlyStoreError, StoreClosedError,
-                     StoreLoadError, StoreLockedError)
+from .errors import CommitLogWriteError, CorruptRecordError, ReadOnlyStoreError, StoreClosedError, StoreLoadError
 from .flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeService, GroupCommitService
-from .index import IndexService, index_file_size
+from .geometry import STORE_CONF, reserved_bytes, store_config
+from .index import IndexService
 from .jsonfile import write_file_durably
 from .message import (DEFAULT_STORE_HOST, LOCALHOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
                       PutMessageStatus, QueryMessageResult, host_tuple, illegal_topic, parse_tag_filter)
 from .metrics import SAMPLE_EVERY, MetricsService, StoreMetrics
+from .quarantine import QuarantinePlan, file_kind
 from .recovery import RecoveryReport, recover
 from .running_flags import RunningFlags
 from .store_lock import StoreLock
@@ -55,56 +56,12 @@ class StorePaths:
         self.abort_boot = os.path.join(root, "abort.bootid")  # rocketstore: the OS boot the abort file is from
         self.config = os.path.join(root, "config")
         self.quarantine = os.path.join(root, "quarantine")
+        self.cq_rebuild = os.path.join(root, "consumequeue.rebuild")  # rocketstore: queues being rebuilt
 
 
 def infer_config(root: str, base: StoreConfig | None = None) -> StoreConfig:
-    """Geometry from the files: commitlog and CQ file sizes from their lengths, index slots from its size.
-
-    Values set explicitly in ``base`` (differing from the defaults) win.
-    """
-    paths = StorePaths(root)
-    default = StoreConfig()
-    cfg = base or default
-    changes: dict[str, Any] = {}
-
-    def first_file(d: str) -> str | None:
-        try:
-            names = sorted(n for n in os.listdir(d) if len(n) == 20 and n.isdigit())
-        except OSError:
-            return None
-        for n in names:
-            size = os.path.getsize(os.path.join(d, n))
-            if size:
-                return os.path.join(d, n)
-        return None
-
-    if cfg.mappedFileSizeCommitLog == default.mappedFileSizeCommitLog:
-        f = first_file(paths.commitlog)
-        if f:
-            changes["mappedFileSizeCommitLog"] = os.path.getsize(f)
-    if cfg.mappedFileSizeConsumeQueue == default.mappedFileSizeConsumeQueue and os.path.isdir(paths.consumequeue):
-        for topic in sorted(os.listdir(paths.consumequeue)):
-            tdir = os.path.join(paths.consumequeue, topic)
-            for qid in sorted(os.listdir(tdir)) if os.path.isdir(tdir) else []:
-                f = first_file(os.path.join(tdir, qid))
-                if f:
-                    changes["mappedFileSizeConsumeQueue"] = os.path.getsize(f)
-                    break
-            if "mappedFileSizeConsumeQueue" in changes:
-                break
-    if (cfg.maxHashSlotNum, cfg.maxIndexNum) == (default.maxHashSlotNum, default.maxIndexNum) and \
-            os.path.isdir(paths.index):
-        names = sorted(os.listdir(paths.index))
-        if names:
-            size = os.path.getsize(os.path.join(paths.index, names[0]))
-            if size != index_file_size(cfg.maxHashSlotNum, cfg.maxIndexNum):
-                if (size - 40) % 84 == 0 and size > 40:
-                    slots = (size - 40) // 84  # RocketMQ's default ratio: maxIndexNum = 4 x maxHashSlotNum
-                    changes["maxHashSlotNum"], changes["maxIndexNum"] = slots, 4 * slots
-    try:
-        return cfg.replace(**changes) if changes else cfg
-    except ConfigError as e:
-        raise StoreLoadError(f"{root}: cannot infer the store geometry from its files: {e}") from None
+    """The config an open of ``root`` uses (see :func:`geometry.store_config`): measured before files move."""
+    return store_config(root, base)
 
 
 class MessageStore:
@@ -112,12 +69,16 @@ class MessageStore:
 
     def __init__(self, root: str, config: StoreConfig, *, read_only: bool = False,
                  clock: Callable[[], float] = time.time, start_services: bool = True,
-                 disk_usage: Callable[[str], float] | None = None, sleep: Callable[[float], None] = time.sleep) -> None:
+                 disk_usage: Callable[[str], float] | None = None, sleep: Callable[[float], None] = time.sleep,
+                 allow_quarantine: bool = False) -> None:
         self.paths = StorePaths(root)
         self.sleep = sleep
         self.root = root
         self.config = config
         self.read_only = read_only
+        self.allow_quarantine = allow_quarantine
+        self._quarantine = QuarantinePlan(root, allow_quarantine)  # carried out once loading has seen every file
+        self.queues_to_rebuild: list[str] = []  # "topic/queueId" that recovery refills from the commitlog
         self.clock = clock
         self.running_flags = RunningFlags()
         self.flush_error: str | None = None
@@ -159,17 +120,20 @@ class MessageStore:
     # ------------------------------------------------------------ opening
     @classmethod
     def open(cls, path: str, config: StoreConfig | str | None = None, *, read_only: bool = False,
-             **kw: Any) -> "MessageStore":
+             allow_quarantine: bool = False, **kw: Any) -> "MessageStore":
         """Open (or, writable, create) the store at ``path``.
 
-        ``config`` is a StoreConfig, a ``broker.conf`` path, or None.  Read-only
-        opens infer the file geometry from the files when not configured.
+        ``config`` is a StoreConfig, a ``broker.conf`` path, or None; it overlays
+        ``<path>/broker.conf`` when that exists (``rocketstore init``).  Geometry
+        keys neither sets explicitly are measured from the files; one that
+        contradicts them refuses the open (ConfigError) before anything is
+        touched.  ``allow_quarantine``: let such a key win, and let one open move
+        more than one file of a kind to ``quarantine/`` (refused otherwise).
         """
         if isinstance(config, str):
             config = StoreConfig.load(config)
-        if read_only or (config is None and os.path.isdir(os.path.join(path, "commitlog"))):
-            config = infer_config(path, config)
-        return cls(path, config or StoreConfig(), read_only=read_only, **kw)
+        config = store_config(path, config, allow_quarantine=allow_quarantine)
+        return cls(path, config, read_only=read_only, allow_quarantine=allow_quarantine, **kw)
 
     def __enter__(self) -> "MessageStore":
         return self
@@ -179,10 +143,11 @@ class MessageStore:
 
     def _refuse_foreign_directory(self) -> None:
         known = {"commitlog", "consumequeue", "index", "checkpoint", "lock", "abort", "abort.bak", "config",
-                 "abort.bootid", "metrics.json",
+                 "abort.bootid", "metrics.json", "consumequeue.rebuild",
                  "quarantine", "compaction", "timerwheel", "timerlog", "timercheck", "timermetrics"}
         entries = [e for e in os.listdir(self.root) if not e.startswith(".")]
-        if entries and not any(e in known for e in entries):
+        # A broker.conf alone marks a store made by init; beside other files it may be a RocketMQ conf/ directory.
+        if entries and entries != [STORE_CONF] and not any(e in known for e in entries):
             raise StoreLoadError(f"{self.root}: directory holds files that are not a message store "
                                  f"({', '.join(sorted(entries)[:3])}); refusing to write into it")
 
@@ -215,27 +180,93 @@ class MessageStore:
             os.makedirs(self.paths.consumequeue, exist_ok=True)
         self.commitlog = CommitLog(self.paths.commitlog, cfg.mappedFileSizeCommitLog, read_only=ro, clock=self.clock,
                                    warm=cfg.warmMapedFileEnable, gather_all=cfg.flushDiskType == SYNC_FLUSH)
+        unfinished = _read_text(self.paths.cq_rebuild)
+        if unfinished is not None:
+            if ro:
+                raise StoreLoadError(f"{self.paths.cq_rebuild}: the rebuild of consume queues {unfinished.split()} "
+                                     "has not finished; a writable open (rocketstore recover) finishes it")
+            self.queues_to_rebuild += unfinished.split()
         self.commitlog.load(on_bad_file=self._on_bad_file)
         self._load_consume_queues()
+        self._check_quarantine()  # before the checkpoint and the index are touched
         self.checkpoint = StoreCheckpoint.load(self.paths.checkpoint, read_only=ro, on_bad=self._on_bad_file)
         self.index_service = IndexService(self.paths.index, cfg.maxHashSlotNum, cfg.maxIndexNum, read_only=ro,
                                           clock=self.clock, on_file_full=self._on_index_file_full)
         dropped = self.index_service.load(self.last_exit_ok or ro or self.process_crash_only,
                                           self.checkpoint.indexMsgTimestamp,
                                           on_bad_file=self._on_bad_file)
+        self._move_to_quarantine()
         self.recovery_report = recover(self, self.last_exit_ok)
         self.recovery_report.index_files_dropped = dropped
+        self._finish_queue_rebuild()
         self.commitlog.confirm_offset = self.commitlog.max_offset()
 
     def _on_bad_file(self, path: str, reason: str) -> None:
-        """A stray file: refuse when read-only; move it to quarantine/ when writable (rocketstore extension)."""
+        """A bad file: refuse when read-only; when writable, plan to move it to quarantine/ (rocketstore
+        extension), done by :meth:`_move_to_quarantine` once loading has seen every file."""
         if self.read_only:
             raise StoreLoadError(f"{path}: {reason}")
-        rel = os.path.relpath(path, self.root)
-        dest = os.path.join(self.paths.quarantine, rel.replace(os.sep, "__"))
-        os.makedirs(self.paths.quarantine, exist_ok=True)
-        os.replace(path, dest)
-        log.warning("%s: %s; moved to %s", path, reason, dest)
+        self._quarantine.moves.append((path, reason))
+
+    def _check_quarantine(self) -> None:
+        self._quarantine.check(self.commitlog.queue.files, self.commitlog.file_size)
+
+    def _move_to_quarantine(self) -> None:
+        """Carry out the quarantine plan, after a marker naming the queues to refill is durable."""
+        self._check_quarantine()
+        if self.queues_to_rebuild:
+            self.queues_to_rebuild = list(dict.fromkeys(self.queues_to_rebuild))
+            with open(self.paths.cq_rebuild, "w", encoding="utf-8") as fh:  # until recovery has refilled them
+                fh.write("\n".join(self.queues_to_rebuild) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        if self.paths.checkpoint in self._quarantine.carry_out():
+            self.checkpoint.flush()  # a fresh one where the bad one was
+
+    def _finish_queue_rebuild(self) -> None:
+        """Make the refilled queues durable, then drop the marker that made recovery start where they end."""
+        if self.read_only or not self.queues_to_rebuild:
+            return
+        for name in self.queues_to_rebuild:
+            topic, _, qid = name.rpartition("/")
+            cq = self._cq_table.get((topic, int(qid)))
+            if cq is not None:
+                cq.flush(0)
+        os.unlink(self.paths.cq_rebuild)
+        log.warning("consume queues %s rebuilt from the commitlog", ", ".join(self.queues_to_rebuild))
+
+    def _rebuild_queue(self, cq: ConsumeQueue, bad: list[tuple[str, str]]) -> None:
+        """A queue with a file of the wrong size or a hole: the odd files go to quarantine, the files from the
+        first bad one on are dropped, and recovery refills the queue from the commitlog where what is kept
+        ends (dispatch only appends to a queue, so a hole would never fill)."""
+        if self.read_only:
+            path, reason = bad[0]
+            raise StoreLoadError(f"{path}: {reason}; a writable open (rocketstore recover) rebuilds "
+                                 f"{cq.topic}/{cq.queue_id} from the commitlog")
+        first_bad = min(int(os.path.basename(p)) for p, _ in bad if file_kind(self.root, p))
+        for path, reason in bad:
+            name = os.path.basename(path)
+            if file_kind(self.root, path) and os.path.getsize(path) == cq.file_size and int(name) % cq.file_size == 0:
+                self._quarantine.deletes.append(path)  # sound, cut off by the hole: refilled, not quarantined
+            else:
+                self._on_bad_file(path, reason)
+        for f in [f for f in cq.queue.files if f.file_from_offset > first_bad]:
+            cq.queue.files.remove(f)
+            f.close()
+            self._quarantine.deletes.append(f.path)
+        self.queues_to_rebuild.append(f"{cq.topic}/{cq.queue_id}")
+
+    def refill_from(self) -> int | None:
+        """The commitlog offset from which recovery must offer every record: where the shortest queue being
+        rebuilt ends (-1: from the first segment); None when no queue is being rebuilt."""
+        if not self.queues_to_rebuild:
+            return None
+        ends = []
+        for name in self.queues_to_rebuild:
+            topic, _, qid = name.rpartition("/")
+            cq = self._cq_table.get((topic, int(qid)))
+            ends.append(cq.max_physic_offset if cq is not None else -1)
+        return min(ends)
 
     def _load_consume_queues(self) -> None:
         root = self.paths.consumequeue
@@ -249,7 +280,13 @@ class MessageStore:
                 if not qid.lstrip("-").isdigit() or not os.path.isdir(os.path.join(tdir, qid)):
                     continue
                 cq = ConsumeQueue(root, topic, int(qid), self.config.mappedFileSizeConsumeQueue, read_only=self.read_only)
-                cq.load(on_bad_file=self._on_bad_file)
+                bad: list[tuple[str, str]] = []
+                cq.load(on_bad_file=lambda path, reason: bad.append((path, reason)))
+                if any(file_kind(self.root, path) for path, _ in bad):
+                    self._rebuild_queue(cq, bad)
+                else:
+                    for path, reason in bad:
+                        self._on_bad_file(path, reason)
                 self._cq_table[(topic, int(qid))] = cq
 
     def recover_topic_queue_table(self) -> None:
@@ -831,7 +868,7 @@ class MessageStore:
                            "messageTotalInQueue": cq.message_total_in_queue})
         d = {"minPhyOffset": self.min_phy_offset(), "maxPhyOffset": self.max_phy_offset(),
              "abortFilePresent": self.abort_file_present, "checkpoint": self.checkpoint.to_dict(),
-             "queues": queues}
+             "reservedBytes": reserved_bytes(self.root), "queues": queues}
         if not self.read_only:
             d["writeable"] = self.running_flags.why_not_writeable() is None
             d["notWriteableReason"] = self.running_flags.why_not_writeable()

@@ -82,9 +82,8 @@ class WriteOptions:
     def store_config(self) -> StoreConfig | None:
         base = StoreConfig.load(self.config_file) if self.config_file else None
         if self.config:
-            values = base.to_dict() if base else {}
-            values.update(self.config)
-            return StoreConfig.from_mapping(values, source="write options")
+            options = StoreConfig.from_mapping(self.config, source="write options")
+            return base.overlay(options) if base else options  # only the keys given count as explicit
         return base
 
 
