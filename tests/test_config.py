@@ -78,24 +78,27 @@ def test_a_partial_config_keeps_the_files_geometry_cli(cmd, basic_copy, tmp_path
     _read_every_golden_message(basic_copy)
 
 
-def _api_writer(cmd: str, store: MessageStore) -> None:
+def _api_writer(cmd: str, store: MessageStore, tmp_path: Path) -> None:
     """What each CLI writer does, through the Python API."""
     if cmd == "put":
         assert store.put(Message("Cfg", b"x")).commit_log_offset == GOLDEN_TAIL
     elif cmd == "import":
-        from rocketstore.importer import import_messages
-        [r] = import_messages(store, [{"topic": "Cfg", "queueId": 0, "body": ""}])
-        assert r.commit_log_offset == GOLDEN_TAIL
+        from rocketstore.importer import import_file
+        src = tmp_path / "one.jsonl"
+        src.write_text('{"topic": "Cfg", "queueId": 0, "body": ""}\n')
+        assert import_file(store, str(src)).imported == 1
+        store.wait_dispatched()
+        assert store.get("Cfg", 0, 0).messages[0].commit_log_offset == GOLDEN_TAIL
     elif cmd == "delete-expired":
         assert store.delete_expired_commit_log() == []
 
 
 @pytest.mark.parametrize("cmd", sorted(WRITERS))
-def test_a_partial_storeconfig_keeps_the_files_geometry_api(cmd, basic_copy):
+def test_a_partial_storeconfig_keeps_the_files_geometry_api(cmd, basic_copy, tmp_path):
     cfg = StoreConfig(flushDiskType="SYNC_FLUSH", fileReservedTime=1000000)
     with MessageStore.open(str(basic_copy), cfg, start_services=cmd != "recover") as store:
         assert store.config.mappedFileSizeCommitLog == 1048576 and store.config.maxIndexNum == 4000
-        _api_writer(cmd, store)
+        _api_writer(cmd, store, tmp_path)
     assert not (basic_copy / "quarantine").exists()
     _read_every_golden_message(basic_copy)
 
