@@ -110,6 +110,25 @@ class MappedFile:
         self.wrote_position = pos
         self.flushed_position = pos
 
+    def zero_from(self, pos: int, end: int | None = None, chunk: int = 1 << 20) -> int:
+        """Zero the non-zero bytes of [pos, end) (to the file's end by default) and make that durable.
+
+        What lies past a recovered end must not come back once later writes make
+        it look continuous again (stale units, records).  Only chunks holding
+        non-zero bytes are written; returns how many bytes were zeroed.
+        """
+        end = self.file_size if end is None else min(end, self.file_size)
+        zeroed = 0
+        while pos < end:
+            stop = min(end, (pos // chunk + 1) * chunk)
+            if self.mm[pos:stop].count(0) != stop - pos:
+                self.mm[pos:stop] = bytes(stop - pos)
+                zeroed += stop - pos
+            pos = stop
+        if zeroed:
+            fdatasync(self.fd)
+        return zeroed
+
     # ------------------------------------------------------------ writes
     def append(self, data: bytes | bytearray | memoryview) -> int:
         """Copy ``data`` at the write position; return the position it was written at."""
