@@ -189,3 +189,33 @@ def test_entries_a_crash_left_past_the_index_header_do_not_break_the_chain(tmp_p
     conf = tmp_path / "broker.conf"
     conf.write_text("mappedFileSizeCommitLog=65536\nmaxHashSlotNum=1\nmaxIndexNum=100\n")
     assert run_cli("verify", path, "--config", conf).returncode == 0
+
+
+def test_a_hole_whose_records_are_gone_keeps_later_units_at_their_queue_offsets(tmp_path):
+    path = tmp_path / "s"
+    cfg, rs = _small_store(path, 600)
+    # The first segment is gone (as if expired), and the H-0 file whose units straddle its end is zeros.
+    first_kept = cfg.mappedFileSizeCommitLog
+    os.unlink(path / "commitlog" / f"{0:020d}")
+    straddle = next(r.queue_offset for r in rs[0::2] if r.commit_log_offset >= first_kept) // 10 * 10
+    assert rs[2 * straddle].commit_log_offset < first_kept  # the file's first units point into the lost one
+    hole = path / "consumequeue" / "H" / "0" / f"{straddle * CQ_STORE_UNIT_SIZE:020d}"
+    hole.write_bytes(bytes(os.path.getsize(hole)))
+    simulate_reboot(path)
+    with MessageStore.open(str(path), cfg) as store:
+        assert store.recovery_report.queues_rebuilt == {"H-0": straddle}
+        assert store.recovery_report.not_rebuilt == {}
+        for qid in (0, 1):
+            msgs, off = [], 0
+            while off < store.max_offset_in_queue("H", qid):  # units of the lost segment read as removed
+                r = store.get("H", qid, off, 32)
+                assert r.status in (GetMessageStatus.FOUND, GetMessageStatus.MESSAGE_WAS_REMOVING) and \
+                    r.next_begin_offset > off
+                msgs += r.messages
+                off = r.next_begin_offset
+            kept = [(r.queue_offset, r.commit_log_offset) for r in rs[qid::2] if r.commit_log_offset >= first_kept]
+            assert [(m.queue_offset, m.commit_log_offset) for m in msgs] == kept
+            for qoff, off in kept[::17]:
+                assert store.get("H", qid, qoff, 1).messages[0].commit_log_offset == off
+        assert store.max_offset_in_queue("H", 0) == 300
+    assert run_cli("verify", path).returncode == 0

@@ -96,6 +96,7 @@ class ConsumeQueue:
         self.rebuild_from: int | None = None  # set by recover() when it cut the queue at a hole
         self.hole_at = -1  # the first unit recover() cut, when it found a hole
         self.lost_units: tuple[int, int] | None = None  # what lay beyond it (see _last_unit_beyond)
+        self.pad_gaps = False  # while recovery rebuilds a queue cut at a hole: see _pad
         self._time_cache: dict[str, tuple[int, int]] = {}
 
     def load(self, on_bad_file=None) -> None:
@@ -213,6 +214,7 @@ class ConsumeQueue:
             self.rebuild_from = max(max_phy, 0)
             self.hole_at = cut // CQ_STORE_UNIT_SIZE
             self.lost_units = self._last_unit_beyond(idx, valid)
+            self.pad_gaps = True
             log.warning("%s-%d: units lie beyond unit %d, where the valid units end (a hole); the queue is cut "
                         "there and rebuilt from commitlog offset %d", self.topic, self.queue_id, self.hole_at,
                         self.rebuild_from)
@@ -344,12 +346,27 @@ class ConsumeQueue:
             current = f.file_from_offset + f.wrote_position
             if expect < current:
                 return True
-            if expect != current:
+            if expect != current and self.pad_gaps:
+                f = self._pad(current, expect)
+            elif expect != current:
                 log.error("%s-%d: queue offset gap, expected unit %d, writing at %d",
                           self.topic, self.queue_id, cq_offset, current // CQ_STORE_UNIT_SIZE)
         self.max_physic_offset = offset + size
         f.append(_UNIT.pack(offset, size, tags_code))
         return True
+
+    def _pad(self, current: int, expect: int) -> MappedFile:
+        """Fill units [current, expect) with blank units (offset 0: below any commitlog minimum, so read as
+        expired) and return the file for unit ``expect``: a queue rebuilt after a hole whose records are gone
+        keeps every later unit at its own queue offset."""
+        log.error("%s-%d: units %d..%d have no record left in the commitlog; written as blank units",
+                  self.topic, self.queue_id, current // CQ_STORE_UNIT_SIZE, expect // CQ_STORE_UNIT_SIZE - 1)
+        while current < expect:
+            g = self.queue.last_for_append(current)
+            n = min(expect - current, self.file_size - g.wrote_position) // CQ_STORE_UNIT_SIZE
+            g.append(PRE_BLANK_UNIT * n)
+            current += n * CQ_STORE_UNIT_SIZE
+        return self.queue.last_for_append(expect)
 
     def put_units(self, offsets: Sequence[int], sizes: Sequence[int], codes: Sequence[int], first_qoff: int) -> None:
         """Append units with consecutive queue offsets from ``first_qoff``, the way put_unit would one by one;

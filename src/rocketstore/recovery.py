@@ -255,6 +255,7 @@ def _store_time(store: "MessageStore"):
 
 def _check_rebuilt(cq, process: int, report: RecoveryReport) -> None:
     """Report a queue cut at a hole that the commitlog's records did not fill up again."""
+    cq.pad_gaps = False
     if cq.rebuild_from is None or cq.lost_units is None:
         return
     units_end, last_phy = cq.lost_units
