@@ -34,12 +34,13 @@ class CommitLogDispatcher:
         self.store = store
         self._tags_codes: dict[str, int] = {}
 
-    def dispatch(self, msg: MessageExt, index: bool = True) -> None:
-        """Apply one record; ``index=False`` builds only the consume queue (duplicates are skipped there)."""
+    def dispatch(self, msg: MessageExt, index: bool = True, queue: bool = True) -> None:
+        """Apply one record; ``index=False`` builds only the consume queue (duplicates are skipped there),
+        ``queue=False`` only the index (recovery re-indexing records their queues hold)."""
         store = self.store
         props = msg.properties
         txn = msg.sys_flag & codec.TRANSACTION_MASK
-        if txn == codec.TRANSACTION_NOT_TYPE or txn == codec.TRANSACTION_COMMIT:
+        if queue and (txn == codec.TRANSACTION_NOT_TYPE or txn == codec.TRANSACTION_COMMIT):
             tags = props.get("TAGS")
             if msg.topic == codec.SCHEDULE_TOPIC:
                 code = codec.dispatch_tags_code(msg.topic, props, msg.store_timestamp)

@@ -142,8 +142,9 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
         phy = h[6]
         to_index = (report.abnormal or phy > max_cq) and index_enabled and \
             h[7] & codec.TRANSACTION_MASK != codec.TRANSACTION_ROLLBACK and phy >= index.resume_offset()
-        if to_index or _queue_needs(store, mm, parsed, size, topics):
-            dispatcher.dispatch(codec.decode(mm, pos, pos + size, read_body=False), index=to_index)
+        to_queue = _queue_needs(store, mm, parsed, size, topics)
+        if to_index or to_queue:
+            dispatcher.dispatch(codec.decode(mm, pos, pos + size, read_body=False), index=to_index, queue=to_queue)
 
     def progress(offset: int, path: str) -> None:
         nonlocal next_log
@@ -232,8 +233,8 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
                 report.queues_truncated[f"{cq.topic}-{cq.queue_id}"] = n
     commitlog.queue.flushed_where = process
     report.deleted_files += commitlog.queue.truncate_dirty(process)
-    if writable and report.stopped_because:
-        report.zeroed_bytes = _zero_stale_tail(commitlog, process)
+    if writable and (report.stopped_because or check_from is not None):  # after a power loss, pages past a
+        report.zeroed_bytes = _zero_stale_tail(commitlog, process)     # lost one may have reached the disk
     if writable and index_enabled:
         # Entries for records at or past the new end would answer for whatever is written there next, and
         # the index's end offset would make dispatch skip the new records.
