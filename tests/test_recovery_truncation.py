@@ -237,3 +237,29 @@ def test_power_loss_of_a_middle_page_leaves_no_stale_record_past_the_new_end(tmp
         assert store.max_offset_in_queue("H", 0) == 50 and store.max_offset_in_queue("H", 1) == 50
     assert seg.read_bytes()[lost:].count(0) == cfg.mappedFileSizeCommitLog - lost
     assert run_cli("verify", path).returncode == 0
+
+
+def test_truncation_before_the_last_index_file_began_deletes_it_and_cuts_the_one_before(basic_copy):
+    from conftest import golden_queries
+    cut = next(e for e in golden_expected("basic") if e["commitLogOffset"] > 1200000)  # inside index file 1
+    flip_body_bit(basic_copy, cut)
+    (basic_copy / "abort").write_text("4242")  # a process crash: the index files are kept
+    (basic_copy / "abort.bootid").write_text(Path("/proc/sys/kernel/random/boot_id").read_text())
+    cp = bytearray((basic_copy / "checkpoint").read_bytes())  # physic and logics times: the flip's
+    cp[0:16] = (cut["storeTimestamp"] + 3000).to_bytes(8, "big") * 2  # so the check starts before it
+    (basic_copy / "checkpoint").write_bytes(bytes(cp))
+    end = cut["commitLogOffset"]
+    with MessageStore.open(str(basic_copy), GOLDEN_CFG) as store:
+        assert store.max_phy_offset() == end
+        files = store.index_service.files
+        assert len(files) == 1 and files[0].end_phy_offset < end
+        assert max(off for _h, off, _d, _p in files[0].entries_iter()) == files[0].end_phy_offset
+        assert store.recovery_report.index_entries_removed > 3816
+        for q in golden_queries("basic")["queryMessage"]:
+            if q["begin"] == 0 and len(q["resultPhyOffsets"]) < q["maxNum"]:  # every hit of the key
+                want = [o for o in q["resultPhyOffsets"] if o < end]
+                assert store.query(q["topic"], q["key"], q["maxNum"]).phy_offsets == want, q["key"]
+        r = store.put(Message("TopicB", b"after", queue_id=1, keys=cut["keys"]))
+        assert store.wait_dispatched()
+        assert store.query("TopicB", cut["keys"].split()[0], 64).phy_offsets[-1] == r.commit_log_offset
+    assert run_cli("verify", basic_copy).returncode == 0
