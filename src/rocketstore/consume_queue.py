@@ -258,7 +258,7 @@ class ConsumeQueue:
         if not thorough:
             return False
         views = [(f, valid)] + [(g, 0) for g in files[idx + 1:]]
-        return any(g.mm[p:self.file_size].count(0) != self.file_size - p for g, p in views)
+        return any(g.mm[a:b].count(0) != b - a for g, p in views for a, b in g.data_ranges(p, self.file_size))
 
     def truncate_dirty_logic(self, phy: int) -> int:
         """Drop units pointing at or past commitlog offset ``phy`` and zero them; return how many went."""
