@@ -114,9 +114,10 @@ def _small_store(path: Path, n: int, **kw) -> tuple[StoreConfig, list]:
     return cfg, rs
 
 
-def test_power_loss_hole_of_a_zero_filled_consume_queue_file_is_rebuilt(tmp_path):
+@pytest.mark.parametrize("n", [200, 2000])  # 2000: the hole lies long before where the checkpoint says to start
+def test_power_loss_hole_of_a_zero_filled_consume_queue_file_is_rebuilt(tmp_path, n):
     path = tmp_path / "s"
-    cfg, rs = _small_store(path, 200)
+    cfg, rs = _small_store(path, n)
     # Queue H-0 has 100 units in 10 files; its third file (units 20..29) survives the power loss as zeros.
     hole = path / "consumequeue" / "H" / "0" / f"{20 * CQ_STORE_UNIT_SIZE:020d}"
     hole.write_bytes(bytes(os.path.getsize(hole)))
@@ -125,8 +126,9 @@ def test_power_loss_hole_of_a_zero_filled_consume_queue_file_is_rebuilt(tmp_path
         for qid in (0, 1):
             msgs = read_queue(store, "H", qid)
             assert [m.commit_log_offset for m in msgs] == [r.commit_log_offset for r in rs[qid::2]]
-            assert [m.queue_offset for m in msgs] == list(range(100))
+            assert [m.queue_offset for m in msgs] == list(range(n // 2))
         assert store.recovery_report.to_json()["queuesRebuilt"] == {"H-0": 20}
+        assert store.recovery_report.not_rebuilt == {}
     assert run_cli("verify", path).returncode == 0
 
 

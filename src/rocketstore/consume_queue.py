@@ -183,7 +183,7 @@ class ConsumeQueue:
         given: the commitlog offset recovery re-checks from) every file whose
         units may point at or past ``check_from`` is checked too, since a file
         whose pages never reached the disk survives as zeros below valid units:
-        a hole.  When units (or other bytes) lie beyond the end found, the queue
+        a hole (older files are glanced at by their first and last units).  When units (or other bytes) lie beyond the end found, the queue
         is cut there and :attr:`rebuild_from` says from which commitlog offset
         recovery must offer records again to rebuild it.
         """
@@ -195,7 +195,7 @@ class ConsumeQueue:
             return []
         idx = max(0, len(files) - 3)
         if check_from is not None:
-            idx = min(idx, self._first_file_reaching(check_from))
+            idx = min(idx, self._first_file_reaching(check_from), self._first_with_blank_ends(idx))
         max_phy = -1
         while True:
             f = files[idx]
@@ -235,6 +235,17 @@ class ConsumeQueue:
                 if off >= 0 and size > 0 and size != 0x7FFFFFFF:
                     return (f.file_from_offset + p) // CQ_STORE_UNIT_SIZE + 1, off
         return None
+
+    def _first_with_blank_ends(self, stop: int) -> int:
+        """Index of the first file before ``stop`` whose first or last unit is not valid (``stop`` if none):
+        older files are only glanced at, and a file that survived a power loss as zeros shows it at both
+        ends (every file but the last is full)."""
+        for i, f in enumerate(self.queue.files[:stop]):
+            for p in (0, self.file_size - CQ_STORE_UNIT_SIZE):
+                off, size, _ = _UNIT.unpack_from(f.mm, p)
+                if off < 0 or size <= 0:
+                    return i
+        return stop
 
     def _first_file_reaching(self, phy: int) -> int:
         """Index of the newest file whose first unit is valid and points below ``phy`` (0 if none)."""
