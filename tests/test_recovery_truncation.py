@@ -265,3 +265,25 @@ def test_truncation_before_the_last_index_file_began_deletes_it_and_cuts_the_one
         assert store.wait_dispatched()
         assert store.query("TopicB", cut["keys"].split()[0], 64).phy_offsets[-1] == r.commit_log_offset
     assert run_cli("verify", basic_copy).returncode == 0
+
+
+def test_a_crash_while_a_message_s_keys_span_two_index_files_loses_none_and_doubles_none(tmp_path):
+    """The index file fills part-way through a message's keys; the process dies once the next file exists
+    but before the rest of the keys are in it."""
+    import struct
+    path = tmp_path / "s"
+    cfg = StoreConfig(mappedFileSizeCommitLog=64 * 1024, maxHashSlotNum=10, maxIndexNum=10)  # 9 entries a file
+    keys = [" ".join(f"{c}{i}" for c in "abcd") for i in range(3)]  # 4 keys a message: message 2 spans files
+    with MessageStore.open(str(path), cfg) as store:
+        rs = [store.put(Message("S", b"x" * 100, keys=k)) for k in keys]
+    first, second = sorted((path / "index").iterdir())
+    data = second.read_bytes()
+    assert struct.unpack_from(">qqqqii", data)[3:] == (rs[2].commit_log_offset, 3, 4)
+    m, ts = rs[2].commit_log_offset, rs[2].store_timestamp  # as just created: no entry, ends at message 2
+    second.write_bytes(struct.pack(">qqqqii", ts, ts, m, m, 0, 1) + bytes(len(data) - 40))
+    (path / "abort").write_text("4242")
+    (path / "abort.bootid").write_text(Path("/proc/sys/kernel/random/boot_id").read_text())
+    with MessageStore.open(str(path), cfg) as store:
+        for r, k in zip(rs, keys):
+            for key in k.split():
+                assert store.query("S", key).phy_offsets == [r.commit_log_offset], key

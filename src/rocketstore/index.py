@@ -140,6 +140,23 @@ class IndexFile:
                 break
             cur = prev
 
+    def holds(self, key: str, phy_offset: int) -> bool:
+        """Whether an entry of ``key`` points at ``phy_offset`` (its hash chain is walked back to older
+        offsets)."""
+        h = index_key_hash(key)
+        cur = _SLOT.unpack_from(self.mm, HEADER_SIZE + (h % self.slots) * SLOT_SIZE)[0]
+        count = self.index_count
+        while 0 < cur < count:
+            eh, off, _diff, prev = self.entry(cur)
+            if off < phy_offset:
+                return False
+            if eh == h and off == phy_offset:
+                return True
+            if prev >= cur:
+                return False
+            cur = prev
+        return False
+
     def entries_iter(self):
         """Every used entry as (keyHash, phyOffset, timeDiff, prev): for verify."""
         base = self._entries_base
@@ -275,21 +292,20 @@ class IndexService:
 
     # ------------------------------------------------------------ recovery
     def resume_offset(self) -> int:
-        """The lowest commitlog offset the index may still lack: just past its last entry's record.
+        """Where re-indexing starts: the record of the index's last entry (0 for an empty index).
 
-        Re-indexing from the last entry itself would add its keys a second time
-        (RocketMQ does, after every crash).  A file with no entry that follows
-        another starts at that file's last entry; the first file of an empty
-        index starts at offset 0, whose record it does not hold yet.
+        That record is offered again because a crash may have cut it short (its
+        keys not all written, or a file filled part-way through them);
+        :meth:`build_index` adds only the keys it does not hold yet.  RocketMQ
+        adds them all again, so every crash left a duplicate entry.
         """
         with self.lock:
-            return self._resume_offset()
+            return self.files[-1].end_phy_offset if self.files else 0
 
-    def _resume_offset(self) -> int:
-        if not self.files:
-            return 0
-        last = self.files[-1]
-        return last.end_phy_offset + 1 if last.index_count > 1 or len(self.files) > 1 else last.end_phy_offset
+    def _holds(self, key: str, phy_offset: int) -> bool:
+        """Whether the last two files (the record of the last entry may span a roll-over) hold ``key`` at
+        ``phy_offset``."""
+        return any(f.holds(key, phy_offset) for f in self.files[-2:])
 
     def truncate(self, phy: int, store_time: Callable[[int], int]) -> int:
         """Drop every entry for a record at or past commitlog offset ``phy`` (recovery cut the commitlog
@@ -353,17 +369,21 @@ class IndexService:
             return  # nothing to index; RocketMQ still makes a file when there is none, hence the test
         with self.lock:
             f = self._writable_file()
-            if phy_offset < self._resume_offset() or sys_flag_txn == 0xC:
-                return  # already indexed: a re-dispatch (recovery) must not add its keys twice
+            if phy_offset < f.end_phy_offset or sys_flag_txn == 0xC:
+                return
+            # The record of the last entry, offered again by recovery: only the keys it lacks are added.
+            again = phy_offset == f.end_phy_offset and (f.index_count > 1 or len(self.files) > 1)
             if uniq_key:
-                f = self._put(f, f"{topic}#{uniq_key}", phy_offset, store_ts)
+                f = self._put(f, f"{topic}#{uniq_key}", phy_offset, store_ts, again)
             if keys:
                 for token in keys.split(" "):
                     if token:
-                        f = self._put(f, f"{topic}#{token}", phy_offset, store_ts)
+                        f = self._put(f, f"{topic}#{token}", phy_offset, store_ts, again)
             f._write_header()
 
-    def _put(self, f: IndexFile, key: str, phy_offset: int, store_ts: int) -> IndexFile:
+    def _put(self, f: IndexFile, key: str, phy_offset: int, store_ts: int, again: bool = False) -> IndexFile:
+        if again and self._holds(key, phy_offset):
+            return f
         while not f.put_key(key, phy_offset, store_ts):
             f._write_header()
             f = self._writable_file()

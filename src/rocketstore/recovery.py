@@ -12,8 +12,9 @@ slack), or from the first segment; every record is re-dispatched (duplicates
 are skipped), and everything past the last valid record is truncated: the
 torn tail of the CommitLog, consume-queue units pointing past it (zeroed, so
 they never come back), index entries for records past it, and whole files
-beyond it.  The index resumes just past its last entry, so no key is added
-twice, and from the first record that dropped index files covered.  After a
+beyond it.  The index resumes at its last entry's record, adding only the
+keys it lacks (no key twice), and from the first record that dropped index
+files covered.  After a
 reboot or power loss (not a crash of the process alone) the consume queues are
 also checked for holes over the range re-checked; a queue is cut at its first
 hole and rebuilt from the CommitLog.
@@ -112,7 +113,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
         start_idx = min(start_idx, _file_index(files, rebuild_from))
     if writable and index_enabled:
         index.truncate(codec.NO_INDEX, _store_time(store))  # what a crash left past the entry count
-        if report.abnormal:  # the index resumes after its last entry, also when files newer were dropped
+        if report.abnormal:  # the index resumes at its last entry, also when files newer were dropped
             start_idx = min(start_idx, _file_index(files, index.resume_offset()))
     start = files[start_idx]
     report.start_offset = start.file_from_offset
