@@ -97,6 +97,7 @@ class ConsumeQueue:
         self.hole_at = -1  # the first unit recover() cut, when it found a hole
         self.lost_units: tuple[int, int] | None = None  # what lay beyond it (see _last_unit_beyond)
         self.pad_gaps = False  # while recovery rebuilds a queue cut at a hole: see _pad
+        self.blank_units: list[tuple[int, int]] = []  # (first, last) unit ranges _pad wrote
         self._time_cache: dict[str, tuple[int, int]] = {}
 
     def load(self, on_bad_file=None) -> None:
@@ -372,6 +373,7 @@ class ConsumeQueue:
         keeps every later unit at its own queue offset."""
         log.error("%s-%d: units %d..%d have no record left in the commitlog; written as blank units",
                   self.topic, self.queue_id, current // CQ_STORE_UNIT_SIZE, expect // CQ_STORE_UNIT_SIZE - 1)
+        self.blank_units.append((current // CQ_STORE_UNIT_SIZE, expect // CQ_STORE_UNIT_SIZE - 1))
         while current < expect:
             g = self.queue.last_for_append(current)
             n = min(expect - current, self.file_size - g.wrote_position) // CQ_STORE_UNIT_SIZE

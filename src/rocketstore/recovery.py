@@ -242,7 +242,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
         report.index_entries_removed = index.truncate(process, _store_time(store))
     if writable:
         for cq in store.consume_queues():
-            _check_rebuilt(cq, process, report)
+            _check_rebuilt(cq, process, commitlog.min_offset(), report)
     store.recover_topic_queue_table()
     report.seconds = time.monotonic() - t0
     if report.stopped_because and report.abnormal:
@@ -255,17 +255,24 @@ def _store_time(store: "MessageStore"):
     return lambda offset: store.commitlog.pickup_store_timestamp(offset, 0)
 
 
-def _check_rebuilt(cq, process: int, report: RecoveryReport) -> None:
-    """Report a queue cut at a hole that the commitlog's records did not fill up again."""
+def _check_rebuilt(cq, process: int, min_phy: int, report: RecoveryReport) -> None:
+    """Report a queue cut at a hole that the commitlog's records did not fill up again: units still
+    missing, or written as blank units though their records should be in the log (not expired)."""
     cq.pad_gaps = False
-    if cq.rebuild_from is None or cq.lost_units is None:
+    if cq.rebuild_from is None:
         return
-    units_end, last_phy = cq.lost_units
-    if last_phy < process and cq.max_offset_in_queue < units_end:
-        name = f"{cq.topic}-{cq.queue_id}"
-        report.not_rebuilt[name] = (f"units {cq.max_offset_in_queue}..{units_end - 1} (up to commitlog offset "
-                                    f"{last_phy}) are not in the commitlog recovery checked from "
-                                    f"{report.start_offset}")
+    name = f"{cq.topic}-{cq.queue_id}"
+    problems = []
+    if cq.blank_units and cq.rebuild_from >= min_phy:
+        problems += [f"units {a}..{b} have no record in the commitlog (written as blank units)"
+                     for a, b in cq.blank_units]
+    if cq.lost_units is not None:
+        units_end, last_phy = cq.lost_units
+        if last_phy < process and cq.max_offset_in_queue < units_end:
+            problems.append(f"units {cq.max_offset_in_queue}..{units_end - 1} (up to commitlog offset {last_phy}) "
+                            f"are not in the commitlog recovery checked from {report.start_offset}")
+    if problems:
+        report.not_rebuilt[name] = "; ".join(problems)
         log.error("recovery could not rebuild %s: %s", name, report.not_rebuilt[name])
 
 
