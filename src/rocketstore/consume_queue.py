@@ -184,8 +184,9 @@ class ConsumeQueue:
         given: the commitlog offset recovery re-checks from) every file whose
         units may point at or past ``check_from`` is checked too, since a file
         whose pages never reached the disk survives as zeros below valid units:
-        a hole (older files are glanced at by their first and last units).  When units (or other bytes) lie beyond the end found, the queue
-        is cut there and :attr:`rebuild_from` says from which commitlog offset
+        a hole (older files are glanced at by their first and last units).
+        When units (or other bytes) lie beyond the end found, the queue is cut
+        there and :attr:`rebuild_from` says from which commitlog offset
         recovery must offer records again to rebuild it.
         """
         self.rebuild_from = None

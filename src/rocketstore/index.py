@@ -372,7 +372,7 @@ class IndexService:
             if phy_offset < f.end_phy_offset or sys_flag_txn == 0xC:
                 return
             # The record of the last entry, offered again by recovery: only the keys it lacks are added.
-            again = phy_offset == f.end_phy_offset and (f.index_count > 1 or len(self.files) > 1)
+            again = phy_offset == f.end_phy_offset
             if uniq_key:
                 f = self._put(f, f"{topic}#{uniq_key}", phy_offset, store_ts, again)
             if keys:
