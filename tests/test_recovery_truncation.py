@@ -287,3 +287,19 @@ def test_a_crash_while_a_message_s_keys_span_two_index_files_loses_none_and_doub
         for r, k in zip(rs, keys):
             for key in k.split():
                 assert store.query("S", key).phy_offsets == [r.commit_log_offset], key
+
+
+def test_consume_queue_units_rebuilt_by_a_clean_recovery_are_flushed_before_the_open_returns(basic_copy, monkeypatch):
+    """Recovery advances the checkpoint's logics time as it dispatches: the units must be durable too."""
+    from rocketstore import mapped_file
+    synced = []
+    real = mapped_file.fdatasync
+
+    def recording(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+    monkeypatch.setattr(mapped_file, "fdatasync", recording)
+    os.unlink(basic_copy / "consumequeue" / "TopicC" / "0" / "00000000000000012000")  # lost after a clean exit
+    with MessageStore.open(str(basic_copy), GOLDEN_CFG, start_services=False) as store:
+        assert not store.recovery_report.abnormal and store.max_offset_in_queue("TopicC", 0) == 604
+        assert str(basic_copy / "consumequeue" / "TopicC" / "0" / "00000000000000012000") in synced

@@ -403,6 +403,12 @@ class ConsumeQueue:
     def flush(self, least_pages: int = 0) -> None:
         self.queue.flush(least_pages)
 
+    def flush_dirty(self) -> None:
+        """fdatasync every file with unflushed units (``flush`` does the one at the queue's flush point)."""
+        for f in list(self.queue.files):
+            if f.wrote_position > f.flushed_position:
+                f.flush(0)
+
     # ------------------------------------------------------------ time lookups
     def offset_by_time(self, ts: int, boundary: str, store_time: TimestampReader, min_phy: int) -> int:
         """Queue offset for a store time: LOWER = first unit at or after, UPPER = last unit at or before."""

@@ -224,9 +224,9 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     report.confirm_offset = last_valid
     if writable:
         store.checkpoint.confirmPhyOffset = last_valid
-    if dispatcher is not None and report.abnormal:
+    if dispatcher is not None:  # what was rebuilt is durable before the checkpoint can say so
         for cq in store.consume_queues():
-            cq.flush(0)
+            cq.flush_dirty()
     if max_cq >= process:
         for cq in store.consume_queues():
             n = cq.truncate_dirty_logic(process)
