@@ -93,6 +93,11 @@ class ConsumeQueue:
         self.min_logic_offset = 0
         self.retention_min_offset = 0  # per-topic logical retention, in units (rocketstore extension)
         self.max_physic_offset = -1
+        self.rebuild_from: int | None = None  # set by recover() when it cut the queue at a hole
+        self.hole_at = -1  # the first unit recover() cut, when it found a hole
+        self.lost_units: tuple[int, int] | None = None  # what lay beyond it (see _last_unit_beyond)
+        self.pad_gaps = False  # while recovery rebuilds a queue cut at a hole: see _pad
+        self.blank_units: list[tuple[int, int]] = []  # (first, last) unit ranges _pad wrote
         self._time_cache: dict[str, tuple[int, int]] = {}
 
     def load(self, on_bad_file=None) -> None:
@@ -172,34 +177,111 @@ class ConsumeQueue:
         return _UNIT.unpack_from(last.mm, last.wrote_position - CQ_STORE_UNIT_SIZE)
 
     # ------------------------------------------------------------ recovery
-    def recover(self) -> list[str]:
-        """Find the end of valid units, checking the last three files; truncate what lies beyond."""
+    def recover(self, check_from: int | None = None) -> list[str]:
+        """Find the end of valid units and truncate (and, writable, zero) what lies beyond; return deleted files.
+
+        RocketMQ checks the last three files.  After a power loss (``check_from``
+        given: the commitlog offset recovery re-checks from) every file whose
+        units may point at or past ``check_from`` is checked too, since a file
+        whose pages never reached the disk survives as zeros below valid units:
+        a hole (older files are glanced at by their first and last units).
+        When units (or other bytes) lie beyond the end found, the queue is cut
+        there and :attr:`rebuild_from` says from which commitlog offset
+        recovery must offer records again to rebuild it.
+        """
+        self.rebuild_from = None
+        self.hole_at = -1
+        self.lost_units = None
         files = self.queue.files
         if not files:
             return []
         idx = max(0, len(files) - 3)
+        if check_from is not None:
+            idx = min(idx, self._first_file_reaching(check_from), self._first_with_blank_ends(idx))
         max_phy = -1
         while True:
             f = files[idx]
             valid, last = _valid_prefix(f.mm, self.file_size)
             if last is not None:
                 max_phy = last[0] + last[1]
-            process = f.file_from_offset + valid
             if valid == self.file_size and idx + 1 < len(files):
                 idx += 1
                 continue
             break
+        cut_file, cut = files[idx], files[idx].file_from_offset + valid
+        if self._data_after(idx, valid, thorough=check_from is not None):
+            if max_phy < 0 and idx > 0:
+                before = _UNIT.unpack_from(files[idx - 1].mm, self.file_size - CQ_STORE_UNIT_SIZE)
+                max_phy = before[0] + before[1] if before[0] >= 0 and before[1] > 0 else -1
+            self.rebuild_from = max(max_phy, 0)
+            self.hole_at = cut // CQ_STORE_UNIT_SIZE
+            self.lost_units = self._last_unit_beyond(idx, valid)
+            self.pad_gaps = True
+            log.warning("%s-%d: units lie beyond unit %d, where the valid units end (a hole); the queue is cut "
+                        "there and rebuilt from commitlog offset %d", self.topic, self.queue_id, self.hole_at,
+                        self.rebuild_from)
+            if not self.queue.read_only:
+                cut_file.zero_from(valid)
         self.max_physic_offset = max_phy
-        return self.queue.truncate_dirty(process)
+        return self.queue.truncate_dirty(cut)
+
+    def _last_unit_beyond(self, idx: int, valid: int) -> tuple[int, int] | None:
+        """(queue offset just past it, commitlog offset) of the last valid-looking unit after the cut: what
+        the rebuild should reach again unless the commitlog ends before that offset."""
+        for f, start in [(g, 0) for g in reversed(self.queue.files[idx + 1:])] + [(self.queue.files[idx], valid)]:
+            mm = f.mm
+            written = len(mm[start:self.file_size].rstrip(b"\0"))  # the zeros at the end are never units
+            for p in range(start + (written - 1) // CQ_STORE_UNIT_SIZE * CQ_STORE_UNIT_SIZE, start - 1,
+                           -CQ_STORE_UNIT_SIZE):
+                off, size, _ = _UNIT.unpack_from(mm, p)
+                if off >= 0 and size > 0 and size != 0x7FFFFFFF:
+                    return (f.file_from_offset + p) // CQ_STORE_UNIT_SIZE + 1, off
+        return None
+
+    def _first_with_blank_ends(self, stop: int) -> int:
+        """Index of the first file before ``stop`` whose first or last unit is not valid (``stop`` if none):
+        older files are only glanced at, and a file that survived a power loss as zeros shows it at both
+        ends (every file but the last is full)."""
+        for i, f in enumerate(self.queue.files[:stop]):
+            for p in (0, self.file_size - CQ_STORE_UNIT_SIZE):
+                off, size, _ = _UNIT.unpack_from(f.mm, p)
+                if off < 0 or size <= 0:
+                    return i
+        return stop
+
+    def _first_file_reaching(self, phy: int) -> int:
+        """Index of the newest file whose first unit is valid and points below ``phy`` (0 if none)."""
+        files = self.queue.files
+        for i in range(len(files) - 1, 0, -1):
+            off, size, _ = _UNIT.unpack_from(files[i].mm, 0)
+            if 0 <= off < phy and size > 0:
+                return i
+        return 0
+
+    def _data_after(self, idx: int, valid: int, thorough: bool) -> bool:
+        """Whether any byte after the valid units of file ``idx`` is non-zero: in the rest of that file and
+        in the later files when ``thorough``, else only in the unit at the cut and the later files' first."""
+        files = self.queue.files
+        f = files[idx]
+        if valid < self.file_size and f.mm[valid:valid + CQ_STORE_UNIT_SIZE] != _ZERO_UNIT:
+            return True
+        for g in files[idx + 1:]:
+            if g.mm[0:CQ_STORE_UNIT_SIZE] != _ZERO_UNIT:
+                return True
+        if not thorough:
+            return False
+        views = [(f, valid)] + [(g, 0) for g in files[idx + 1:]]
+        return any(g.mm[a:b].count(0) != b - a for g, p in views for a, b in g.data_ranges(p, self.file_size))
 
     def truncate_dirty_logic(self, phy: int) -> int:
-        """Drop units pointing at or past commitlog offset ``phy``; return how many went."""
+        """Drop units pointing at or past commitlog offset ``phy`` and zero them; return how many went."""
         before = self.max_offset_in_queue
         self.max_physic_offset = phy
         while True:
             f = self.queue.last()
             if f is None:
                 break
+            wrote = f.wrote_position
             f.set_positions(0)
             off0, size0, _ = _UNIT.unpack_from(f.mm, 0)
             if off0 >= phy:
@@ -222,6 +304,8 @@ class ConsumeQueue:
             if p:
                 off, size, _ = _UNIT.unpack_from(f.mm, p - CQ_STORE_UNIT_SIZE)
                 self.max_physic_offset = off + size
+            if not self.queue.read_only:
+                f.zero_from(p, max(wrote, valid))  # stale units must not come back once the queue grows again
             f.set_positions(p)
             break
         if self.min_logic_offset > self.queue.max_offset():
@@ -275,12 +359,28 @@ class ConsumeQueue:
             current = f.file_from_offset + f.wrote_position
             if expect < current:
                 return True
-            if expect != current:
+            if expect != current and self.pad_gaps:
+                f = self._pad(current, expect)
+            elif expect != current:
                 log.error("%s-%d: queue offset gap, expected unit %d, writing at %d",
                           self.topic, self.queue_id, cq_offset, current // CQ_STORE_UNIT_SIZE)
         self.max_physic_offset = offset + size
         f.append(_UNIT.pack(offset, size, tags_code))
         return True
+
+    def _pad(self, current: int, expect: int) -> MappedFile:
+        """Fill units [current, expect) with blank units (offset 0: below any commitlog minimum, so read as
+        expired) and return the file for unit ``expect``: a queue rebuilt after a hole whose records are gone
+        keeps every later unit at its own queue offset."""
+        log.error("%s-%d: units %d..%d have no record left in the commitlog; written as blank units",
+                  self.topic, self.queue_id, current // CQ_STORE_UNIT_SIZE, expect // CQ_STORE_UNIT_SIZE - 1)
+        self.blank_units.append((current // CQ_STORE_UNIT_SIZE, expect // CQ_STORE_UNIT_SIZE - 1))
+        while current < expect:
+            g = self.queue.last_for_append(current)
+            n = min(expect - current, self.file_size - g.wrote_position) // CQ_STORE_UNIT_SIZE
+            g.append(PRE_BLANK_UNIT * n)
+            current += n * CQ_STORE_UNIT_SIZE
+        return self.queue.last_for_append(expect)
 
     def put_units(self, offsets: Sequence[int], sizes: Sequence[int], codes: Sequence[int], first_qoff: int) -> None:
         """Append units with consecutive queue offsets from ``first_qoff``, the way put_unit would one by one;
@@ -302,6 +402,12 @@ class ConsumeQueue:
 
     def flush(self, least_pages: int = 0) -> None:
         self.queue.flush(least_pages)
+
+    def flush_dirty(self) -> None:
+        """fdatasync every file with unflushed units (``flush`` does the one at the queue's flush point)."""
+        for f in list(self.queue.files):
+            if f.wrote_position > f.flushed_position:
+                f.flush(0)
 
     # ------------------------------------------------------------ time lookups
     def offset_by_time(self, ts: int, boundary: str, store_time: TimestampReader, min_phy: int) -> int:

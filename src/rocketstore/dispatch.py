@@ -57,12 +57,13 @@ class CommitLogDispatcher:
         self._tags_codes: dict[str, int] = {}
         self._queue_topics: set[str] = set()  # topics seen to be legal directory names
 
-    def dispatch(self, msg: MessageExt, index: bool = True) -> None:
-        """Apply one record; ``index=False`` builds only the consume queue (duplicates are skipped there)."""
+    def dispatch(self, msg: MessageExt, index: bool = True, queue: bool = True) -> None:
+        """Apply one record; ``index=False`` builds only the consume queue (duplicates are skipped there),
+        ``queue=False`` only the index (recovery re-indexing records their queues hold)."""
         store = self.store
         props = msg.properties
         txn = msg.sys_flag & codec.TRANSACTION_MASK
-        if (txn == codec.TRANSACTION_NOT_TYPE or txn == codec.TRANSACTION_COMMIT) and \
+        if queue and (txn == codec.TRANSACTION_NOT_TYPE or txn == codec.TRANSACTION_COMMIT) and \
                 (msg.topic in self._queue_topics or self._queue_topic_ok(msg)):
             tags = props.get("TAGS")
             if msg.topic == codec.SCHEDULE_TOPIC:

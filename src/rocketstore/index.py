@@ -39,6 +39,7 @@ _HEADER = struct.Struct(">qqqqii")
 _ENTRY = struct.Struct(">iqii")
 _SLOT = struct.Struct(">i")
 INT_MAX = 2 ** 31 - 1
+_ZERO_ENTRY = bytes(ENTRY_SIZE)
 
 
 def index_file_size(slots: int, entries: int) -> int:
@@ -139,11 +140,88 @@ class IndexFile:
                 break
             cur = prev
 
+    def holds(self, key: str, phy_offset: int) -> bool:
+        """Whether an entry of ``key`` points at ``phy_offset`` (its hash chain is walked back to older
+        offsets)."""
+        h = index_key_hash(key)
+        cur = _SLOT.unpack_from(self.mm, HEADER_SIZE + (h % self.slots) * SLOT_SIZE)[0]
+        count = self.index_count
+        while 0 < cur < count:
+            eh, off, _diff, prev = self.entry(cur)
+            if off < phy_offset:
+                return False
+            if eh == h and off == phy_offset:
+                return True
+            if prev >= cur:
+                return False
+            cur = prev
+        return False
+
     def entries_iter(self):
         """Every used entry as (keyHash, phyOffset, timeDiff, prev): for verify."""
         base = self._entries_base
         for i in range(1, self.index_count):
             yield _ENTRY.unpack_from(self.mm, base + i * ENTRY_SIZE)
+
+    def entry(self, n: int) -> tuple[int, int, int, int]:
+        """Entry ``n`` as (keyHash, phyOffset, timeDiff, prevIndex)."""
+        return _ENTRY.unpack_from(self.mm, self._entries_base + n * ENTRY_SIZE)
+
+    def first_entry_at_or_past(self, phy: int) -> int:
+        """The first used entry whose offset is at or past ``phy`` (``index_count`` if none).
+
+        Entries are added in commitlog order (``build_index`` refuses an offset
+        below the file's end), so a binary search finds it.
+        """
+        lo, hi = 1, self.index_count
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.entry(mid)[1] >= phy:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def truncate(self, keep: int, store_time: Callable[[int], int]) -> int:
+        """Remove the entries from ``keep`` on, and those a crash left past ``index_count``; return how many.
+
+        A crash between writing a message's entries and the header leaves
+        entries past the count whose slots already point at them; the next
+        entry for that slot would link to itself and lose the older chain.
+        Going from the newest entry down, each slot that points at a removed
+        entry is given back that entry's predecessor, then the entry is zeroed;
+        the header comes last (a crash half-way leaves a state this repeats).
+        ``store_time`` gives the store time of the record at an offset, for the
+        new end timestamp.
+        """
+        top = self.index_count
+        while top < self.entries and self.mm[self._entries_base + top * ENTRY_SIZE:
+                                             self._entries_base + (top + 1) * ENTRY_SIZE] != _ZERO_ENTRY:
+            top += 1
+        keep = max(1, min(keep, self.index_count))
+        if top <= keep:
+            return 0
+        for n in range(top - 1, keep - 1, -1):
+            h, _off, _diff, prev = self.entry(n)
+            slot_pos = HEADER_SIZE + (h % self.slots) * SLOT_SIZE
+            if _SLOT.unpack_from(self.mm, slot_pos)[0] == n:
+                prev = prev if 0 < prev < n else 0
+                _SLOT.pack_into(self.mm, slot_pos, prev)
+                if prev == 0 and n < self.index_count:
+                    self.hash_slot_count = max(0, self.hash_slot_count - 1)
+            at = self._entries_base + n * ENTRY_SIZE
+            self.mm[at:at + ENTRY_SIZE] = _ZERO_ENTRY
+        if keep < self.index_count:
+            self.index_count = keep
+            if keep > 1:
+                self.end_phy_offset = self.entry(keep - 1)[1]
+                ts = store_time(self.end_phy_offset)
+                self.end_timestamp = ts if ts > 0 else self.begin_timestamp + self.entry(keep - 1)[2] * 1000
+            else:
+                self.end_phy_offset, self.end_timestamp = self.begin_phy_offset, self.begin_timestamp
+        self._write_header()
+        self.mm.flush()
+        return top - keep
 
     def flush(self) -> None:
         if not self.read_only:
@@ -217,6 +295,45 @@ class IndexService:
             self.files.append(f)
         return dropped
 
+    # ------------------------------------------------------------ recovery
+    def resume_offset(self) -> int:
+        """Where re-indexing starts: the record of the index's last entry (0 for an empty index).
+
+        That record is offered again because a crash may have cut it short (its
+        keys not all written, or a file filled part-way through them);
+        :meth:`build_index` adds only the keys it does not hold yet.  RocketMQ
+        adds them all again, so every crash left a duplicate entry.
+        """
+        with self.lock:
+            return self.files[-1].end_phy_offset if self.files else 0
+
+    def _holds(self, key: str, phy_offset: int) -> bool:
+        """Whether the last two files (the record of the last entry may span a roll-over) hold ``key`` at
+        ``phy_offset``."""
+        return any(f.holds(key, phy_offset) for f in self.files[-2:])
+
+    def truncate(self, phy: int, store_time: Callable[[int], int]) -> int:
+        """Drop every entry for a record at or past commitlog offset ``phy`` (recovery cut the commitlog
+        there), and what a crash left past the last file's entry count; return how many entries went.
+
+        Files with no entry left below ``phy`` are deleted; the one the cut
+        falls in is truncated, so its end offset lies below ``phy`` again and
+        new records past it are indexed.
+        """
+        removed = 0
+        with self.lock:
+            while self.files:
+                f = self.files[-1]
+                keep = f.first_entry_at_or_past(phy)
+                if keep > 1 or (f.index_count <= 1 and f.end_phy_offset < phy):
+                    removed += f.truncate(keep, store_time)
+                    break
+                removed += f.truncate(1, store_time)
+                log.warning("%s: every entry points at or past commitlog offset %d; deleted", f.path, phy)
+                f.destroy()
+                self.files.pop()
+        return removed
+
     # ------------------------------------------------------------ building
     def _writable_file(self) -> IndexFile:
         last = self.files[-1] if self.files else None
@@ -259,15 +376,19 @@ class IndexService:
             f = self._writable_file()
             if phy_offset < f.end_phy_offset or sys_flag_txn == 0xC:
                 return
+            # The record of the last entry, offered again by recovery: only the keys it lacks are added.
+            again = phy_offset == f.end_phy_offset
             if uniq_key:
-                f = self._put(f, f"{topic}#{uniq_key}", phy_offset, store_ts)
+                f = self._put(f, f"{topic}#{uniq_key}", phy_offset, store_ts, again)
             if keys:
                 for token in keys.split(" "):
                     if token:
-                        f = self._put(f, f"{topic}#{token}", phy_offset, store_ts)
+                        f = self._put(f, f"{topic}#{token}", phy_offset, store_ts, again)
             f._write_header()
 
-    def _put(self, f: IndexFile, key: str, phy_offset: int, store_ts: int) -> IndexFile:
+    def _put(self, f: IndexFile, key: str, phy_offset: int, store_ts: int, again: bool = False) -> IndexFile:
+        if again and self._holds(key, phy_offset):
+            return f
         while not f.put_key(key, phy_offset, store_ts):
             f._write_header()
             f = self._writable_file()

@@ -110,6 +110,47 @@ class MappedFile:
         self.wrote_position = pos
         self.flushed_position = pos
 
+    def data_ranges(self, pos: int, end: int) -> Iterator[tuple[int, int]]:
+        """The [start, stop) ranges of [pos, end) that may hold non-zero bytes.
+
+        ``SEEK_DATA``/``SEEK_HOLE`` skip what the file system knows to read as
+        zeros (holes, reserved blocks never written) without reading it, so a
+        mostly empty segment is checked without faulting in its pages.  Where
+        the file system cannot tell, the whole range is returned.
+        """
+        while pos < end:
+            try:
+                start = os.lseek(self.fd, pos, os.SEEK_DATA)
+                stop = os.lseek(self.fd, start, os.SEEK_HOLE) if start < end else end
+            except OSError as e:
+                if e.errno != errno.ENXIO:  # ENXIO: no data past pos
+                    yield pos, end
+                return
+            if start >= end:
+                return
+            yield start, min(stop, end)
+            pos = stop
+
+    def zero_from(self, pos: int, end: int | None = None, chunk: int = 1 << 20) -> int:
+        """Zero the non-zero bytes of [pos, end) (to the file's end by default) and make that durable.
+
+        What lies past a recovered end must not come back once later writes make
+        it look continuous again (stale units, records).  Only chunks holding
+        non-zero bytes are written; returns how many bytes were zeroed.
+        """
+        end = self.file_size if end is None else min(end, self.file_size)
+        zeroed = 0
+        for pos, end_of_data in self.data_ranges(pos, end):
+            while pos < end_of_data:
+                stop = min(end_of_data, (pos // chunk + 1) * chunk)
+                if self.mm[pos:stop].count(0) != stop - pos:
+                    self.mm[pos:stop] = bytes(stop - pos)
+                    zeroed += stop - pos
+                pos = stop
+        if zeroed:
+            fdatasync(self.fd)
+        return zeroed
+
     # ------------------------------------------------------------ writes
     def append(self, data: bytes | bytearray | memoryview) -> int:
         """Copy ``data`` at the write position; return the position it was written at."""

@@ -10,8 +10,14 @@ Unclean (``abort`` present): the CommitLog is CRC-checked from the newest
 segment whose first record is older than the checkpoint's minimum time (3 s of
 slack), or from the first segment; every record is re-dispatched (duplicates
 are skipped), and everything past the last valid record is truncated: the
-torn tail of the CommitLog, consume-queue units pointing past it, and whole
-files beyond it.
+torn tail of the CommitLog, consume-queue units pointing past it (zeroed, so
+they never come back), index entries for records past it, and whole files
+beyond it.  The index resumes at its last entry's record, adding only the
+keys it lacks (no key twice), and from the first record that dropped index
+files covered.  After a
+reboot or power loss (not a crash of the process alone) the consume queues are
+also checked for holes over the range re-checked; a queue is cut at its first
+hole and rebuilt from the CommitLog.
 
 Unlike RocketMQ, a record is accepted only if its PHYSICALOFFSET field equals
 its position, so stale bytes in a reused segment never come back as messages.
@@ -61,13 +67,17 @@ class RecoveryReport:
     queues_truncated: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     zeroed_bytes: int = 0
+    queues_rebuilt: dict[str, int] = field(default_factory=dict)  # queue -> first unit rebuilt after a hole
+    not_rebuilt: dict[str, str] = field(default_factory=dict)  # queue -> what recovery could not rebuild
+    index_entries_removed: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {"abnormal": self.abnormal, "startOffset": self.start_offset, "processOffset": self.process_offset,
                 "confirmOffset": self.confirm_offset, "bytesChecked": self.bytes_checked, "recordsChecked": self.records_checked,
                 "stoppedBecause": self.stopped_because, "deletedFiles": self.deleted_files,
                 "indexFilesDropped": self.index_files_dropped, "queuesTruncated": self.queues_truncated, "zeroedBytes": self.zeroed_bytes,
-                "seconds": round(self.seconds, 3)}
+                "queuesRebuilt": self.queues_rebuilt, "notRebuilt": self.not_rebuilt,
+                "indexEntriesRemoved": self.index_entries_removed, "seconds": round(self.seconds, 3)}
 
 
 def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
@@ -75,21 +85,39 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     report = RecoveryReport(abnormal=not last_exit_ok)
     commitlog = store.commitlog
     writable = not store.read_only
-    max_cq = -1
-    for cq in store.consume_queues():
-        report.deleted_files += cq.recover()
-        max_cq = max(max_cq, cq.max_physic_offset)
     files = commitlog.queue.files
+    index_enabled = store.config.messageIndexEnable
+    index = store.index_service
+    cp_start = _checkpoint_start(store) if report.abnormal and files else None
+    # After a power loss (not a crash of the process alone) a consume-queue file may survive as zeros below
+    # valid units; every file whose units may point into the range recovery re-checks is checked for that.
+    check_from = None
+    if writable and report.abnormal and files and not getattr(store, "process_crash_only", False):
+        check_from = files[cp_start].file_from_offset if cp_start is not None else 0
+    max_cq = -1
+    rebuild_from = None
+    for cq in store.consume_queues():
+        report.deleted_files += cq.recover(check_from)
+        max_cq = max(max_cq, cq.max_physic_offset)
+        if cq.rebuild_from is not None and writable:
+            report.queues_rebuilt[f"{cq.topic}-{cq.queue_id}"] = cq.hole_at
+            rebuild_from = cq.rebuild_from if rebuild_from is None else min(rebuild_from, cq.rebuild_from)
     if not files:
         if writable:
             for cq in store.consume_queues():
                 cq.queue.truncate_dirty(0)
         store.recover_topic_queue_table()
         return report
-    start_idx = _start_file(store, last_exit_ok, max_cq)
+    start_idx = _start_file(store, last_exit_ok, max_cq, cp_start)
+    if rebuild_from is not None:
+        start_idx = min(start_idx, _file_index(files, rebuild_from))
     refill = store.refill_from()  # rocketstore: queues that lost files are refilled from where they end
     if refill is not None:
         start_idx = min(start_idx, _file_index(files, refill))
+    if writable and index_enabled:
+        index.truncate(codec.NO_INDEX, _store_time(store))  # what a crash left past the entry count
+        if report.abnormal:  # the index resumes at its last entry, also when files newer were dropped
+            start_idx = min(start_idx, _file_index(files, index.resume_offset()))
     start = files[start_idx]
     report.start_offset = start.file_from_offset
     dispatcher = CommitLogDispatcher(store) if writable else None
@@ -98,7 +126,6 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     process = start.file_from_offset
     next_log = time.monotonic() + PROGRESS_INTERVAL_S
     file_size = commitlog.file_size
-    index_enabled = store.config.messageIndexEnable
     topics: dict[bytes, str] = {}
     # What the scan may skip: records their consume queue already holds, and records below where the index
     # must resume.  Both bounds only grow while recovery dispatches, so these snapshots never skip a record
@@ -106,7 +133,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     held = _held_by_queues(store) if dispatcher is not None else None
     index_from = codec.NO_INDEX
     if dispatcher is not None and index_enabled:
-        index_from = _index_end(store) if report.abnormal else max(_index_end(store), max_cq + 1)
+        index_from = index.resume_offset() if report.abnormal else max(index.resume_offset(), max_cq + 1)
 
     def offer(mm: Any, pos: int, parsed: tuple, size: int) -> None:
         """Dispatch a valid record if something still needs it.
@@ -117,10 +144,11 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
         """
         h = parsed[0]
         phy = h[6]
-        index = (report.abnormal or phy > max_cq) and index_enabled and \
-            h[7] & codec.TRANSACTION_MASK != codec.TRANSACTION_ROLLBACK and phy >= _index_end(store)
-        if index or _queue_needs(store, mm, parsed, size, topics):
-            dispatcher.dispatch(codec.decode(mm, pos, pos + size, read_body=False), index=index)
+        to_index = (report.abnormal or phy > max_cq) and index_enabled and \
+            h[7] & codec.TRANSACTION_MASK != codec.TRANSACTION_ROLLBACK and phy >= index.resume_offset()
+        to_queue = _queue_needs(store, mm, parsed, size, topics)
+        if to_index or to_queue:
+            dispatcher.dispatch(codec.decode(mm, pos, pos + size, read_body=False), index=to_index, queue=to_queue)
 
     def progress(offset: int, path: str) -> None:
         nonlocal next_log
@@ -199,9 +227,9 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     report.confirm_offset = last_valid
     if writable:
         store.checkpoint.confirmPhyOffset = last_valid
-    if dispatcher is not None and report.abnormal:
+    if dispatcher is not None:  # what was rebuilt is durable before the checkpoint can say so
         for cq in store.consume_queues():
-            cq.flush(0)
+            cq.flush_dirty()
     if max_cq >= process:
         for cq in store.consume_queues():
             n = cq.truncate_dirty_logic(process)
@@ -209,8 +237,15 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
                 report.queues_truncated[f"{cq.topic}-{cq.queue_id}"] = n
     commitlog.queue.flushed_where = process
     report.deleted_files += commitlog.queue.truncate_dirty(process)
-    if writable and report.stopped_because:
-        report.zeroed_bytes = _zero_stale_tail(commitlog, process)
+    if writable and (report.stopped_because or check_from is not None):  # after a power loss, pages past a
+        report.zeroed_bytes = _zero_stale_tail(commitlog, process)     # lost one may have reached the disk
+    if writable and index_enabled:
+        # Entries for records at or past the new end would answer for whatever is written there next, and
+        # the index's end offset would make dispatch skip the new records.
+        report.index_entries_removed = index.truncate(process, _store_time(store))
+    if writable:
+        for cq in store.consume_queues():
+            _check_rebuilt(cq, process, commitlog.min_offset(), report)
     store.recover_topic_queue_table()
     report.seconds = time.monotonic() - t0
     if report.stopped_because and report.abnormal:
@@ -218,9 +253,30 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     return report
 
 
-def _index_end(store: "MessageStore") -> int:
-    files = store.index_service.files
-    return files[-1].end_phy_offset if files else 0
+def _store_time(store: "MessageStore"):
+    """commitlog offset -> store time of the record there (-1 if none), for the index's end timestamp."""
+    return lambda offset: store.commitlog.pickup_store_timestamp(offset, 0)
+
+
+def _check_rebuilt(cq, process: int, min_phy: int, report: RecoveryReport) -> None:
+    """Report a queue cut at a hole that the commitlog's records did not fill up again: units still
+    missing, or written as blank units though their records should be in the log (not expired)."""
+    cq.pad_gaps = False
+    if cq.rebuild_from is None:
+        return
+    name = f"{cq.topic}-{cq.queue_id}"
+    problems = []
+    if cq.blank_units and cq.rebuild_from >= min_phy:
+        problems += [f"units {a}..{b} have no record in the commitlog (written as blank units)"
+                     for a, b in cq.blank_units]
+    if cq.lost_units is not None:
+        units_end, last_phy = cq.lost_units
+        if last_phy < process and cq.max_offset_in_queue < units_end:
+            problems.append(f"units {cq.max_offset_in_queue}..{units_end - 1} (up to commitlog offset {last_phy}) "
+                            f"are not in the commitlog recovery checked from {report.start_offset}")
+    if problems:
+        report.not_rebuilt[name] = "; ".join(problems)
+        log.error("recovery could not rebuild %s: %s", name, report.not_rebuilt[name])
 
 
 def _held_by_queues(store: "MessageStore") -> dict[tuple[bytes, int], int]:
@@ -252,33 +308,37 @@ def _zero_stale_tail(commitlog, offset: int) -> int:
     """Zero the bytes left after the recovered end of the last segment (RocketMQ leaves them).
 
     Stale records there could otherwise pass every check after the next write
-    lands just before them.  Only chunks holding non-zero bytes are written.
+    lands just before them.
     """
     f = commitlog.queue.find(offset)
-    if f is None:
-        return 0
-    zeroed = 0
-    pos = offset - f.file_from_offset
-    chunk = 1 << 20
-    while pos < f.file_size:
-        end = min(f.file_size, (pos // chunk + 1) * chunk)
-        if f.mm[pos:end].count(0) != end - pos:
-            f.mm[pos:end] = bytes(end - pos)
-            zeroed += end - pos
-        pos = end
-    if zeroed:
-        f.flushed_position = 0
-        f.flush(0)
-    return zeroed
+    return 0 if f is None else f.zero_from(offset - f.file_from_offset)
 
 
-def _start_file(store: "MessageStore", last_exit_ok: bool, max_cq: int) -> int:
+def _start_file(store: "MessageStore", last_exit_ok: bool, max_cq: int, cp_start: int | None) -> int:
     files = store.commitlog.queue.files
     if last_exit_ok:
         for i in range(len(files) - 1, -1, -1):
             if files[i].file_from_offset <= max_cq:
                 return i
         return 0
+    if cp_start is not None:
+        return cp_start
+    # RocketMQ falls back to the first file here and may re-check the whole log.  The consume queues
+    # know how far dispatch got, and the index how far it was built: start one segment before the
+    # earlier of the two (the segment before covers a loss that spans a segment boundary).
+    start = max(0, _file_index(files, max_cq) - 1) if max_cq >= 0 else 0
+    if store.config.messageIndexEnable:
+        start = min(start, _file_index(files, store.index_service.resume_offset()))
+    if start:
+        log.info("checkpoint times give no start segment; starting at %s (consume queues reach %d)",
+                 files[start].path, max_cq)
+    return start
+
+
+def _checkpoint_start(store: "MessageStore") -> int | None:
+    """After a crash: the newest segment whose first record is older than the checkpoint's times (less
+    3 s), where RocketMQ starts checking; None when no segment is."""
+    files = store.commitlog.queue.files
     cp = store.checkpoint
     bound = cp.min_timestamp()
     if store.config.messageIndexEnable and store.config.messageIndexSafe:
@@ -291,17 +351,7 @@ def _start_file(store: "MessageStore", last_exit_ok: bool, max_cq: int) -> int:
         ts = codec.read_store_timestamp(mm, 0)
         if ts != 0 and ts <= bound:
             return i
-    # RocketMQ falls back to the first file here and may re-check the whole log.  The consume queues
-    # know how far dispatch got, and the index how far it was built: start one segment before the
-    # earlier of the two (the segment before covers a loss that spans a segment boundary).
-    start = max(0, _file_index(files, max_cq) - 1) if max_cq >= 0 else 0
-    if store.config.messageIndexEnable:
-        built = store.index_service.files
-        start = min(start, _file_index(files, built[-1].end_phy_offset) if built else 0)
-    if start:
-        log.info("checkpoint times give no start segment; starting at %s (consume queues reach %d)",
-                 files[start].path, max_cq)
-    return start
+    return None
 
 
 def _file_index(files: list, offset: int) -> int:
