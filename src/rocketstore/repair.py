@@ -370,6 +370,8 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
         kept = spans or any(os.path.exists(os.path.join(qdir, n)) for n in ("consumequeue", "index", "abort"))
         if not kept:
             shutil.rmtree(qdir)
+            if not os.listdir(paths.quarantine):
+                os.rmdir(paths.quarantine)
         else:
             with open(os.path.join(qdir, REPORT_NAME), "w", encoding="utf-8") as fh:
                 json.dump({"lost": [s.to_json() for s in spans], "repaired": repaired}, fh, ensure_ascii=False,

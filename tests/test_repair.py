@@ -1,0 +1,195 @@
+"""verify --repair (issue 16, item 2): every CRC-valid record survives, damaged spans are reported, --dry-run writes nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import GOLDEN_NAMES, copy_store, golden_expected, golden_store, run_cli
+from rocketstore import codec
+from rocketstore.repair import FILLER_TOPIC, MAX_FILLER_BYTES, filler_pieces, filler_record
+from rocketstore.store import MessageStore
+
+SEG = 1048576
+
+
+def flip_body_bit(store: Path, e: dict) -> None:
+    seg = e["commitLogOffset"] // SEG * SEG
+    with open(store / "commitlog" / f"{seg:020d}", "r+b") as fh:
+        fh.seek(e["commitLogOffset"] - seg + 88 + e["bodyLength"] // 2)
+        b = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([b[0] ^ 1]))
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def walk_like_rocketmq(store: Path) -> list[int]:
+    """checkMessageAndReturnSize over every segment with CRC on: offsets of the records a RocketMQ walker keeps
+    (it stops for good at the first record that fails; a blank record sends it to the next file)."""
+    kept = []
+    for seg in sorted((store / "commitlog").iterdir()):
+        buf = seg.read_bytes()
+        base = int(seg.name)
+        for pos, size, msg, _reason in codec.walk(buf, 0, len(buf), check_crc=True):
+            if size == 0:
+                break
+            if msg is None:
+                return kept
+            kept.append(base + pos)
+    return kept
+
+
+def golden_offsets(name: str = "basic") -> list[int]:
+    return sorted(e["commitLogOffset"] for e in golden_expected(name))
+
+
+def assert_intact_except(store: Path, start: int, end: int) -> None:
+    """Every commitlog byte outside [start, end) equals the golden one."""
+    for seg in sorted((golden_store("basic") / "commitlog").iterdir()):
+        base = int(seg.name)
+        old, new = seg.read_bytes(), (store / "commitlog" / seg.name).read_bytes()
+        lo, hi = max(0, start - base), max(0, min(len(old), end - base))
+        assert old[:lo] == new[:lo] and old[max(lo, hi):] == new[max(lo, hi):], seg.name
+
+
+def test_a_flipped_body_bit_loses_only_its_record(basic_copy):
+    """The issue's case: one flipped bit in segment 2 made repair delete 3 segments and print OK."""
+    expected = golden_expected("basic")
+    bad = expected[1500]
+    flip_body_bit(basic_copy, bad)
+    damaged = (basic_copy / "commitlog" / f"{SEG:020d}").read_bytes()
+    r = run_cli("verify", basic_copy, "--repair", "--json")
+    assert r.returncode == 1, r.stderr
+    out = json.loads(r.stdout)
+    assert not out["ok"]
+    assert len(out["lost"]) == 1
+    lost = out["lost"][0]
+    assert (lost["offset"], lost["length"], lost["action"]) == (bad["commitLogOffset"], bad["size"], "filler")
+    assert "CRC" in lost["reason"] and lost["file"].endswith(f"{SEG:020d}")
+    assert lost["messages"] == [{"topic": bad["topic"], "queueId": bad["queueId"], "queueOffset": bad["queueOffset"],
+                                 "commitLogOffset": bad["commitLogOffset"], "size": bad["size"]}]
+    # Nothing else changed in the commitlog, and the damaged original is kept.
+    assert_intact_except(basic_copy, bad["commitLogOffset"], bad["commitLogOffset"] + bad["size"])
+    q = Path(out["quarantine"])
+    assert (q / "commitlog" / f"{SEG:020d}").read_bytes() == damaged
+    assert json.loads((q / "report.json").read_text())["lost"][0]["offset"] == bad["commitLogOffset"]
+    # A RocketMQ-style walker keeps every other record (and the filler).
+    walked = walk_like_rocketmq(basic_copy)
+    assert sorted(set(walked) - {bad["commitLogOffset"]}) == sorted(set(golden_offsets()) - {bad["commitLogOffset"]})
+    # So does rocketstore's abnormal recovery from the first segment, and every other message is readable.
+    (basic_copy / "abort").write_text("1")
+    (basic_copy / "checkpoint").write_bytes(bytes(4096))
+    with MessageStore.open(str(basic_copy)) as store:
+        assert store.max_phy_offset() == 3711299
+        got = {}
+        for topic, qid in store.queue_keys():
+            off = 0
+            while (res := store.get(topic, qid, off, 32, read_body=False)).messages:
+                for m in res.messages:
+                    got[m.commit_log_offset] = (m.topic, m.queue_id, m.body_crc)
+                off = res.next_begin_offset
+        assert FILLER_TOPIC not in {t for t, _q, _c in got.values()}
+        assert got == {e["commitLogOffset"]: (e["topic"], e["queueId"], e["bodyCrc"]) for e in expected if e is not bad}
+        other = expected[1501]
+        assert store.query(other["topic"], other["keys"].split()[0]).phy_offsets == [other["commitLogOffset"]]
+        assert store.query(bad["topic"], bad["properties"]["UNIQ_KEY"]).messages == []
+    # Every consume-queue file keeps the configured size.
+    assert {f.stat().st_size for f in (basic_copy / "consumequeue").rglob("0*") if f.is_file()} == {6000}
+    # verify keeps reporting the repair (and the queue's gap) until the operator deals with it.
+    v = json.loads(run_cli("verify", basic_copy, "--json").stdout)
+    kinds = {p["kind"] for p in v["problems"]}
+    assert kinds == {"quarantined", "cq-gap"}, v["problems"]
+    gap = next(p for p in v["problems"] if p["kind"] == "cq-gap")
+    assert f"{bad['topic']}-{bad['queueId']} units {bad['queueOffset']}.." in gap["detail"]
+
+
+def test_dry_run_reports_and_writes_nothing(basic_copy):
+    bad = golden_expected("basic")[1500]
+    flip_body_bit(basic_copy, bad)
+    before = tree_digest(basic_copy)
+    r = run_cli("verify", basic_copy, "--repair", "--dry-run", "--json")
+    assert r.returncode == 1, r.stderr
+    out = json.loads(r.stdout)
+    assert out["dryRun"] and not out["ok"]
+    assert [(s["offset"], s["action"]) for s in out["lost"]] == [(bad["commitLogOffset"], "filler")]
+    assert tree_digest(basic_copy) == before
+    table = run_cli("verify", basic_copy, "--repair", "--dry-run")
+    assert table.returncode == 1 and b"would repair" in table.stdout and b"not kept" in table.stdout
+    assert tree_digest(basic_copy) == before
+
+
+def test_dry_run_needs_repair(basic_copy):
+    r = run_cli("verify", basic_copy, "--dry-run")
+    assert r.returncode == 2 and r.stderr.decode().count("\n") == 1 and b"--repair" in r.stderr
+
+
+def test_garbage_over_a_record_header_resynchronises_on_the_next_record(basic_copy):
+    """The size field itself is gone: repair finds the next record by magic, PHYSICALOFFSET and CRC."""
+    first = next(e for e in golden_expected("basic") if e["commitLogOffset"] == SEG)
+    nxt = min(e["commitLogOffset"] for e in golden_expected("basic") if e["commitLogOffset"] > SEG)
+    with open(basic_copy / "commitlog" / f"{SEG:020d}", "r+b") as fh:
+        fh.write(bytes(range(7, 71)))  # 64 bytes over TOTALSIZE, magic, CRC, ... PHYSICALOFFSET
+    out = json.loads(run_cli("verify", basic_copy, "--repair", "--json").stdout)
+    assert [(s["offset"], s["length"]) for s in out["lost"]] == [(SEG, first["size"])] == [(SEG, nxt - SEG)]
+    assert sorted(set(walk_like_rocketmq(basic_copy)) - {SEG}) == sorted(set(golden_offsets()) - {SEG})
+    assert_intact_except(basic_copy, SEG, nxt)
+
+
+def test_damaged_last_record_of_a_segment_becomes_a_blank(basic_copy):
+    """Nothing valid follows it in its file: a blank record sends both walkers on to the next file."""
+    last = max((e for e in golden_expected("basic") if e["commitLogOffset"] < SEG), key=lambda e: e["commitLogOffset"])
+    flip_body_bit(basic_copy, last)
+    out = json.loads(run_cli("verify", basic_copy, "--repair", "--json").stdout)
+    assert [(s["offset"], s["action"], s["length"]) for s in out["lost"]] == \
+        [(last["commitLogOffset"], "blank", SEG - last["commitLogOffset"])]
+    seg0 = (basic_copy / "commitlog" / f"{0:020d}").read_bytes()
+    assert seg0[last["commitLogOffset"]:last["commitLogOffset"] + 8] == codec.blank_record(SEG - last["commitLogOffset"])
+    assert sorted(walk_like_rocketmq(basic_copy)) == sorted(set(golden_offsets()) - {last["commitLogOffset"]})
+
+
+def test_a_truncated_consume_queue_file_keeps_every_queue_file_size(basic_copy):
+    """The first CQ file found was 1000 bytes long: that must not become every queue's file size."""
+    os.truncate(basic_copy / "consumequeue" / "TopicA" / "0" / f"{0:020d}", 1000)
+    r = run_cli("verify", basic_copy, "--repair", "--json")
+    assert r.returncode == 0, r.stdout[-2000:]
+    out = json.loads(r.stdout)
+    assert out["ok"] and out["lost"] == []
+    golden = golden_store("basic") / "consumequeue"
+    for f in (f for f in golden.rglob("0*") if f.is_file()):
+        assert (basic_copy / "consumequeue" / f.relative_to(golden)).read_bytes() == f.read_bytes(), f
+    assert run_cli("verify", basic_copy).returncode == 0
+
+
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
+def test_repair_of_an_intact_golden_store_changes_nothing(tmp_path, name):
+    store = copy_store(golden_store(name), tmp_path / "s")
+    r = run_cli("verify", store, "--repair", "--json")
+    assert r.returncode == 0, r.stdout[-2000:]
+    out = json.loads(r.stdout)
+    assert out["ok"] and out["lost"] == [] and not (store / "quarantine").exists()
+    for d in ("commitlog", "consumequeue"):
+        assert tree_digest(store / d) == tree_digest(golden_store(name) / d)
+
+
+@pytest.mark.parametrize("size", [92, 116, 117, 5000, MAX_FILLER_BYTES])
+def test_filler_record_is_a_valid_rollback_record_of_exactly_the_span(size):
+    rec = filler_record(size, 4242, 1795375975099)
+    n, msg, reason = codec.check(rec, 0, len(rec), check_crc=True)
+    assert (n, reason) == (size, None)
+    assert msg.transaction_type == codec.TRANSACTION_ROLLBACK and msg.commit_log_offset == 4242
+    assert msg.store_timestamp == 1795375975099 and msg.topic == FILLER_TOPIC[:len(msg.topic)]
+
+
+def test_filler_pieces_cover_any_span():
+    assert filler_pieces(91) == []
+    for length in (92, 3 * MAX_FILLER_BYTES + 1, 2 * MAX_FILLER_BYTES):
+        pieces = filler_pieces(length)
+        assert sum(pieces) == length and max(pieces) <= MAX_FILLER_BYTES and min(pieces) >= 92
