@@ -158,6 +158,9 @@ def test_damaged_last_record_of_a_segment_becomes_a_blank(basic_copy):
 def test_a_truncated_consume_queue_file_keeps_every_queue_file_size(basic_copy):
     """The first CQ file found was 1000 bytes long: that must not become every queue's file size."""
     os.truncate(basic_copy / "consumequeue" / "TopicA" / "0" / f"{0:020d}", 1000)
+    before = tree_digest(basic_copy)
+    dry = run_cli("verify", basic_copy, "--repair", "--dry-run")
+    assert dry.returncode == 1 and b"1000 bytes" in dry.stdout and tree_digest(basic_copy) == before
     r = run_cli("verify", basic_copy, "--repair", "--json")
     assert r.returncode == 0, r.stdout[-2000:]
     out = json.loads(r.stdout)
@@ -193,3 +196,18 @@ def test_filler_pieces_cover_any_span():
     for length in (92, 3 * MAX_FILLER_BYTES + 1, 2 * MAX_FILLER_BYTES):
         pieces = filler_pieces(length)
         assert sum(pieces) == length and max(pieces) <= MAX_FILLER_BYTES and min(pieces) >= 92
+
+
+def test_a_torn_last_message_is_reported_and_the_log_ends_before_it(basic_copy):
+    from test_recovery import tear_last_message
+    last = tear_last_message(basic_copy)
+    r = run_cli("verify", basic_copy, "--repair", "--json")
+    assert r.returncode == 1, r.stderr
+    out = json.loads(r.stdout)
+    assert [(s["offset"], s["action"]) for s in out["lost"]] == [(last["commitLogOffset"], "end-of-log")]
+    assert out["lost"][0]["messages"][0]["queueOffset"] == last["queueOffset"]
+    assert not (basic_copy / "abort").exists() and (Path(out["quarantine"]) / "abort").exists()
+    with MessageStore.open(str(basic_copy), read_only=True) as store:
+        assert store.max_phy_offset() == last["commitLogOffset"]
+        assert store.max_offset_in_queue(last["topic"], last["queueId"]) == last["queueOffset"]
+    assert sorted(walk_like_rocketmq(basic_copy)) == sorted(set(golden_offsets()) - {last["commitLogOffset"]})

@@ -57,9 +57,9 @@ from typing import Any, Iterator
 from . import codec
 from .config import StoreConfig
 from .consume_queue import CQ_STORE_UNIT_SIZE
-from .errors import StoreLoadError, StoreLockedError
+from .errors import StoreError, StoreLoadError, StoreLockedError
 from .store import MessageStore, StorePaths, infer_config
-from .verify import resync, verify_store
+from .verify import finding, resync, verify_store
 
 log = logging.getLogger(__name__)
 
@@ -269,13 +269,7 @@ def _apply(spans: list[DamagedSpan], qdir: str) -> list[DamagedSpan]:
                 if s.action == "blank":
                     os.pwrite(fh.fileno(), codec.blank_record(s.length), at)
                 elif s.action == "filler":
-                    pieces = filler_pieces(s.length)
-                    if not pieces:
-                        s.action = "none"
-                        s.reason += f"; {s.length} bytes are too few for a filler record, left as they are"
-                        unfixed.append(s)
-                        continue
-                    for n in pieces:
+                    for n in filler_pieces(s.length):  # never empty: repair_store checked every span
                         os.pwrite(fh.fileno(), filler_record(n, base + at, s.resume_store_timestamp), at)
                         at += n
                 else:
@@ -332,9 +326,19 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
     with _store_lock(paths, dry_run):
         spans = plan(path, cfg.mappedFileSizeCommitLog)
         _lost_messages(paths.consumequeue, spans)
+        for s in spans:
+            if s.action == "filler" and not filler_pieces(s.length):
+                # Left in place it would stop recovery and cost every record after it: touch nothing.
+                raise StoreError(f"{s.file}: damaged span of {s.length} bytes at commitlog offset {s.offset} "
+                                 f"({s.reason}) is too short for a filler record; nothing was written")
         if dry_run:
-            with MessageStore.open(path, cfg, read_only=True) as store:
-                result = verify_store(store)
+            try:
+                with MessageStore.open(path, cfg, read_only=True) as store:
+                    result = verify_store(store)
+            except StoreError as e:  # e.g. a consume-queue file of the wrong size
+                result = {"ok": False, "segments": 0, "records": 0, "bytesChecked": 0, "consumeQueues": 0,
+                          "consumeQueueUnits": 0, "indexFiles": 0, "indexEntries": 0,
+                          "problems": [finding("unreadable", path, 0, f"{e} (the rebuild replaces it)")]}
             result["dryRun"] = True
             result["lost"] = [s.to_json() for s in spans]
             result["repaired"] = [f"commitlog: would rewrite {s.length} bytes at {s.offset} as {s.action}"
