@@ -45,16 +45,22 @@ def test_golden_stores_verify_clean(name):
     assert (code, problems) == (0, [])
 
 
-def test_a_zeroed_unit_in_an_old_consume_queue_file_is_a_hole(basic_copy):
-    cq = basic_copy / "consumequeue" / "TopicA" / "0" / f"{0:020d}"  # not the queue's last file
-    with open(cq, "r+b") as fh:
-        fh.seek(10 * 20)
-        fh.write(bytes(20))
+def write_unit(cq_file: Path, n: int, unit: bytes = bytes(20)) -> None:
+    with open(cq_file, "r+b") as fh:
+        fh.seek(n * 20)
+        fh.write(unit)
+
+
+@pytest.mark.parametrize("file_from, unit, end", [(0, 10, 10), (6000, 5, 305)], ids=["first-file", "last-file"])
+def test_a_zeroed_unit_among_the_files_recovery_checks_is_a_hole(basic_copy, file_from, unit, end):
+    """Recovery checks a queue's last three files and ends it at the first invalid unit, which hides the
+    units after it: still a hole."""
+    write_unit(basic_copy / "consumequeue" / "TopicA" / "0" / f"{file_from:020d}", unit)
     code, problems = verify(basic_copy)
     assert code == 1
     holes = [p for p in problems if p["kind"] == "cq-hole"]
-    # Both files are among the last three that recovery checks: the queue ends at the hole.
-    assert len(holes) == 1 and holes[0]["offset"] == 200 and "TopicA-0 ends at unit 10," in holes[0]["detail"]
+    assert len(holes) == 1 and holes[0]["offset"] == file_from + unit * 20
+    assert f"TopicA-0 ends at unit {end}," in holes[0]["detail"]
 
 
 @pytest.mark.parametrize("unit", [bytes(20), struct.pack(">qiq", 0, 0x7FFFFFFF, 0)], ids=["zeros", "pre-blank"])
@@ -67,25 +73,11 @@ def test_an_invalid_unit_below_the_max_offset_is_a_hole(tmp_path, unit):
     with MessageStore.open(str(path), golden_config()) as store:
         for i in range(1250):  # 4 full CQ files of 300 units and a fifth
             assert store.put(Message("H", b"m%d" % i)).ok
-    with open(path / "consumequeue" / "H" / "0" / f"{0:020d}", "r+b") as fh:
-        fh.seek(10 * 20)
-        fh.write(unit)
+    write_unit(path / "consumequeue" / "H" / "0" / f"{0:020d}", 10, unit)
     code, problems = verify(path)
     assert code == 1
     assert [(p["kind"], p["offset"]) for p in problems] == [("cq-hole", 200), ("cq-missing", problems[1]["offset"])]
     assert "H-0 unit 10 below the queue's max offset 1250" in problems[0]["detail"]
-
-
-def test_a_zeroed_unit_in_the_last_consume_queue_file_is_a_hole(basic_copy):
-    """Recovery ends a queue at its first invalid unit, which hides the units after it: still a hole."""
-    cq = basic_copy / "consumequeue" / "TopicA" / "0" / f"{6000:020d}"
-    with open(cq, "r+b") as fh:
-        fh.seek(5 * 20)
-        fh.write(bytes(20))
-    code, problems = verify(basic_copy)
-    assert code == 1
-    holes = [p for p in problems if p["kind"] == "cq-hole"]
-    assert len(holes) == 1 and "TopicA-0 ends at unit 305" in holes[0]["detail"]
 
 
 def test_index_entries_missing_for_a_record_are_reported(basic_copy):
