@@ -26,6 +26,10 @@ the damaged span, in place, as:
 * **nothing** at the end of the last file: that is the log's torn tail, and
   the rebuild's recovery ends the log there, as RocketMQ would.
 
+The fillers carry no ``__CRC32#`` property: a RocketMQ broker run with
+``forceVerifyPropCRC=true`` (off by default) would refuse them, as it refuses
+every record written without ``enabledAppendPropCRC``.
+
 Before any byte changes, the original segment is copied to
 ``quarantine/repair-<ms>/commitlog/``; the consume queues, the index, the
 checkpoint and an ``abort`` file are moved there too and the rebuilt ones take
@@ -229,7 +233,9 @@ def _store_lock(paths: StorePaths, dry_run: bool) -> Iterator[None]:
                 from None
         yield
     finally:
-        os.close(fd)  # after the store opened inside has closed: closing any descriptor drops the process's lock
+        # POSIX record locks belong to the process: the store opened inside takes the same lock without
+        # waiting, and its close drops it; by then every write is done (only the read-only verify follows).
+        os.close(fd)
 
 
 def plan(path: str, file_size: int) -> list[DamagedSpan]:

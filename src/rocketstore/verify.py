@@ -1,5 +1,14 @@
 """verify: CRC-check every record and cross-check consume queues and the index against the CommitLog.
 
+Beyond CRC (``bad-record``, resynchronising after each) it finds consume-queue
+units that point nowhere or at the wrong record (``cq-dangling``,
+``cq-mismatch``), invalid units below a queue's end (``cq-hole``), runs of
+units shifted against their records' queue offsets (``cq-gap``), records with
+no unit (``cq-missing``), index entries that point nowhere or at a record
+without that key (``index-dangling``, ``index-mismatch``), a key hash and
+offset indexed more often than the record has the key (``index-duplicate``),
+and keys of indexed records with no entry (``index-missing``).
+
 Findings are plain dicts ``{"kind", "file", "offset", "detail"}`` so that the
 single-machine check, the Spark job and the JSON output share one shape.
 ``check_segment`` is the per-segment unit of work (the Spark job runs it on
@@ -276,9 +285,9 @@ def _check_index(store: MessageStore, by_offset: dict[int, RecordSummary],
     if not store.config.messageIndexEnable:
         return findings
     # Records the index must cover: from the oldest index file's first entry (older files expire), or all
-    # records when there is no index file; ROLLBACK records are never indexed (RocketMQ's buildIndex).
+    # records when no index file holds an entry; ROLLBACK records are never indexed (RocketMQ's buildIndex).
     used = [f for f in files if f.index_count > 1]
-    covered_from = min(f.begin_phy_offset for f in used) if used else (min_phy if not files else max_phy)
+    covered_from = min(f.begin_phy_offset for f in used) if used else min_phy
     for r in by_offset.values():
         if r.offset < covered_from or r.sys_flag & codec.TRANSACTION_MASK == codec.TRANSACTION_ROLLBACK:
             continue
