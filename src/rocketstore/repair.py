@@ -61,8 +61,8 @@ from typing import Any, Iterator
 from . import codec
 from .config import StoreConfig
 from .consume_queue import CQ_STORE_UNIT_SIZE
-from .index import index_file_size
 from .errors import StoreError, StoreLoadError, StoreLockedError
+from .index import index_file_size
 from .store import MessageStore, StorePaths, infer_config
 from .verify import finding, resync, verify_store
 
@@ -118,7 +118,7 @@ def scan_segment(buf: Any, path: str, base: int, file_size: int, is_last: bool) 
         if size == 0:
             break  # a blank record: the file ends here
         if parsed is not None and size > 0:
-            if parsed[0][6] == base + pos:  # accepted after all (scan_records is stricter on odd records)
+            if parsed[0][6] == base + pos:  # valid after all: scan_records leaves some to the exact check
                 last_ts = parsed[0][11]
                 pos += size
                 continue
@@ -280,6 +280,9 @@ def _apply(spans: list[DamagedSpan], qdir: str) -> list[DamagedSpan]:
         with open(p, "r+b") as fh:
             for s in file_spans:
                 at = s.offset - base
+                log.warning("%s: %d bytes at commitlog offset %d (%s): %s; original kept in %s", p, s.length,
+                            s.offset, s.reason, "left to recovery" if s.action == "end-of-log" else
+                            f"rewritten as {s.action}", keep)
                 if s.action == "blank":
                     os.pwrite(fh.fileno(), codec.blank_record(s.length), at)
                 elif s.action == "filler":
