@@ -221,3 +221,18 @@ def test_a_truncated_first_index_file_keeps_the_index_geometry(basic_copy):
     assert {f.stat().st_size for f in (basic_copy / "index").iterdir()} == {84040}
     golden = sorted(f.read_bytes() for f in (golden_store("basic") / "index").iterdir())
     assert sorted(f.read_bytes() for f in (basic_copy / "index").iterdir()) == golden
+
+
+def test_repair_refuses_a_store_another_process_has_open(basic_copy):
+    bad = golden_expected("basic")[1500]
+    flip_body_bit(basic_copy, bad)
+    before = tree_digest(basic_copy)
+    import fcntl
+    fd = os.open(basic_copy / "lock", os.O_RDWR)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)  # as a running broker holds it
+        r = run_cli("verify", basic_copy, "--repair")
+    finally:
+        os.close(fd)
+    assert r.returncode == 2 and r.stderr.decode().count("\n") == 1 and b"locked" in r.stderr
+    assert tree_digest(basic_copy) == before
