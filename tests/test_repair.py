@@ -11,7 +11,8 @@ import pytest
 
 from conftest import GOLDEN_NAMES, copy_store, golden_expected, golden_store, run_cli
 from rocketstore import codec
-from rocketstore.repair import FILLER_TOPIC, MAX_FILLER_BYTES, filler_pieces, filler_record
+from rocketstore.message import parse_tag_filter
+from rocketstore.repair import FILLER_TOPIC, LOST_PROPERTY, LOST_TAG, MAX_FILLER_BYTES, filler_pieces, filler_record
 from rocketstore.store import MessageStore
 
 SEG = 1048576
@@ -75,13 +76,14 @@ def test_a_flipped_body_bit_loses_only_its_record(basic_copy):
     assert (lost["offset"], lost["length"], lost["action"]) == (bad["commitLogOffset"], bad["size"], "filler")
     assert "CRC" in lost["reason"] and lost["file"].endswith(f"{SEG:020d}")
     assert lost["messages"] == [{"topic": bad["topic"], "queueId": bad["queueId"], "queueOffset": bad["queueOffset"],
-                                 "commitLogOffset": bad["commitLogOffset"], "size": bad["size"]}]
+                                 "commitLogOffset": bad["commitLogOffset"], "size": bad["size"], "tombstone": True}]
+    assert lost["rewrite"] == [{"offset": bad["commitLogOffset"], "length": bad["size"], "as": "tombstone"}]
     # Nothing else changed in the commitlog, and the damaged original is kept.
     assert_intact_except(basic_copy, bad["commitLogOffset"], bad["commitLogOffset"] + bad["size"])
     q = Path(out["quarantine"])
     assert (q / "commitlog" / f"{SEG:020d}").read_bytes() == damaged
     assert json.loads((q / "report.json").read_text())["lost"][0]["offset"] == bad["commitLogOffset"]
-    # A RocketMQ-style walker keeps every other record (and the filler).
+    # A RocketMQ-style walker keeps every other record (and the tombstone).
     walked = walk_like_rocketmq(basic_copy)
     assert sorted(set(walked) - {bad["commitLogOffset"]}) == sorted(set(golden_offsets()) - {bad["commitLogOffset"]})
     # So does rocketstore's abnormal recovery from the first segment, and every other message is readable.
@@ -89,26 +91,33 @@ def test_a_flipped_body_bit_loses_only_its_record(basic_copy):
     (basic_copy / "checkpoint").write_bytes(bytes(4096))
     with MessageStore.open(str(basic_copy)) as store:
         assert store.max_phy_offset() == 3711299
-        got = {}
+        got, tombstones = {}, []
         for topic, qid in store.queue_keys():
             off = 0
             while (res := store.get(topic, qid, off, 32, read_body=False)).messages:
-                for m in res.messages:
-                    got[m.commit_log_offset] = (m.topic, m.queue_id, m.body_crc)
+                for i, m in enumerate(res.messages):
+                    assert m.queue_offset == off + i  # no queue offset moved
+                    if LOST_PROPERTY in m.properties:
+                        tombstones.append(m)
+                    else:
+                        got[m.commit_log_offset] = (m.topic, m.queue_id, m.body_crc)
                 off = res.next_begin_offset
-        assert FILLER_TOPIC not in {t for t, _q, _c in got.values()}
         assert got == {e["commitLogOffset"]: (e["topic"], e["queueId"], e["bodyCrc"]) for e in expected if e is not bad}
+        [t] = tombstones
+        assert (t.topic, t.queue_id, t.queue_offset, t.commit_log_offset, t.size, t.tags) == (
+            bad["topic"], bad["queueId"], bad["queueOffset"], bad["commitLogOffset"], bad["size"], LOST_TAG)
+        assert t.properties[LOST_PROPERTY] == q.name
+        # a tag subscription never sees it
+        res = store.get(bad["topic"], bad["queueId"], bad["queueOffset"], 1, parse_tag_filter(bad["tags"]))
+        assert [m.commit_log_offset for m in res.messages] != [bad["commitLogOffset"]]
         other = expected[1501]
         assert store.query(other["topic"], other["keys"].split()[0]).phy_offsets == [other["commitLogOffset"]]
         assert store.query(bad["topic"], bad["properties"]["UNIQ_KEY"]).messages == []
     # Every consume-queue file keeps the configured size.
     assert {f.stat().st_size for f in (basic_copy / "consumequeue").rglob("0*") if f.is_file()} == {6000}
-    # verify keeps reporting the repair (and the queue's gap) until the operator deals with it.
+    # verify keeps reporting the repair until the operator deals with it; the queues are consistent.
     v = json.loads(run_cli("verify", basic_copy, "--json").stdout)
-    kinds = {p["kind"] for p in v["problems"]}
-    assert kinds == {"quarantined", "cq-gap"}, v["problems"]
-    gap = next(p for p in v["problems"] if p["kind"] == "cq-gap")
-    assert f"{bad['topic']}-{bad['queueId']} units {bad['queueOffset']}.." in gap["detail"]
+    assert [p["kind"] for p in v["problems"]] == ["quarantined"], v["problems"]
 
 
 def test_dry_run_reports_and_writes_nothing(basic_copy):
@@ -143,16 +152,37 @@ def test_garbage_over_a_record_header_resynchronises_on_the_next_record(basic_co
     assert_intact_except(basic_copy, SEG, nxt)
 
 
-def test_damaged_last_record_of_a_segment_becomes_a_blank(basic_copy):
-    """Nothing valid follows it in its file: a blank record sends both walkers on to the next file."""
+def test_damaged_last_record_of_a_segment_becomes_a_tombstone_and_a_blank(basic_copy):
+    """Nothing valid follows it in its file: after its tombstone a blank record sends both walkers on."""
     last = max((e for e in golden_expected("basic") if e["commitLogOffset"] < SEG), key=lambda e: e["commitLogOffset"])
     flip_body_bit(basic_copy, last)
     out = json.loads(run_cli("verify", basic_copy, "--repair", "--json").stdout)
-    assert [(s["offset"], s["action"], s["length"]) for s in out["lost"]] == \
-        [(last["commitLogOffset"], "blank", SEG - last["commitLogOffset"])]
+    off, end = last["commitLogOffset"], last["commitLogOffset"] + last["size"]
+    assert [(s["offset"], s["action"], s["length"]) for s in out["lost"]] == [(off, "blank", SEG - off)]
+    assert out["lost"][0]["rewrite"] == [{"offset": off, "length": last["size"], "as": "tombstone"},
+                                         {"offset": end, "length": SEG - end, "as": "blank"}]
     seg0 = (basic_copy / "commitlog" / f"{0:020d}").read_bytes()
-    assert seg0[last["commitLogOffset"]:last["commitLogOffset"] + 8] == codec.blank_record(SEG - last["commitLogOffset"])
-    assert sorted(walk_like_rocketmq(basic_copy)) == sorted(set(golden_offsets()) - {last["commitLogOffset"]})
+    assert seg0[end:end + 8] == codec.blank_record(SEG - end)
+    assert sorted(walk_like_rocketmq(basic_copy)) == golden_offsets()  # the tombstone stands where it was
+    assert [p["kind"] for p in json.loads(run_cli("verify", basic_copy, "--json").stdout)["problems"]] == \
+        ["quarantined"]
+
+
+def test_a_span_without_consume_queue_knowledge_becomes_a_blank(basic_copy):
+    """With the consume queues gone, nothing says which message was lost: a blank (the queue then has a gap)."""
+    import shutil
+    last = max((e for e in golden_expected("basic") if e["commitLogOffset"] < SEG), key=lambda e: e["commitLogOffset"])
+    flip_body_bit(basic_copy, last)
+    shutil.rmtree(basic_copy / "consumequeue")
+    out = json.loads(run_cli("verify", basic_copy, "--repair", "--json").stdout)
+    off = last["commitLogOffset"]
+    assert out["lost"][0]["messages"] == []
+    assert out["lost"][0]["rewrite"] == [{"offset": off, "length": SEG - off, "as": "blank"}]
+    seg0 = (basic_copy / "commitlog" / f"{0:020d}").read_bytes()
+    assert seg0[off:off + 8] == codec.blank_record(SEG - off)
+    assert sorted(walk_like_rocketmq(basic_copy)) == sorted(set(golden_offsets()) - {off})
+    gap = [p for p in out["problems"] if p["kind"] == "cq-gap"]
+    assert len(gap) == 1 and f"{last['topic']}-{last['queueId']} units {last['queueOffset']}.." in gap[0]["detail"]
 
 
 def test_a_truncated_consume_queue_file_keeps_every_queue_file_size(basic_copy):

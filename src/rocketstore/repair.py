@@ -12,23 +12,36 @@ that fails and truncate the log there, so a damaged record left in place would
 cost every intact record after it at the next abnormal start.  A blank record
 (``BLANK_MAGIC``) makes both walkers jump to the next *file*, so it is only
 safe where nothing valid follows in that file.  Repair therefore rewrites only
-the damaged span, in place, as:
+the damaged span, in place, as complete records both walkers step over by
+their TOTALSIZE:
 
-* **filler records** when a valid record follows in the same file: complete,
-  CRC-valid records of topic ``FILLER_TOPIC`` with the ROLLBACK transaction type
-  and a zero body, exactly covering the span (split in pieces of at most
-  ``MAX_FILLER_BYTES``).  Both walkers step over them by their TOTALSIZE; both
-  dispatchers skip ROLLBACK records for the consume queues and the index, so no
-  consumer or key query ever sees them.  Their store time is the next valid
-  record's, so RocketMQ's abnormal recovery never starts later because of them;
-* **a blank record** when nothing valid follows in a file that is not the last
-  (the walkers then go on to the next file, as at any file end);
+* a **tombstone** for each lost message the old consume queues place in the
+  span (from its start to the next one's): a record of the same topic, queue
+  and QUEUEOFFSET, zero body, TAGS ``LOST_TAG`` and property ``LOST_PROPERTY``
+  naming the quarantine directory.  It keeps the queue's offsets: RocketMQ
+  clients commit ``QUEUEOFFSET + 1`` of what they consumed, so a queue whose
+  later units moved down one offset (what dispatch does with a missing record)
+  would make every consumer group past the loss skip a message at its next
+  start.  A tag subscription never matches a tombstone; a ``*`` subscription
+  receives it in place of the message that is gone.  Only queue offsets no
+  surviving record holds get one;
+* **filler records** for the rest when a valid record follows in the same
+  file: CRC-valid records of topic ``FILLER_TOPIC``, ROLLBACK transaction type,
+  zero body (pieces of at most ``MAX_FILLER_BYTES``).  Both dispatchers put
+  ROLLBACK records in no consume queue and no index, so no consumer or key
+  query sees them;
+* **a blank record** after the last tombstone (or over the whole span) when
+  nothing valid follows in a file that is not the last;
 * **nothing** at the end of the last file: that is the log's torn tail, and
   the rebuild's recovery ends the log there, as RocketMQ would.
 
-The fillers carry no ``__CRC32#`` property: a RocketMQ broker run with
-``forceVerifyPropCRC=true`` (off by default) would refuse them, as it refuses
-every record written without ``enabledAppendPropCRC``.
+Without consume-queue knowledge (queue files lost, or a PREPARED/ROLLBACK
+record) the span gets only fillers or a blank; later messages of that queue
+then move down an offset, which ``verify`` reports as a ``cq-gap``.  New
+records take the next valid record's store time, so RocketMQ's abnormal
+recovery never starts later because of them.  They carry no ``__CRC32#``
+property: a broker run with ``forceVerifyPropCRC=true`` (off by default) would
+refuse them, as it refuses every record written without ``enabledAppendPropCRC``.
 
 Before any byte changes, the original segment is copied to
 ``quarantine/repair-<ms>/commitlog/``; the consume queues, the index, the
@@ -37,10 +50,7 @@ their place (old files that come out identical are not kept).  ``report.json``
 in that directory lists every damaged span; ``verify`` reports such a directory
 until the operator removes it.  Records in a damaged span are lost: each is
 reported with its file, offset and reason (and its queue and queue offset when
-the old consume queues knew it), and repair's result is then not OK.  Later
-records of the same queue move down one queue offset per lost record, which
-is what RocketMQ's dispatch does with a missing record; ``verify`` reports that
-as a ``cq-gap``.
+the old consume queues knew it), and repair's result is then not OK.
 """
 
 from __future__ import annotations
@@ -72,6 +82,9 @@ FILLER_TOPIC = "ROCKETSTORE_REPAIR_FILLER"
 FILLER_SYS_FLAG = codec.TRANSACTION_ROLLBACK
 MAX_FILLER_BYTES = 1 << 20  # well under maxMessageSize, so any reader takes a filler as an ordinary record
 REPORT_NAME = "report.json"
+LOST_TAG = "ROCKETSTORE_LOST"  # TAGS of a tombstone: tag subscriptions never match it
+LOST_PROPERTY = "ROCKETSTORE_LOST"  # its value names the quarantine directory holding the original bytes
+MAX_NOTE = 40  # the longest such value ("repair-" and the time in ms)
 
 
 @dataclass
@@ -86,11 +99,14 @@ class DamagedSpan:
     all_zero: bool
     resume_store_timestamp: int = 0  # of the next valid record (or the one before), for the fillers
     messages: list[dict[str, Any]] = field(default_factory=list)  # what the old consume queues said was here
+    # What the span is rewritten as: (commitlog offset, length, "filler"/"tombstone"/"blank", message or None).
+    pieces: list[tuple[int, int, str, dict[str, Any] | None]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("resume_store_timestamp")
         d["allZero"] = d.pop("all_zero")
+        d["rewrite"] = [{"offset": o, "length": n, "as": kind} for o, n, kind, _m in d.pop("pieces")]
         return d
 
 
@@ -165,6 +181,88 @@ def filler_record(size: int, physical_offset: int, store_timestamp: int) -> byte
                              max_message_size=max(len(body), 4194304))
     assert len(out) == size
     return bytes(out)
+
+
+def tombstone_record(size: int, msg: dict[str, Any], physical_offset: int, store_timestamp: int,
+                     note: str) -> bytes | None:
+    """A record of the lost message's topic, queue and queue offset, exactly ``size`` bytes (zero body), tagged
+    ``LOST_TAG`` and carrying ``LOST_PROPERTY`` = ``note``; None when ``size`` is too small for one."""
+    props = f"TAGS\x01{LOST_TAG}\x02{LOST_PROPERTY}\x01{note}\x02"
+    try:
+        head = codec.encode(msg["topic"], b"", queue_id=msg["queueId"], properties=props)[1]
+    except codec.RecordError:
+        return None
+    if size < head:
+        return None
+    out = codec.encode_bytes(msg["topic"], bytes(size - head), queue_id=msg["queueId"], properties=props,
+                             born_timestamp=store_timestamp, queue_offset=msg["queueOffset"],
+                             physical_offset=physical_offset, store_timestamp=store_timestamp,
+                             max_message_size=max(size, 4194304))
+    return bytes(out) if len(out) == size else None
+
+
+def layout(span: DamagedSpan, held: set[tuple[str, int, int]]) -> list[tuple[int, int, str, dict[str, Any] | None]]:
+    """How a span is rewritten: a tombstone from each lost message's start (as the old consume queues place
+    it, and only for a queue offset no surviving record holds) to the next one, fillers before the first,
+    and for a blank span a blank after the last; plain fillers (or one blank) when that does not fit."""
+    start, end = span.offset, span.offset + span.length
+    plain = [(start, span.length, span.action, None)]
+    if span.action == "end-of-log":
+        return []
+    at: dict[int, list[dict[str, Any]]] = {}
+    for m in span.messages:
+        if (m["topic"], m["queueId"], m["queueOffset"]) not in held:
+            at.setdefault(m["commitLogOffset"], []).append(m)
+    lost = [ms[0] for off, ms in sorted(at.items()) if len(ms) == 1]  # two units at one offset: trust neither
+    if not lost:
+        return plain
+    pieces: list[tuple[int, int, str, dict[str, Any] | None]] = []
+    if lost[0]["commitLogOffset"] > start:
+        pieces.append((start, lost[0]["commitLogOffset"] - start, "filler", None))
+    for i, m in enumerate(lost):
+        off = m["commitLogOffset"]
+        stop = lost[i + 1]["commitLogOffset"] if i + 1 < len(lost) else \
+            end if span.action == "filler" else min(end, off + m["size"])
+        pieces.append((off, stop - off, "tombstone", m))
+    last_end = pieces[-1][0] + pieces[-1][1]
+    if last_end < end:
+        pieces.append((last_end, end - last_end, "blank", None))
+    for off, n, kind, m in pieces:
+        if kind == "filler" and not filler_pieces(n) or kind == "blank" and n < codec.BLANK_RECORD_SIZE or \
+                kind == "tombstone" and tombstone_record(n, m, off, 0, "x" * MAX_NOTE) is None:
+            return plain
+    return pieces
+
+
+def _held_queue_offsets(spans: list[DamagedSpan], file_size: int) -> set[tuple[str, int, int]]:
+    """(topic, queue id, queue offset) of the surviving records of every queue a lost message belonged to."""
+    queues = {(m["topic"], m["queueId"]) for s in spans for m in s.messages}
+    held: set[tuple[str, int, int]] = set()
+    if not queues:
+        return held
+    skip = {s.offset: s.offset + s.length for s in spans}
+    cdir = os.path.dirname(spans[0].file)
+    for name in sorted(n for n in os.listdir(cdir) if len(n) == 20 and n.isdigit()):
+        if os.path.getsize(os.path.join(cdir, name)) != file_size:
+            continue
+        base = int(name)
+        with open(os.path.join(cdir, name), "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            pos = 0
+            while pos < file_size:
+                stopped = None
+                for p, size, parsed, _reason in codec.walk(mm, pos, file_size, check_crc=False, parsed=True):
+                    if size <= 0 or parsed is None or base + p in skip:  # a damaged record may still parse
+                        stopped = p
+                        break
+                    h, tp, tl, _pl = parsed
+                    if h[7] & codec.TRANSACTION_MASK in (codec.TRANSACTION_NOT_TYPE, codec.TRANSACTION_COMMIT):
+                        key = (str(mm[tp:tp + tl], "utf-8", "replace"), h[3])
+                        if key in queues:
+                            held.add((key[0], key[1], h[5]))
+                if stopped is None or base + stopped not in skip:
+                    break
+                pos = skip[base + stopped] - base
+    return held
 
 
 def _lost_messages(cq_root: str, spans: list[DamagedSpan]) -> None:
@@ -264,7 +362,7 @@ def plan(path: str, file_size: int) -> list[DamagedSpan]:
     return spans
 
 
-def _apply(spans: list[DamagedSpan], qdir: str) -> list[DamagedSpan]:
+def _apply(spans: list[DamagedSpan], qdir: str, file_size: int) -> list[DamagedSpan]:
     """Copy each touched segment to ``qdir/commitlog`` and rewrite its damaged spans; the spans not rewritten."""
     unfixed = []
     by_file: dict[str, list[DamagedSpan]] = {}
@@ -279,18 +377,22 @@ def _apply(spans: list[DamagedSpan], qdir: str) -> list[DamagedSpan]:
         base = int(os.path.basename(p))
         with open(p, "r+b") as fh:
             for s in file_spans:
-                at = s.offset - base
                 log.warning("%s: %d bytes at commitlog offset %d (%s): %s; original kept in %s", p, s.length,
-                            s.offset, s.reason, "left to recovery" if s.action == "end-of-log" else
-                            f"rewritten as {s.action}", keep)
-                if s.action == "blank":
-                    os.pwrite(fh.fileno(), codec.blank_record(s.length), at)
-                elif s.action == "filler":
-                    for n in filler_pieces(s.length):  # never empty: repair_store checked every span
-                        os.pwrite(fh.fileno(), filler_record(n, base + at, s.resume_store_timestamp), at)
-                        at += n
-                else:
+                            s.offset, s.reason, "left to recovery" if not s.pieces else
+                            "rewritten as " + ", ".join(kind for _o, _n, kind, _m in s.pieces), keep)
+                if not s.pieces:
                     unfixed.append(s)  # the torn tail: recovery ends the log here
+                for off, length, kind, m in s.pieces:  # each fits: layout checked them
+                    at = off - base
+                    if kind == "blank":
+                        os.pwrite(fh.fileno(), codec.blank_record(file_size - at), at)
+                    elif kind == "tombstone":
+                        rec = tombstone_record(length, m, off, s.resume_store_timestamp, os.path.basename(qdir))
+                        os.pwrite(fh.fileno(), rec, at)
+                    else:
+                        for n in filler_pieces(length):
+                            os.pwrite(fh.fileno(), filler_record(n, base + at, s.resume_store_timestamp), at)
+                            at += n
             os.fsync(fh.fileno())
     return unfixed
 
@@ -343,8 +445,13 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
     with _store_lock(paths, dry_run):
         spans = plan(path, cfg.mappedFileSizeCommitLog)
         _lost_messages(paths.consumequeue, spans)
+        held = _held_queue_offsets(spans, cfg.mappedFileSizeCommitLog)
         for s in spans:
-            if s.action == "filler" and not filler_pieces(s.length):
+            s.pieces = layout(s, held)
+            kept_as = {id(m) for _o, _n, kind, m in s.pieces if kind == "tombstone"}
+            for m in s.messages:
+                m["tombstone"] = id(m) in kept_as
+            if s.pieces == [(s.offset, s.length, "filler", None)] and not filler_pieces(s.length):
                 # Left in place it would stop recovery and cost every record after it: touch nothing.
                 raise StoreError(f"{s.file}: damaged span of {s.length} bytes at commitlog offset {s.offset} "
                                  f"({s.reason}) is too short for a filler record; nothing was written")
@@ -358,13 +465,13 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
                           "problems": [finding("unreadable", path, 0, f"{e} (the rebuild replaces it)")]}
             result["dryRun"] = True
             result["lost"] = [s.to_json() for s in spans]
-            result["repaired"] = [f"commitlog: would rewrite {s.length} bytes at {s.offset} as {s.action}"
-                                  for s in spans if s.action != "end-of-log"]
+            result["repaired"] = [f"commitlog: would rewrite {s.length} bytes at {s.offset} as "
+                                  + ", ".join(kind for _o, _n, kind, _m in s.pieces) for s in spans if s.pieces]
             result["ok"] = result["ok"] and not spans
             return result
         qdir = os.path.join(paths.quarantine, f"repair-{int(time.time() * 1000)}")
         os.makedirs(qdir)
-        unfixed = _apply(spans, qdir)
+        unfixed = _apply(spans, qdir, cfg.mappedFileSizeCommitLog)
         if os.path.exists(paths.checkpoint):
             shutil.copyfile(paths.checkpoint, os.path.join(qdir, "checkpoint"))  # the rebuild keeps its times
         for name in ("consumequeue", "index", "abort"):
@@ -382,8 +489,8 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
             store.recover_topic_queue_table()
         finally:
             store.close()
-        repaired = [f"commitlog: {s.length} bytes at {s.offset} rewritten as {s.action}"
-                    for s in spans if s not in unfixed]
+        repaired = [f"commitlog: {s.length} bytes at {s.offset} rewritten as "
+                    + ", ".join(kind for _o, _n, kind, _m in s.pieces) for s in spans if s not in unfixed]
         for name in ("consumequeue", "index"):
             change = _drop_identical(os.path.join(qdir, name), os.path.join(path, name), name)
             if change:
