@@ -266,3 +266,16 @@ def test_repair_refuses_a_store_another_process_has_open(basic_copy):
         os.close(fd)
     assert r.returncode == 2 and r.stderr.decode().count("\n") == 1 and b"locked" in r.stderr
     assert tree_digest(basic_copy) == before
+
+
+@pytest.mark.parametrize("topic", ["TopicB", "T" * 200])
+def test_tombstone_is_a_valid_record_of_the_lost_message_queue_offset(topic):
+    from rocketstore.repair import tombstone_record
+    lost = {"topic": topic, "queueId": 3, "queueOffset": 224, "commitLogOffset": 4242, "size": 700}
+    rec = tombstone_record(700, lost, 4242, 1795375975099, "repair-1795611563933")
+    n, msg, reason = codec.check(rec, 0, len(rec), check_crc=True)
+    assert (n, reason) == (700, None)
+    assert (msg.topic, msg.queue_id, msg.queue_offset, msg.commit_log_offset) == (topic, 3, 224, 4242)
+    assert msg.transaction_type == codec.TRANSACTION_NOT_TYPE and msg.tags == LOST_TAG
+    assert msg.properties[LOST_PROPERTY] == "repair-1795611563933" and not msg.keys and not msg.uniq_key
+    assert tombstone_record(100, lost, 4242, 0, "x") is None  # too small for its header

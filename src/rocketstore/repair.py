@@ -119,10 +119,12 @@ def _is_zero(buf: Any, start: int, end: int) -> bool:
     return True
 
 
-def scan_segment(buf: Any, path: str, base: int, file_size: int, is_last: bool) -> list[DamagedSpan]:
-    """The damaged spans of one segment (nothing is written)."""
+def scan_segment(buf: Any, path: str, base: int, file_size: int, is_last: bool,
+                 last_ts: int = 0) -> tuple[list[DamagedSpan], int]:
+    """The damaged spans of one segment (nothing is written), and the store time of its last valid record
+    (``last_ts``, that of the segments before, when it has none)."""
     spans: list[DamagedSpan] = []
-    pos, last_ts = 0, 0
+    pos = 0
     while pos < file_size:
         end, last, _n, _w = codec.scan_records(buf, pos, file_size, file_size, base=base, check_crc=True)
         if last >= 0:
@@ -154,7 +156,7 @@ def scan_segment(buf: Any, path: str, base: int, file_size: int, is_last: bool) 
         spans.append(DamagedSpan(path, base + pos, q - pos, "zero bytes" if zero else reason or "invalid record",
                                  "filler", zero, ts))
         pos = q
-    return spans
+    return spans, last_ts
 
 
 def filler_pieces(length: int) -> list[int]:
@@ -349,6 +351,7 @@ def plan(path: str, file_size: int) -> list[DamagedSpan]:
     cdir = StorePaths(path).commitlog
     names = sorted(n for n in os.listdir(cdir) if len(n) == 20 and n.isdigit())
     spans: list[DamagedSpan] = []
+    last_ts = 0
     for i, name in enumerate(names):
         p = os.path.join(cdir, name)
         size = os.path.getsize(p)
@@ -358,7 +361,8 @@ def plan(path: str, file_size: int) -> list[DamagedSpan]:
             raise StoreLoadError(f"{p}: {size} bytes, expected {file_size}; repair refuses to guess its records "
                                  "(set mappedFileSizeCommitLog or move the file aside)")
         with open(p, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            spans += scan_segment(mm, p, int(name), size, i == len(names) - 1)
+            found, last_ts = scan_segment(mm, p, int(name), size, i == len(names) - 1, last_ts)
+            spans += found
     return spans
 
 
