@@ -206,9 +206,11 @@ def _check_queue(store: MessageStore, cq: Any, by_offset: dict[int, RecordSummar
             where = f"{f.path} unit {idx}"
             if off < 0 or size <= 0 or (off, size, tags) == PRE_BLANK_UNIT:
                 close_gap()
+                what = "a blank unit: its message is gone" if (off, size, tags) == PRE_BLANK_UNIT else \
+                    f"not valid ({off}, {size}, {tags})"
                 findings.append(finding("cq-hole", f.path, f.file_from_offset + p,
                                         f"{name} unit {idx} below the queue's max offset {cq.max_offset_in_queue} "
-                                        f"is not valid ({off}, {size}, {tags})"))
+                                        f"is {what}"))
                 continue
             r = by_offset.get(off)
             if r is None:
