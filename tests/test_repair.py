@@ -243,16 +243,6 @@ def test_a_torn_last_message_is_reported_and_the_log_ends_before_it(basic_copy):
     assert sorted(walk_like_rocketmq(basic_copy)) == sorted(set(golden_offsets()) - {last["commitLogOffset"]})
 
 
-def test_a_truncated_first_index_file_keeps_the_index_geometry(basic_copy):
-    first = sorted((basic_copy / "index").iterdir())[0]
-    os.truncate(first, 40 + 84 * 10)
-    r = run_cli("verify", basic_copy, "--repair", "--json")
-    assert r.returncode == 0, r.stdout[-2000:]
-    assert {f.stat().st_size for f in (basic_copy / "index").iterdir()} == {84040}
-    golden = sorted(f.read_bytes() for f in (golden_store("basic") / "index").iterdir())
-    assert sorted(f.read_bytes() for f in (basic_copy / "index").iterdir()) == golden
-
-
 def test_repair_refuses_a_store_another_process_has_open(basic_copy):
     bad = golden_expected("basic")[1500]
     flip_body_bit(basic_copy, bad)

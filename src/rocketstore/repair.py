@@ -72,7 +72,6 @@ from . import codec
 from .config import StoreConfig
 from .consume_queue import CQ_STORE_UNIT_SIZE
 from .errors import StoreError, StoreLoadError, StoreLockedError
-from .index import index_file_size
 from .store import MessageStore, StorePaths, infer_config
 from .verify import finding, resync, verify_store
 
@@ -293,36 +292,24 @@ def _lost_messages(cq_root: str, spans: list[DamagedSpan]) -> None:
                                                       "commitLogOffset": off, "size": size})
 
 
-def _most_common_size(paths: list[str], fits: Any) -> int | None:
-    sizes = Counter(s for s in (os.path.getsize(p) for p in paths) if s and fits(s))
-    return max(sizes.items(), key=lambda kv: (kv[1], kv[0]))[0] if sizes else None
-
-
 def repair_geometry(path: str, config: StoreConfig | None) -> StoreConfig:
-    """The store's geometry, where one damaged file cannot change every file's size.
+    """The store's geometry, where one damaged consume-queue file cannot change every queue's file size.
 
-    ``infer_config`` reads the first consume-queue and index file it finds;
-    repair takes the size most of those files share, unless the configuration
-    sets it: the rebuilt files are created at that size.
+    ``infer_config`` reads the first consume-queue file it finds; repair takes
+    the size most of them share unless the configuration sets one: the rebuilt
+    queues are created at that size.
     """
     cfg = infer_config(path, config)
-    default, base = StoreConfig(), config or StoreConfig()
-    paths = StorePaths(path)
-    changes: dict[str, int] = {}
-    if base.mappedFileSizeConsumeQueue == default.mappedFileSizeConsumeQueue:
-        cq_files = [os.path.join(d, n) for d, _dirs, names in os.walk(paths.consumequeue)
-                    for n in names if len(n) == 20 and n.isdigit()]
-        size = _most_common_size(cq_files, lambda s: s % CQ_STORE_UNIT_SIZE == 0)
-        if size and size != cfg.mappedFileSizeConsumeQueue:
-            changes["mappedFileSizeConsumeQueue"] = size
-    if (base.maxHashSlotNum, base.maxIndexNum) == (default.maxHashSlotNum, default.maxIndexNum) and \
-            os.path.isdir(paths.index):
-        size = _most_common_size([os.path.join(paths.index, n) for n in os.listdir(paths.index) if n.isdigit()],
-                                 lambda s: s > 40 and (s - 40) % 84 == 0)
-        if size and size != index_file_size(cfg.maxHashSlotNum, cfg.maxIndexNum):
-            slots = (size - 40) // 84  # RocketMQ's default ratio, as infer_config: maxIndexNum = 4 x slots
-            changes["maxHashSlotNum"], changes["maxIndexNum"] = slots, 4 * slots
-    return cfg.replace(**changes) if changes else cfg
+    if config is not None and config.mappedFileSizeConsumeQueue != StoreConfig().mappedFileSizeConsumeQueue:
+        return cfg
+    root = StorePaths(path).consumequeue
+    sizes = Counter(s for s in (os.path.getsize(os.path.join(d, n)) for d, _dirs, names in os.walk(root)
+                                for n in names if len(n) == 20 and n.isdigit()) if s and s % CQ_STORE_UNIT_SIZE == 0)
+    if sizes:
+        size = max(sizes.items(), key=lambda kv: (kv[1], kv[0]))[0]
+        if size != cfg.mappedFileSizeConsumeQueue:
+            cfg = cfg.replace(mappedFileSizeConsumeQueue=size)
+    return cfg
 
 
 @contextmanager
