@@ -269,3 +269,20 @@ def test_tombstone_is_a_valid_record_of_the_lost_message_queue_offset(topic):
     assert msg.transaction_type == codec.TRANSACTION_NOT_TYPE and msg.tags == LOST_TAG
     assert msg.properties[LOST_PROPERTY] == "repair-1795611563933" and not msg.keys and not msg.uniq_key
     assert tombstone_record(100, lost, 4242, 0, "x") is None  # too small for its header
+
+
+def test_a_long_damaged_span_gets_tombstones_of_the_lost_sizes_and_fillers_between():
+    """Zeros over three records: one tombstone per record the old queues knew, each its record's size."""
+    from rocketstore.repair import DamagedSpan, layout
+    lost = [{"topic": "T", "queueId": 0, "queueOffset": q, "commitLogOffset": 1000 + 700 * q, "size": 500}
+            for q in range(3)]
+    span = DamagedSpan("seg", 900, 3000, "zero bytes", "filler", True, 1, lost)
+    assert [(o, n, kind) for o, n, kind, _m in layout(span, set())] == [
+        (900, 100, "filler"), (1000, 500, "tombstone"), (1500, 200, "filler"), (1700, 500, "tombstone"),
+        (2200, 200, "filler"), (2400, 500, "tombstone"), (2900, 1000, "filler")]
+    held = {("T", 0, 1)}  # a surviving record holds queue offset 1: no tombstone for it
+    assert [kind for _o, _n, kind, _m in layout(span, held)] == ["filler", "tombstone", "filler", "tombstone",
+                                                                 "filler"]
+    span.action = "blank"  # nothing valid after it in its file: a blank after the last tombstone
+    assert [(o, n, kind) for o, n, kind, _m in layout(span, set())][-2:] == [(2400, 500, "tombstone"),
+                                                                            (2900, 1000, "blank")]

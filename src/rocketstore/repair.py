@@ -84,6 +84,7 @@ REPORT_NAME = "report.json"
 LOST_TAG = "ROCKETSTORE_LOST"  # TAGS of a tombstone: tag subscriptions never match it
 LOST_PROPERTY = "ROCKETSTORE_LOST"  # its value names the quarantine directory holding the original bytes
 MAX_NOTE = 40  # the longest such value ("repair-" and the time in ms)
+MAX_TOMBSTONE_BYTES = 4194304 + 65536  # the largest record RocketMQ writes (maxMessageSize + 64 KiB)
 
 
 @dataclass
@@ -203,9 +204,9 @@ def tombstone_record(size: int, msg: dict[str, Any], physical_offset: int, store
 
 
 def layout(span: DamagedSpan, held: set[tuple[str, int, int]]) -> list[tuple[int, int, str, dict[str, Any] | None]]:
-    """How a span is rewritten: a tombstone from each lost message's start (as the old consume queues place
-    it, and only for a queue offset no surviving record holds) to the next one, fillers before the first,
-    and for a blank span a blank after the last; plain fillers (or one blank) when that does not fit."""
+    """How a span is rewritten: a tombstone of each lost message's size at its start (as the old consume
+    queues place it, and only for a queue offset no surviving record holds), fillers between them, and for a
+    blank span a blank after the last; plain fillers (or one blank) when that does not fit."""
     start, end = span.offset, span.offset + span.length
     plain = [(start, span.length, span.action, None)]
     if span.action == "end-of-log":
@@ -222,15 +223,17 @@ def layout(span: DamagedSpan, held: set[tuple[str, int, int]]) -> list[tuple[int
         pieces.append((start, lost[0]["commitLogOffset"] - start, "filler", None))
     for i, m in enumerate(lost):
         off = m["commitLogOffset"]
-        stop = lost[i + 1]["commitLogOffset"] if i + 1 < len(lost) else \
-            end if span.action == "filler" else min(end, off + m["size"])
+        nxt = lost[i + 1]["commitLogOffset"] if i + 1 < len(lost) else end
+        rest = "filler" if i + 1 < len(lost) or span.action == "filler" else "blank"
+        stop = min(nxt, off + m["size"])  # the tombstone takes the lost record's own size ...
+        if nxt - stop < (_filler_min(1) if rest == "filler" else codec.BLANK_RECORD_SIZE):
+            stop = nxt  # ... and what is too little for a record of its own after it
         pieces.append((off, stop - off, "tombstone", m))
-    last_end = pieces[-1][0] + pieces[-1][1]
-    if last_end < end:
-        pieces.append((last_end, end - last_end, "blank", None))
+        if stop < nxt:
+            pieces.append((stop, nxt - stop, rest, None))
     for off, n, kind, m in pieces:
-        if kind == "filler" and not filler_pieces(n) or kind == "blank" and n < codec.BLANK_RECORD_SIZE or \
-                kind == "tombstone" and tombstone_record(n, m, off, 0, "x" * MAX_NOTE) is None:
+        if kind == "filler" and not filler_pieces(n) or kind == "tombstone" and (
+                n > MAX_TOMBSTONE_BYTES or tombstone_record(n, m, off, 0, "x" * MAX_NOTE) is None):
             return plain
     return pieces
 
