@@ -157,9 +157,11 @@ def cmd_offset_by_time(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from .verify import verify_store
+    if args.dry_run and not args.repair:
+        raise CliError("--dry-run goes with --repair: verify alone never writes")
     if args.repair:
         from .repair import repair_store
-        result = repair_store(args.store, load_config(args.config))
+        result = repair_store(args.store, load_config(args.config), dry_run=args.dry_run)
     else:
         with open_read_only(args) as store:
             total = sum(f.file_size for f in store.commitlog.queue.files)
@@ -178,10 +180,16 @@ def print_verify_table(result: dict[str, Any]) -> None:
             ("consume-queue units", result["consumeQueueUnits"]), ("index files", result["indexFiles"]),
             ("index entries", result["indexEntries"]), ("problems", len(result["problems"]))]
     if "repaired" in result:
-        rows.append(("repaired", ", ".join(result["repaired"]) or "nothing"))
+        rows.append(("would repair" if result.get("dryRun") else "repaired", ", ".join(result["repaired"]) or "nothing"))
+        rows.append(("records not kept", len(result["lost"])))
+    if result.get("quarantine"):
+        rows.append(("originals kept in", result["quarantine"]))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         sys.stdout.write(f"{k:<{width}}  {v}\n")
+    for s in result.get("lost", []):
+        sys.stdout.write(f"  {'not kept':<15} {s['file']} @ {s['offset']} ({s['length']} bytes, {s['action']}): "
+                         f"{s['reason']}\n")
     for p in result["problems"]:
         sys.stdout.write(f"  {p['kind']:<15} {p['file']} @ {p['offset']}: {p['detail']}\n")
     sys.stdout.write("OK\n" if result["ok"] else "INCONSISTENT\n")
@@ -395,7 +403,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = add("verify", cmd_verify, "CRC-check records, cross-check consume queues and index (exit 1 if not OK)")
     p.add_argument("--json", action="store_true", help="JSON instead of a table")
-    p.add_argument("--repair", action="store_true", help="rebuild consume queues, index and checkpoint offline")
+    p.add_argument("--repair", action="store_true", help="offline: rewrite damaged commitlog spans so every valid "
+                   "record after them stays readable (originals kept in quarantine/), rebuild consume queues, "
+                   "index and checkpoint; exit 1 if any record could not be kept")
+    p.add_argument("--dry-run", action="store_true", help="with --repair: report what it would do, write nothing")
 
     p = add("put", cmd_put, "put one message and print the result (and the bytes the store's files reserve)",
             writes=True)

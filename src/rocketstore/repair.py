@@ -1,25 +1,394 @@
-"""Offline rebuild of the consume queues, the index and the checkpoint from the CommitLog.
+"""Offline repair: keep every CRC-valid CommitLog record, then rebuild the consume queues, index and checkpoint.
 
-The CommitLog is the source of truth; everything else can be derived from it
-by dispatching its records in order, exactly as the live ReputMessageService
-does; opening a store whose consume queues are gone makes recovery do that.  The old files are moved aside first and compared afterwards, so the
-report says what the rebuild changed, and deleted only once the rebuild is done.
+The CommitLog is the source of truth and repair never deletes or zeroes bytes
+that hold a valid record.  It walks every segment with the full checks (magic,
+TOTALSIZE, stored PHYSICALOFFSET equal to the position, body CRC).  Where a
+record fails, it resynchronises on the next record that passes them all and
+calls the bytes in between a *damaged span*.
+
+What happens to a damaged span, and why.  Both walkers (rocketstore's recovery
+and RocketMQ's ``checkMessageAndReturnSize`` loop) stop at the first record
+that fails and truncate the log there, so a damaged record left in place would
+cost every intact record after it at the next abnormal start.  A blank record
+(``BLANK_MAGIC``) makes both walkers jump to the next *file*, so it is only
+safe where nothing valid follows in that file.  Repair therefore rewrites only
+the damaged span, in place, as complete records both walkers step over by
+their TOTALSIZE:
+
+* a **tombstone** for each lost message the old consume queues place in the
+  span (from its start to the next one's): a record of the same topic, queue
+  and QUEUEOFFSET, zero body, TAGS ``LOST_TAG`` and property ``LOST_PROPERTY``
+  naming the quarantine directory.  It keeps the queue's offsets: RocketMQ
+  clients commit ``QUEUEOFFSET + 1`` of what they consumed, so a queue whose
+  later units moved down one offset (what dispatch does with a missing record)
+  would make every consumer group past the loss skip a message at its next
+  start.  A tag subscription never matches a tombstone; a ``*`` subscription
+  receives it in place of the message that is gone.  Only queue offsets no
+  surviving record holds get one;
+* **filler records** for the rest when a valid record follows in the same
+  file: CRC-valid records of topic ``FILLER_TOPIC``, ROLLBACK transaction type,
+  zero body (pieces of at most ``MAX_FILLER_BYTES``).  Both dispatchers put
+  ROLLBACK records in no consume queue and no index, so no consumer or key
+  query sees them;
+* **a blank record** after the last tombstone (or over the whole span) when
+  nothing valid follows in a file that is not the last;
+* **nothing** at the end of the last file: that is the log's torn tail, and
+  the rebuild's recovery ends the log there, as RocketMQ would.
+
+Without consume-queue knowledge (queue files lost, or a PREPARED/ROLLBACK
+record) the span gets only fillers or a blank; later messages of that queue
+then move down an offset, which ``verify`` reports as a ``cq-gap``.  New
+records take the next valid record's store time, so RocketMQ's abnormal
+recovery never starts later because of them.  They carry no ``__CRC32#``
+property: a broker run with ``forceVerifyPropCRC=true`` (off by default) would
+refuse them, as it refuses every record written without ``enabledAppendPropCRC``.
+
+Before any byte changes, the original segment is copied to
+``quarantine/repair-<ms>/commitlog/``; the consume queues, the index, the
+checkpoint and an ``abort`` file are moved there too and the rebuilt ones take
+their place (old files that come out identical are not kept).  ``report.json``
+in that directory lists every damaged span; ``verify`` reports such a directory
+until the operator removes it.  Records in a damaged span are lost: each is
+reported with its file, offset and reason (and its queue and queue offset when
+the old consume queues knew it), and repair's result is then not OK.
 """
 
 from __future__ import annotations
 
 import filecmp
+import json
 import logging
+import mmap
 import os
 import shutil
+import struct
 import time
-from typing import Any
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
 
+from . import codec
 from .config import StoreConfig
+from .consume_queue import CQ_STORE_UNIT_SIZE
+from .errors import StoreError, StoreLoadError, StoreLockedError
 from .store import MessageStore, StorePaths, infer_config
-from .verify import verify_store
+from .verify import finding, resync, verify_store
 
 log = logging.getLogger(__name__)
+
+FILLER_TOPIC = "ROCKETSTORE_REPAIR_FILLER"
+FILLER_SYS_FLAG = codec.TRANSACTION_ROLLBACK
+MAX_FILLER_BYTES = 1 << 20  # well under maxMessageSize, so any reader takes a filler as an ordinary record
+REPORT_NAME = "report.json"
+LOST_TAG = "ROCKETSTORE_LOST"  # TAGS of a tombstone: tag subscriptions never match it
+LOST_PROPERTY = "ROCKETSTORE_LOST"  # its value names the quarantine directory holding the original bytes
+MAX_NOTE = 40  # the longest such value ("repair-" and the time in ms)
+MAX_TOMBSTONE_BYTES = 4194304 + 65536  # the largest record RocketMQ writes (maxMessageSize + 64 KiB)
+
+
+@dataclass
+class DamagedSpan:
+    """Bytes of one segment that hold no valid record, from a failed record up to the next valid one."""
+
+    file: str
+    offset: int  # commitlog offset where the span starts
+    length: int
+    reason: str
+    action: str  # "filler", "blank" or "end-of-log"
+    all_zero: bool
+    resume_store_timestamp: int = 0  # of the next valid record (or the one before), for the fillers
+    messages: list[dict[str, Any]] = field(default_factory=list)  # what the old consume queues said was here
+    # What the span is rewritten as: (commitlog offset, length, "filler"/"tombstone"/"blank", message or None).
+    pieces: list[tuple[int, int, str, dict[str, Any] | None]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("resume_store_timestamp")
+        d["allZero"] = d.pop("all_zero")
+        d["rewrite"] = [{"offset": o, "length": n, "as": kind} for o, n, kind, _m in d.pop("pieces")]
+        return d
+
+
+def _is_zero(buf: Any, start: int, end: int) -> bool:
+    step = 1 << 20
+    for p in range(start, end, step):
+        chunk = buf[p:min(end, p + step)]
+        if chunk.count(0) != len(chunk):
+            return False
+    return True
+
+
+def scan_segment(buf: Any, path: str, base: int, file_size: int, is_last: bool,
+                 last_ts: int = 0) -> tuple[list[DamagedSpan], int]:
+    """The damaged spans of one segment (nothing is written), and the store time of its last valid record
+    (``last_ts``, that of the segments before, when it has none)."""
+    spans: list[DamagedSpan] = []
+    pos = 0
+    while pos < file_size:
+        end, last, _n, _w = codec.scan_records(buf, pos, file_size, file_size, base=base, check_crc=True)
+        if last >= 0:
+            last_ts = codec.read_store_timestamp(buf, last)
+        pos = end
+        if pos >= file_size:
+            break
+        size, parsed, reason = codec.check(buf, pos, file_size, check_crc=True, parsed=True)
+        if size == 0:
+            break  # a blank record: the file ends here
+        if parsed is not None and size > 0:
+            if parsed[0][6] == base + pos:  # valid after all: scan_records leaves some to the exact check
+                last_ts = parsed[0][11]
+                pos += size
+                continue
+            reason = f"PHYSICALOFFSET field says {parsed[0][6]}, not {base + pos}"
+        nxt = resync(buf, pos, file_size, base)
+        if nxt is None:
+            zero = _is_zero(buf, pos, file_size)
+            if is_last and zero:
+                break  # the end of the written data
+            if zero:
+                reason = "zero bytes where a record or a blank end-of-file record should be"
+            spans.append(DamagedSpan(path, base + pos, file_size - pos, reason or "invalid record",
+                                     "end-of-log" if is_last else "blank", zero, last_ts))
+            break
+        q, ts = nxt
+        zero = _is_zero(buf, pos, q)
+        spans.append(DamagedSpan(path, base + pos, q - pos, "zero bytes" if zero else reason or "invalid record",
+                                 "filler", zero, ts))
+        pos = q
+    return spans, last_ts
+
+
+def filler_pieces(length: int) -> list[int]:
+    """Sizes of the filler records that exactly cover ``length`` bytes (empty when too short for one)."""
+    if length < _filler_min(1):
+        return []
+    n = -(-length // MAX_FILLER_BYTES)
+    sizes = [length // n] * n
+    for i in range(length % n):
+        sizes[i] += 1
+    return sizes
+
+
+def _filler_min(topic_len: int) -> int:
+    return codec.record_length(0, topic_len, 0, FILLER_SYS_FLAG, False)
+
+
+def filler_record(size: int, physical_offset: int, store_timestamp: int) -> bytes:
+    """One CRC-valid ROLLBACK record of exactly ``size`` bytes (the topic shortens for very small spans)."""
+    topic = FILLER_TOPIC[:max(1, min(len(FILLER_TOPIC), size - _filler_min(0)))]
+    body = bytes(size - _filler_min(len(topic)))
+    out = codec.encode_bytes(topic, body, sys_flag=FILLER_SYS_FLAG, born_timestamp=store_timestamp,
+                             physical_offset=physical_offset, store_timestamp=store_timestamp,
+                             max_message_size=max(len(body), 4194304))
+    assert len(out) == size
+    return bytes(out)
+
+
+def tombstone_record(size: int, msg: dict[str, Any], physical_offset: int, store_timestamp: int,
+                     note: str) -> bytes | None:
+    """A record of the lost message's topic, queue and queue offset, exactly ``size`` bytes (zero body), tagged
+    ``LOST_TAG`` and carrying ``LOST_PROPERTY`` = ``note``; None when ``size`` is too small for one."""
+    props = f"TAGS\x01{LOST_TAG}\x02{LOST_PROPERTY}\x01{note}\x02"
+    try:
+        head = codec.encode(msg["topic"], b"", queue_id=msg["queueId"], properties=props)[1]
+    except codec.RecordError:
+        return None
+    if size < head:
+        return None
+    out = codec.encode_bytes(msg["topic"], bytes(size - head), queue_id=msg["queueId"], properties=props,
+                             born_timestamp=store_timestamp, queue_offset=msg["queueOffset"],
+                             physical_offset=physical_offset, store_timestamp=store_timestamp,
+                             max_message_size=max(size, 4194304))
+    return bytes(out) if len(out) == size else None
+
+
+def layout(span: DamagedSpan, held: set[tuple[str, int, int]]) -> list[tuple[int, int, str, dict[str, Any] | None]]:
+    """How a span is rewritten: a tombstone of each lost message's size at its start (as the old consume
+    queues place it, and only for a queue offset no surviving record holds), fillers between them, and for a
+    blank span a blank after the last; plain fillers (or one blank) when that does not fit."""
+    start, end = span.offset, span.offset + span.length
+    plain = [(start, span.length, span.action, None)]
+    if span.action == "end-of-log":
+        return []
+    at: dict[int, list[dict[str, Any]]] = {}
+    for m in span.messages:
+        if (m["topic"], m["queueId"], m["queueOffset"]) not in held:
+            at.setdefault(m["commitLogOffset"], []).append(m)
+    lost = [ms[0] for off, ms in sorted(at.items()) if len(ms) == 1]  # two units at one offset: trust neither
+    if not lost:
+        return plain
+    pieces: list[tuple[int, int, str, dict[str, Any] | None]] = []
+    if lost[0]["commitLogOffset"] > start:
+        pieces.append((start, lost[0]["commitLogOffset"] - start, "filler", None))
+    for i, m in enumerate(lost):
+        off = m["commitLogOffset"]
+        nxt = lost[i + 1]["commitLogOffset"] if i + 1 < len(lost) else end
+        rest = "filler" if i + 1 < len(lost) or span.action == "filler" else "blank"
+        stop = min(nxt, off + m["size"])  # the tombstone takes the lost record's own size ...
+        if nxt - stop < (_filler_min(1) if rest == "filler" else codec.BLANK_RECORD_SIZE):
+            stop = nxt  # ... and what is too little for a record of its own after it
+        pieces.append((off, stop - off, "tombstone", m))
+        if stop < nxt:
+            pieces.append((stop, nxt - stop, rest, None))
+    for off, n, kind, m in pieces:
+        if kind == "filler" and not filler_pieces(n) or kind == "tombstone" and (
+                n > MAX_TOMBSTONE_BYTES or tombstone_record(n, m, off, 0, "x" * MAX_NOTE) is None):
+            return plain
+    return pieces
+
+
+def _held_queue_offsets(spans: list[DamagedSpan], file_size: int) -> set[tuple[str, int, int]]:
+    """(topic, queue id, queue offset) of the surviving records of every queue a lost message belonged to."""
+    queues = {(m["topic"], m["queueId"]) for s in spans for m in s.messages}
+    held: set[tuple[str, int, int]] = set()
+    if not queues:
+        return held
+    skip = {s.offset: s.offset + s.length for s in spans}
+    cdir = os.path.dirname(spans[0].file)
+    for name in sorted(n for n in os.listdir(cdir) if len(n) == 20 and n.isdigit()):
+        if os.path.getsize(os.path.join(cdir, name)) != file_size:
+            continue
+        base = int(name)
+        with open(os.path.join(cdir, name), "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            pos = 0
+            while pos < file_size:
+                stopped = None
+                for p, size, parsed, _reason in codec.walk(mm, pos, file_size, check_crc=False, parsed=True):
+                    if size <= 0 or parsed is None or base + p in skip:  # a damaged record may still parse
+                        stopped = p
+                        break
+                    h, tp, tl, _pl = parsed
+                    if h[7] & codec.TRANSACTION_MASK in (codec.TRANSACTION_NOT_TYPE, codec.TRANSACTION_COMMIT):
+                        key = (str(mm[tp:tp + tl], "utf-8", "replace"), h[3])
+                        if key in queues:
+                            held.add((key[0], key[1], h[5]))
+                if stopped is None or base + stopped not in skip:
+                    break
+                pos = skip[base + stopped] - base
+    return held
+
+
+def _lost_messages(cq_root: str, spans: list[DamagedSpan]) -> None:
+    """Fill each span's ``messages`` from the consume-queue units that point into it."""
+    if not spans or not os.path.isdir(cq_root):
+        return
+    bounds = sorted((s.offset, s.offset + s.length, s) for s in spans)
+    lo, hi = bounds[0][0], bounds[-1][1]
+    unit = struct.Struct(">qiq")
+    for topic in sorted(os.listdir(cq_root)):
+        tdir = os.path.join(cq_root, topic)
+        for qid in sorted(os.listdir(tdir)) if os.path.isdir(tdir) else []:
+            qdir = os.path.join(tdir, qid)
+            for name in sorted(os.listdir(qdir)) if qid.lstrip("-").isdigit() and os.path.isdir(qdir) else []:
+                if not name.isdigit():
+                    continue
+                with open(os.path.join(qdir, name), "rb") as fh:
+                    data = fh.read()
+                usable = len(data) - len(data) % CQ_STORE_UNIT_SIZE
+                for i, (off, size, _tags) in enumerate(unit.iter_unpack(data[:usable])):
+                    if lo <= off < hi and size > 0:
+                        for start, end, span in bounds:
+                            if start <= off < end:
+                                span.messages.append({"topic": topic, "queueId": int(qid),
+                                                      "queueOffset": int(name) // CQ_STORE_UNIT_SIZE + i,
+                                                      "commitLogOffset": off, "size": size})
+
+
+def repair_geometry(path: str, config: StoreConfig | None) -> StoreConfig:
+    """The store's geometry, where one damaged consume-queue file cannot change every queue's file size.
+
+    ``infer_config`` reads the first consume-queue file it finds; repair takes
+    the size most of them share unless the configuration sets one: the rebuilt
+    queues are created at that size.
+    """
+    cfg = infer_config(path, config)
+    if config is not None and config.mappedFileSizeConsumeQueue != StoreConfig().mappedFileSizeConsumeQueue:
+        return cfg
+    root = StorePaths(path).consumequeue
+    sizes = Counter(s for s in (os.path.getsize(os.path.join(d, n)) for d, _dirs, names in os.walk(root)
+                                for n in names if len(n) == 20 and n.isdigit()) if s and s % CQ_STORE_UNIT_SIZE == 0)
+    if sizes:
+        size = max(sizes.items(), key=lambda kv: (kv[1], kv[0]))[0]
+        if size != cfg.mappedFileSizeConsumeQueue:
+            cfg = cfg.replace(mappedFileSizeConsumeQueue=size)
+    return cfg
+
+
+@contextmanager
+def _store_lock(paths: StorePaths, dry_run: bool) -> Iterator[None]:
+    """Hold the store's lock (RocketMQ's, on byte 0 of ``lock``) so no broker runs while repair works."""
+    if not os.path.exists(paths.lock) and dry_run:
+        yield
+        return
+    fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        import fcntl
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+        except OSError:
+            raise StoreLockedError(f"{paths.lock}: store is locked by another process; stop it before repair") \
+                from None
+        yield
+    finally:
+        # POSIX record locks belong to the process: the store opened inside takes the same lock without
+        # waiting, and its close drops it; by then every write is done (only the read-only verify follows).
+        os.close(fd)
+
+
+def plan(path: str, file_size: int) -> list[DamagedSpan]:
+    """Every damaged span of every segment, read-only."""
+    cdir = StorePaths(path).commitlog
+    names = sorted(n for n in os.listdir(cdir) if len(n) == 20 and n.isdigit())
+    spans: list[DamagedSpan] = []
+    last_ts = 0
+    for i, name in enumerate(names):
+        p = os.path.join(cdir, name)
+        size = os.path.getsize(p)
+        if size == 0 and i == len(names) - 1:
+            continue
+        if size != file_size:
+            raise StoreLoadError(f"{p}: {size} bytes, expected {file_size}; repair refuses to guess its records "
+                                 "(set mappedFileSizeCommitLog or move the file aside)")
+        with open(p, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            found, last_ts = scan_segment(mm, p, int(name), size, i == len(names) - 1, last_ts)
+            spans += found
+    return spans
+
+
+def _apply(spans: list[DamagedSpan], qdir: str, file_size: int) -> list[DamagedSpan]:
+    """Copy each touched segment to ``qdir/commitlog`` and rewrite its damaged spans; the spans not rewritten."""
+    unfixed = []
+    by_file: dict[str, list[DamagedSpan]] = {}
+    for s in spans:
+        by_file.setdefault(s.file, []).append(s)
+    for p, file_spans in by_file.items():
+        keep = os.path.join(qdir, "commitlog", os.path.basename(p))
+        os.makedirs(os.path.dirname(keep), exist_ok=True)
+        shutil.copyfile(p, keep)
+        with open(keep, "rb") as fh:
+            os.fsync(fh.fileno())
+        base = int(os.path.basename(p))
+        with open(p, "r+b") as fh:
+            for s in file_spans:
+                log.warning("%s: %d bytes at commitlog offset %d (%s): %s; original kept in %s", p, s.length,
+                            s.offset, s.reason, "left to recovery" if not s.pieces else
+                            "rewritten as " + ", ".join(kind for _o, _n, kind, _m in s.pieces), keep)
+                if not s.pieces:
+                    unfixed.append(s)  # the torn tail: recovery ends the log here
+                for off, length, kind, m in s.pieces:  # each fits: layout checked them
+                    at = off - base
+                    if kind == "blank":
+                        os.pwrite(fh.fileno(), codec.blank_record(file_size - at), at)
+                    elif kind == "tombstone":
+                        rec = tombstone_record(length, m, off, s.resume_store_timestamp, os.path.basename(qdir))
+                        os.pwrite(fh.fileno(), rec, at)
+                    else:
+                        for n in filler_pieces(length):
+                            os.pwrite(fh.fileno(), filler_record(n, base + at, s.resume_store_timestamp), at)
+                            at += n
+            os.fsync(fh.fileno())
+    return unfixed
 
 
 def _files(root: str) -> dict[str, str]:
@@ -32,46 +401,108 @@ def _files(root: str) -> dict[str, str]:
     return out
 
 
-def repair_store(path: str, config: StoreConfig | None = None) -> dict[str, Any]:
-    """Rebuild consume queues, index and checkpoint; return verify's result plus ``repaired``."""
+def _drop_identical(old_root: str, new_root: str, kind: str) -> str | None:
+    """Delete the kept old files the rebuild reproduced byte for byte; say what changed."""
+    old, new = _files(old_root), _files(new_root)
+    if kind == "index":  # named by creation time: compare contents only
+        same = len(old) == len(new) and all(
+            filecmp.cmp(a, b, shallow=False) for a, b in zip(sorted(old.values()), sorted(new.values())))
+        if same:
+            shutil.rmtree(old_root, ignore_errors=True)
+            return None
+        return f"index: {len(old)} file(s) rebuilt as {len(new)}"
+    changed = [k for k in old if k in new and not filecmp.cmp(old[k], new[k], shallow=False)]
+    gone = [k for k in old if k not in new]
+    for k in old:
+        if k in new and k not in changed:
+            os.unlink(old[k])
+    added = [k for k in new if k not in old]
+    for d, _dirs, _names in sorted(os.walk(old_root), reverse=True) if os.path.isdir(old_root) else []:
+        if not os.listdir(d):
+            os.rmdir(d)
+    if changed or gone or added:
+        return f"{kind}: {len(changed) + len(added)} file(s) rewritten, {len(gone)} removed"
+    return None
+
+
+def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool = False) -> dict[str, Any]:
+    """Repair the store at ``path`` (see the module docstring); return verify's result plus what was done.
+
+    ``lost`` lists every damaged span (with the messages the old consume queues
+    placed there); ``ok`` is false whenever it is not empty.  With ``dry_run``
+    nothing is written: the result says what repair would do.
+    """
     paths = StorePaths(path)
     if not os.path.isdir(paths.commitlog):
-        from .errors import StoreLoadError
         raise StoreLoadError(f"{path}: no commitlog directory; not a store")
-    config = infer_config(path, config)  # before the files it is inferred from are moved aside
-    backup = os.path.join(path, f".repair-backup-{int(time.time() * 1000)}")
-    os.makedirs(backup)
-    old = {}
-    for name in ("consumequeue", "index"):
-        src = os.path.join(path, name)
-        if os.path.isdir(src):
-            os.replace(src, os.path.join(backup, name))
-        old[name] = _files(os.path.join(backup, name))
-    store = MessageStore.open(path, config, start_services=False)
-    try:
-        # With no consume queue on disk, recovery re-dispatches every record (max CQ offset is -1).
-        for cq in store.consume_queues():
-            cq.flush(0)
-        store.index_service.flush()
-        store.checkpoint.confirmPhyOffset = store.recovery_report.confirm_offset if store.recovery_report else 0
-        store.flush_checkpoint()
-        store.recover_topic_queue_table()
-        repaired = []
+    cfg = repair_geometry(path, config)  # before the files it is inferred from are moved aside
+    with _store_lock(paths, dry_run):
+        spans = plan(path, cfg.mappedFileSizeCommitLog)
+        _lost_messages(paths.consumequeue, spans)
+        held = _held_queue_offsets(spans, cfg.mappedFileSizeCommitLog)
+        for s in spans:
+            s.pieces = layout(s, held)
+            kept_as = {id(m) for _o, _n, kind, m in s.pieces if kind == "tombstone"}
+            for m in s.messages:
+                m["tombstone"] = id(m) in kept_as
+            if s.pieces == [(s.offset, s.length, "filler", None)] and not filler_pieces(s.length):
+                # Left in place it would stop recovery and cost every record after it: touch nothing.
+                raise StoreError(f"{s.file}: damaged span of {s.length} bytes at commitlog offset {s.offset} "
+                                 f"({s.reason}) is too short for a filler record; nothing was written")
+        if dry_run:
+            try:
+                with MessageStore.open(path, cfg, read_only=True) as store:
+                    result = verify_store(store)
+            except StoreError as e:  # e.g. a consume-queue file of the wrong size
+                result = {"ok": False, "segments": 0, "records": 0, "bytesChecked": 0, "consumeQueues": 0,
+                          "consumeQueueUnits": 0, "indexFiles": 0, "indexEntries": 0,
+                          "problems": [finding("unreadable", path, 0, f"{e} (the rebuild replaces it)")]}
+            result["dryRun"] = True
+            result["lost"] = [s.to_json() for s in spans]
+            result["repaired"] = [f"commitlog: would rewrite {s.length} bytes at {s.offset} as "
+                                  + ", ".join(kind for _o, _n, kind, _m in s.pieces) for s in spans if s.pieces]
+            result["ok"] = result["ok"] and not spans
+            return result
+        qdir = os.path.join(paths.quarantine, f"repair-{int(time.time() * 1000)}")
+        os.makedirs(qdir)
+        unfixed = _apply(spans, qdir, cfg.mappedFileSizeCommitLog)
+        if os.path.exists(paths.checkpoint):
+            shutil.copyfile(paths.checkpoint, os.path.join(qdir, "checkpoint"))  # the rebuild keeps its times
+        for name in ("consumequeue", "index", "abort"):
+            src = os.path.join(path, name)
+            if os.path.exists(src):  # gone: recovery re-dispatches every record from the first segment
+                os.replace(src, os.path.join(qdir, name))
+        store = MessageStore.open(path, cfg, start_services=False)
+        try:
+            for cq in store.consume_queues():
+                cq.flush(0)
+            store.index_service.flush()
+            report = store.recovery_report
+            store.checkpoint.confirmPhyOffset = report.confirm_offset if report else 0
+            store.flush_checkpoint()
+            store.recover_topic_queue_table()
+        finally:
+            store.close()
+        repaired = [f"commitlog: {s.length} bytes at {s.offset} rewritten as "
+                    + ", ".join(kind for _o, _n, kind, _m in s.pieces) for s in spans if s not in unfixed]
         for name in ("consumequeue", "index"):
-            new = _files(os.path.join(path, name))
-            if name == "index":
-                same = len(new) == len(old[name]) and all(
-                    filecmp.cmp(a, b, shallow=False) for a, b in zip(sorted(new.values()), sorted(old[name].values())))
-                if not same:
-                    repaired.append(f"index: {len(old[name])} file(s) rebuilt as {len(new)}")
-                continue
-            changed = sorted(k for k in new if k not in old[name] or not filecmp.cmp(new[k], old[name][k], shallow=False))
-            gone = sorted(k for k in old[name] if k not in new)
-            if changed or gone:
-                repaired.append(f"consumequeue: {len(changed)} file(s) rewritten, {len(gone)} removed")
-        result = verify_store(store)
-    finally:
-        store.close()
-    shutil.rmtree(backup)
+            change = _drop_identical(os.path.join(qdir, name), os.path.join(path, name), name)
+            if change:
+                repaired.append(change)
+        kept = spans or any(os.path.exists(os.path.join(qdir, n)) for n in ("consumequeue", "index", "abort"))
+        if not kept:
+            shutil.rmtree(qdir)
+            if not os.listdir(paths.quarantine):
+                os.rmdir(paths.quarantine)
+        else:
+            with open(os.path.join(qdir, REPORT_NAME), "w", encoding="utf-8") as fh:
+                json.dump({"lost": [s.to_json() for s in spans], "repaired": repaired}, fh, ensure_ascii=False,
+                          indent=1)
+        with MessageStore.open(path, cfg, read_only=True) as store:
+            result = verify_store(store)
+    result["lost"] = [s.to_json() for s in spans]
     result["repaired"] = repaired
+    if kept:
+        result["quarantine"] = qdir
+    result["ok"] = result["ok"] and not spans
     return result

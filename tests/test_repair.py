@@ -1,0 +1,288 @@
+"""verify --repair (issue 16, item 2): every CRC-valid record survives, damaged spans are reported, --dry-run writes nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import GOLDEN_NAMES, copy_store, golden_expected, golden_store, run_cli
+from rocketstore import codec
+from rocketstore.message import parse_tag_filter
+from rocketstore.repair import FILLER_TOPIC, LOST_PROPERTY, LOST_TAG, MAX_FILLER_BYTES, filler_pieces, filler_record
+from rocketstore.store import MessageStore
+
+SEG = 1048576
+
+
+def flip_body_bit(store: Path, e: dict) -> None:
+    seg = e["commitLogOffset"] // SEG * SEG
+    with open(store / "commitlog" / f"{seg:020d}", "r+b") as fh:
+        fh.seek(e["commitLogOffset"] - seg + 88 + e["bodyLength"] // 2)
+        b = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([b[0] ^ 1]))
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def walk_like_rocketmq(store: Path) -> list[int]:
+    """checkMessageAndReturnSize over every segment with CRC on: offsets of the records a RocketMQ walker keeps
+    (it stops for good at the first record that fails; a blank record sends it to the next file)."""
+    kept = []
+    for seg in sorted((store / "commitlog").iterdir()):
+        buf = seg.read_bytes()
+        base = int(seg.name)
+        for pos, size, msg, _reason in codec.walk(buf, 0, len(buf), check_crc=True):
+            if size == 0:
+                break
+            if msg is None:
+                return kept
+            kept.append(base + pos)
+    return kept
+
+
+def golden_offsets(name: str = "basic") -> list[int]:
+    return sorted(e["commitLogOffset"] for e in golden_expected(name))
+
+
+def assert_intact_except(store: Path, start: int, end: int) -> None:
+    """Every commitlog byte outside [start, end) equals the golden one."""
+    for seg in sorted((golden_store("basic") / "commitlog").iterdir()):
+        base = int(seg.name)
+        old, new = seg.read_bytes(), (store / "commitlog" / seg.name).read_bytes()
+        lo, hi = max(0, start - base), max(0, min(len(old), end - base))
+        assert old[:lo] == new[:lo] and old[max(lo, hi):] == new[max(lo, hi):], seg.name
+
+
+def test_a_flipped_body_bit_loses_only_its_record(basic_copy):
+    """The issue's case: one flipped bit in segment 2 made repair delete 3 segments and print OK."""
+    expected = golden_expected("basic")
+    bad = expected[1500]
+    flip_body_bit(basic_copy, bad)
+    damaged = (basic_copy / "commitlog" / f"{SEG:020d}").read_bytes()
+    r = run_cli("verify", basic_copy, "--repair", "--json")
+    assert r.returncode == 1, r.stderr
+    out = json.loads(r.stdout)
+    assert not out["ok"]
+    assert len(out["lost"]) == 1
+    lost = out["lost"][0]
+    assert (lost["offset"], lost["length"], lost["action"]) == (bad["commitLogOffset"], bad["size"], "filler")
+    assert "CRC" in lost["reason"] and lost["file"].endswith(f"{SEG:020d}")
+    assert lost["messages"] == [{"topic": bad["topic"], "queueId": bad["queueId"], "queueOffset": bad["queueOffset"],
+                                 "commitLogOffset": bad["commitLogOffset"], "size": bad["size"], "tombstone": True}]
+    assert lost["rewrite"] == [{"offset": bad["commitLogOffset"], "length": bad["size"], "as": "tombstone"}]
+    # Nothing else changed in the commitlog, and the damaged original is kept.
+    assert_intact_except(basic_copy, bad["commitLogOffset"], bad["commitLogOffset"] + bad["size"])
+    q = Path(out["quarantine"])
+    assert (q / "commitlog" / f"{SEG:020d}").read_bytes() == damaged
+    assert json.loads((q / "report.json").read_text())["lost"][0]["offset"] == bad["commitLogOffset"]
+    # A RocketMQ-style walker keeps every other record (and the tombstone).
+    walked = walk_like_rocketmq(basic_copy)
+    assert sorted(set(walked) - {bad["commitLogOffset"]}) == sorted(set(golden_offsets()) - {bad["commitLogOffset"]})
+    # So does rocketstore's abnormal recovery from the first segment, and every other message is readable.
+    (basic_copy / "abort").write_text("1")
+    (basic_copy / "checkpoint").write_bytes(bytes(4096))
+    with MessageStore.open(str(basic_copy)) as store:
+        assert store.max_phy_offset() == 3711299
+        got, tombstones = {}, []
+        for topic, qid in store.queue_keys():
+            off = 0
+            while (res := store.get(topic, qid, off, 32, read_body=False)).messages:
+                for i, m in enumerate(res.messages):
+                    assert m.queue_offset == off + i  # no queue offset moved
+                    if LOST_PROPERTY in m.properties:
+                        tombstones.append(m)
+                    else:
+                        got[m.commit_log_offset] = (m.topic, m.queue_id, m.body_crc)
+                off = res.next_begin_offset
+        assert got == {e["commitLogOffset"]: (e["topic"], e["queueId"], e["bodyCrc"]) for e in expected if e is not bad}
+        [t] = tombstones
+        assert (t.topic, t.queue_id, t.queue_offset, t.commit_log_offset, t.size, t.tags) == (
+            bad["topic"], bad["queueId"], bad["queueOffset"], bad["commitLogOffset"], bad["size"], LOST_TAG)
+        assert t.properties[LOST_PROPERTY] == q.name
+        # a tag subscription never sees it
+        res = store.get(bad["topic"], bad["queueId"], bad["queueOffset"], 1, parse_tag_filter(bad["tags"]))
+        assert [m.commit_log_offset for m in res.messages] != [bad["commitLogOffset"]]
+        other = expected[1501]
+        assert store.query(other["topic"], other["keys"].split()[0]).phy_offsets == [other["commitLogOffset"]]
+        assert store.query(bad["topic"], bad["properties"]["UNIQ_KEY"]).messages == []
+    # Every consume-queue file keeps the configured size.
+    assert {f.stat().st_size for f in (basic_copy / "consumequeue").rglob("0*") if f.is_file()} == {6000}
+    # verify keeps reporting the repair until the operator deals with it; the queues are consistent.
+    v = json.loads(run_cli("verify", basic_copy, "--json").stdout)
+    assert [p["kind"] for p in v["problems"]] == ["quarantined"], v["problems"]
+
+
+def test_dry_run_reports_and_writes_nothing(basic_copy):
+    bad = golden_expected("basic")[1500]
+    flip_body_bit(basic_copy, bad)
+    before = tree_digest(basic_copy)
+    r = run_cli("verify", basic_copy, "--repair", "--dry-run", "--json")
+    assert r.returncode == 1, r.stderr
+    out = json.loads(r.stdout)
+    assert out["dryRun"] and not out["ok"]
+    assert [(s["offset"], s["action"]) for s in out["lost"]] == [(bad["commitLogOffset"], "filler")]
+    assert tree_digest(basic_copy) == before
+    table = run_cli("verify", basic_copy, "--repair", "--dry-run")
+    assert table.returncode == 1 and b"would repair" in table.stdout and b"not kept" in table.stdout
+    assert tree_digest(basic_copy) == before
+
+
+def test_dry_run_needs_repair(basic_copy):
+    r = run_cli("verify", basic_copy, "--dry-run")
+    assert r.returncode == 2 and r.stderr.decode().count("\n") == 1 and b"--repair" in r.stderr
+
+
+def test_garbage_over_a_record_header_resynchronises_on_the_next_record(basic_copy):
+    """The size field itself is gone: repair finds the next record by magic, PHYSICALOFFSET and CRC."""
+    first = next(e for e in golden_expected("basic") if e["commitLogOffset"] == SEG)
+    nxt = min(e["commitLogOffset"] for e in golden_expected("basic") if e["commitLogOffset"] > SEG)
+    with open(basic_copy / "commitlog" / f"{SEG:020d}", "r+b") as fh:
+        fh.write(bytes(range(7, 71)))  # 64 bytes over TOTALSIZE, magic, CRC, ... PHYSICALOFFSET
+    out = json.loads(run_cli("verify", basic_copy, "--repair", "--json").stdout)
+    assert [(s["offset"], s["length"]) for s in out["lost"]] == [(SEG, first["size"])] == [(SEG, nxt - SEG)]
+    assert sorted(set(walk_like_rocketmq(basic_copy)) - {SEG}) == sorted(set(golden_offsets()) - {SEG})
+    assert_intact_except(basic_copy, SEG, nxt)
+
+
+def test_damaged_last_record_of_a_segment_becomes_a_tombstone_and_a_blank(basic_copy):
+    """Nothing valid follows it in its file: after its tombstone a blank record sends both walkers on."""
+    last = max((e for e in golden_expected("basic") if e["commitLogOffset"] < SEG), key=lambda e: e["commitLogOffset"])
+    flip_body_bit(basic_copy, last)
+    out = json.loads(run_cli("verify", basic_copy, "--repair", "--json").stdout)
+    off, end = last["commitLogOffset"], last["commitLogOffset"] + last["size"]
+    assert [(s["offset"], s["action"], s["length"]) for s in out["lost"]] == [(off, "blank", SEG - off)]
+    assert out["lost"][0]["rewrite"] == [{"offset": off, "length": last["size"], "as": "tombstone"},
+                                         {"offset": end, "length": SEG - end, "as": "blank"}]
+    seg0 = (basic_copy / "commitlog" / f"{0:020d}").read_bytes()
+    assert seg0[end:end + 8] == codec.blank_record(SEG - end)
+    assert sorted(walk_like_rocketmq(basic_copy)) == golden_offsets()  # the tombstone stands where it was
+    assert [p["kind"] for p in json.loads(run_cli("verify", basic_copy, "--json").stdout)["problems"]] == \
+        ["quarantined"]
+
+
+def test_a_span_without_consume_queue_knowledge_becomes_a_blank(basic_copy):
+    """With the consume queues gone, nothing says which message was lost: a blank (the queue then has a gap)."""
+    import shutil
+    last = max((e for e in golden_expected("basic") if e["commitLogOffset"] < SEG), key=lambda e: e["commitLogOffset"])
+    flip_body_bit(basic_copy, last)
+    shutil.rmtree(basic_copy / "consumequeue")
+    out = json.loads(run_cli("verify", basic_copy, "--repair", "--json").stdout)
+    off = last["commitLogOffset"]
+    assert out["lost"][0]["messages"] == []
+    assert out["lost"][0]["rewrite"] == [{"offset": off, "length": SEG - off, "as": "blank"}]
+    seg0 = (basic_copy / "commitlog" / f"{0:020d}").read_bytes()
+    assert seg0[off:off + 8] == codec.blank_record(SEG - off)
+    assert sorted(walk_like_rocketmq(basic_copy)) == sorted(set(golden_offsets()) - {off})
+    gap = [p for p in out["problems"] if p["kind"] == "cq-gap"]
+    assert len(gap) == 1 and f"{last['topic']}-{last['queueId']} units {last['queueOffset']}.." in gap[0]["detail"]
+
+
+def test_a_truncated_consume_queue_file_keeps_every_queue_file_size(basic_copy):
+    """The first CQ file found was 1000 bytes long: that must not become every queue's file size."""
+    os.truncate(basic_copy / "consumequeue" / "TopicA" / "0" / f"{0:020d}", 1000)
+    before = tree_digest(basic_copy)
+    dry = run_cli("verify", basic_copy, "--repair", "--dry-run")
+    assert dry.returncode == 1 and b"1000 bytes" in dry.stdout and tree_digest(basic_copy) == before
+    r = run_cli("verify", basic_copy, "--repair", "--json")
+    assert r.returncode == 0, r.stdout[-2000:]
+    out = json.loads(r.stdout)
+    assert out["ok"] and out["lost"] == []
+    golden = golden_store("basic") / "consumequeue"
+    for f in (f for f in golden.rglob("0*") if f.is_file()):
+        assert (basic_copy / "consumequeue" / f.relative_to(golden)).read_bytes() == f.read_bytes(), f
+    assert run_cli("verify", basic_copy).returncode == 0
+
+
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
+def test_repair_of_an_intact_golden_store_changes_nothing(tmp_path, name):
+    store = copy_store(golden_store(name), tmp_path / "s")
+    r = run_cli("verify", store, "--repair", "--json")
+    assert r.returncode == 0, r.stdout[-2000:]
+    out = json.loads(r.stdout)
+    assert out["ok"] and out["lost"] == [] and not (store / "quarantine").exists()
+    for d in ("commitlog", "consumequeue"):
+        assert tree_digest(store / d) == tree_digest(golden_store(name) / d)
+
+
+@pytest.mark.parametrize("size", [92, 116, 117, 5000, MAX_FILLER_BYTES])
+def test_filler_record_is_a_valid_rollback_record_of_exactly_the_span(size):
+    rec = filler_record(size, 4242, 1795375975099)
+    n, msg, reason = codec.check(rec, 0, len(rec), check_crc=True)
+    assert (n, reason) == (size, None)
+    assert msg.transaction_type == codec.TRANSACTION_ROLLBACK and msg.commit_log_offset == 4242
+    assert msg.store_timestamp == 1795375975099 and msg.topic == FILLER_TOPIC[:len(msg.topic)]
+
+
+def test_filler_pieces_cover_any_span():
+    assert filler_pieces(91) == []
+    for length in (92, 3 * MAX_FILLER_BYTES + 1, 2 * MAX_FILLER_BYTES):
+        pieces = filler_pieces(length)
+        assert sum(pieces) == length and max(pieces) <= MAX_FILLER_BYTES and min(pieces) >= 92
+
+
+def test_a_torn_last_message_is_reported_and_the_log_ends_before_it(basic_copy):
+    from test_recovery import tear_last_message
+    last = tear_last_message(basic_copy)
+    r = run_cli("verify", basic_copy, "--repair", "--json")
+    assert r.returncode == 1, r.stderr
+    out = json.loads(r.stdout)
+    assert [(s["offset"], s["action"]) for s in out["lost"]] == [(last["commitLogOffset"], "end-of-log")]
+    assert out["lost"][0]["messages"][0]["queueOffset"] == last["queueOffset"]
+    assert not (basic_copy / "abort").exists() and (Path(out["quarantine"]) / "abort").exists()
+    with MessageStore.open(str(basic_copy), read_only=True) as store:
+        assert store.max_phy_offset() == last["commitLogOffset"]
+        assert store.max_offset_in_queue(last["topic"], last["queueId"]) == last["queueOffset"]
+    assert sorted(walk_like_rocketmq(basic_copy)) == sorted(set(golden_offsets()) - {last["commitLogOffset"]})
+
+
+def test_repair_refuses_a_store_another_process_has_open(basic_copy):
+    bad = golden_expected("basic")[1500]
+    flip_body_bit(basic_copy, bad)
+    before = tree_digest(basic_copy)
+    import fcntl
+    fd = os.open(basic_copy / "lock", os.O_RDWR)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)  # as a running broker holds it
+        r = run_cli("verify", basic_copy, "--repair")
+    finally:
+        os.close(fd)
+    assert r.returncode == 2 and r.stderr.decode().count("\n") == 1 and b"locked" in r.stderr
+    assert tree_digest(basic_copy) == before
+
+
+@pytest.mark.parametrize("topic", ["TopicB", "T" * 200])
+def test_tombstone_is_a_valid_record_of_the_lost_message_queue_offset(topic):
+    from rocketstore.repair import tombstone_record
+    lost = {"topic": topic, "queueId": 3, "queueOffset": 224, "commitLogOffset": 4242, "size": 700}
+    rec = tombstone_record(700, lost, 4242, 1795375975099, "repair-1795611563933")
+    n, msg, reason = codec.check(rec, 0, len(rec), check_crc=True)
+    assert (n, reason) == (700, None)
+    assert (msg.topic, msg.queue_id, msg.queue_offset, msg.commit_log_offset) == (topic, 3, 224, 4242)
+    assert msg.transaction_type == codec.TRANSACTION_NOT_TYPE and msg.tags == LOST_TAG
+    assert msg.properties[LOST_PROPERTY] == "repair-1795611563933" and not msg.keys and not msg.uniq_key
+    assert tombstone_record(100, lost, 4242, 0, "x") is None  # too small for its header
+
+
+def test_a_long_damaged_span_gets_tombstones_of_the_lost_sizes_and_fillers_between():
+    """Zeros over three records: one tombstone per record the old queues knew, each its record's size."""
+    from rocketstore.repair import DamagedSpan, layout
+    lost = [{"topic": "T", "queueId": 0, "queueOffset": q, "commitLogOffset": 1000 + 700 * q, "size": 500}
+            for q in range(3)]
+    span = DamagedSpan("seg", 900, 3000, "zero bytes", "filler", True, 1, lost)
+    assert [(o, n, kind) for o, n, kind, _m in layout(span, set())] == [
+        (900, 100, "filler"), (1000, 500, "tombstone"), (1500, 200, "filler"), (1700, 500, "tombstone"),
+        (2200, 200, "filler"), (2400, 500, "tombstone"), (2900, 1000, "filler")]
+    held = {("T", 0, 1)}  # a surviving record holds queue offset 1: no tombstone for it
+    assert [kind for _o, _n, kind, _m in layout(span, held)] == ["filler", "tombstone", "filler", "tombstone",
+                                                                 "filler"]
+    span.action = "blank"  # nothing valid after it in its file: a blank after the last tombstone
+    assert [(o, n, kind) for o, n, kind, _m in layout(span, set())][-2:] == [(2400, 500, "tombstone"),
+                                                                            (2900, 1000, "blank")]
