@@ -194,6 +194,7 @@ def _check_queue(store: MessageStore, cq: Any, by_offset: dict[int, RecordSummar
             gap.clear()
 
     files = list(cq.queue.files)
+    live = False  # a unit pointing at or past the commitlog's start was seen: blank units after it are holes
     for fi, f in enumerate(files):
         mm = f.mm
         start = max(0, cq.min_logic_offset - f.file_from_offset)
@@ -204,6 +205,8 @@ def _check_queue(store: MessageStore, cq: Any, by_offset: dict[int, RecordSummar
             idx = base_idx + p // CQ_STORE_UNIT_SIZE
             counts["units"] += 1
             where = f"{f.path} unit {idx}"
+            if (off, size, tags) == PRE_BLANK_UNIT and not live:
+                continue  # the expired head: recovery's stand-in for a record retention already deleted
             if off < 0 or size <= 0 or (off, size, tags) == PRE_BLANK_UNIT:
                 close_gap()
                 what = "a blank unit: its message is gone" if (off, size, tags) == PRE_BLANK_UNIT else \
@@ -212,6 +215,7 @@ def _check_queue(store: MessageStore, cq: Any, by_offset: dict[int, RecordSummar
                                         f"{name} unit {idx} below the queue's max offset {cq.max_offset_in_queue} "
                                         f"is {what}"))
                 continue
+            live = live or off >= min_phy
             r = by_offset.get(off)
             if r is None:
                 close_gap()
