@@ -84,7 +84,8 @@ def stub(acl_broker):
 
 def client(b, body, timeout=90):
     try:
-        return run_client(b.endpoint, body, b.home, timeout=timeout)
+        # The Python client signs its local time marked 'Z': give it a UTC clock, as docs/broker.md advises.
+        return run_client(b.endpoint, body, b.home, timeout=timeout, env={"TZ": "UTC"})
     except RuntimeError as e:
         raise AssertionError(f"{e}\n--- broker log ---\n{b.tail_log()}") from None
 
@@ -495,3 +496,15 @@ def test_without_acl_namespaces_and_sealed_handles(tmp_path):
         ch.close()
     secret = os.path.join(str(tmp_path / "store"), "config", "receiptSecret")
     assert os.stat(secret).st_mode & 0o777 == 0o600
+
+
+def test_the_documented_acl_file_loads():
+    import re
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "broker.md"), encoding="utf-8").read()
+    block = next(b for b in re.findall(r"```json\n(.*?)```", doc, re.S) if '"acls"' in b)
+    ac = AccessControl(AclConfig.from_json(json.loads(block)))
+    assert ac.allowed("orders-app", "Topic", "order-1", ["Pub"])
+    assert not ac.allowed("orders-app", "Topic", "order-audit", ["Pub"])
+    assert ac.allowed("billing", "Topic", "Orders", ["Sub"], "10.2.3.4")
+    assert not ac.allowed("billing", "Topic", "Orders", ["Sub"], "192.168.0.1")
+    assert ac.allowed("ops", "Group", "Anything", ["Sub"]) and not ac.allowed("retired", "Topic", "Orders", ["Pub"])
