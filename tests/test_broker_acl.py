@@ -396,6 +396,8 @@ def test_client_id_belongs_to_its_user(stub):
     assert not any(m.body == b"held" for m in stolen), "the victim's messages were released by another user"
     for m in held:
         assert ack(stub, "Orders", "Billing", m.system_properties.receipt_handle, victim) == C.OK
+    r = stub.NotifyClientTermination(svc.NotifyClientTerminationRequest(), metadata=victim, timeout=5)
+    assert r.status.code == C.OK, "the owner may end its own client"
     for m in stolen:
         ack(stub, "Orders", "Billing", m.system_properties.receipt_handle, md("mallory", "msecret",
                                                                                client_id="mallory@1@1@x"))
@@ -432,6 +434,30 @@ def _open_producer_stream(stub, meta, *topics):
     t = threading.Thread(target=read, daemon=True)
     t.start()
     return call, replies, stop
+
+
+def test_settings_need_permission_on_every_declared_topic(stub):
+    call, replies, stop = _open_producer_stream(stub, md("prod", "psecret", client_id="decl@1@1@x"),
+                                                "Orders", "Secret")
+    try:
+        deadline = time.time() + 5
+        while not replies and time.time() < deadline:
+            time.sleep(0.05)
+        assert replies and replies[0].status.code == C.FORBIDDEN and "Topic:Secret" in replies[0].status.message
+    finally:
+        stop.set()
+        call.cancel()
+
+
+def test_authentication_only_from_broker_conf(tmp_path):
+    conf = {"authenticationEnabled": "true", "authConfigPath": str(tmp_path / "acl.json")}
+    (tmp_path / "acl.json").write_text(json.dumps(ACL))
+    with BrokerProcess(str(tmp_path / "store"), conf=conf) as b:
+        ch = grpc.insecure_channel(b.endpoint)
+        s = svc_grpc.MessagingServiceStub(ch)
+        assert route(s, "Anything", md(None)) == C.UNAUTHORIZED
+        assert route(s, "Anything", md("cons", "csecret")) == C.OK, "signed, and permissions are not checked"
+        ch.close()
 
 
 def test_transaction_checks_go_only_to_authorised_producers(stub):
