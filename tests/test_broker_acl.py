@@ -534,3 +534,16 @@ def test_the_documented_acl_file_loads():
     assert ac.allowed("billing", "Topic", "Orders", ["Sub"], "10.2.3.4")
     assert not ac.allowed("billing", "Topic", "Orders", ["Sub"], "192.168.0.1")
     assert ac.allowed("ops", "Group", "Anything", ["Sub"]) and not ac.allowed("retired", "Topic", "Orders", ["Pub"])
+
+
+def test_client_owners_keep_live_clients_bound():
+    from rocketstore.broker.clients import ClientOwners, ClientRegistry
+    reg = ClientRegistry(60000)
+    owners = ClientOwners(reg, capacity=3)
+    assert owners.claim("victim", "cons") is None
+    reg.touch("victim")
+    for i in range(10):  # another user floods ids to push the victim's binding out
+        assert owners.claim(f"flood-{i}", "mallory") is None
+    assert owners.claim("victim", "mallory") == "cons"
+    assert owners.claim("victim", "cons") is None
+    assert owners.claim("flood-0", "bob") is None, "an old id of a client that is gone may be forgotten"

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import random
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -14,6 +15,7 @@ from . import namespace as nsutil
 log = logging.getLogger(__name__)
 
 STREAM_QUEUE_SIZE = 256
+OWNERS_CAPACITY = 100_000
 
 
 class TelemetryStream:
@@ -136,3 +138,30 @@ class ClientRegistry:
         for c in self.clients.values():
             for s in c.streams:
                 s.close()
+
+
+class ClientOwners:
+    """Which user each client id belongs to (ACL on): the user that first used it.
+
+    Bindings of ids unused for longest are forgotten beyond ``capacity``, but never the binding of a
+    client the registry still knows, so nobody can flood ids to take over a live client's."""
+
+    def __init__(self, registry: ClientRegistry, capacity: int = OWNERS_CAPACITY) -> None:
+        self.registry = registry
+        self.capacity = capacity
+        self._owners: OrderedDict[str, str] = OrderedDict()
+
+    def claim(self, client_id: str, user: str) -> str | None:
+        """None when ``client_id`` is ``user``'s (binding it now if new), else the user it belongs to."""
+        owner = self._owners.get(client_id)
+        if owner is not None and owner != user:
+            return owner
+        self._owners[client_id] = user
+        self._owners.move_to_end(client_id)
+        if owner is None and len(self._owners) > self.capacity:
+            for cid in list(self._owners):
+                if len(self._owners) <= self.capacity:
+                    break
+                if cid != client_id and cid not in self.registry.clients:
+                    del self._owners[cid]
+        return None

@@ -27,6 +27,7 @@ from ..message import Message, PutMessageStatus
 from . import namespace as nsutil
 from .acl import AccessControl, AuthenticationError, AuthorizationError
 from .broker import Broker
+from .clients import ClientOwners
 from .convert import (P_DLQ_MSG_ID, P_DLQ_TOPIC, P_ORIGIN_MSG_ID, P_RECONSUME, P_RETRY_TOPIC, TYPE_NAMES, BadMessage,
                       Code, host_from, set_ts, store_properties, to_pb, ts_ms, validate)
 from .pop import DeadLetter, Delivery, TagFilter, now_ms
@@ -38,7 +39,6 @@ from .topics import (MAX_GROUP_LEN, MAX_TOPIC_LEN, TopicConfig, illegal_name,
 log = logging.getLogger(__name__)
 
 DEDUP_CAPACITY = 100_000
-OWNERS_CAPACITY = 100_000
 PUB, SUB = ("Pub",), ("Sub",)
 
 
@@ -121,7 +121,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         self.broker = broker
         self.receipts = receipts
         self.access = access
-        self._owners: OrderedDict[str, str] = OrderedDict()  # client id -> the user that first used it
+        self.owners = ClientOwners(broker.clients)
         if access is not None:
             broker.clients.may_check = lambda c, topic: access.allowed(c.user, "Topic", topic, PUB)
         self.cfg = broker.cfg
@@ -161,18 +161,11 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             log.info("unauthenticated request from %s: %s", ip or "?", e)
             _set(status, Code.UNAUTHORIZED, str(e))
             return None
-        if cid:
-            owner = self._owners.get(cid)
-            if owner is None:
-                self._owners[cid] = user
-                if len(self._owners) > OWNERS_CAPACITY:
-                    self._owners.popitem(last=False)
-            elif owner != user:
-                log.warning("user %s used client id %s of user %s; refused", user, cid, owner)
-                _set(status, Code.FORBIDDEN, f"client id {cid} belongs to another user")
-                return None
-            else:
-                self._owners.move_to_end(cid)
+        owner = self.owners.claim(cid, user) if cid else None
+        if owner is not None:
+            log.warning("user %s used client id %s of user %s; refused", user, cid, owner)
+            _set(status, Code.FORBIDDEN, f"client id {cid} belongs to another user")
+            return None
         return Caller(user, cid, ns, ip)
 
     def _name(self, caller: Caller, res: Any) -> str | None:
