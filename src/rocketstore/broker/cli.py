@@ -29,6 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=_port, default=8081, help="port (default 8081; 0 picks a free port)")
     p.add_argument("--config", metavar="BROKER_CONF",
                    help="broker.conf with store and broker keys (flushDiskType, autoCreateTopicEnable, ...)")
+    p.add_argument("--acl", action="store_true",
+                   help="require signed requests and check permissions against the users and ACLs in "
+                        "STORE/config/acl.json (or authConfigPath); sets authenticationEnabled and "
+                        "authorizationEnabled")
     p.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain")
     p.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
     auto = p.add_mutually_exclusive_group()
@@ -52,6 +56,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise CliError(f"serve needs the broker extras (grpcio, rocketmq-python-client): {e}") from None
     store_cfg, broker_cfg = load_broker_conf(args.config)
+    if args.acl:
+        broker_cfg = broker_cfg.replace(authenticationEnabled=True, authorizationEnabled=True)
     if args.auto_create is not None:
         broker_cfg = broker_cfg.replace(autoCreateTopicEnable=args.auto_create)
     topics = tuple(parse_topic_spec(s) for s in args.topic)

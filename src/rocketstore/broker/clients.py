@@ -6,12 +6,16 @@ import asyncio
 import logging
 import random
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
+
+from . import namespace as nsutil
 
 log = logging.getLogger(__name__)
 
 STREAM_QUEUE_SIZE = 256
+OWNERS_CAPACITY = 100_000
 
 
 class TelemetryStream:
@@ -53,12 +57,16 @@ class ClientInfo:
     last_seen: float = field(default_factory=time.monotonic)
     language: str = ""
     version: str = ""
+    user: str = ""  # the authenticated user (ACL on)
+    namespace: str = ""
 
 
 class ClientRegistry:
     def __init__(self, expire_ms: int) -> None:
         self.expire = expire_ms / 1000
         self.clients: dict[str, ClientInfo] = {}
+        # Whether a producer may be asked about a half message of a topic (set when ACL is on: PUB on it).
+        self.may_check: Callable[[ClientInfo, str], bool] = lambda c, topic: True
 
     def touch(self, client_id: str) -> ClientInfo:
         c = self.clients.get(client_id)
@@ -95,23 +103,65 @@ class ClientRegistry:
         return [cid for cid, c in self.clients.items()
                 if not any(not s.closed for s in c.streams) and now - c.last_seen >= self.expire]
 
-    def producer_streams(self, topic: str) -> list[TelemetryStream]:
-        """Open streams of producers that declared ``topic``; any producer's when none did."""
+    def producer_streams(self, topic: str) -> list[tuple[ClientInfo, TelemetryStream]]:
+        """Open streams of producers that declared ``topic``; when none did, of any producer that may see it
+        (one of the topic's namespace, and allowed to publish to it)."""
         from .proto import pb
         matching, others = [], []
         for c in self.clients.values():
             if c.client_type != pb.ClientType.PRODUCER:
                 continue
-            streams = [s for s in c.streams if not s.closed]
+            if c.namespace and nsutil.unwrap(c.namespace, topic) == topic:
+                continue  # not a topic of the producer's namespace
+            if not self.may_check(c, topic):
+                continue
+            streams = [(c, s) for s in c.streams if not s.closed]
             (matching if topic in c.publishing else others).extend(streams)
         return matching or others
 
     def send_to_producer(self, topic: str, cmd: Any) -> bool:
+        """Ask one producer of ``topic`` about a transaction (the topic named as that producer knows it)."""
         streams = self.producer_streams(topic)
         random.shuffle(streams)
-        return any(s.send(cmd) for s in streams)
+        for c, s in streams:
+            out = cmd
+            if c.namespace:
+                out = type(cmd)()
+                out.CopyFrom(cmd)
+                t = out.recover_orphaned_transaction_command.message.topic
+                t.name, t.resource_namespace = nsutil.unwrap(c.namespace, topic), c.namespace
+            if s.send(out):
+                return True
+        return False
 
     def close_all(self) -> None:
         for c in self.clients.values():
             for s in c.streams:
                 s.close()
+
+
+class ClientOwners:
+    """Which user each client id belongs to (ACL on): the user that first used it.
+
+    Bindings of ids unused for longest are forgotten beyond ``capacity``, but never the binding of a
+    client the registry still knows, so nobody can flood ids to take over a live client's."""
+
+    def __init__(self, registry: ClientRegistry, capacity: int = OWNERS_CAPACITY) -> None:
+        self.registry = registry
+        self.capacity = capacity
+        self._owners: OrderedDict[str, str] = OrderedDict()
+
+    def claim(self, client_id: str, user: str) -> str | None:
+        """None when ``client_id`` is ``user``'s (binding it now if new), else the user it belongs to."""
+        owner = self._owners.get(client_id)
+        if owner is not None and owner != user:
+            return owner
+        self._owners[client_id] = user
+        self._owners.move_to_end(client_id)
+        if owner is None and len(self._owners) > self.capacity:
+            for cid in list(self._owners):
+                if len(self._owners) <= self.capacity:
+                    break
+                if cid != client_id and cid not in self.registry.clients:
+                    del self._owners[cid]
+        return None

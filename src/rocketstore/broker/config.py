@@ -60,6 +60,13 @@ class BrokerConfig:
     clientExpireTime: int = 60000
     # Threads that run blocking store calls (puts wait for the flush in SYNC_FLUSH mode).
     storeThreads: int = 32
+    # ACL 2.0 (``serve --acl`` sets both): check the clients' signatures, and their users' permissions, against
+    # authConfigPath (default <store>/config/acl.json).  A signed date-time further than authDateTimeSkew from
+    # the broker's clock is refused.
+    authenticationEnabled: bool = False
+    authorizationEnabled: bool = False
+    authConfigPath: str = ""
+    authDateTimeSkew: int = 15 * 60 * 1000
 
     def __post_init__(self) -> None:
         self.validate()
@@ -80,7 +87,7 @@ class BrokerConfig:
         need(self.longPollingTimeout > 0 and self.maxLongPollingTimeout >= self.longPollingTimeout,
              "longPollingTimeout", "must be positive and at most maxLongPollingTimeout")
         for key in ("transactionTimeOut", "transactionCheckInterval", "flushConsumerOffsetInterval",
-                    "clientExpireTime", "maxDelayTime"):
+                    "clientExpireTime", "maxDelayTime", "authDateTimeSkew"):
             need(getattr(self, key) > 0, key, "must be positive")
         need(self.transactionCheckMax >= 1, "transactionCheckMax", "must be at least 1")
         need(1 <= self.storeThreads <= 512, "storeThreads", "must be in 1..512")

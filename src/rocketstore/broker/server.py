@@ -21,9 +21,11 @@ import grpc
 from ..config import StoreConfig
 from ..errors import CliError
 from ..store import MessageStore
+from .acl import AccessControl, load_access_control
 from .broker import Broker
 from .config import BrokerConfig
 from .proto import svc_grpc
+from .receipts import ReceiptSigner, load_or_create_secret
 from .service import MessagingService
 from .topics import GroupConfig, TopicConfig
 
@@ -75,6 +77,7 @@ async def serve_async(opts: ServeOptions, *, ready: Callable[[str, int], None] |
                       stop_event: asyncio.Event | None = None) -> None:
     """Listen first (a busy port leaves the store untouched), then open the store and serve."""
     bcfg = opts.broker_config or BrokerConfig()
+    access = load_access_control(bcfg, opts.store)  # a bad ACL file stops us before the store is touched
     limit_cfg = opts.store_config or StoreConfig()
     limit = max(limit_cfg.maxMessageSize * 2 + 1024 * 1024, 8 * 1024 * 1024)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
@@ -82,7 +85,7 @@ async def serve_async(opts: ServeOptions, *, ready: Callable[[str, int], None] |
     port = _bind(server, opts)
     store = MessageStore.open(opts.store, opts.store_config)
     try:
-        await _serve_store(server, port, store, bcfg, opts, ready, stop_event)
+        await _serve_store(server, port, store, bcfg, opts, ready, stop_event, access)
     finally:
         store.close()
         log.info("store %s closed", opts.store)
@@ -112,14 +115,16 @@ def _bind(server: Any, opts: ServeOptions) -> int:
 
 
 async def _serve_store(server: Any, port: int, store: MessageStore, bcfg: BrokerConfig, opts: ServeOptions,
-                       ready: Callable[[str, int], None] | None, stop_event: asyncio.Event | None) -> None:
+                       ready: Callable[[str, int], None] | None, stop_event: asyncio.Event | None,
+                       access: AccessControl | None = None) -> None:
     broker = Broker(store, bcfg, store_host_of(opts.host, port))
+    receipts = ReceiptSigner(load_or_create_secret(broker.config_dir))
     for t in opts.topics:
         broker.topics.put_topic(t)
     for g in opts.groups:
         broker.topics.put_group(g)
     await broker.start()
-    service = MessagingService(broker, opts.host, port)
+    service = MessagingService(broker, opts.host, port, receipts=receipts, access=access)
     svc_grpc.add_MessagingServiceServicer_to_server(service, server)
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -132,8 +137,9 @@ async def _serve_store(server: Any, port: int, store: MessageStore, bcfg: Broker
             pass  # not the main thread
     try:
         await server.start()
-        log.info("serving apache.rocketmq.v2.MessagingService on %s (%s) for store %s",
-                 bind_address(opts.host, port), "TLS" if opts.tls_cert else "plaintext", opts.store)
+        log.info("serving apache.rocketmq.v2.MessagingService on %s (%s%s) for store %s",
+                 bind_address(opts.host, port), "TLS" if opts.tls_cert else "plaintext",
+                 "" if access is None else ", ACL on", opts.store)
         if ready:
             ready(opts.host, port)
         await stop.wait()

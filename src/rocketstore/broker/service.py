@@ -18,23 +18,48 @@ import logging
 import time
 import zlib
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import grpc
 
 from ..errors import CorruptRecordError
 from ..message import Message, PutMessageStatus
+from . import namespace as nsutil
+from .acl import AccessControl, AuthenticationError, AuthorizationError
 from .broker import Broker
+from .clients import ClientOwners
 from .convert import (P_DLQ_MSG_ID, P_DLQ_TOPIC, P_ORIGIN_MSG_ID, P_RECONSUME, P_RETRY_TOPIC, TYPE_NAMES, BadMessage,
                       Code, host_from, set_ts, store_properties, to_pb, ts_ms, validate)
 from .pop import DeadLetter, Delivery, TagFilter, now_ms
 from .proto import pb, svc, svc_grpc
+from .receipts import ReceiptSigner
 from .topics import (MAX_GROUP_LEN, MAX_TOPIC_LEN, TopicConfig, illegal_name,
                      is_system_topic)
 
 log = logging.getLogger(__name__)
 
 DEDUP_CAPACITY = 100_000
+PUB, SUB = ("Pub",), ("Sub",)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: the authenticated user ("" with ACL off), client id, namespace and address."""
+
+    user: str
+    client_id: str
+    namespace: str
+    ip: str
+
+
+def peer_ip(peer: str) -> str:
+    """The address of a gRPC peer string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``)."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return ""
+    host = rest.rsplit(":", 1)[0]
+    return host.strip("[]")
 
 _PUT_CODES = {
     PutMessageStatus.PUT_OK: Code.OK,
@@ -92,8 +117,14 @@ def make_endpoints(out: Any, host: str, port: int) -> None:
 
 
 class MessagingService(svc_grpc.MessagingServiceServicer):
-    def __init__(self, broker: Broker, host: str, port: int) -> None:
+    def __init__(self, broker: Broker, host: str, port: int, *, receipts: ReceiptSigner,
+                 access: AccessControl | None = None) -> None:
         self.broker = broker
+        self.receipts = receipts
+        self.access = access
+        self.owners = ClientOwners(broker.clients)
+        if access is not None:
+            broker.clients.may_check = lambda c, topic: access.allowed(c.user, "Topic", topic, PUB)
         self.cfg = broker.cfg
         self.topics = broker.topics
         adv = host
@@ -113,6 +144,58 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
 
     def _client_id(self, context: Any) -> str:
         return _header(context, "x-mq-client-id").strip()
+
+    def _caller(self, context: Any, status: Any) -> Caller | None:
+        """Authenticate the request (with ACL on) and check that its client id is the caller's own."""
+        cid = self._client_id(context)
+        ns = _header(context, "x-mq-namespace").strip()
+        why = nsutil.illegal_namespace(ns)
+        if why:
+            _set(status, Code.BAD_REQUEST, why)
+            return None
+        ip = peer_ip(context.peer() or "")
+        if self.access is None:
+            return Caller("", cid, ns, ip)
+        try:
+            user = self.access.authenticate(_header(context, "authorization"), _header(context, "x-mq-date-time"))
+        except AuthenticationError as e:
+            log.info("unauthenticated request from %s: %s", ip or "?", e)
+            _set(status, Code.UNAUTHORIZED, str(e))
+            return None
+        owner = self.owners.claim(cid, user) if cid else None
+        if owner is not None:
+            log.warning("user %s used client id %s of user %s; refused", user, cid, owner)
+            _set(status, Code.FORBIDDEN, f"client id {cid} belongs to another user")
+            return None
+        return Caller(user, cid, ns, ip)
+
+    def _name(self, caller: Caller, res: Any) -> str | None:
+        """The stored name of a request's topic or group resource (None: an illegal namespace)."""
+        ns = res.resource_namespace or caller.namespace
+        if nsutil.illegal_namespace(ns):
+            return None
+        return nsutil.wrap(ns, res.name)
+
+    def _permit(self, caller: Caller, status: Any, rtype: str, name: str, actions: tuple[str, ...]) -> bool:
+        if self.access is None:
+            return True
+        try:
+            self.access.authorize(caller.user, rtype, name, actions, caller.ip)
+            return True
+        except AuthorizationError as e:
+            log.info("refused: %s", e)
+            _set(status, Code.FORBIDDEN, str(e))
+            return False
+
+    def _resolve(self, caller: Caller, status: Any, res: Any, rtype: str, actions: tuple[str, ...]) -> str | None:
+        """A resource's stored name once the caller may act on it; None with ``status`` set otherwise."""
+        name = self._name(caller, res)
+        if name is None:
+            _set(status, Code.BAD_REQUEST, nsutil.illegal_namespace(res.resource_namespace) or "illegal namespace")
+            return None
+        if not self._permit(caller, status, rtype, name, actions):
+            return None
+        return name
 
     def _topic_for(self, name: str, *, create: bool, status: Any) -> TopicConfig | None:
         why = illegal_name(name, "topic", MAX_TOPIC_LEN)
@@ -140,9 +223,8 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             return None
         return g
 
-    def _fill_queue(self, mq: Any, t: TopicConfig, qid: int, namespace: str, endpoints: Any) -> None:
-        mq.topic.name = t.name
-        mq.topic.resource_namespace = namespace
+    def _fill_queue(self, mq: Any, t: TopicConfig, qid: int, topic: Any, endpoints: Any) -> None:
+        mq.topic.CopyFrom(topic)  # the name the client asked for, not the stored (namespaced) one
         mq.id = qid
         r = t.readable and (qid < 0 or qid < t.read_queue_nums)
         w = t.writable and (qid < 0 or qid < t.write_queue_nums)
@@ -156,12 +238,16 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
     @guarded(svc.QueryRouteResponse)
     async def QueryRoute(self, request: Any, context: Any) -> Any:
         resp = svc.QueryRouteResponse()
-        t = self._topic_for(request.topic.name, create=True, status=resp.status)
+        caller = self._caller(context, resp.status)
+        name = caller and self._resolve(caller, resp.status, request.topic, "Topic", PUB + SUB)
+        if name is None:
+            return resp
+        t = self._topic_for(name, create=True, status=resp.status)
         if t is None:
             return resp
         for qid in range(t.queue_count):
             mq = resp.message_queues.add()
-            self._fill_queue(mq, t, qid, request.topic.resource_namespace, request.endpoints)
+            self._fill_queue(mq, t, qid, request.topic, request.endpoints)
             mq.accept_message_types.extend(getattr(pb.MessageType, n) for n in t.accepts())
         _set(resp.status, Code.OK)
         return resp
@@ -169,27 +255,51 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
     @guarded(svc.HeartbeatResponse)
     async def Heartbeat(self, request: Any, context: Any) -> Any:
         resp = svc.HeartbeatResponse()
-        cid = self._client_id(context)
+        caller = self._caller(context, resp.status)
+        if caller is None:
+            return resp
+        cid = caller.client_id
         if not cid:
             _set(resp.status, Code.CLIENT_ID_REQUIRED, "x-mq-client-id is missing")
             return resp
-        c = self.broker.clients.touch(cid)
-        if request.client_type:
-            c.client_type = request.client_type
+        group = None
         if request.HasField("group") and request.group.name:
+            group = self._resolve(caller, resp.status, request.group, "Group", SUB)
+            if group is None:
+                return resp
             # Only check the name: the group is created by settings or a receive, which know its topics.
-            why = illegal_name(request.group.name, "group", MAX_GROUP_LEN)
+            why = illegal_name(group, "group", MAX_GROUP_LEN)
             if why:
                 _set(resp.status, Code.ILLEGAL_CONSUMER_GROUP, why)
                 return resp
-            c.group = request.group.name
+        c = self.broker.clients.touch(cid)
+        c.user, c.namespace = caller.user, caller.namespace
+        if request.client_type:
+            c.client_type = request.client_type
+        if group:
+            c.group = group
         _set(resp.status, Code.OK)
         return resp
 
-    def _settings_reply(self, cid: str, cmd: Any) -> Any:
+    def _settings_reply(self, caller: Caller, cmd: Any) -> Any:
         s = cmd.settings
         reply = svc.TelemetryCommand()
-        c = self.broker.clients.touch(cid)
+        if s.HasField("publishing"):
+            topics = [self._resolve(caller, reply.status, r, "Topic", PUB) for r in s.publishing.topics]
+            if None in topics:
+                return reply
+        elif s.HasField("subscription"):
+            group = self._resolve(caller, reply.status, s.subscription.group, "Group", SUB)
+            subs = {}
+            for e in s.subscription.subscriptions:
+                name = group and self._resolve(caller, reply.status, e.topic, "Topic", SUB)
+                if name is None:
+                    return reply
+                subs[name] = (e.expression.type, e.expression.expression)
+            if group is None:
+                return reply
+        c = self.broker.clients.touch(caller.client_id)
+        c.user, c.namespace = caller.user, caller.namespace
         if s.HasField("client_type"):
             c.client_type = s.client_type
         c.language = pb.Language.Name(s.user_agent.language) if s.user_agent.language in pb.Language.values() else ""
@@ -197,7 +307,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         out = reply.settings
         out.CopyFrom(s)
         if s.HasField("publishing"):
-            c.publishing = {r.name for r in s.publishing.topics}
+            c.publishing = set(topics)
             out.publishing.max_body_size = self.broker.store.config.maxMessageSize
             out.publishing.validate_message_type = True
             bp = out.backoff_policy
@@ -207,8 +317,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             bp.exponential_backoff.multiplier = 2
         elif s.HasField("subscription"):
             sub = s.subscription
-            group = sub.group.name
-            c.subscriptions = {e.topic.name: (e.expression.type, e.expression.expression) for e in sub.subscriptions}
+            c.subscriptions = subs
             fifo_topics = any((t := self.topics.topics.get(name)) is not None and t.message_type == "FIFO"
                               for name in c.subscriptions)
             g = self._group_for(group, reply.status, fifo_topics)
@@ -233,12 +342,14 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
 
     async def Telemetry(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
         from .clients import TelemetryStream
-        cid = self._client_id(context)
-        if not cid:
-            reply = svc.TelemetryCommand()
+        reply = svc.TelemetryCommand()
+        caller = self._caller(context, reply.status)
+        if caller is not None and not caller.client_id:
             _set(reply.status, Code.CLIENT_ID_REQUIRED, "x-mq-client-id is missing")
+        if caller is None or not caller.client_id:
             yield reply
             return
+        cid = caller.client_id
         stream = TelemetryStream(cid)
         clients = self.broker.clients
         clients.add_stream(cid, stream)
@@ -248,7 +359,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
                 async for cmd in request_iterator:
                     clients.touch(cid)
                     if cmd.HasField("settings"):
-                        stream.send(self._settings_reply(cid, cmd))
+                        stream.send(self._settings_reply(caller, cmd))
                     # thread_stack_trace / verify_message_result replies need no answer
             except asyncio.CancelledError:
                 raise
@@ -271,7 +382,10 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
     @guarded(svc.NotifyClientTerminationResponse)
     async def NotifyClientTermination(self, request: Any, context: Any) -> Any:
         resp = svc.NotifyClientTerminationResponse()
-        cid = self._client_id(context)
+        caller = self._caller(context, resp.status)
+        if caller is None:
+            return resp
+        cid = caller.client_id
         if cid:
             n = self.broker.pop.release_client(cid)
             self.broker.clients.remove(cid)
@@ -283,7 +397,10 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
     @guarded(svc.SendMessageResponse)
     async def SendMessage(self, request: Any, context: Any) -> Any:
         resp = svc.SendMessageResponse()
-        if not self._client_id(context):
+        caller = self._caller(context, resp.status)
+        if caller is None:
+            return resp
+        if not caller.client_id:
             _set(resp.status, Code.CLIENT_ID_REQUIRED, "x-mq-client-id is missing")
             return resp
         if not request.messages:
@@ -295,7 +412,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         peer = context.peer() or ""
         for m in request.messages:
             entry = resp.entries.add()
-            await self._send_one(m, entry, peer)
+            await self._send_one(caller, m, entry, peer)
         codes = {e.status.code for e in resp.entries}
         if len(codes) == 1:
             resp.status.CopyFrom(resp.entries[0].status)
@@ -303,10 +420,13 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             _set(resp.status, Code.MULTIPLE_RESULTS, "entries have different results")
         return resp
 
-    async def _send_one(self, m: Any, entry: Any, peer: str) -> None:
+    async def _send_one(self, caller: Caller, m: Any, entry: Any, peer: str) -> None:
         sp = m.system_properties
         entry.message_id = sp.message_id
-        t = self._topic_for(m.topic.name, create=True, status=entry.status)
+        name = self._resolve(caller, entry.status, m.topic, "Topic", PUB)
+        if name is None:
+            return
+        t = self._topic_for(name, create=True, status=entry.status)
         if t is None:
             return
         if not t.writable or t.write_queue_nums <= 0:
@@ -371,7 +491,11 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
     @guarded(svc.EndTransactionResponse)
     async def EndTransaction(self, request: Any, context: Any) -> Any:
         resp = svc.EndTransactionResponse()
-        code, text = await self.broker.transactions.end(request.topic.name, request.message_id,
+        caller = self._caller(context, resp.status)
+        topic = caller and self._resolve(caller, resp.status, request.topic, "Topic", PUB)
+        if topic is None:
+            return resp
+        code, text = await self.broker.transactions.end(topic, request.message_id,
                                                         request.transaction_id, request.resolution, request.source)
         _set(resp.status, code, text)
         return resp
@@ -386,19 +510,23 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
     @guarded(svc.QueryAssignmentResponse)
     async def QueryAssignment(self, request: Any, context: Any) -> Any:
         resp = svc.QueryAssignmentResponse()
-        t = self._topic_for(request.topic.name, create=False, status=resp.status)
+        caller = self._caller(context, resp.status)
+        group = caller and self._resolve(caller, resp.status, request.group, "Group", SUB)
+        topic = group and self._resolve(caller, resp.status, request.topic, "Topic", SUB)
+        if topic is None:
+            return resp
+        t = self._topic_for(topic, create=False, status=resp.status)
         if t is None:
             return resp
-        g = self._group_for(request.group.name, resp.status, t.message_type == "FIFO")
+        g = self._group_for(group, resp.status, t.message_type == "FIFO")
         if g is None:
             return resp
         if not t.readable or t.read_queue_nums <= 0:
             _set(resp.status, Code.FORBIDDEN, f"topic {t.name} is not readable")
             return resp
-        ns = request.topic.resource_namespace
         for qid in (range(t.read_queue_nums) if g.orderly else (-1,)):
             a = resp.assignments.add()
-            self._fill_queue(a.message_queue, t, qid, ns, request.endpoints)
+            self._fill_queue(a.message_queue, t, qid, request.topic, request.endpoints)
         _set(resp.status, Code.OK)
         return resp
 
@@ -433,11 +561,12 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
                     if left <= 0:
                         break
                     await self.broker.wait_for_messages(t.name, min(left, 0.1))
-                ns = request.group.resource_namespace
+                shown = request.message_queue.topic
                 for d in deliveries:
                     r = svc.ReceiveMessageResponse()
-                    to_pb(d.message, r.message, namespace=ns, receipt_handle=d.handle,
+                    to_pb(d.message, r.message, receipt_handle=self.receipts.seal(group, t.name, d.handle),
                           delivery_attempt=max(1, d.entry.attempts), invisible_ms=inv)
+                    r.message.topic.CopyFrom(shown)  # as the client named it (no namespace prefix)
                     replies.append(r)
                 if deliveries:
                     _set(first.status, Code.OK)
@@ -468,14 +597,21 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         task.add_done_callback(self._tasks.discard)
 
     def _receive_plan(self, request: Any, context: Any, status: Any) -> tuple | None:
-        cid = self._client_id(context)
+        caller = self._caller(context, status)
+        if caller is None:
+            return None
+        cid = caller.client_id
         if not cid:
             _set(status, Code.CLIENT_ID_REQUIRED, "x-mq-client-id is missing")
             return None
-        t = self._topic_for(request.message_queue.topic.name, create=False, status=status)
+        group = self._resolve(caller, status, request.group, "Group", SUB)
+        topic = group and self._resolve(caller, status, request.message_queue.topic, "Topic", SUB)
+        if topic is None:
+            return None
+        t = self._topic_for(topic, create=False, status=status)
         if t is None:
             return None
-        g = self._group_for(request.group.name, status, t.message_type == "FIFO")
+        g = self._group_for(group, status, t.message_type == "FIFO")
         if g is None:
             return None
         if not t.readable or t.read_queue_nums <= 0:
@@ -547,21 +683,30 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             log.error("moving message %s to %s failed: %s", uniq, dlq.name, res.status.value)
         return res.ok
 
-    def _ack_target(self, request: Any, status: Any) -> tuple[str, str] | None:
-        why = illegal_name(request.group.name, "group", MAX_GROUP_LEN)
+    def _ack_target(self, request: Any, context: Any, status: Any) -> tuple[str, str] | None:
+        caller = self._caller(context, status)
+        group = caller and self._resolve(caller, status, request.group, "Group", SUB)
+        topic = group and self._resolve(caller, status, request.topic, "Topic", SUB)
+        if topic is None:
+            return None
+        why = illegal_name(group, "group", MAX_GROUP_LEN)
         if why:
             _set(status, Code.ILLEGAL_CONSUMER_GROUP, why)
             return None
-        why = illegal_name(request.topic.name, "topic", MAX_TOPIC_LEN)
+        why = illegal_name(topic, "topic", MAX_TOPIC_LEN)
         if why:
             _set(status, Code.ILLEGAL_TOPIC, why)
             return None
-        return request.group.name, request.topic.name
+        return group, topic
+
+    def _pop_handle(self, target: tuple[str, str], sealed: str) -> str:
+        """The pop handle inside a receipt handle ("" when its MAC does not verify: no entry has that handle)."""
+        return self.receipts.open(*target, sealed) or ""
 
     @guarded(svc.AckMessageResponse)
     async def AckMessage(self, request: Any, context: Any) -> Any:
         resp = svc.AckMessageResponse()
-        target = self._ack_target(request, resp.status)
+        target = self._ack_target(request, context, resp.status)
         if target is None:
             return resp
         if not request.entries:
@@ -571,7 +716,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         for e in request.entries:
             r = resp.entries.add()
             r.message_id, r.receipt_handle = e.message_id, e.receipt_handle
-            if self.broker.pop.ack(group, topic, e.receipt_handle):
+            if self.broker.pop.ack(group, topic, self._pop_handle(target, e.receipt_handle)):
                 _set(r.status, Code.OK)
             else:
                 _set(r.status, Code.INVALID_RECEIPT_HANDLE, "receipt handle is unknown, expired or superseded")
@@ -586,7 +731,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
     async def ChangeInvisibleDuration(self, request: Any, context: Any) -> Any:
         resp = svc.ChangeInvisibleDurationResponse()
         resp.receipt_handle = request.receipt_handle  # the client keeps whatever we answer
-        target = self._ack_target(request, resp.status)
+        target = self._ack_target(request, context, resp.status)
         if target is None:
             return resp
         d = request.invisible_duration
@@ -595,22 +740,22 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             _set(resp.status, Code.ILLEGAL_INVISIBLE_TIME,
                  f"invisible duration must be within [0, {self.cfg.maxInvisibleTime}] ms")
             return resp
-        handle = self.broker.pop.change_invisible(*target, request.receipt_handle, inv,
+        handle = self.broker.pop.change_invisible(*target, self._pop_handle(target, request.receipt_handle), inv,
                                                   bool(request.HasField("suspend") and request.suspend))
         if handle is None:
             _set(resp.status, Code.INVALID_RECEIPT_HANDLE, "receipt handle is unknown, expired or superseded")
             return resp
-        resp.receipt_handle = handle
+        resp.receipt_handle = self.receipts.seal(*target, handle)
         _set(resp.status, Code.OK)
         return resp
 
     @guarded(svc.ForwardMessageToDeadLetterQueueResponse)
     async def ForwardMessageToDeadLetterQueue(self, request: Any, context: Any) -> Any:
         resp = svc.ForwardMessageToDeadLetterQueueResponse()
-        target = self._ack_target(request, resp.status)
+        target = self._ack_target(request, context, resp.status)
         if target is None:
             return resp
-        d = self.broker.pop.take_for_dlq(*target, request.receipt_handle)
+        d = self.broker.pop.take_for_dlq(*target, self._pop_handle(target, request.receipt_handle))
         if d is None:
             _set(resp.status, Code.INVALID_RECEIPT_HANDLE, "receipt handle is unknown, expired or superseded")
             return resp

@@ -167,6 +167,9 @@ class TransactionService:
         m = self._find(message_id, txid.strip())
         if m is None:
             return Code.INVALID_TRANSACTION_ID, f"no half message for transaction {txid[:64]!r}"
+        if topic and m.properties.get(P_REAL_TOPIC, topic) != topic:
+            # Only a producer of the half message's own topic (the one authorised for it) may end it.
+            return Code.INVALID_TRANSACTION_ID, f"transaction {txid[:64]!r} is not of topic {topic}"
         off = m.queue_offset
         if off < self.half_committed or off in self.op_refs:
             return Code.OK, "already resolved"
