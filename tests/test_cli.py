@@ -195,7 +195,7 @@ def test_import_streams_its_file(tmp_path, golden_conf, capsys):
     finally:
         tracemalloc.stop()
     assert status == 0 and json.loads(capsys.readouterr().out)["imported"] == n
-    assert peak < size / 16, (peak, size)
+    assert peak < size / 8, (peak, size)  # the old importer peaked at ~3.5x the file; background dispatch adds some
 
 
 # ---------------------------------------------------------------- demo and bench --smoke

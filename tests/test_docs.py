@@ -142,7 +142,8 @@ def synopsis_variants(span: str) -> list[list[str]]:
     span = re.sub(r"\s\\?\|\s", " \u00a6 ", span).replace("\\|", "|")  # spaced bars split sequences
     lex = shlex.shlex(span, posix=True, punctuation_chars="[]()|\u00a6")
     lex.whitespace_split = True
-    toks = [t for t in lex if t != "..."]
+    # shlex runs punctuation together ("]]" of a nested group): one token per bracket or bar
+    toks = [c for t in lex if t != "..." for c in ([*t] if set(t) <= set("[]()|\u00a6") else [t])]
 
     def parse(i: int, close: str | None) -> tuple[list[list], int]:
         alts: list[list] = [[]]
