@@ -208,9 +208,7 @@ def test_fuzz_no_traceback(fuzz, kind):
 
 @pytest.mark.parametrize("kind", _kinds(
     commitlog="CRC checked on every read; query checks topic+key (today get returns a body that fails its "
-              "CRC, query a record whose KEYS no longer hold the key)",
-    consumequeue="reads through a mismatching unit are errors; recovery re-indexes from the right place (today "
-                 "units re-dispatched after a gap land at the wrong position and return another offset's message)"))
+              "CRC, query a record whose KEYS no longer hold the key)"))
 def test_fuzz_nothing_wrong_returned(fuzz, kind):
     results = fuzz(kind)
     assert not any(out["wrong"] for _, out in results), _report(results, "wrong")
@@ -219,8 +217,6 @@ def test_fuzz_nothing_wrong_returned(fuzz, kind):
 @pytest.mark.parametrize("kind", _kinds(
     commitlog="NOT in the listed fixes: a commitlog segment of the wrong size (truncated or extended) is "
               "quarantined whole by a writable open, so every record in it, intact or not, becomes unreadable",
-    consumequeue="verify reports holes and recovery rebuilds them (a deleted or wrong-size first queue file "
-                 "today looks like expired retention: its records, still in the commitlog, are never re-dispatched)",
     index="verify reports missing keys, so verify --repair runs (a deleted or quarantined index file today "
           "leaves keys unfindable while verify is clean)"))
 def test_fuzz_no_intact_record_lost(fuzz, kind):

@@ -219,15 +219,11 @@ def test_power_loss_rounds_ran(rounds):
     assert sum(acked) > 10 * len(rounds) and sum(1 for n in acked if n) >= len(rounds) * 3 // 4, acked
 
 
-@pytest.mark.xfail(strict=False, reason="issue 16: recovery rebuilds zero-unit holes in queues and zeroes stale "
-                   "units past a truncation; reads through a mismatching unit are errors")
 def test_power_loss_no_acknowledged_message_unreachable(rounds):
     problems = [p for _, _, ps in rounds for p in ps if "verify after recovery" not in p]
     assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems[:20])
 
 
-@pytest.mark.xfail(strict=False, reason="issue 16: recovery rebuilds zero-unit holes in queues (today units "
-                   "are re-dispatched at the wrong position: cq-mismatch)")
 def test_power_loss_verify_clean_after_recovery(rounds):
     problems = [p for _, _, ps in rounds for p in ps if "verify after recovery" in p]
     assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems[:10])

@@ -303,3 +303,30 @@ def test_consume_queue_units_rebuilt_by_a_clean_recovery_are_flushed_before_the_
     with MessageStore.open(str(basic_copy), GOLDEN_CFG, start_services=False) as store:
         assert not store.recovery_report.abnormal and store.max_offset_in_queue("TopicC", 0) == 604
         assert str(basic_copy / "consumequeue" / "TopicC" / "0" / "00000000000000012000") in synced
+
+
+@pytest.mark.parametrize("lost", ["last", "middle", "last two"])
+def test_reboot_with_a_zero_filled_index_file_indexes_each_key_once(tmp_path, lost):
+    """A power loss leaves an index file that was never synced as zeros (header included): recovery must
+    re-index from where the files before it end, not from commitlog offset 0 (every key twice), and keys
+    the lost file held must be found again."""
+    path = tmp_path / "s"
+    cfg, rs = _small_store(path, 300, maxHashSlotNum=16, maxIndexNum=64)  # 63 keys a file: 5 files
+    files = sorted((path / "index").iterdir())
+    assert len(files) == 5
+    zeroed = {"last": files[-1:], "middle": files[2:3], "last two": files[-2:]}[lost]
+    for f in zeroed:
+        f.write_bytes(bytes(f.stat().st_size))
+    simulate_reboot(path)
+    with MessageStore.open(str(path), cfg) as store:
+        for i, r in enumerate(rs):
+            assert store.query("H", f"k{i}", 64).phy_offsets == [r.commit_log_offset], i
+    assert run_cli("verify", path, "--config", _conf(tmp_path, cfg)).returncode == 0
+
+
+def _conf(tmp_path: Path, cfg: StoreConfig) -> Path:
+    conf = tmp_path / "broker.conf"
+    conf.write_text(f"mappedFileSizeCommitLog={cfg.mappedFileSizeCommitLog}\n"
+                    f"mappedFileSizeConsumeQueue={cfg.mappedFileSizeConsumeQueue}\n"
+                    f"maxHashSlotNum={cfg.maxHashSlotNum}\nmaxIndexNum={cfg.maxIndexNum}\n")
+    return conf

@@ -170,6 +170,20 @@ class ConsumeQueue:
             return ()
         return _UNIT_BLOCKS[n if n < _MAX_BLOCK else _MAX_BLOCK].unpack_from(f.mm, p)
 
+    def first_unit(self) -> tuple[int, int] | None:
+        """(commitlog offset, queue offset) of the first unit that points at a record (blank units before
+        a queue's first message skipped), or None when the first file has none."""
+        if not self.queue.files:
+            return None
+        f = self.queue.files[0]
+        for p in range(0, f.wrote_position - CQ_STORE_UNIT_SIZE + 1, CQ_STORE_UNIT_SIZE):
+            off, size, _ = _UNIT.unpack_from(f.mm, p)
+            if off >= 0 and 0 < size < 0x7FFFFFFF:
+                return off, (f.file_from_offset + p) // CQ_STORE_UNIT_SIZE
+            if size == 0:  # the end of the written units
+                break
+        return None
+
     def last_unit(self) -> tuple[int, int, int] | None:
         last = self.queue.last()
         if last is None or last.wrote_position < CQ_STORE_UNIT_SIZE:

@@ -293,7 +293,41 @@ class IndexService:
                     f.destroy()
                 continue
             self.files.append(f)
+        self._mend_empty_files(last_exit_ok, dropped)
         return dropped
+
+    def _mend_empty_files(self, last_exit_ok: bool, dropped: list[str]) -> None:
+        """Files without an entry, as a power loss leaves one that was never synced (zeros, header included).
+
+        Before another file, after an unclean exit: its keys are lost, so it and
+        every file after it are dropped and recovery re-indexes from where the
+        files before it end.  The last one: it continues where the file before
+        ends, as when it was created; left with a zero header, the index would
+        resume at commitlog offset 0 and add every key again.
+        """
+        for i, f in enumerate(self.files):
+            if f.index_count > 1:
+                continue
+            if i + 1 < len(self.files):
+                if last_exit_ok:
+                    continue
+                for g in self.files[i:]:
+                    log.warning("%s: %s", g.path, "no entry (never synced before a power loss?); dropped with the "
+                                "files after it, recovery re-indexes their records" if g is f else
+                                f"dropped after {f.path}, which has no entry")
+                    dropped.append(g.path)
+                    if self.read_only:
+                        g.close()
+                    else:
+                        g.destroy()
+                del self.files[i:]
+                return
+            prev = self.files[i - 1] if i else None
+            if prev is not None and f.end_phy_offset < prev.end_phy_offset:
+                f.begin_phy_offset = f.end_phy_offset = prev.end_phy_offset
+                f.begin_timestamp = f.end_timestamp = prev.end_timestamp
+                if not self.read_only:
+                    f._write_header()
 
     # ------------------------------------------------------------ recovery
     def resume_offset(self) -> int:
