@@ -330,3 +330,31 @@ def _conf(tmp_path: Path, cfg: StoreConfig) -> Path:
                     f"mappedFileSizeConsumeQueue={cfg.mappedFileSizeConsumeQueue}\n"
                     f"maxHashSlotNum={cfg.maxHashSlotNum}\nmaxIndexNum={cfg.maxIndexNum}\n")
     return conf
+
+
+def test_reboot_without_a_checkpoint_start_gets_back_the_lost_tail_of_a_queue_that_ended_early(tmp_path):
+    """The checkpoint names no start segment: recovery starts one segment before the lowest queue end, not the
+    highest, so a queue whose last units a power loss took (while another queue went on for segments) gets
+    them back at their own queue offsets."""
+    path = tmp_path / "s"
+    cfg = StoreConfig(mappedFileSizeCommitLog=64 * 1024, mappedFileSizeConsumeQueue=200, flushDiskType="SYNC_FLUSH",
+                      messageIndexEnable=False)  # the index would make recovery start at its own resume point
+    with MessageStore.open(str(path), cfg) as store:
+        rs = [store.put(Message("H", b"a" * 300, queue_id=0, keys=f"a{i}")) for i in range(57)]
+        rs += [store.put(Message("H", b"b" * 300, queue_id=1, keys=f"b{i}")) for i in range(800)]
+    assert rs[-1].commit_log_offset - rs[56].commit_log_offset > 3 * cfg.mappedFileSizeCommitLog
+    last = path / "consumequeue" / "H" / "0" / f"{50 * CQ_STORE_UNIT_SIZE:020d}"
+    data = last.read_bytes()
+    last.write_bytes(data[:2 * CQ_STORE_UNIT_SIZE] + bytes(len(data) - 2 * CQ_STORE_UNIT_SIZE))  # units 52..56 lost
+    simulate_reboot(path)
+    cp = bytearray((path / "checkpoint").read_bytes())
+    cp[0:16] = bytes(16)  # physic and logics times: no segment is older, so no start segment
+    (path / "checkpoint").write_bytes(bytes(cp))
+    with MessageStore.open(str(path), cfg) as store:
+        assert store.max_offset_in_queue("H", 0) == 57
+        msgs = read_queue(store, "H", 0)
+        assert [(m.queue_offset, m.commit_log_offset) for m in msgs] == \
+            [(r.queue_offset, r.commit_log_offset) for r in rs[:57]]
+    conf = _conf(tmp_path, cfg)
+    conf.write_text(conf.read_text() + "messageIndexEnable=false\n")
+    assert run_cli("verify", path, "--config", conf).returncode == 0

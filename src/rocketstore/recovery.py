@@ -95,7 +95,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     check_from = None
     if writable and report.abnormal and files and not getattr(store, "process_crash_only", False):
         check_from = files[cp_start].file_from_offset if cp_start is not None else 0
-    max_cq = -1
+    max_cq = min_cq = -1  # the highest and the lowest end of a queue
     rebuild_from = None
     full_tail = None  # the lowest end of a queue whose last file is full: a file after it may be lost
     for cq in store.consume_queues():
@@ -103,6 +103,8 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
         if cq.rebuild_from is not None and writable:
             _drop_mismatched_tail(store, cq)
         max_cq = max(max_cq, cq.max_physic_offset)
+        if cq.max_physic_offset >= 0:
+            min_cq = cq.max_physic_offset if min_cq < 0 else min(min_cq, cq.max_physic_offset)
         if cq.queue.files and cq.queue.files[-1].wrote_position == cq.file_size:
             full_tail = cq.max_physic_offset if full_tail is None else min(full_tail, cq.max_physic_offset)
         if cq.rebuild_from is not None and writable:
@@ -114,7 +116,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
                 cq.queue.truncate_dirty(0)
         store.recover_topic_queue_table()
         return report
-    start_idx = _start_file(store, last_exit_ok, max_cq, cp_start)
+    start_idx = _start_file(store, last_exit_ok, max_cq, min_cq, cp_start)
     if rebuild_from is not None:
         start_idx = min(start_idx, _file_index(files, rebuild_from))
     if full_tail is not None:  # its next records are offered again, so a lost last file is refilled
@@ -401,7 +403,7 @@ def _zero_stale_tail(commitlog, offset: int) -> int:
     return 0 if f is None else f.zero_from(offset - f.file_from_offset)
 
 
-def _start_file(store: "MessageStore", last_exit_ok: bool, max_cq: int, cp_start: int | None) -> int:
+def _start_file(store: "MessageStore", last_exit_ok: bool, max_cq: int, min_cq: int, cp_start: int | None) -> int:
     files = store.commitlog.queue.files
     if last_exit_ok:
         for i in range(len(files) - 1, -1, -1):
@@ -412,8 +414,9 @@ def _start_file(store: "MessageStore", last_exit_ok: bool, max_cq: int, cp_start
         return cp_start
     # RocketMQ falls back to the first file here and may re-check the whole log.  The consume queues
     # know how far dispatch got, and the index how far it was built: start one segment before the
-    # earlier of the two (the segment before covers a loss that spans a segment boundary).
-    start = max(0, _file_index(files, max_cq) - 1) if max_cq >= 0 else 0
+    # earliest (the segment before covers a loss that spans a segment boundary).  The lowest queue end
+    # counts, not the highest: a queue whose last units a power loss took has records to get back there.
+    start = max(0, _file_index(files, min_cq) - 1) if min_cq >= 0 else 0
     if store.config.messageIndexEnable:
         start = min(start, _file_index(files, store.index_service.resume_offset()))
     if start:
