@@ -86,3 +86,19 @@ def test_a_damaged_unit_just_before_a_hole_is_rebuilt_too(basic_copy: Path):
         _reads_every_golden_message(store, "TopicA", 0)
     r = run_cli("verify", basic_copy)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("offset", [1 << 40, 1000])
+def test_a_unit_damaged_into_a_valid_looking_offset_out_of_order_is_rebuilt(basic_copy: Path, offset):
+    """A unit in the middle of a queue points far ahead (or back): every unit after it would be cut as
+    pointing past the commitlog's end (or the read fails); recovery cuts the queue at the unit out of
+    order and refills it from the commitlog."""
+    qfile = basic_copy / "consumequeue" / "TopicC" / "0" / "00000000000000006000"
+    data = bytearray(qfile.read_bytes())
+    data[160 * 20:160 * 20 + 8] = offset.to_bytes(8, "big")  # unit 460
+    qfile.write_bytes(bytes(data))
+    with MessageStore.open(str(basic_copy), golden_config()) as store:
+        assert store.recovery_report.queues_rebuilt["TopicC-0"] in (459, 460)
+        _reads_every_golden_message(store, "TopicC", 0)
+    r = run_cli("verify", basic_copy)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
