@@ -102,3 +102,24 @@ def test_a_unit_damaged_into_a_valid_looking_offset_out_of_order_is_rebuilt(basi
         _reads_every_golden_message(store, "TopicC", 0)
     r = run_cli("verify", basic_copy)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("vectorised", [False, True])
+def test_ascending_end_finds_the_earlier_of_two_units_out_of_order(monkeypatch, vectorised):
+    """Both ways of checking unit order (a Python loop for small files, numpy for big ones) agree."""
+    import struct
+    from rocketstore import consume_queue
+
+    monkeypatch.setattr(consume_queue, "_NUMPY_MIN_UNITS", 1 if vectorised else 1 << 30)
+
+    def units(*pairs):
+        return b"".join(struct.pack(">qiq", o, s, 0) for o, s in pairs)
+    blank = (0, 0x7FFFFFFF)
+    good = [blank, blank, (100, 10), (110, 10), (200, 5), (300, 5)]
+    end = consume_queue._ascending_end
+    assert end(units(*good), 6 * 20, -1) == (120, 305)  # blank units before the first message are skipped
+    assert end(units(*good), 6 * 20, 150) == (0, 150)  # the first unit points below the file before's end
+    far = good[:4] + [(1 << 40, 5), (300, 5)]
+    assert end(units(*far), 6 * 20, -1) == (80, 120)  # unit 4 points far ahead: cut at it
+    back = good[:4] + [(50, 5), (300, 5)]
+    assert end(units(*back), 6 * 20, -1) == (60, 110)  # unit 4 points back: cut at unit 3, the earlier one
