@@ -358,3 +358,22 @@ def test_reboot_without_a_checkpoint_start_gets_back_the_lost_tail_of_a_queue_th
     conf = _conf(tmp_path, cfg)
     conf.write_text(conf.read_text() + "messageIndexEnable=false\n")
     assert run_cli("verify", path, "--config", conf).returncode == 0
+
+
+@pytest.mark.parametrize("torn", [2, 4])  # a middle file, the last file
+def test_reboot_with_index_entries_lost_below_the_header_s_count_reindexes_them(tmp_path, torn):
+    """The header's page reached the disk but a page of entries did not: the file is dropped with the files
+    after it and their records re-indexed, so every key is found, once."""
+    path = tmp_path / "s"
+    cfg, rs = _small_store(path, 300, maxHashSlotNum=16, maxIndexNum=64)
+    files = sorted((path / "index").iterdir())
+    assert len(files) == 5
+    entries = 40 + 4 * 16
+    with open(files[torn], "r+b") as fh:
+        fh.seek(entries + 10 * 20)
+        fh.write(bytes(10 * 20))  # entries 10..19, below the count of the (kept) header
+    simulate_reboot(path)
+    with MessageStore.open(str(path), cfg) as store:
+        for i, r in enumerate(rs):
+            assert store.query("H", f"k{i}", 64).phy_offsets == [r.commit_log_offset], i
+    assert run_cli("verify", path, "--config", _conf(tmp_path, cfg)).returncode == 0
