@@ -194,33 +194,25 @@ def _report(results, category: str) -> str:
     return f"{len(lines)} problem(s):\n" + "\n".join(lines[:20])
 
 
-def _kinds(**xfail: str) -> list:
-    """Every file kind, those failing today marked xfail with the issue item that fixes them."""
-    return [pytest.param(k, marks=pytest.mark.xfail(strict=False, reason=f"issue 16: {xfail[k]}"))
-            if k in xfail else k for k in KINDS]
-
-
-@pytest.mark.parametrize("kind", _kinds())
+@pytest.mark.parametrize("kind", KINDS)
 def test_fuzz_no_traceback(fuzz, kind):
     results = fuzz(kind)
     assert not any(out["traceback"] for _, out in results), _report(results, "traceback")
 
 
-@pytest.mark.parametrize("kind", _kinds())
+@pytest.mark.parametrize("kind", KINDS)
 def test_fuzz_nothing_wrong_returned(fuzz, kind):
     results = fuzz(kind)
     assert not any(out["wrong"] for _, out in results), _report(results, "wrong")
 
 
-@pytest.mark.parametrize("kind", _kinds(
-    consumequeue="verify reports holes and recovery rebuilds them (a deleted or wrong-size first queue file "
-                 "today looks like expired retention: its records, still in the commitlog, are never re-dispatched)"))
+@pytest.mark.parametrize("kind", KINDS)
 def test_fuzz_no_intact_record_lost(fuzz, kind):
     results = fuzz(kind)
     assert not any(out["lost"] for _, out in results), _report(results, "lost")
 
 
-@pytest.mark.parametrize("kind", _kinds())
+@pytest.mark.parametrize("kind", KINDS)
 def test_fuzz_verify_clean_after_recover_or_repair(fuzz, kind):
     results = fuzz(kind)
     assert not any(out["verify"] for _, out in results), _report(results, "verify")

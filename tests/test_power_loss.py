@@ -224,8 +224,6 @@ def test_power_loss_no_acknowledged_message_unreachable(rounds):
     assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems[:20])
 
 
-@pytest.mark.xfail(strict=False, reason="issue 16: recovery rebuilds zero-unit holes in queues (today units "
-                   "are re-dispatched at the wrong position: cq-mismatch)")
 def test_power_loss_verify_clean_after_recovery(rounds):
     problems = [p for _, _, ps in rounds for p in ps if "verify after recovery" in p]
     assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems[:10])

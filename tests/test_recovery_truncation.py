@@ -303,3 +303,77 @@ def test_consume_queue_units_rebuilt_by_a_clean_recovery_are_flushed_before_the_
     with MessageStore.open(str(basic_copy), GOLDEN_CFG, start_services=False) as store:
         assert not store.recovery_report.abnormal and store.max_offset_in_queue("TopicC", 0) == 604
         assert str(basic_copy / "consumequeue" / "TopicC" / "0" / "00000000000000012000") in synced
+
+
+@pytest.mark.parametrize("lost", ["last", "middle", "last two"])
+def test_reboot_with_a_zero_filled_index_file_indexes_each_key_once(tmp_path, lost):
+    """A power loss leaves an index file that was never synced as zeros (header included): recovery must
+    re-index from where the files before it end, not from commitlog offset 0 (every key twice), and keys
+    the lost file held must be found again."""
+    path = tmp_path / "s"
+    cfg, rs = _small_store(path, 300, maxHashSlotNum=16, maxIndexNum=64)  # 63 keys a file: 5 files
+    files = sorted((path / "index").iterdir())
+    assert len(files) == 5
+    zeroed = {"last": files[-1:], "middle": files[2:3], "last two": files[-2:]}[lost]
+    for f in zeroed:
+        f.write_bytes(bytes(f.stat().st_size))
+    simulate_reboot(path)
+    with MessageStore.open(str(path), cfg) as store:
+        for i, r in enumerate(rs):
+            assert store.query("H", f"k{i}", 64).phy_offsets == [r.commit_log_offset], i
+    assert run_cli("verify", path, "--config", _conf(tmp_path, cfg)).returncode == 0
+
+
+def _conf(tmp_path: Path, cfg: StoreConfig) -> Path:
+    conf = tmp_path / "broker.conf"
+    conf.write_text(f"mappedFileSizeCommitLog={cfg.mappedFileSizeCommitLog}\n"
+                    f"mappedFileSizeConsumeQueue={cfg.mappedFileSizeConsumeQueue}\n"
+                    f"maxHashSlotNum={cfg.maxHashSlotNum}\nmaxIndexNum={cfg.maxIndexNum}\n")
+    return conf
+
+
+def test_reboot_without_a_checkpoint_start_gets_back_the_lost_tail_of_a_queue_that_ended_early(tmp_path):
+    """The checkpoint names no start segment: recovery starts one segment before the lowest queue end, not the
+    highest, so a queue whose last units a power loss took (while another queue went on for segments) gets
+    them back at their own queue offsets."""
+    path = tmp_path / "s"
+    cfg = StoreConfig(mappedFileSizeCommitLog=64 * 1024, mappedFileSizeConsumeQueue=200, flushDiskType="SYNC_FLUSH",
+                      messageIndexEnable=False)  # the index would make recovery start at its own resume point
+    with MessageStore.open(str(path), cfg) as store:
+        rs = [store.put(Message("H", b"a" * 300, queue_id=0, keys=f"a{i}")) for i in range(57)]
+        rs += [store.put(Message("H", b"b" * 300, queue_id=1, keys=f"b{i}")) for i in range(800)]
+    assert rs[-1].commit_log_offset - rs[56].commit_log_offset > 3 * cfg.mappedFileSizeCommitLog
+    last = path / "consumequeue" / "H" / "0" / f"{50 * CQ_STORE_UNIT_SIZE:020d}"
+    data = last.read_bytes()
+    last.write_bytes(data[:2 * CQ_STORE_UNIT_SIZE] + bytes(len(data) - 2 * CQ_STORE_UNIT_SIZE))  # units 52..56 lost
+    simulate_reboot(path)
+    cp = bytearray((path / "checkpoint").read_bytes())
+    cp[0:16] = bytes(16)  # physic and logics times: no segment is older, so no start segment
+    (path / "checkpoint").write_bytes(bytes(cp))
+    with MessageStore.open(str(path), cfg) as store:
+        assert store.max_offset_in_queue("H", 0) == 57
+        msgs = read_queue(store, "H", 0)
+        assert [(m.queue_offset, m.commit_log_offset) for m in msgs] == \
+            [(r.queue_offset, r.commit_log_offset) for r in rs[:57]]
+    conf = _conf(tmp_path, cfg)
+    conf.write_text(conf.read_text() + "messageIndexEnable=false\n")
+    assert run_cli("verify", path, "--config", conf).returncode == 0
+
+
+@pytest.mark.parametrize("torn", [2, 4])  # a middle file, the last file
+def test_reboot_with_index_entries_lost_below_the_header_s_count_reindexes_them(tmp_path, torn):
+    """The header's page reached the disk but a page of entries did not: the file is dropped with the files
+    after it and their records re-indexed, so every key is found, once."""
+    path = tmp_path / "s"
+    cfg, rs = _small_store(path, 300, maxHashSlotNum=16, maxIndexNum=64)
+    files = sorted((path / "index").iterdir())
+    assert len(files) == 5
+    entries = 40 + 4 * 16
+    with open(files[torn], "r+b") as fh:
+        fh.seek(entries + 10 * 20)
+        fh.write(bytes(10 * 20))  # entries 10..19, below the count of the (kept) header
+    simulate_reboot(path)
+    with MessageStore.open(str(path), cfg) as store:
+        for i, r in enumerate(rs):
+            assert store.query("H", f"k{i}", 64).phy_offsets == [r.commit_log_offset], i
+    assert run_cli("verify", path, "--config", _conf(tmp_path, cfg)).returncode == 0

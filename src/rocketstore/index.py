@@ -163,6 +163,20 @@ class IndexFile:
         for i in range(1, self.index_count):
             yield _ENTRY.unpack_from(self.mm, base + i * ENTRY_SIZE)
 
+    def first_blank_entry(self) -> int | None:
+        """The first entry below the entry count that is all zeros (a page that never reached the disk), or
+        None; found with ``find`` in C, as no used entry is zeros (a key hashing to 0 at offset 0 aside)."""
+        base, at = self._entries_base, self._entries_base + ENTRY_SIZE
+        stop = base + self.index_count * ENTRY_SIZE
+        while (hit := self.mm.find(_ZERO_ENTRY, at, stop)) >= 0:
+            n = (hit - base + ENTRY_SIZE - 1) // ENTRY_SIZE  # the first entry starting at or after the hit
+            at = base + n * ENTRY_SIZE
+            if at + ENTRY_SIZE <= stop and self.mm[at:at + ENTRY_SIZE] == _ZERO_ENTRY:
+                return n
+            if at >= stop:
+                break
+        return None
+
     def entry(self, n: int) -> tuple[int, int, int, int]:
         """Entry ``n`` as (keyHash, phyOffset, timeDiff, prevIndex)."""
         return _ENTRY.unpack_from(self.mm, self._entries_base + n * ENTRY_SIZE)
@@ -293,7 +307,46 @@ class IndexService:
                     f.destroy()
                 continue
             self.files.append(f)
+        self._mend_empty_files(last_exit_ok, dropped)
         return dropped
+
+    def _mend_empty_files(self, last_exit_ok: bool, dropped: list[str]) -> None:
+        """Files a power loss left without entries, or torn, as never-synced pages read back (zeros).
+
+        A file with no entry (zeros, header included) or, after an unclean exit,
+        with a zero entry below its entry count (the header's page reached the
+        disk, an entry page did not): before another file, or torn, its keys are
+        lost, so after an unclean exit it and every file after it are dropped
+        and recovery re-indexes from where the files before it end.  The last
+        file with no entry continues where the file before ends, as when it was
+        created; left with a zero header, the index would resume at commitlog
+        offset 0 and add every key again.
+        """
+        for i, f in enumerate(self.files):
+            torn = not last_exit_ok and f.first_blank_entry() is not None
+            if f.index_count > 1 and not torn:
+                continue
+            if torn or i + 1 < len(self.files):
+                if last_exit_ok:
+                    continue
+                why = "a zero entry below its entry count" if torn else "no entry"
+                for g in self.files[i:]:
+                    log.warning("%s: %s", g.path, f"{why} (not synced before a power loss?); dropped with the "
+                                "files after it, recovery re-indexes their records" if g is f else
+                                f"dropped after {f.path}, which has {why}")
+                    dropped.append(g.path)
+                    if self.read_only:
+                        g.close()
+                    else:
+                        g.destroy()
+                del self.files[i:]
+                return
+            prev = self.files[i - 1] if i else None
+            if prev is not None and f.end_phy_offset < prev.end_phy_offset:
+                f.begin_phy_offset = f.end_phy_offset = prev.end_phy_offset
+                f.begin_timestamp = f.end_timestamp = prev.end_timestamp
+                if not self.read_only:
+                    f._write_header()
 
     # ------------------------------------------------------------ recovery
     def resume_offset(self) -> int:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import codec
+from .consume_queue import CQ_STORE_UNIT_SIZE
 from .dispatch import CommitLogDispatcher
 
 if TYPE_CHECKING:
@@ -94,11 +95,18 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     check_from = None
     if writable and report.abnormal and files and not getattr(store, "process_crash_only", False):
         check_from = files[cp_start].file_from_offset if cp_start is not None else 0
-    max_cq = -1
+    max_cq = min_cq = -1  # the highest and the lowest end of a queue
     rebuild_from = None
+    full_tail = None  # the lowest end of a queue whose last file is full: a file after it may be lost
     for cq in store.consume_queues():
         report.deleted_files += cq.recover(check_from)
+        if cq.rebuild_from is not None and writable:
+            _drop_mismatched_tail(store, cq)
         max_cq = max(max_cq, cq.max_physic_offset)
+        if cq.max_physic_offset >= 0:
+            min_cq = cq.max_physic_offset if min_cq < 0 else min(min_cq, cq.max_physic_offset)
+        if cq.queue.files and cq.queue.files[-1].wrote_position == cq.file_size:
+            full_tail = cq.max_physic_offset if full_tail is None else min(full_tail, cq.max_physic_offset)
         if cq.rebuild_from is not None and writable:
             report.queues_rebuilt[f"{cq.topic}-{cq.queue_id}"] = cq.hole_at
             rebuild_from = cq.rebuild_from if rebuild_from is None else min(rebuild_from, cq.rebuild_from)
@@ -108,9 +116,11 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
                 cq.queue.truncate_dirty(0)
         store.recover_topic_queue_table()
         return report
-    start_idx = _start_file(store, last_exit_ok, max_cq, cp_start)
+    start_idx = _start_file(store, last_exit_ok, max_cq, min_cq, cp_start)
     if rebuild_from is not None:
         start_idx = min(start_idx, _file_index(files, rebuild_from))
+    if full_tail is not None:  # its next records are offered again, so a lost last file is refilled
+        start_idx = min(start_idx, _file_index(files, full_tail))
     refill = store.refill_from()  # rocketstore: queues that lost files are refilled from where they end
     if refill is not None:
         start_idx = min(start_idx, _file_index(files, refill))
@@ -279,6 +289,85 @@ def _check_rebuilt(cq, process: int, min_phy: int, report: RecoveryReport) -> No
         log.error("recovery could not rebuild %s: %s", name, report.not_rebuilt[name])
 
 
+def queues_with_records_before(store: "MessageStore", firsts: dict[tuple[str, int], tuple[int, int]]) \
+        -> set[tuple[str, int]]:
+    """The queues, given as (topic, queue id) -> (commitlog offset, queue offset) of their first unit, that
+    have a record in the commitlog before that unit's record with a lower queue offset.
+
+    Retention deletes a queue's first file only once all its units point below
+    the commitlog's minimum, so such a record means the file was lost, not
+    expired.  One pass from the commitlog's minimum to the highest first unit,
+    structure checks only; it stops early at damage (what it found so far).
+    """
+    found: set[tuple[str, int]] = set()
+    if not firsts:
+        return found
+    held: dict[tuple[bytes, int], int] = {key: codec.NO_INDEX for key in _held_by_queues(store)}
+    for topic, qid in firsts:  # codec.scan_records hands back the records of these (and of unknown queues)
+        held[(topic.encode("utf-8", "surrogatepass"), qid)] = -1
+    stop_at = max(phy for phy, _ in firsts.values())
+    file_size = store.commitlog.file_size
+    for f in store.commitlog.queue.files:
+        base, mm, pos = f.file_from_offset, f.mm, 0
+        if base >= stop_at:
+            break
+        stop = min(file_size, stop_at - base)
+        while pos < stop:
+            pos, _last, _n, wanted = codec.scan_records(mm, pos, stop, file_size, base=base, check_crc=False,
+                                                        held=held)
+            for w in wanted:
+                h, tp, tl, _ = codec.parse(mm, w, file_size)
+                key = (bytes(mm[tp:tp + tl]).decode("utf-8", "replace"), h[3])
+                first = firsts.get(key)
+                if first is not None and h[6] < first[0] and h[5] < first[1]:
+                    found.add(key)
+            if len(found) == len(firsts):
+                return found
+            if pos >= stop:
+                break
+            item = next(codec.walk(mm, pos, file_size, check_crc=False, parsed=True), None)
+            if item is None or item[1] != 0:  # zeros or damage: nothing further to learn here
+                return found
+            break  # the blank record that ends the segment
+    return found
+
+
+def _drop_mismatched_tail(store: "MessageStore", cq) -> None:
+    """A queue cut at a hole: the damage may have reached the units just before the cut while leaving them
+    valid-looking (a size or an offset overwritten).  Units at its end that do not match their record in the
+    commitlog (size, queue, queue offset) are cut too, so the rebuild starts after the last sound unit."""
+    min_phy = store.commitlog.min_offset()
+    while (unit := cq.last_unit()) is not None:
+        off, size, _tags = unit
+        f = cq.queue.last()
+        p = f.wrote_position - CQ_STORE_UNIT_SIZE
+        idx = (f.file_from_offset + p) // CQ_STORE_UNIT_SIZE
+        if off < min_phy or _unit_matches(store, cq, idx, off, size):
+            break
+        log.warning("%s-%d: unit %d (%d, %d) does not match its record in the commitlog; cut with the hole",
+                    cq.topic, cq.queue_id, idx, off, size)
+        f.zero_from(p, p + CQ_STORE_UNIT_SIZE)
+        f.set_positions(p)
+        cq.hole_at = idx
+        prev = cq.last_unit()
+        cq.max_physic_offset = prev[0] + prev[1] if prev is not None else -1
+        cq.rebuild_from = max(cq.max_physic_offset, 0)
+
+
+def _unit_matches(store: "MessageStore", cq, idx: int, off: int, size: int) -> bool:
+    """Whether the record at commitlog offset ``off`` is unit ``idx`` of ``cq`` with size ``size``."""
+    seg = store.commitlog.queue.find(off)
+    if seg is None:
+        return False
+    pos = off - seg.file_from_offset
+    try:
+        h, tp, tl, _ = codec.parse(seg.mm, pos, store.commitlog.file_size)
+    except codec.RecordError:
+        return False
+    return (h[0], h[3], h[5], h[6]) == (size, cq.queue_id, idx, off) and \
+        bytes(seg.mm[tp:tp + tl]).decode("utf-8", "replace") == cq.topic
+
+
 def _held_by_queues(store: "MessageStore") -> dict[tuple[bytes, int], int]:
     """(topic as UTF-8, queue id) -> max physical offset of each consume queue, for :func:`codec.scan_records`."""
     held = {}
@@ -314,7 +403,7 @@ def _zero_stale_tail(commitlog, offset: int) -> int:
     return 0 if f is None else f.zero_from(offset - f.file_from_offset)
 
 
-def _start_file(store: "MessageStore", last_exit_ok: bool, max_cq: int, cp_start: int | None) -> int:
+def _start_file(store: "MessageStore", last_exit_ok: bool, max_cq: int, min_cq: int, cp_start: int | None) -> int:
     files = store.commitlog.queue.files
     if last_exit_ok:
         for i in range(len(files) - 1, -1, -1):
@@ -325,8 +414,9 @@ def _start_file(store: "MessageStore", last_exit_ok: bool, max_cq: int, cp_start
         return cp_start
     # RocketMQ falls back to the first file here and may re-check the whole log.  The consume queues
     # know how far dispatch got, and the index how far it was built: start one segment before the
-    # earlier of the two (the segment before covers a loss that spans a segment boundary).
-    start = max(0, _file_index(files, max_cq) - 1) if max_cq >= 0 else 0
+    # earliest (the segment before covers a loss that spans a segment boundary).  The lowest queue end
+    # counts, not the highest: a queue whose last units a power loss took has records to get back there.
+    start = max(0, _file_index(files, min_cq) - 1) if min_cq >= 0 else 0
     if store.config.messageIndexEnable:
         start = min(start, _file_index(files, store.index_service.resume_offset()))
     if start:

@@ -33,7 +33,7 @@ from .message import (DEFAULT_STORE_HOST, LOCALHOST, GetMessageResult, GetMessag
                       PutMessageStatus, QueryMessageResult, host_tuple, illegal_topic, parse_tag_filter)
 from .metrics import SAMPLE_EVERY, MetricsService, StoreMetrics
 from .quarantine import QuarantinePlan, file_kind
-from .recovery import RecoveryReport, recover
+from .recovery import RecoveryReport, queues_with_records_before, recover
 from .running_flags import RunningFlags
 from .store_lock import StoreLock
 from .warm_ahead import WarmAheadService
@@ -189,6 +189,8 @@ class MessageStore:
         self.commitlog.load(on_bad_file=self._on_bad_file)
         self._load_consume_queues()
         self._check_quarantine()  # before the checkpoint and the index are touched
+        if not ro:
+            self._refill_lost_first_files()
         self.checkpoint = StoreCheckpoint.load(self.paths.checkpoint, read_only=ro, on_bad=self._on_bad_file)
         self.index_service = IndexService(self.paths.index, cfg.maxHashSlotNum, cfg.maxIndexNum, read_only=ro,
                                           clock=self.clock, on_file_full=self._on_index_file_full)
@@ -243,7 +245,7 @@ class MessageStore:
             path, reason = bad[0]
             raise StoreLoadError(f"{path}: {reason}; a writable open (rocketstore recover) rebuilds "
                                  f"{cq.topic}/{cq.queue_id} from the commitlog")
-        first_bad = min(int(os.path.basename(p)) for p, _ in bad if file_kind(self.root, p))
+        first_bad = min((int(os.path.basename(p)) for p, _ in bad if file_kind(self.root, p)), default=-1)
         for path, reason in bad:
             name = os.path.basename(path)
             if file_kind(self.root, path) and os.path.getsize(path) == cq.file_size and int(name) % cq.file_size == 0:
@@ -255,6 +257,32 @@ class MessageStore:
             f.close()
             self._quarantine.deletes.append(f.path)
         self.queues_to_rebuild.append(f"{cq.topic}/{cq.queue_id}")
+
+    def _refill_lost_first_files(self) -> None:
+        """Queues whose first units were lost, not expired: their records are still in the commitlog.
+
+        A queue starting past unit 0 looks like retention deleted its first
+        files; it did only if the records those units pointed at are below the
+        commitlog's minimum.  When one is still there, the queue is rebuilt
+        from the commitlog (every file goes and recovery refills it).
+        """
+        min_phy = self.commitlog.min_offset()
+        firsts: dict[tuple[str, int], tuple[int, int]] = {}
+        for key, cq in self._cq_table.items():
+            if f"{key[0]}/{key[1]}" in self.queues_to_rebuild:
+                continue
+            first = cq.first_unit()
+            if first is not None and first[1] > 0 and first[0] > min_phy:
+                firsts[key] = first
+            elif not cq.queue.files:  # a queue directory without a file: any record of it was lost
+                firsts[key] = (codec.NO_INDEX, codec.NO_INDEX)
+        for topic, qid in sorted(queues_with_records_before(self, firsts)):
+            cq = self._cq_table[(topic, qid)]
+            start = firsts[(topic, qid)][1]
+            log.warning("%s-%d %s, but records of it are still in the commitlog (a lost queue file, not "
+                        "retention); rebuilding it from the commitlog", topic, qid,
+                        "has no file" if start == codec.NO_INDEX else f"starts at unit {start}")
+            self._rebuild_queue(cq, [])
 
     def refill_from(self) -> int | None:
         """The commitlog offset from which recovery must offer every record: where the shortest queue being
