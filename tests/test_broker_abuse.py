@@ -28,7 +28,7 @@ MAX = 65536
 def broker(tmp_path_factory):
     root = tmp_path_factory.mktemp("abuse")
     b = BrokerProcess(str(root / "store"), conf={"maxMessageSize": MAX, "longPollingTimeout": 3000},
-                      args=["--topic", "Known:2:NORMAL", "--topic", "Later:1:DELAY"])
+                      args=["--topic", "Known:2:NORMAL", "--topic", "Later:1:DELAY", "--topic", "%DLQ%Dead:1"])
     b.start()
     yield b
     assert b.stop() == 0, b.tail_log()
@@ -106,4 +106,55 @@ def test_gzip_bomb_is_refused_with_bounded_memory(broker, stub):
     assert send(stub, send_req(body=good + b"junk", encoding=pb.Encoding.GZIP)).status.code == C.MESSAGE_CORRUPTED
     assert send(stub, send_req(body=b"\x1f\x8bnot gzip", encoding=pb.Encoding.GZIP)).status.code == \
         C.MESSAGE_CORRUPTED
+    assert_alive(stub)
+
+
+def route(stub, topic, namespace=""):
+    q = svc.QueryRouteRequest()
+    q.topic.name, q.topic.resource_namespace = topic, namespace
+    return stub.QueryRoute(q, metadata=md(), timeout=5)
+
+
+def receive(stub, topic="Known", group="AbuseG", poll=0):
+    req = svc.ReceiveMessageRequest()
+    req.group.name = group
+    req.message_queue.topic.name = topic
+    req.message_queue.id = -1
+    req.filter_expression.type = pb.FilterType.TAG
+    req.filter_expression.expression = "*"
+    req.batch_size = 16
+    req.invisible_duration.seconds = 10
+    req.long_polling_timeout.seconds = poll
+    return list(stub.ReceiveMessage(req, metadata=md(), timeout=10))
+
+
+SYSTEM = ["TBW102", "SCHEDULE_TOPIC_XXXX", "BenchmarkTest", "RMQ_SYS_TRANS_HALF_TOPIC", "RMQ_SYS_TRACE_TOPIC",
+          "RMQ_SYS_TRANS_OP_HALF_TOPIC", "TRANS_CHECK_MAX_TIME_TOPIC", "SELF_TEST_TOPIC", "OFFSET_MOVED_EVENT",
+          "rmq_sys_wheel_timer", "rmq_sys_anything", "RMQ_SYS_ANYTHING"]
+
+
+@pytest.mark.timeout(60)
+def test_system_and_broker_topics_are_not_for_clients(stub):
+    for name in SYSTEM:
+        assert send(stub, send_req(topic=name)).status.code == C.ILLEGAL_TOPIC, name
+        assert route(stub, name).status.code == C.ILLEGAL_TOPIC, name
+        assert receive(stub, topic=name)[0].status.code == C.ILLEGAL_TOPIC, name
+    # retry and dead letter topics: readable when they exist, never written by clients, never auto-created
+    assert route(stub, "%DLQ%Dead").status.code == C.OK
+    for name in ("%DLQ%Dead", "%RETRY%Dead", "%DLQ%Fresh", "%RETRY%Fresh"):
+        r = send(stub, send_req(topic=name))
+        assert r.status.code == C.ILLEGAL_TOPIC, (name, r.status)
+    for name in ("%DLQ%Fresh", "%RETRY%Fresh"):
+        assert route(stub, name).status.code == C.TOPIC_NOT_FOUND, name
+    assert_alive(stub)
+
+
+@pytest.mark.timeout(60)
+def test_trailing_newline_names_are_illegal(stub):
+    for name in ("Known\n", "Fresh\n", "Known\r", "\nKnown"):
+        assert send(stub, send_req(topic=name)).status.code == C.ILLEGAL_TOPIC, repr(name)
+        assert route(stub, name).status.code == C.ILLEGAL_TOPIC, repr(name)
+    assert route(stub, "Fresh").status.code == C.OK  # auto-created, without the newline
+    assert receive(stub, group="G\n")[0].status.code == C.ILLEGAL_CONSUMER_GROUP
+    assert route(stub, "Known", namespace="ns\n").status.code == C.BAD_REQUEST
     assert_alive(stub)

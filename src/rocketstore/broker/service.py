@@ -34,7 +34,7 @@ from .convert import (P_DLQ_MSG_ID, P_DLQ_TOPIC, P_ORIGIN_MSG_ID, P_RECONSUME, P
 from .pop import DeadLetter, Delivery, TagFilter, now_ms
 from .proto import pb, svc, svc_grpc
 from .receipts import ReceiptSigner
-from .topics import (MAX_GROUP_LEN, MAX_TOPIC_LEN, TopicConfig, illegal_name,
+from .topics import (MAX_GROUP_LEN, MAX_TOPIC_LEN, TopicConfig, illegal_name, is_broker_topic,
                      is_system_topic)
 
 log = logging.getLogger(__name__)
@@ -197,13 +197,16 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             return None
         return name
 
-    def _topic_for(self, name: str, *, create: bool, status: Any) -> TopicConfig | None:
+    def _topic_for(self, name: str, *, create: bool, status: Any, send: bool = False) -> TopicConfig | None:
         why = illegal_name(name, "topic", MAX_TOPIC_LEN)
         if why:
             _set(status, Code.ILLEGAL_TOPIC, why)
             return None
         if is_system_topic(name):
             _set(status, Code.ILLEGAL_TOPIC, f"{name} is a system topic")
+            return None
+        if send and is_broker_topic(name):
+            _set(status, Code.ILLEGAL_TOPIC, f"{name} is a retry or dead letter topic; only the broker writes it")
             return None
         t = self.topics.get_topic(name, create=create)
         if t is None:
@@ -426,7 +429,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         name = self._resolve(caller, entry.status, m.topic, "Topic", PUB)
         if name is None:
             return
-        t = self._topic_for(name, create=True, status=entry.status)
+        t = self._topic_for(name, create=True, status=entry.status, send=True)
         if t is None:
             return
         if not t.writable or t.write_queue_nums <= 0:

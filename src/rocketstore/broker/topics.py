@@ -46,11 +46,16 @@ TRANS_OP_HALF_TOPIC = "RMQ_SYS_TRANS_OP_HALF_TOPIC"
 TIMER_TOPIC = "rmq_sys_wheel_timer"
 SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"
 SYSTEM_TOPICS = (TRANS_HALF_TOPIC, TRANS_OP_HALF_TOPIC, TIMER_TOPIC)
+# RocketMQ's TopicValidator system topics: no client may route to, send to or consume from them.
+RESERVED_TOPICS = frozenset(SYSTEM_TOPICS + (
+    SCHEDULE_TOPIC, "TBW102", "BenchmarkTest", "RMQ_SYS_TRACE_TOPIC", "TRANS_CHECK_MAX_TIME_TOPIC",
+    "SELF_TEST_TOPIC", "OFFSET_MOVED_EVENT"))
+SYSTEM_TOPIC_PREFIXES = ("rmq_sys_", "RMQ_SYS_")
 DLQ_PREFIX = "%DLQ%"
 RETRY_PREFIX = "%RETRY%"
 TRANS_GROUP = "CID_RMQ_SYS_TRANS"
 
-_NAME = re.compile(r"^[%a-zA-Z0-9_-]+$")
+_NAME = re.compile(r"[%a-zA-Z0-9_-]+")
 MAX_TOPIC_LEN = 127
 MAX_GROUP_LEN = 255
 
@@ -61,14 +66,18 @@ def illegal_name(name: str, what: str, max_len: int) -> str | None:
         return f"{what} name is blank"
     if len(name) > max_len:
         return f"{what} name is longer than {max_len} characters"
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):  # fullmatch: "$" of re.match would let a trailing newline through
         return f"{what} name {name[:60]!r} does not match ^[%a-zA-Z0-9_-]+$"
     return None
 
 
 def is_system_topic(name: str) -> bool:
-    return name in SYSTEM_TOPICS or name == SCHEDULE_TOPIC or name.startswith("rmq_sys_") \
-        or name.startswith("RMQ_SYS_")
+    return name in RESERVED_TOPICS or name.startswith(SYSTEM_TOPIC_PREFIXES)
+
+
+def is_broker_topic(name: str) -> bool:
+    """A retry or dead letter topic: the broker writes them, clients only read them."""
+    return name.startswith((RETRY_PREFIX, DLQ_PREFIX))
 
 
 def dlq_topic(group: str) -> str:
@@ -217,7 +226,8 @@ class TopicManager:
     # ------------------------------------------------------------ topics
     def get_topic(self, name: str, *, create: bool = False) -> TopicConfig | None:
         t = self.topics.get(name)
-        if t is None and create and self.auto_create_topics and not is_system_topic(name):
+        if t is None and create and self.auto_create_topics and not is_system_topic(name) \
+                and not is_broker_topic(name):
             t = self.put_topic(TopicConfig(name, self.default_queues, self.default_queues))
             log.info("auto-created topic %s with %d queues", name, self.default_queues)
         return t
