@@ -158,3 +158,102 @@ def test_trailing_newline_names_are_illegal(stub):
     assert receive(stub, group="G\n")[0].status.code == C.ILLEGAL_CONSUMER_GROUP
     assert route(stub, "Known", namespace="ns\n").status.code == C.BAD_REQUEST
     assert_alive(stub)
+
+
+def raw_call(broker, method, payload, stream=False):
+    ch = grpc.insecure_channel(broker.endpoint, options=[("grpc.max_send_message_length", -1)])
+    try:
+        path = f"/apache.rocketmq.v2.MessagingService/{method}"
+        if stream:
+            call = ch.unary_stream(path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            return list(call(payload, metadata=md(), timeout=10))
+        call = ch.unary_unary(path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        return call(payload, metadata=md(), timeout=10)
+    finally:
+        ch.close()
+
+
+def no_python_text(status):
+    for word in ("Traceback", "Error:", "Exception", "object has no attribute", "line "):
+        assert word not in status.message, status
+
+
+@pytest.mark.timeout(60)
+def test_undecodable_requests_get_bad_request(broker, stub):
+    garbage = b"\xff\xff\xff\xff\x0f garbage"
+    for method, resp_type in (("SendMessage", svc.SendMessageResponse), ("AckMessage", svc.AckMessageResponse),
+                              ("QueryRoute", svc.QueryRouteResponse), ("Heartbeat", svc.HeartbeatResponse),
+                              ("EndTransaction", svc.EndTransactionResponse),
+                              ("ChangeInvisibleDuration", svc.ChangeInvisibleDurationResponse)):
+        r = resp_type.FromString(raw_call(broker, method, garbage))
+        assert r.status.code == C.BAD_REQUEST, (method, r.status)
+        assert "not a valid protobuf" in r.status.message
+    first = svc.ReceiveMessageResponse.FromString(raw_call(broker, "ReceiveMessage", b"\x0a\xff\xff", True)[0])
+    assert first.status.code == C.BAD_REQUEST
+    # a Telemetry stream that carries garbage is answered, not dropped
+    ch = grpc.insecure_channel(broker.endpoint)
+    tel = ch.stream_stream("/apache.rocketmq.v2.MessagingService/Telemetry",
+                           request_serializer=lambda b: b, response_deserializer=svc.TelemetryCommand.FromString)
+    call = tel(iter([garbage]), metadata=md(), timeout=5)
+    reply = next(call)
+    call.cancel()
+    ch.close()
+    assert reply.status.code == C.BAD_REQUEST
+    assert_alive(stub)
+
+
+@pytest.mark.timeout(60)
+def test_oversize_frames(broker, stub):
+    big = svc.AckMessageRequest()
+    big.group.name, big.topic.name = "AbuseG", "Known"
+    for i in range(20000):
+        big.entries.add(message_id="X" * 34, receipt_handle=f"0_{i}_" + "a" * 120)
+    assert big.ByteSize() > 2 * 1024 * 1024
+    r = stub.AckMessage(big, metadata=md(), timeout=10)
+    assert r.status.code == C.BAD_REQUEST and "exceeds the limit" in r.status.message, r.status
+    # a SendMessage frame above the soft limit is not parsed: MESSAGE_BODY_TOO_LARGE
+    r = send(stub, send_req(body=b"x" * (MAX + 2 * 1024 * 1024)))
+    assert r.status.code == C.MESSAGE_BODY_TOO_LARGE
+    # above gRPC's own limit the frame never reaches the broker's code
+    with pytest.raises(grpc.RpcError) as e:
+        send(stub, send_req(body=b"x" * (9 * 1024 * 1024)))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert_alive(stub)
+
+
+@pytest.mark.timeout(60)
+def test_unknown_enums_and_out_of_range_times(broker, stub):
+    def check(r, code):
+        assert r.status.code == code, r.status
+        no_python_text(r.status)
+
+    check(send(stub, send_req(message_type=99)), C.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE)
+    check(send(stub, send_req(encoding=7)), C.BAD_REQUEST)
+    hb = svc.HeartbeatRequest(client_type=42)
+    check(stub.Heartbeat(hb, metadata=md(), timeout=5), C.UNRECOGNIZED_CLIENT_TYPE)
+    req = svc.ReceiveMessageRequest()
+    req.group.name, req.message_queue.topic.name, req.message_queue.id = "AbuseG", "Known", -1
+    req.batch_size, req.invisible_duration.seconds = 1, 10
+    req.filter_expression.type, req.filter_expression.expression = 9, "*"
+    check(list(stub.ReceiveMessage(req, metadata=md(), timeout=10))[0], C.ILLEGAL_FILTER_EXPRESSION)
+    req.filter_expression.type = pb.FilterType.TAG
+    req.long_polling_timeout.seconds = -5
+    check(list(stub.ReceiveMessage(req, metadata=md(), timeout=10))[0], C.ILLEGAL_POLLING_TIME)
+    t = svc.EndTransactionRequest()
+    t.topic.name, t.message_id, t.transaction_id, t.resolution = "Known", "X", "00" * 16, 77
+    check(stub.EndTransaction(t, metadata=md(), timeout=5), C.BAD_REQUEST)
+
+    def timed(field, seconds, nanos=0, **kw):
+        req = send_req(**kw)
+        ts = getattr(req.messages[0].system_properties, field)
+        ts.seconds, ts.nanos = seconds, nanos
+        return send(stub, req)
+
+    for seconds, nanos in ((-5, 0), (1 << 62, 0), (10, -1), (10, 2_000_000_000)):
+        check(timed("delivery_timestamp", seconds, nanos, topic="Later", message_type=pb.MessageType.DELAY),
+              C.ILLEGAL_DELIVERY_TIME)
+        check(timed("born_timestamp", seconds, nanos), C.BAD_REQUEST)
+    # a delivery time already past is delivered at once, as RocketMQ's proxy does
+    check(timed("delivery_timestamp", int(time.time()) - 3600, topic="Later", message_type=pb.MessageType.DELAY),
+          C.OK)
+    assert_alive(stub)

@@ -78,6 +78,17 @@ def ts_ms(ts) -> int:
     return ts.seconds * 1000 + ts.nanos // 1_000_000
 
 
+def bad_timestamp(ts) -> str | None:
+    """Why a Timestamp cannot be a stored time (before 1970, nanos out of range, past int64 milliseconds)."""
+    if not 0 <= ts.nanos < 1_000_000_000:
+        return f"has nanos {ts.nanos} outside 0..999999999"
+    if ts.seconds < 0:
+        return f"is before 1970 ({ts.seconds} s)"
+    if ts_ms(ts) >= 1 << 63:
+        return f"is out of range ({ts.seconds} s)"
+    return None
+
+
 def set_ts(ts, ms: int) -> None:
     ts.seconds, ts.nanos = divmod(ms, 1000)
     ts.nanos *= 1_000_000
@@ -155,10 +166,15 @@ def validate(m, max_body: int) -> tuple[int, bytes]:
             raise BadMessage(Code.ILLEGAL_MESSAGE_PROPERTY_KEY, f"property name {k[:40]!r} is reserved or malformed")
         if "\x01" in v or "\x02" in v:
             raise BadMessage(Code.ILLEGAL_MESSAGE_PROPERTY_KEY, f"property {k[:40]!r} has a control character value")
+    for field, code in (("born_timestamp", Code.BAD_REQUEST), ("delivery_timestamp", Code.ILLEGAL_DELIVERY_TIME)):
+        if sp.HasField(field):
+            why = bad_timestamp(getattr(sp, field))
+            if why:
+                raise BadMessage(code, f"{field} {why}")
     mtype = message_type_of(m)
     if mtype not in TYPE_NAMES:
-        raise BadMessage(Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE,
-                         f"message type {pb.MessageType.Name(mtype)} is not supported")
+        name = pb.MessageType.Name(mtype) if mtype in pb.MessageType.values() else str(mtype)
+        raise BadMessage(Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE, f"message type {name} is not supported")
     if mtype == MT.TRANSACTION and (sp.HasField("message_group") or sp.HasField("delivery_timestamp")):
         raise BadMessage(Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE,
                          "a transactional message cannot carry a message group or a delivery timestamp")

@@ -36,6 +36,7 @@ from .proto import pb, svc, svc_grpc
 from .receipts import ReceiptSigner
 from .topics import (MAX_GROUP_LEN, MAX_TOPIC_LEN, TopicConfig, illegal_name, is_broker_topic,
                      is_system_topic)
+from .wire import Undecodable
 
 log = logging.getLogger(__name__)
 
@@ -88,19 +89,30 @@ def _set(status: Any, code: int, text: str = "") -> None:
     status.message = text or pb.Code.Name(code)
 
 
+def internal_error(status: Any, context: Any, what: str) -> None:
+    """INTERNAL_SERVER_ERROR for an unexpected exception (already logged): no Python text goes to the client."""
+    rid = _header(context, "x-mq-request-id")[:64]
+    _set(status, Code.INTERNAL_SERVER_ERROR,
+         f"{what} failed inside the broker; see its log" + (f" (request {rid})" if rid else ""))
+
+
 def guarded(response_type: Callable[[], Any]) -> Callable:
-    """Turn an unexpected exception of a unary handler into INTERNAL_SERVER_ERROR in the body."""
+    """A unary handler: an undecodable request, or an unexpected exception, becomes a body status."""
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         async def inner(self: "MessagingService", request: Any, context: Any) -> Any:
+            if isinstance(request, Undecodable):
+                resp = response_type()
+                _set(resp.status, request.code, request.why)
+                return resp
             try:
                 return await fn(self, request, context)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:
-                log.exception("%s failed", fn.__name__)
+            except Exception:
+                log.exception("%s failed (request %s)", fn.__name__, _header(context, "x-mq-request-id"))
                 resp = response_type()
-                _set(resp.status, Code.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}"[:500])
+                internal_error(resp.status, context, fn.__name__)
                 return resp
         return inner
     return wrap
@@ -275,6 +287,9 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             if why:
                 _set(resp.status, Code.ILLEGAL_CONSUMER_GROUP, why)
                 return resp
+        if request.client_type not in pb.ClientType.values():
+            _set(resp.status, Code.UNRECOGNIZED_CLIENT_TYPE, f"unknown client type {request.client_type}")
+            return resp
         c = self.broker.clients.touch(cid)
         c.user, c.namespace = caller.user, caller.namespace
         if request.client_type:
@@ -287,6 +302,9 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
     def _settings_reply(self, caller: Caller, cmd: Any) -> Any:
         s = cmd.settings
         reply = svc.TelemetryCommand()
+        if s.client_type not in pb.ClientType.values():
+            _set(reply.status, Code.UNRECOGNIZED_CLIENT_TYPE, f"unknown client type {s.client_type}")
+            return reply
         if s.HasField("publishing"):
             topics = [self._resolve(caller, reply.status, r, "Topic", PUB) for r in s.publishing.topics]
             if None in topics:
@@ -361,7 +379,11 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             try:
                 async for cmd in request_iterator:
                     clients.touch(cid)
-                    if cmd.HasField("settings"):
+                    if isinstance(cmd, Undecodable):
+                        bad = svc.TelemetryCommand()
+                        _set(bad.status, cmd.code, cmd.why)
+                        stream.send(bad)
+                    elif cmd.HasField("settings"):
                         stream.send(self._settings_reply(caller, cmd))
                     # thread_stack_trace / verify_message_result replies need no answer
             except asyncio.CancelledError:
@@ -498,6 +520,11 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         topic = caller and self._resolve(caller, resp.status, request.topic, "Topic", PUB)
         if topic is None:
             return resp
+        if request.resolution not in pb.TransactionResolution.values() \
+                or request.source not in pb.TransactionSource.values():
+            _set(resp.status, Code.BAD_REQUEST, f"unknown transaction resolution {request.resolution} "
+                                                f"or source {request.source}")
+            return resp
         code, text = await self.broker.transactions.end(topic, request.message_id,
                                                         request.transaction_id, request.resolution, request.source)
         _set(resp.status, code, text)
@@ -537,11 +564,15 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         started = time.monotonic()
         first = svc.ReceiveMessageResponse()
         try:
-            plan = self._receive_plan(request, context, first.status)
-        except Exception as e:
+            if isinstance(request, Undecodable):
+                _set(first.status, request.code, request.why)
+                plan = None
+            else:
+                plan = self._receive_plan(request, context, first.status)
+        except Exception:
             log.exception("ReceiveMessage failed")
             plan = None
-            _set(first.status, Code.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}"[:500])
+            internal_error(first.status, context, "ReceiveMessage")
         if plan is None:
             yield first
             return
@@ -578,10 +609,10 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             except CorruptRecordError as e:  # the next message is damaged: say so, deliver nothing in its place
                 replies = []
                 _set(first.status, Code.MESSAGE_CORRUPTED, str(e)[:500])
-            except Exception as e:
+            except Exception:
                 log.exception("ReceiveMessage failed")
                 replies = []
-                _set(first.status, Code.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}"[:500])
+                internal_error(first.status, context, "ReceiveMessage")
             yield first
             for r in replies:
                 yield r
@@ -621,6 +652,9 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             _set(status, Code.FORBIDDEN, f"topic {t.name} is not readable")
             return None
         fe = request.filter_expression
+        if fe.type not in pb.FilterType.values():
+            _set(status, Code.ILLEGAL_FILTER_EXPRESSION, f"unknown filter type {fe.type}")
+            return None
         if fe.type == pb.FilterType.SQL:
             _set(status, Code.ILLEGAL_FILTER_EXPRESSION, "SQL92 filters are not supported; use a TAG expression")
             return None
@@ -643,6 +677,9 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         if request.HasField("long_polling_timeout"):
             d = request.long_polling_timeout
             poll = (d.seconds * 1000 + d.nanos // 1_000_000) / 1000
+            if poll < 0:
+                _set(status, Code.ILLEGAL_POLLING_TIME, "long polling timeout must not be negative")
+                return None
         else:
             poll = self.cfg.longPollingTimeout / 1000
         poll = max(0.0, min(poll, self.cfg.maxLongPollingTimeout / 1000))
