@@ -6,7 +6,9 @@ status code in the body, quickly, and keeps serving.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import os
 import time
 import uuid
 import zlib
@@ -28,7 +30,8 @@ MAX = 65536
 def broker(tmp_path_factory):
     root = tmp_path_factory.mktemp("abuse")
     b = BrokerProcess(str(root / "store"), conf={"maxMessageSize": MAX, "longPollingTimeout": 3000},
-                      args=["--topic", "Known:2:NORMAL", "--topic", "Later:1:DELAY", "--topic", "%DLQ%Dead:1"])
+                      args=["--topic", "Known:2:NORMAL", "--topic", "Later:1:DELAY", "--topic", "%DLQ%Dead:1",
+                            "--topic", "Hot:4:NORMAL"])
     b.start()
     yield b
     assert b.stop() == 0, b.tail_log()
@@ -257,3 +260,75 @@ def test_unknown_enums_and_out_of_range_times(broker, stub):
     check(timed("delivery_timestamp", int(time.time()) - 3600, topic="Later", message_type=pb.MessageType.DELAY),
           C.OK)
     assert_alive(stub)
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        f = fh.read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.timeout(120)
+def test_waiting_long_polls_are_woken_only_for_their_messages(broker):
+    """300 idle long polls of one group cost little CPU; each send is still received at once, by every group."""
+    def poll_req(group, expr="*", inv=60):
+        r = svc.ReceiveMessageRequest()
+        r.group.name, r.message_queue.topic.name, r.message_queue.id = group, "Hot", -1
+        r.filter_expression.type, r.filter_expression.expression = pb.FilterType.TAG, expr
+        r.batch_size, r.invisible_duration.seconds, r.long_polling_timeout.seconds = 32, inv, 20
+        return r
+
+    async def run():
+        ch = grpc.aio.insecure_channel(broker.endpoint)
+        stub = svc_grpc.MessagingServiceStub(ch)
+        got: dict[str, list] = {"PollG": [], "OtherG": [], "TagG": []}
+        stop = False
+
+        async def poller(group, expr="*"):
+            while not stop:
+                try:
+                    async for r in stub.ReceiveMessage(poll_req(group, expr), metadata=md(), timeout=30):
+                        if r.HasField("message"):
+                            got[group].append((time.monotonic(), r.message))
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(0.1)
+
+        pid = broker.proc.pid
+
+        async def cpu_share(seconds):
+            c0, t0 = cpu_seconds(pid), time.monotonic()
+            await asyncio.sleep(seconds)
+            return (cpu_seconds(pid) - c0) / (time.monotonic() - t0)
+
+        quiet = await cpu_share(3.0)
+        tasks = [asyncio.create_task(poller("PollG")) for _ in range(300)]
+        tasks.append(asyncio.create_task(poller("OtherG")))
+        tasks.append(asyncio.create_task(poller("TagG", "never")))
+        await asyncio.sleep(2.0)
+        idle = await cpu_share(3.0) - quiet
+        sent = []
+        for i in range(20):
+            req = send_req(topic="Hot", body=f"hot-{i}".encode(), tag="T")
+            r = await stub.SendMessage(req, metadata=md(), timeout=10)
+            assert r.status.code == C.OK
+            sent.append((time.monotonic(), req.messages[0].system_properties.message_id))
+            await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while (len(got["PollG"]) < 20 or len(got["OtherG"]) < 20) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        stop = True
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await ch.close()
+        return idle, sent, got
+
+    idle, sent, got = asyncio.run(run())
+    assert idle < 0.04, f"300 waiting long polls use {idle:.1%} more of a core while nothing happens"
+    ids = [mid for _, mid in sent]
+    for group in ("PollG", "OtherG"):
+        received = {m.system_properties.message_id: t for t, m in got[group]}
+        assert sorted(received) == sorted(ids), group
+        lag = max(received[mid] - t for t, mid in sent)
+        assert lag < 1.0, f"{group}: a waiting poll got a message {lag:.2f}s after it was stored"
+    assert got["TagG"] == []

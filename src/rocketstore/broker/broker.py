@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,6 +20,7 @@ from ..errors import StoreError
 from ..message import Message, PutMessageResult, PutMessageStatus
 from .clients import ClientRegistry
 from .config import BrokerConfig
+from .longpoll import LongPolling
 from .offsets import ConsumerOffsetManager
 from .pop import PopService
 from .tasks import cancel, every
@@ -27,6 +29,8 @@ from .topics import TopicManager
 from .transaction import TransactionService
 
 log = logging.getLogger(__name__)
+
+DISPATCH_WAIT = 0.2  # seconds a long-poll wake-up may wait for the dispatcher
 
 
 class Broker:
@@ -47,7 +51,7 @@ class Broker:
         self.pop: PopService | None = None
         self.timer: TimerService | None = None
         self.transactions: TransactionService | None = None
-        self._waiters: dict[str, asyncio.Event] = {}
+        self.longpoll = LongPolling()
         self._tasks: list[asyncio.Task] = []
         self._persist_lock: asyncio.Lock | None = None
         self.started = False
@@ -59,7 +63,7 @@ class Broker:
         self.pop = PopService(self.store, self.offsets, self.config_dir, consume_from=self.cfg.consumeFromWhere,
                               auto_renew_ms=self.cfg.popAutoRenewInvisibleTime,
                               renew_ahead_ms=self.cfg.popRenewAheadTime, renew_max_ms=self.cfg.popRenewMaxTime,
-                              max_span=self.cfg.popMaxSpan)
+                              max_span=self.cfg.popMaxSpan, on_visible=self.longpoll.notify_group)
         self.timer = TimerService(self.store, self.config_dir, self.store_host, self.put, self.notify)
         self.transactions = TransactionService(self.store, self.offsets, self.cfg, self.store_host, self.put,
                                                self.notify, self.clients.send_to_producer)
@@ -98,23 +102,21 @@ class Broker:
             return PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=str(e))
 
     # ------------------------------------------------------------ long polling
-    def notify(self, topic: str) -> None:
-        ev = self._waiters.pop(topic, None)
-        if ev is not None:
-            ev.set()
+    def notify(self, topic: str, queue_id: int | None = None, tag: str | None = None) -> None:
+        """A message was stored in ``topic`` (queue and tag when known): wake the receives that may take it.
 
-    async def wait_for_messages(self, topic: str, timeout: float) -> bool:
-        """Until a message for ``topic`` is stored or ``timeout`` seconds pass; True if notified."""
-        if timeout <= 0:
-            return False
-        ev = self._waiters.get(topic)
-        if ev is None:
-            ev = self._waiters[topic] = asyncio.Event()
-        try:
-            await asyncio.wait_for(ev.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
+        The wake-up waits until the store's dispatcher has put what is written so far into the consume queues
+        (about a millisecond; at most DISPATCH_WAIT): a receive woken earlier would find nothing and sleep on.
+        """
+        if self.longpoll.has_waiters(topic):
+            self._wake(topic, queue_id, tag, self.store.max_phy_offset(), time.monotonic() + DISPATCH_WAIT)
+
+    def _wake(self, topic: str, queue_id: int | None, tag: str | None, end: int, give_up: float) -> None:
+        reput = self.store.reput
+        if reput is not None and reput.reput_from_offset < end and time.monotonic() < give_up:
+            asyncio.get_running_loop().call_later(0.001, self._wake, topic, queue_id, tag, end, give_up)
+            return
+        self.longpoll.notify(topic, queue_id, tag)
 
     # ------------------------------------------------------------ state files
     async def persist(self) -> None:

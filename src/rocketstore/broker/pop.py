@@ -166,7 +166,7 @@ class DeadLetter:
 class PopService:
     def __init__(self, store: Any, offsets: ConsumerOffsetManager, config_dir: str, *, consume_from: str = "FIRST",
                  auto_renew_ms: int = 60000, renew_ahead_ms: int = 10000, renew_max_ms: int = 3 * 3600 * 1000,
-                 max_span: int = 100000) -> None:
+                 max_span: int = 100000, on_visible: Callable[[str, str], Any] | None = None) -> None:
         self.store = store
         self.offsets = offsets
         self.path = os.path.join(config_dir, "popState.json")
@@ -175,6 +175,8 @@ class PopService:
         self.renew_ahead_ms = renew_ahead_ms
         self.renew_max_ms = renew_max_ms
         self.max_span = max_span
+        # Called with (topic, group) when something became receivable without a new message (long polls wake).
+        self.on_visible = on_visible or (lambda topic, group: None)
         self.queues: dict[tuple[str, str, int], QueueState] = {}
         self.dirty = False
         self._damaged_seen: set[tuple[str, str, int, int | None]] = set()  # logged once at error level
@@ -299,6 +301,15 @@ class PopService:
         if q < 0 or off < 0:
             return None
         return q, off, parts[2]
+
+    def next_due(self, group: str, topic: str, queue_ids: Iterable[int]) -> int:
+        """When the first in-flight message of these queues becomes visible again (epoch ms; far away if none)."""
+        due = 1 << 62
+        for qid in queue_ids:
+            qs = self.queues.get((group, topic, qid))
+            if qs is not None and qs.next_due < due:
+                due = qs.next_due
+        return due
 
     # ------------------------------------------------------------ receive
     def receive(self, group: str, topic: str, queue_ids: list[int], batch: int, invisible_ms: int,
@@ -448,6 +459,7 @@ class PopService:
         e = qs.entries.pop(off, None)
         if e is None:
             return
+        was_full = qs.next - qs.committed >= self.max_span or qs.blocked >= MAX_BLOCKED_PER_QUEUE
         qs.acked.add(off)
         if e.blocked:
             qs.blocked -= 1
@@ -465,11 +477,14 @@ class PopService:
                         qs.blocked -= 1
                         head.visible_at = now
                         qs.next_due = min(qs.next_due, now)
+                        was_full = True
                 else:
                     del qs.fifo_groups[e.msg_group]
         if qs.advance():
             self.offsets.commit(qs.topic, qs.group, qs.queue_id, qs.committed)
         self.dirty = True
+        if was_full:
+            self.on_visible(qs.topic, qs.group)
 
     # ------------------------------------------------------------ receipts
     def _lookup(self, group: str, topic: str, handle: str) -> tuple[QueueState, Entry] | None:
@@ -508,6 +523,7 @@ class PopService:
         e.token = self._token()
         qs.recompute_due()
         self.dirty = True
+        self.on_visible(topic, group)  # a waiting receive must look again at the new due time
         return self.handle_of(qs.queue_id, e)
 
     def take_for_dlq(self, group: str, topic: str, handle: str) -> DeadLetter | None:
@@ -542,6 +558,8 @@ class PopService:
             d.entry.token = self._token()
             qs.next_due = min(qs.next_due, now)
             self.dirty = True
+        if deliveries:
+            self.on_visible(topic, group)
 
     def release_client(self, client: str, delay_ms: int = 1000) -> int:
         """A client left: its auto-renewed messages become visible after ``delay_ms``."""
@@ -558,6 +576,7 @@ class PopService:
             if touched:
                 qs.recompute_due()
                 self.dirty = True
+                self.on_visible(qs.topic, qs.group)
         return n
 
     def renew(self, alive: Callable[[str], bool]) -> int:

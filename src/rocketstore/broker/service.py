@@ -41,6 +41,9 @@ from .wire import Undecodable
 log = logging.getLogger(__name__)
 
 DEDUP_CAPACITY = 100_000
+# A waiting receive looks again at least this often (seconds), woken or not: bounds the delay of anything
+# that becomes receivable without a wake-up.
+LONG_POLL_RECHECK = 2.0
 PUB, SUB = ("Pub",), ("Sub",)
 
 
@@ -498,7 +501,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         else:
             res = await self.broker.put(msg)
             if res.ok:
-                self.broker.notify(t.name)
+                self.broker.notify(t.name, qid, sp.tag if sp.HasField("tag") else None)
         code = _PUT_CODES.get(res.status, Code.INTERNAL_SERVER_ERROR)
         if res.status is PutMessageStatus.MESSAGE_ILLEGAL and res.error and "maxMessageSize" in res.error:
             code = Code.MESSAGE_BODY_TOO_LARGE
@@ -594,7 +597,10 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
-                    await self.broker.wait_for_messages(t.name, min(left, 0.1))
+                    # Woken by a put or an unblocked message; else when an in-flight one becomes due again.
+                    due_in = (pop.next_due(group, t.name, qids) - now_ms()) / 1000
+                    wait = min(left, LONG_POLL_RECHECK, due_in + 0.001 if due_in > 0 else LONG_POLL_RECHECK)
+                    await self.broker.longpoll.wait(t.name, group, qids, flt, wait)
                 shown = request.message_queue.topic
                 for d in deliveries:
                     r = svc.ReceiveMessageResponse()
