@@ -332,3 +332,76 @@ def test_waiting_long_polls_are_woken_only_for_their_messages(broker):
         lag = max(received[mid] - t for t, mid in sent)
         assert lag < 1.0, f"{group}: a waiting poll got a message {lag:.2f}s after it was stored"
     assert got["TagG"] == []
+
+
+@pytest.mark.timeout(60)
+def test_ack_entries_are_capped(stub):
+    a = svc.AckMessageRequest()
+    a.group.name, a.topic.name = "AbuseG", "Known"
+    for i in range(1025):
+        a.entries.add(message_id="X", receipt_handle=f"0_{i}_x")
+    r = stub.AckMessage(a, metadata=md(), timeout=10)
+    assert r.status.code == C.BAD_REQUEST and "1024" in r.status.message, r.status
+    assert len(r.entries) == 0
+    del a.entries[1024:]
+    r = stub.AckMessage(a, metadata=md(), timeout=10)
+    assert r.status.code == C.INVALID_RECEIPT_HANDLE and len(r.entries) == 1024
+
+
+def test_pop_state_is_written_incrementally_and_spaced(tmp_path):
+    """popState.json: unchanged queues are not encoded again, and big states are not rewritten every second."""
+    from rocketstore.broker.broker import Broker
+    from rocketstore.broker.config import BrokerConfig
+    from rocketstore.broker.offsets import ConsumerOffsetManager
+    from rocketstore.broker.pop import PopService, TagFilter
+    from rocketstore.config import StoreConfig
+    from rocketstore.message import Message
+    from rocketstore.store import MessageStore
+
+    store = MessageStore.open(str(tmp_path / "store"), StoreConfig(mappedFileSizeCommitLog=4 << 20,
+                                                                    mappedFileSizeConsumeQueue=60000))
+    try:
+        for i in range(4000):
+            assert store.put(Message(topic="T", body=b"x", queue_id=i % 2, properties={"UNIQ_KEY": f"U{i}"})).ok
+        assert store.wait_dispatched(10)
+
+        async def run():
+            b = Broker(store, BrokerConfig(flushConsumerOffsetInterval=3_600_000))
+            await b.start()
+            pop = b.pop
+            got = []
+            while True:
+                d, _ = pop.receive("G", "T", [0, 1], 32, 600_000, TagFilter("*"), fifo=False, max_attempts=17,
+                                   client="c", auto_renew=False)
+                if not d:
+                    break
+                got += d
+            assert len(got) == 4000
+            await b.persist()
+            path = pop.path
+            first = os.stat(path).st_ino
+            texts = pop.snapshot() if pop.dirty else None
+            assert texts is None  # nothing changed since the write
+            q0 = next(d for d in got if d.queue_id == 0)
+            assert pop.ack("G", "T", q0.handle)
+            cached = {k: qs.text for k, qs in pop.queues.items()}
+            assert cached[("G", "T", 0)] is None and cached[("G", "T", 1)] is not None
+            await b.persist()  # right after a write: not written again yet
+            assert os.stat(path).st_ino == first and pop.dirty
+            await asyncio.sleep(max(0.0, b._pop_next_write - time.monotonic()) + 0.01)
+            await b.persist()
+            assert os.stat(path).st_ino != first and not pop.dirty
+            assert pop.queues[("G", "T", 1)].text is cached[("G", "T", 1)], "an unchanged queue was encoded again"
+            q1 = next(d for d in got if d.queue_id == 1)
+            assert pop.ack("G", "T", q1.handle)
+            await b.stop()  # the last state is written whatever the spacing
+            return q0, q1
+
+        q0, q1 = asyncio.run(run())
+        again = PopService(store, ConsumerOffsetManager(store.paths.config), store.paths.config)
+        assert len(again.queues[("G", "T", 0)].entries) == 1999 and q0.entry.offset not in \
+            again.queues[("G", "T", 0)].entries
+        assert len(again.queues[("G", "T", 1)].entries) == 1999
+        assert again.ack("G", "T", PopService.handle_of(0, again.queues[("G", "T", 0)].entries[1]))
+    finally:
+        store.close()

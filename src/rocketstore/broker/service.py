@@ -41,6 +41,8 @@ from .wire import Undecodable
 log = logging.getLogger(__name__)
 
 DEDUP_CAPACITY = 100_000
+MAX_ACK_ENTRIES = 1024  # entries of one AckMessage request
+MAX_SEND_MESSAGES = 1024  # messages of one SendMessage request
 # A waiting receive looks again at least this often (seconds), woken or not: bounds the delay of anything
 # that becomes receivable without a wake-up.
 LONG_POLL_RECHECK = 2.0
@@ -434,8 +436,8 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         if not request.messages:
             _set(resp.status, Code.BAD_REQUEST, "no message to send")
             return resp
-        if len(request.messages) > 1024:
-            _set(resp.status, Code.BAD_REQUEST, "more than 1024 messages in one request")
+        if len(request.messages) > MAX_SEND_MESSAGES:
+            _set(resp.status, Code.BAD_REQUEST, f"more than {MAX_SEND_MESSAGES} messages in one request")
             return resp
         peer = context.peer() or ""
         for m in request.messages:
@@ -757,6 +759,10 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             return resp
         if not request.entries:
             _set(resp.status, Code.BAD_REQUEST, "no entry to ack")
+            return resp
+        if len(request.entries) > MAX_ACK_ENTRIES:
+            _set(resp.status, Code.BAD_REQUEST,
+                 f"{len(request.entries)} entries in one ack; at most {MAX_ACK_ENTRIES}")
             return resp
         group, topic = target
         for e in request.entries:
