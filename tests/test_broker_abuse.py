@@ -405,3 +405,84 @@ def test_pop_state_is_written_incrementally_and_spaced(tmp_path):
         assert again.ack("G", "T", PopService.handle_of(0, again.queues[("G", "T", 0)].entries[1]))
     finally:
         store.close()
+
+
+@pytest.mark.timeout(60)
+def test_acl_turns_auto_creation_off_and_creation_is_rate_limited(tmp_path):
+    import json
+    from datetime import datetime, timezone
+
+    from rocketstore.broker.acl import sign
+    from rocketstore.broker.config import BrokerConfig
+
+    assert BrokerConfig().auto_create_topics and not BrokerConfig(authorizationEnabled=True).auto_create_topics
+    assert BrokerConfig(authorizationEnabled=True, autoCreateTopicEnable=True).auto_create_topics
+    acl = {"users": [{"username": "mallory", "password": "msecret"}],
+           "acls": [{"subject": "User:mallory", "policies": [
+               {"resource": ["Topic:*", "Group:*"], "actions": ["Pub", "Sub"], "decision": "Allow"}]}]}
+    (tmp_path / "acl.json").write_text(json.dumps(acl))
+
+    def signed():
+        dt = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        return md("mallory@1@1@x") + [("x-mq-date-time", dt), (
+            "authorization", f"MQv2-HMAC-SHA1 Credential=mallory, SignedHeaders=x-mq-date-time, "
+                             f"Signature={sign('msecret', dt)}")]
+
+    with BrokerProcess(str(tmp_path / "store"), args=["--acl", "--topic", "Known:1:NORMAL"],
+                       conf={"authConfigPath": str(tmp_path / "acl.json"), "autoCreateRatePerSecond": 3}) as b:
+        ch = grpc.insecure_channel(b.endpoint)
+        s = svc_grpc.MessagingServiceStub(ch)
+        q = svc.QueryRouteRequest()
+        q.topic.name = "Known"
+        assert s.QueryRoute(q, metadata=signed(), timeout=5).status.code == C.OK
+        q.topic.name = "Invented"
+        assert s.QueryRoute(q, metadata=signed(), timeout=5).status.code == C.TOPIC_NOT_FOUND
+        r = send_req(topic="Invented")
+        assert s.SendMessage(r, metadata=signed(), timeout=5).status.code == C.TOPIC_NOT_FOUND
+
+        def new_group(name):
+            req = svc.ReceiveMessageRequest()
+            req.group.name, req.message_queue.topic.name, req.message_queue.id = name, "Known", -1
+            req.filter_expression.expression, req.batch_size = "*", 1
+            req.invisible_duration.seconds, req.long_polling_timeout.seconds = 10, 0
+            return list(s.ReceiveMessage(req, metadata=signed(), timeout=10))[0].status.code
+
+        codes = [new_group(f"Flood{i}") for i in range(12)]
+        assert codes.count(C.MESSAGE_NOT_FOUND) in (3, 4) and codes.count(C.TOO_MANY_REQUESTS) >= 8, codes
+        created = [f"Flood{i}" for i, c in enumerate(codes) if c == C.MESSAGE_NOT_FOUND]
+        time.sleep(1.2)
+        assert new_group("Later") == C.MESSAGE_NOT_FOUND
+        assert new_group(created[0]) == C.MESSAGE_NOT_FOUND  # an existing group costs no token
+        ch.close()
+    groups = json.loads((tmp_path / "store" / "config" / "subscriptionGroup.json").read_text())
+    assert sorted(groups["subscriptionGroupTable"]) == sorted(created + ["Later"])
+
+
+def test_topic_creation_is_written_off_the_loop_in_batches(tmp_path):
+    import json
+    import threading
+
+    from rocketstore.broker.topics import TopicManager
+
+    tm = TopicManager(str(tmp_path), auto_create_topics=True, default_queues=2, auto_create_groups=True,
+                      default_retry_max_times=16, create_rate=1000)
+    threads = []
+    real = tm._topic_writer._write
+
+    def counting(doc):
+        threads.append(threading.current_thread())
+        real(doc)
+    tm._topic_writer._write = counting
+
+    async def run():
+        loop_thread = threading.current_thread()
+        made = await asyncio.gather(*(tm.ensure_topic(f"T{i}") for i in range(50)),
+                                    *(tm.ensure_topic("T0") for _ in range(5)))
+        return loop_thread, made
+
+    loop_thread, made = asyncio.run(run())
+    assert all(t is not None for t in made) and len({id(t) for t in made}) == 50
+    assert 1 <= len(threads) <= 3, f"{len(threads)} writes for 50 creations"
+    assert all(t is not loop_thread for t in threads)
+    doc = json.loads((tmp_path / "topics.json").read_text())
+    assert {f"T{i}" for i in range(50)} <= set(doc["topicConfigTable"])

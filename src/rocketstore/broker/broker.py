@@ -41,10 +41,11 @@ class Broker:
         self.store_host = store_host
         self.config_dir = store.paths.config
         os.makedirs(self.config_dir, exist_ok=True)
-        self.topics = TopicManager(self.config_dir, auto_create_topics=cfg.autoCreateTopicEnable,
+        self.topics = TopicManager(self.config_dir, auto_create_topics=cfg.auto_create_topics,
                                    default_queues=cfg.defaultTopicQueueNums,
                                    auto_create_groups=cfg.autoCreateSubscriptionGroup,
-                                   default_retry_max_times=cfg.defaultRetryMaxTimes)
+                                   default_retry_max_times=cfg.defaultRetryMaxTimes,
+                                   create_rate=cfg.autoCreateRatePerSecond)
         self.offsets = ConsumerOffsetManager(self.config_dir)
         self.clients = ClientRegistry(cfg.clientExpireTime)
         self.executor = ThreadPoolExecutor(max_workers=cfg.storeThreads, thread_name_prefix="store-put")

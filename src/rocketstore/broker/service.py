@@ -34,8 +34,8 @@ from .convert import (P_DLQ_MSG_ID, P_DLQ_TOPIC, P_ORIGIN_MSG_ID, P_RECONSUME, P
 from .pop import DeadLetter, Delivery, TagFilter, now_ms
 from .proto import pb, svc, svc_grpc
 from .receipts import ReceiptSigner
-from .topics import (MAX_GROUP_LEN, MAX_TOPIC_LEN, TopicConfig, illegal_name, is_broker_topic,
-                     is_system_topic)
+from .topics import (MAX_GROUP_LEN, MAX_TOPIC_LEN, CreationThrottled, TopicConfig, illegal_name,
+                     is_broker_topic, is_system_topic)
 from .wire import Undecodable
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             return None
         return name
 
-    def _topic_for(self, name: str, *, create: bool, status: Any, send: bool = False) -> TopicConfig | None:
+    async def _topic_for(self, name: str, *, create: bool, status: Any, send: bool = False) -> TopicConfig | None:
         why = illegal_name(name, "topic", MAX_TOPIC_LEN)
         if why:
             _set(status, Code.ILLEGAL_TOPIC, why)
@@ -225,17 +225,33 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         if send and is_broker_topic(name):
             _set(status, Code.ILLEGAL_TOPIC, f"{name} is a retry or dead letter topic; only the broker writes it")
             return None
-        t = self.topics.get_topic(name, create=create)
+        try:
+            t = await self.topics.ensure_topic(name) if create else self.topics.get_topic(name)
+        except CreationThrottled as e:
+            _set(status, Code.TOO_MANY_REQUESTS, str(e))
+            return None
+        except OSError as e:
+            log.error("cannot write %s: %s", self.topics.topics_path, e)
+            _set(status, Code.INTERNAL_SERVER_ERROR, f"topic {name} could not be created: {e.strerror or e}")
+            return None
         if t is None:
             _set(status, Code.TOPIC_NOT_FOUND, f"topic {name} does not exist")
         return t
 
-    def _group_for(self, name: str, status: Any, orderly_hint: bool = False):
+    async def _group_for(self, name: str, status: Any, orderly_hint: bool = False):
         why = illegal_name(name, "group", MAX_GROUP_LEN)
         if why:
             _set(status, Code.ILLEGAL_CONSUMER_GROUP, why)
             return None
-        g = self.topics.get_group(name, create=True, orderly_hint=orderly_hint)
+        try:
+            g = await self.topics.ensure_group(name, orderly_hint)
+        except CreationThrottled as e:
+            _set(status, Code.TOO_MANY_REQUESTS, str(e))
+            return None
+        except OSError as e:
+            log.error("cannot write %s: %s", self.topics.groups_path, e)
+            _set(status, Code.INTERNAL_SERVER_ERROR, f"group {name} could not be created: {e.strerror or e}")
+            return None
         if g is None:
             _set(status, Code.CONSUMER_GROUP_NOT_FOUND, f"consumer group {name} does not exist")
         elif not g.consume_enable:
@@ -262,7 +278,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         name = caller and self._resolve(caller, resp.status, request.topic, "Topic", PUB + SUB)
         if name is None:
             return resp
-        t = self._topic_for(name, create=True, status=resp.status)
+        t = await self._topic_for(name, create=True, status=resp.status)
         if t is None:
             return resp
         for qid in range(t.queue_count):
@@ -304,7 +320,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         _set(resp.status, Code.OK)
         return resp
 
-    def _settings_reply(self, caller: Caller, cmd: Any) -> Any:
+    async def _settings_reply(self, caller: Caller, cmd: Any) -> Any:
         s = cmd.settings
         reply = svc.TelemetryCommand()
         if s.client_type not in pb.ClientType.values():
@@ -346,7 +362,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             c.subscriptions = subs
             fifo_topics = any((t := self.topics.topics.get(name)) is not None and t.message_type == "FIFO"
                               for name in c.subscriptions)
-            g = self._group_for(group, reply.status, fifo_topics)
+            g = await self._group_for(group, reply.status, fifo_topics)
             if g is None:
                 return reply
             c.group = group
@@ -389,7 +405,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
                         _set(bad.status, cmd.code, cmd.why)
                         stream.send(bad)
                     elif cmd.HasField("settings"):
-                        stream.send(self._settings_reply(caller, cmd))
+                        stream.send(await self._settings_reply(caller, cmd))
                     # thread_stack_trace / verify_message_result replies need no answer
             except asyncio.CancelledError:
                 raise
@@ -456,7 +472,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         name = self._resolve(caller, entry.status, m.topic, "Topic", PUB)
         if name is None:
             return
-        t = self._topic_for(name, create=True, status=entry.status, send=True)
+        t = await self._topic_for(name, create=True, status=entry.status, send=True)
         if t is None:
             return
         if not t.writable or t.write_queue_nums <= 0:
@@ -550,10 +566,10 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         topic = group and self._resolve(caller, resp.status, request.topic, "Topic", SUB)
         if topic is None:
             return resp
-        t = self._topic_for(topic, create=False, status=resp.status)
+        t = await self._topic_for(topic, create=False, status=resp.status)
         if t is None:
             return resp
-        g = self._group_for(group, resp.status, t.message_type == "FIFO")
+        g = await self._group_for(group, resp.status, t.message_type == "FIFO")
         if g is None:
             return resp
         if not t.readable or t.read_queue_nums <= 0:
@@ -573,7 +589,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
                 _set(first.status, request.code, request.why)
                 plan = None
             else:
-                plan = self._receive_plan(request, context, first.status)
+                plan = await self._receive_plan(request, context, first.status)
         except Exception:
             log.exception("ReceiveMessage failed")
             plan = None
@@ -638,7 +654,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _receive_plan(self, request: Any, context: Any, status: Any) -> tuple | None:
+    async def _receive_plan(self, request: Any, context: Any, status: Any) -> tuple | None:
         caller = self._caller(context, status)
         if caller is None:
             return None
@@ -650,10 +666,10 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         topic = group and self._resolve(caller, status, request.message_queue.topic, "Topic", SUB)
         if topic is None:
             return None
-        t = self._topic_for(topic, create=False, status=status)
+        t = await self._topic_for(topic, create=False, status=status)
         if t is None:
             return None
-        g = self._group_for(group, status, t.message_type == "FIFO")
+        g = await self._group_for(group, status, t.message_type == "FIFO")
         if g is None:
             return None
         if not t.readable or t.read_queue_nums <= 0:
@@ -710,7 +726,12 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
                       d.group, e)
             pop.finish_dlq(d, True)
             return True
-        dlq = self.topics.dlq_topic(d.group)
+        try:
+            dlq = await self.topics.ensure_dlq_topic(d.group)
+        except OSError as e:
+            log.error("cannot create the dead letter topic of %s: %s", d.group, e)
+            pop.finish_dlq(d, False)
+            return False
         props = dict(m.properties)
         uniq = props.get("UNIQ_KEY") or m.msg_id
         props.setdefault(P_DLQ_TOPIC, d.topic)
