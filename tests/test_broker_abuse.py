@@ -486,3 +486,29 @@ def test_topic_creation_is_written_off_the_loop_in_batches(tmp_path):
     assert all(t is not loop_thread for t in threads)
     doc = json.loads((tmp_path / "topics.json").read_text())
     assert {f"T{i}" for i in range(50)} <= set(doc["topicConfigTable"])
+
+
+def test_a_cancelled_request_does_not_undo_a_creation(tmp_path):
+    import json
+
+    from rocketstore.broker.topics import TopicManager
+
+    tm = TopicManager(str(tmp_path), auto_create_topics=True, default_queues=2, auto_create_groups=True,
+                      default_retry_max_times=16)
+
+    async def run():
+        first = asyncio.create_task(tm.ensure_topic("Gone"))
+        await asyncio.sleep(0)  # it is now waiting for the write
+        first.cancel()
+        for _ in range(100):  # the write goes on
+            await asyncio.sleep(0.01)
+            if (tmp_path / "topics.json").exists():
+                break
+        await asyncio.sleep(0.05)
+        on_disk = set(json.loads((tmp_path / "topics.json").read_text())["topicConfigTable"])
+        assert "Gone" in on_disk and "Gone" in tm.topics, "the broker's table and topics.json disagree"
+        again = await tm.ensure_topic("Gone")
+        return again
+
+    t = asyncio.run(run())
+    assert t is not None and tm.topics["Gone"] is t

@@ -317,13 +317,18 @@ class TopicManager:
         """Wait until an entry being created by another request is written (or its write failed)."""
         pending = self._creating.get(key)
         if pending is not None:
-            await asyncio.shield(pending)
+            await asyncio.wait((pending,))
 
     async def _create(self, key: tuple[str, str], item: Any) -> Any:
+        """Add ``item`` and return once its file is written; a cancelled caller does not stop the creation."""
+        task = asyncio.get_running_loop().create_task(self._add_and_write(key, item))
+        self._creating[key] = task
+        task.add_done_callback(lambda _t: self._creating.pop(key, None))
+        return await asyncio.shield(task)
+
+    async def _add_and_write(self, key: tuple[str, str], item: Any) -> Any:
         kind, name = key
         table, writer = (self.topics, self._topic_writer) if kind == "topic" else (self.groups, self._group_writer)
-        done = asyncio.get_running_loop().create_future()
-        self._creating[key] = done
         table[name] = item
         if kind == "topic":
             self._topic_version += 1
@@ -331,13 +336,10 @@ class TopicManager:
             self._group_version += 1
         try:
             await writer.flush()
-        except BaseException:
+        except Exception:
             if table.get(name) is item:
                 del table[name]  # not durable: not created (a later request tries again)
             raise
-        finally:
-            del self._creating[key]
-            done.set_result(None)
         return item
 
     # ------------------------------------------------------------ groups
