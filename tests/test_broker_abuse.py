@@ -512,3 +512,22 @@ def test_a_cancelled_request_does_not_undo_a_creation(tmp_path):
 
     t = asyncio.run(run())
     assert t is not None and tm.topics["Gone"] is t
+
+
+@pytest.mark.timeout(60)
+def test_many_small_bombs_in_one_request_share_one_budget(stub):
+    """A request may not inflate to more than it could carry plain (8 MiB here), however many messages it has."""
+    bomb = zlib.compress(bytes(MAX))  # ~70 bytes each, MAX bytes inflated: allowed one by one
+    req = svc.SendMessageRequest()
+    for i in range(300):
+        m = req.messages.add()
+        m.topic.name, m.body = "Known", bomb
+        m.system_properties.message_id = f"BOMB{i:04d}{uuid.uuid4().hex[:20]}"
+        m.system_properties.body_encoding = pb.Encoding.GZIP
+    r = stub.SendMessage(req, metadata=md(), timeout=30)
+    codes = [e.status.code for e in r.entries]
+    ok = codes.count(C.OK)
+    assert ok == (8 << 20) // MAX, codes  # 128 of 64 KiB
+    assert codes[ok:] == [C.MESSAGE_BODY_TOO_LARGE] * (300 - ok)
+    assert r.status.code == C.MULTIPLE_RESULTS
+    assert "in total" in r.entries[-1].status.message

@@ -136,14 +136,25 @@ def inflate(data: bytes, limit: int) -> bytes:
     return bytes(out)
 
 
-def validate(m, max_body: int) -> tuple[int, bytes]:
-    """Check one SendMessage entry; returns (message type, body) or raises BadMessage."""
+def validate(m, max_body: int, inflate_left: int | None = None) -> tuple[int, bytes]:
+    """Check one SendMessage entry; returns (message type, body) or raises BadMessage.
+
+    ``inflate_left``: how many bytes GZIP bodies of the request may still inflate to (a request of many small
+    bombs would otherwise cost many times ``max_body`` of work).
+    """
     sp = m.system_properties
     if not sp.message_id or not sp.message_id.strip() or len(sp.message_id) > 128 or _has_control(sp.message_id):
         raise BadMessage(Code.ILLEGAL_MESSAGE_ID, "message_id is blank or malformed")
     body = m.body
     if sp.body_encoding == pb.Encoding.GZIP:
-        body = inflate(body, max_body)
+        limit = max_body if inflate_left is None else max(0, min(max_body, inflate_left))
+        try:
+            body = inflate(body, limit)
+        except BadMessage as e:
+            if e.code != Code.MESSAGE_BODY_TOO_LARGE or limit == max_body:
+                raise
+            raise BadMessage(e.code, "the GZIP bodies of this request inflate to more than the request may carry "
+                                     "in total") from None
     elif sp.body_encoding not in (pb.Encoding.IDENTITY, pb.Encoding.ENCODING_UNSPECIFIED):
         raise BadMessage(Code.BAD_REQUEST, f"unknown body encoding {sp.body_encoding}")
     if not body:

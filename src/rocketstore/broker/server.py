@@ -53,16 +53,6 @@ class ServeOptions:
     grace: float = 3.0
 
 
-def hard_frame_limit(max_message_size: int) -> int:
-    """gRPC's max receive length: larger frames are refused by gRPC itself (RESOURCE_EXHAUSTED)."""
-    return max(max_message_size * 2 + 1024 * 1024, 8 * 1024 * 1024)
-
-
-def soft_send_limit(max_message_size: int) -> int:
-    """Largest SendMessage frame parsed; larger ones (up to the hard limit) get MESSAGE_BODY_TOO_LARGE."""
-    return max_message_size + 1024 * 1024
-
-
 def bind_address(host: str, port: int) -> str:
     try:
         if ipaddress.ip_address(host.strip("[]")).version == 6:
@@ -88,7 +78,7 @@ async def serve_async(opts: ServeOptions, *, ready: Callable[[str, int], None] |
     """Listen first (a busy port leaves the store untouched), then open the store and serve."""
     bcfg = opts.broker_config or BrokerConfig()
     access = load_access_control(bcfg, opts.store)  # a bad ACL file stops us before the store is touched
-    limit = hard_frame_limit((opts.store_config or StoreConfig()).maxMessageSize)
+    limit = wire.hard_frame_limit((opts.store_config or StoreConfig()).maxMessageSize)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", -1), *KEEPALIVE_OPTIONS])
     port = _bind(server, opts)
@@ -134,7 +124,7 @@ async def _serve_store(server: Any, port: int, store: MessageStore, bcfg: Broker
         broker.topics.put_group(g)
     await broker.start()
     service = MessagingService(broker, opts.host, port, receipts=receipts, access=access)
-    wire.add_service(service, server, max_send_bytes=soft_send_limit(store.config.maxMessageSize))
+    wire.add_service(service, server, max_send_bytes=wire.soft_send_limit(store.config.maxMessageSize))
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     installed = []

@@ -36,13 +36,18 @@ from .proto import pb, svc, svc_grpc
 from .receipts import ReceiptSigner
 from .topics import (MAX_GROUP_LEN, MAX_TOPIC_LEN, CreationThrottled, TopicConfig, illegal_name,
                      is_broker_topic, is_system_topic)
-from .wire import Undecodable
+from .wire import Undecodable, hard_frame_limit
 
 log = logging.getLogger(__name__)
 
 DEDUP_CAPACITY = 100_000
 MAX_ACK_ENTRIES = 1024  # entries of one AckMessage request
 MAX_SEND_MESSAGES = 1024  # messages of one SendMessage request
+
+
+def inflate_budget(max_message_size: int) -> int:
+    """What the GZIP bodies of one SendMessage may inflate to together: what the request could carry plain."""
+    return hard_frame_limit(max_message_size)
 # A waiting receive looks again at least this often (seconds), woken or not: bounds the delay of anything
 # that becomes receivable without a wake-up.
 LONG_POLL_RECHECK = 2.0
@@ -456,9 +461,11 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             _set(resp.status, Code.BAD_REQUEST, f"more than {MAX_SEND_MESSAGES} messages in one request")
             return resp
         peer = context.peer() or ""
+        max_body = self.broker.store.config.maxMessageSize
+        budget = [inflate_budget(max_body)]  # what the request's GZIP bodies may inflate to, together
         for m in request.messages:
             entry = resp.entries.add()
-            await self._send_one(caller, m, entry, peer)
+            await self._send_one(caller, m, entry, peer, budget)
         codes = {e.status.code for e in resp.entries}
         if len(codes) == 1:
             resp.status.CopyFrom(resp.entries[0].status)
@@ -466,7 +473,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             _set(resp.status, Code.MULTIPLE_RESULTS, "entries have different results")
         return resp
 
-    async def _send_one(self, caller: Caller, m: Any, entry: Any, peer: str) -> None:
+    async def _send_one(self, caller: Caller, m: Any, entry: Any, peer: str, budget: list[int]) -> None:
         sp = m.system_properties
         entry.message_id = sp.message_id
         name = self._resolve(caller, entry.status, m.topic, "Topic", PUB)
@@ -479,10 +486,12 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             _set(entry.status, Code.FORBIDDEN, f"topic {t.name} is not writable")
             return
         try:
-            mtype, body = validate(m, self.broker.store.config.maxMessageSize)
+            mtype, body = validate(m, self.broker.store.config.maxMessageSize, budget[0])
         except BadMessage as e:
             _set(entry.status, e.code, str(e))
             return
+        if sp.body_encoding == pb.Encoding.GZIP:
+            budget[0] -= len(body)
         tname = TYPE_NAMES[mtype]
         if tname not in t.accepts():
             _set(entry.status, Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE,

@@ -25,6 +25,16 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 2 * 1024 * 1024
 
 
+def hard_frame_limit(max_message_size: int) -> int:
+    """gRPC's max receive length: larger frames are refused by gRPC itself (RESOURCE_EXHAUSTED)."""
+    return max(max_message_size * 2 + 1024 * 1024, 8 * 1024 * 1024)
+
+
+def soft_send_limit(max_message_size: int) -> int:
+    """Largest SendMessage frame parsed; larger ones (up to the hard limit) get MESSAGE_BODY_TOO_LARGE."""
+    return max_message_size + 1024 * 1024
+
+
 class Undecodable:
     """Stands in for a request that could not be decoded; ``code`` and ``why`` go into the reply's status."""
 
