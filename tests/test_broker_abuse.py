@@ -7,6 +7,7 @@ status code in the body, quickly, and keeps serving.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib.util
 import os
 import time
@@ -531,3 +532,38 @@ def test_many_small_bombs_in_one_request_share_one_budget(stub):
     assert codes[ok:] == [C.MESSAGE_BODY_TOO_LARGE] * (300 - ok)
     assert r.status.code == C.MULTIPLE_RESULTS
     assert "in total" in r.entries[-1].status.message
+
+
+@pytest.mark.timeout(60)
+def test_stored_compressed_bodies_go_out_as_stored(tmp_path):
+    """A record RocketMQ stored compressed (sysFlag bit 0) is sent GZIP-encoded as the proxy does, never inflated
+    by the broker: a stored bomb costs the broker nothing."""
+    from rocketstore.message import Message
+    from rocketstore.store import MessageStore
+
+    bomb = zlib.compress(bytes(64 << 20), 9)  # zlib data, as RocketMQ's remoting clients compress
+    small = zlib.compress(b"hello compressed")
+    store = MessageStore.open(str(tmp_path / "store"))
+    try:
+        for body, flag in ((small, 0x1), (bomb, 0x1 | (0x3 << 8))):
+            assert store.put(Message(topic="Old", body=body, queue_id=0, sys_flag=flag,
+                                     properties={"UNIQ_KEY": uuid.uuid4().hex.upper()})).ok
+        assert store.wait_dispatched(10)
+    finally:
+        store.close()
+    with BrokerProcess(str(tmp_path / "store"), args=["--topic", "Old:1:NORMAL"]) as b:
+        ch = grpc.insecure_channel(b.endpoint)
+        s = svc_grpc.MessagingServiceStub(ch)
+        before = peak_rss_kb(b.proc.pid)
+        req = svc.ReceiveMessageRequest()
+        req.group.name, req.message_queue.topic.name, req.message_queue.id = "OldG", "Old", -1
+        req.filter_expression.expression, req.batch_size = "*", 8
+        req.invisible_duration.seconds, req.long_polling_timeout.seconds = 30, 1
+        got = [r.message for r in s.ReceiveMessage(req, metadata=md(), timeout=10) if r.HasField("message")]
+        grown_mb = (peak_rss_kb(b.proc.pid) - before) / 1024
+        ch.close()
+    assert [m.body for m in got] == [small, bomb]
+    assert all(m.system_properties.body_encoding == pb.Encoding.GZIP for m in got)
+    assert all(m.system_properties.body_digest.checksum == hashlib.md5(m.body).hexdigest().upper() for m in got)
+    assert zlib.decompress(got[0].body) == b"hello compressed"
+    assert grown_mb < 32, f"peak RSS grew by {grown_mb:.0f} MB delivering a stored bomb"

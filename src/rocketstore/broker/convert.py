@@ -54,6 +54,9 @@ TRANSACTION_CHECK_TIMES INNER_MULTI_DISPATCH INNER_MULTI_QUEUE_OFFSET TRACE_CONT
 DLQ_ORIGIN_MESSAGE_ID INNER_NUM INNER_BASE BORN_HOST BORN_TIMESTAMP
 """.split())
 
+COMPRESSION_TYPE = 0x7 << 8  # sysFlag bits 8-10: the compression of a compressed body (0: zlib, older records)
+COMPRESSION_ZLIB = 0x3 << 8
+
 MT = pb.MessageType
 TYPE_NAMES = {MT.NORMAL: "NORMAL", MT.FIFO: "FIFO", MT.DELAY: "DELAY", MT.TRANSACTION: "TRANSACTION"}
 
@@ -272,11 +275,11 @@ def to_pb(msg: MessageExt, out, *, namespace: str = "", receipt_handle: str | No
     out.topic.name = msg.topic
     out.topic.resource_namespace = namespace
     body = msg.body or b""
-    if msg.sys_flag & codec.SYSFLAG_COMPRESSED:
-        try:
-            body = zlib.decompress(body)
-        except zlib.error:
-            pass
+    # A compressed record (written by RocketMQ's remoting clients) goes out as stored, marked GZIP, as the proxy
+    # does; both clients inflate zlib data themselves.  The broker never inflates it: no bomb to defuse here.
+    # LZ4/ZSTD bodies (type bits 1, 2) are not understood by the clients either and go out as stored.
+    zlib_body = bool(msg.sys_flag & codec.SYSFLAG_COMPRESSED) \
+        and (msg.sys_flag & COMPRESSION_TYPE) in (0, COMPRESSION_ZLIB)
     out.body = body
     for k, v in _user_properties(props).items():
         out.user_properties[k] = v
@@ -290,7 +293,7 @@ def to_pb(msg: MessageExt, out, *, namespace: str = "", receipt_handle: str | No
         sp.keys.extend(k for k in keys.split(" ") if k)
     sp.body_digest.type = pb.DigestType.MD5
     sp.body_digest.checksum = hashlib.md5(body).hexdigest().upper()
-    sp.body_encoding = pb.Encoding.IDENTITY
+    sp.body_encoding = pb.Encoding.GZIP if zlib_body else pb.Encoding.IDENTITY
     sp.message_type = derived_type(props)
     set_ts(sp.born_timestamp, msg.born_timestamp)
     sp.born_host = codec.format_host(msg.born_addr, msg.born_port).rsplit(":", 1)[0].strip("[]")
