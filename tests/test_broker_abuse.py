@@ -567,3 +567,26 @@ def test_stored_compressed_bodies_go_out_as_stored(tmp_path):
     assert all(m.system_properties.body_digest.checksum == hashlib.md5(m.body).hexdigest().upper() for m in got)
     assert zlib.decompress(got[0].body) == b"hello compressed"
     assert grown_mb < 32, f"peak RSS grew by {grown_mb:.0f} MB delivering a stored bomb"
+
+
+def test_made_up_method_names_are_not_remembered(broker):
+    from types import SimpleNamespace
+
+    from rocketstore.broker import wire
+
+    cap = wire._Capture()
+    svc_grpc.add_MessagingServiceServicer_to_server(svc_grpc.MessagingServiceServicer(), cap)
+    h = wire.LenientHandler(cap.handlers, {})
+    for i in range(1000):
+        assert h.service(SimpleNamespace(method=f"/apache.rocketmq.v2.MessagingService/X{i}",
+                                         invocation_metadata=())) is None
+    assert h.service(SimpleNamespace(method="/apache.rocketmq.v2.MessagingService/SendMessage",
+                                     invocation_metadata=())) is not None
+    assert len(h._cache) == 1
+    ch = grpc.insecure_channel(broker.endpoint)
+    call = ch.unary_unary("/apache.rocketmq.v2.MessagingService/Nope", request_serializer=lambda b: b,
+                          response_deserializer=lambda b: b)
+    with pytest.raises(grpc.RpcError) as e:
+        call(b"", timeout=5)
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    ch.close()

@@ -81,17 +81,18 @@ class LenientHandler(grpc.GenericRpcHandler):
 
     def service(self, details: Any) -> Any:
         method = details.method
-        if method in self._cache:
-            return self._cache[method]
+        found = self._cache.get(method)
+        if found is not None:
+            return found
         for h in self.inner:
             found = h.service(details)
             if found is not None:
                 name = method.rsplit("/", 1)[-1]
                 limit = self.limits.get(name, MAX_REQUEST_BYTES)
                 found = found._replace(request_deserializer=lenient(name, found.request_deserializer, limit))
-                break
-        self._cache[method] = found
-        return found
+                self._cache[method] = found  # only methods of the service: a client's made-up names are not kept
+                return found
+        return None
 
 
 def add_service(servicer: Any, server: Any, *, max_send_bytes: int) -> None:
