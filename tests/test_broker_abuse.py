@@ -590,3 +590,37 @@ def test_made_up_method_names_are_not_remembered(broker):
         call(b"", timeout=5)
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
     ch.close()
+
+
+@pytest.mark.timeout(60)
+def test_waiting_receives_are_capped(tmp_path):
+    with BrokerProcess(str(tmp_path / "store"), conf={"maxPopPollingSize": 5},
+                       args=["--topic", "Quiet:1:NORMAL"]) as b:
+        def req(poll):
+            r = svc.ReceiveMessageRequest()
+            r.group.name, r.message_queue.topic.name, r.message_queue.id = "CapG", "Quiet", -1
+            r.filter_expression.expression, r.batch_size = "*", 1
+            r.invisible_duration.seconds, r.long_polling_timeout.seconds = 10, poll
+            return r
+
+        async def run():
+            ch = grpc.aio.insecure_channel(b.endpoint)
+            stub = svc_grpc.MessagingServiceStub(ch)
+
+            async def first_code(poll):
+                async for r in stub.ReceiveMessage(req(poll), metadata=md(), timeout=10):
+                    return r.status.code, time.monotonic()
+
+            waiting = [asyncio.create_task(first_code(3)) for _ in range(5)]
+            await asyncio.sleep(1.0)
+            t0 = time.monotonic()
+            code, at = await first_code(3)
+            done = [await w for w in waiting]
+            after, _ = await first_code(0)
+            await ch.close()
+            return code, at - t0, done, after
+
+        code, took, done, after = asyncio.run(run())
+    assert code == C.TOO_MANY_REQUESTS and took < 1.0, (code, took)
+    assert [c for c, _ in done] == [C.MESSAGE_NOT_FOUND] * 5
+    assert after == C.MESSAGE_NOT_FOUND

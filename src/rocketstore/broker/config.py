@@ -49,6 +49,8 @@ class BrokerConfig:
     longPollingTimeout: int = 20000
     maxLongPollingTimeout: int = 30000
     maxReceiveBatchSize: int = 32
+    # Receives waiting for messages at once (RocketMQ's maxPopPollingSize); one more gets TOO_MANY_REQUESTS.
+    maxPopPollingSize: int = 100000
     # Unacked span per (group, queue) after which no new message is popped from that queue.
     popMaxSpan: int = 100000
     # Delay messages: at most this far ahead (proxy: one day).
@@ -88,6 +90,7 @@ class BrokerConfig:
         need(self.popAutoRenewInvisibleTime > self.popRenewAheadTime > 0, "popRenewAheadTime",
              "must be positive and below popAutoRenewInvisibleTime")
         need(1 <= self.maxReceiveBatchSize <= 1024, "maxReceiveBatchSize", "must be in 1..1024")
+        need(self.maxPopPollingSize >= 1, "maxPopPollingSize", "must be at least 1")
         need(self.popMaxSpan >= 100, "popMaxSpan", "must be at least 100")
         need(self.longPollingTimeout > 0 and self.maxLongPollingTimeout >= self.longPollingTimeout,
              "longPollingTimeout", "must be positive and at most maxLongPollingTimeout")

@@ -32,6 +32,7 @@ class LongPolling:
     def __init__(self) -> None:
         self._waiting: dict[str, dict[str, dict[int, _Waiter]]] = {}  # topic -> group -> waiters, oldest first
         self._ids = itertools.count()
+        self.size = 0  # receives waiting now
 
     def has_waiters(self, topic: str) -> bool:
         return topic in self._waiting
@@ -83,6 +84,7 @@ class LongPolling:
         key = next(self._ids)
         waiters = self._waiting.setdefault(topic, {}).setdefault(group, {})
         waiters[key] = _Waiter(frozenset(queues), flt, fut)
+        self.size += 1
         try:
             await asyncio.wait((fut,), timeout=timeout)
         except asyncio.CancelledError:
@@ -90,6 +92,7 @@ class LongPolling:
                 self._wake(topic, group, lambda w: True)
             raise
         finally:
+            self.size -= 1
             if waiters.pop(key, None) is not None:
                 self._prune(topic, group)
             if not fut.done():

@@ -611,6 +611,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         pop = self.broker.pop
         deadline = started + poll
         sent = False
+        polling_full = False
         try:
             replies: list[Any] = []
             try:
@@ -623,6 +624,9 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
                         break
                     left = deadline - time.monotonic()
                     if left <= 0:
+                        break
+                    if self.broker.longpoll.size >= self.cfg.maxPopPollingSize:
+                        polling_full = True
                         break
                     # Woken by a put or an unblocked message; else when an in-flight one becomes due again.
                     due_in = (pop.next_due(group, t.name, qids) - now_ms()) / 1000
@@ -637,6 +641,9 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
                     replies.append(r)
                 if deliveries:
                     _set(first.status, Code.OK)
+                elif polling_full:
+                    _set(first.status, Code.TOO_MANY_REQUESTS,
+                         f"{self.cfg.maxPopPollingSize} receives are already waiting (maxPopPollingSize)")
                 else:
                     _set(first.status, Code.MESSAGE_NOT_FOUND, "no new message")
             except CorruptRecordError as e:  # the next message is damaged: say so, deliver nothing in its place
