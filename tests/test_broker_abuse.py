@@ -532,6 +532,20 @@ def test_many_small_bombs_in_one_request_share_one_budget(stub):
     assert codes[ok:] == [C.MESSAGE_BODY_TOO_LARGE] * (300 - ok)
     assert r.status.code == C.MULTIPLE_RESULTS
     assert "in total" in r.entries[-1].status.message
+    # refused bombs count too: the inflating was done
+    req = svc.SendMessageRequest()
+    for i in range(200):
+        m = req.messages.add()
+        m.topic.name, m.body = "Known", zlib.compress(bytes(MAX + 1))
+        m.system_properties.message_id = f"OVER{i:04d}{uuid.uuid4().hex[:20]}"
+        m.system_properties.body_encoding = pb.Encoding.GZIP
+    last = req.messages.add()
+    last.topic.name, last.body = "Known", zlib.compress(b"small and fine")
+    last.system_properties.message_id = uuid.uuid4().hex.upper()
+    last.system_properties.body_encoding = pb.Encoding.GZIP
+    r = stub.SendMessage(req, metadata=md(), timeout=30)
+    assert [e.status.code for e in r.entries] == [C.MESSAGE_BODY_TOO_LARGE] * 201
+    assert "in total" in r.entries[-1].status.message
 
 
 @pytest.mark.timeout(60)

@@ -485,9 +485,12 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         if not t.writable or t.write_queue_nums <= 0:
             _set(entry.status, Code.FORBIDDEN, f"topic {t.name} is not writable")
             return
+        max_body = self.broker.store.config.maxMessageSize
         try:
-            mtype, body = validate(m, self.broker.store.config.maxMessageSize, budget[0])
+            mtype, body = validate(m, max_body, budget[0])
         except BadMessage as e:
+            if sp.body_encoding == pb.Encoding.GZIP:  # refused, but the inflating was done: it counts
+                budget[0] -= min(max_body, max(0, budget[0])) + 1
             _set(entry.status, e.code, str(e))
             return
         if sp.body_encoding == pb.Encoding.GZIP:
