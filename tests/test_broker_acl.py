@@ -68,7 +68,8 @@ def acl_broker(tmp_path_factory):
     b = BrokerProcess(str(root / "store"),
                       conf={"authConfigPath": str(path), "transactionTimeOut": 500, "transactionCheckInterval": 500,
                             "longPollingTimeout": 3000},
-                      args=["--acl", "--topic", "Txn:1:TRANSACTION"])
+                      # (with ACL, auto-creation is off unless asked for; these tests use it)
+                      args=["--acl", "--auto-create-topics", "--topic", "Txn:1:TRANSACTION"])
     b.start()
     b.home = str(root / "home")
     yield b

@@ -37,10 +37,14 @@ def write_file_durably(path: str, data: bytes) -> None:
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
+    write_bytes_atomic(path, json.dumps(obj, ensure_ascii=False, indent=2, sort_keys=True).encode("utf-8"))
+
+
+def write_bytes_atomic(path: str, data: bytes) -> None:
+    """``write_json_atomic`` for JSON already encoded (``data`` must be a JSON document)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp"
-    data = json.dumps(obj, ensure_ascii=False, indent=2, sort_keys=True).encode("utf-8")
     with open(tmp, "wb") as fh:
         fh.write(data)
         fh.flush()

@@ -25,9 +25,13 @@ class BrokerConfig:
     """Broker settings (times in milliseconds unless the name says otherwise)."""
 
     brokerName: str = "rocketstore"
-    autoCreateTopicEnable: bool = True
+    # Unset: on, unless authorizationEnabled (serve --acl), where every name a user may publish to would
+    # otherwise cost a topic (config entry, consume queue files) on first use.
+    autoCreateTopicEnable: bool | None = None
     defaultTopicQueueNums: int = 8
     autoCreateSubscriptionGroup: bool = True
+    # Topics and groups created on first use, per second (burst as large); more get TOO_MANY_REQUESTS.
+    autoCreateRatePerSecond: int = 10
     # Where a new consumer group starts: FIRST (oldest message still stored) or LAST (only new messages).
     consumeFromWhere: str = "FIRST"
     # retryMaxTimes of auto-created groups: max deliveries = retryMaxTimes + 1 (RocketMQ: 16 -> 17).
@@ -45,6 +49,8 @@ class BrokerConfig:
     longPollingTimeout: int = 20000
     maxLongPollingTimeout: int = 30000
     maxReceiveBatchSize: int = 32
+    # Receives waiting for messages at once (RocketMQ's maxPopPollingSize); one more gets TOO_MANY_REQUESTS.
+    maxPopPollingSize: int = 100000
     # Unacked span per (group, queue) after which no new message is popped from that queue.
     popMaxSpan: int = 100000
     # Delay messages: at most this far ahead (proxy: one day).
@@ -76,6 +82,7 @@ class BrokerConfig:
             require(self, ok, key, why)
 
         need(1 <= self.defaultTopicQueueNums <= 1024, "defaultTopicQueueNums", "must be in 1..1024")
+        need(1 <= self.autoCreateRatePerSecond <= 100000, "autoCreateRatePerSecond", "must be in 1..100000")
         need(self.consumeFromWhere in ("FIRST", "LAST"), "consumeFromWhere", "must be FIRST or LAST")
         need(self.defaultRetryMaxTimes >= 0, "defaultRetryMaxTimes", "must not be negative")
         need(0 < self.minInvisibleTime <= self.maxInvisibleTime, "minInvisibleTime",
@@ -83,6 +90,7 @@ class BrokerConfig:
         need(self.popAutoRenewInvisibleTime > self.popRenewAheadTime > 0, "popRenewAheadTime",
              "must be positive and below popAutoRenewInvisibleTime")
         need(1 <= self.maxReceiveBatchSize <= 1024, "maxReceiveBatchSize", "must be in 1..1024")
+        need(self.maxPopPollingSize >= 1, "maxPopPollingSize", "must be at least 1")
         need(self.popMaxSpan >= 100, "popMaxSpan", "must be at least 100")
         need(self.longPollingTimeout > 0 and self.maxLongPollingTimeout >= self.longPollingTimeout,
              "longPollingTimeout", "must be positive and at most maxLongPollingTimeout")
@@ -97,6 +105,12 @@ class BrokerConfig:
             raise ConfigError(f"messageDelayLevel={self.messageDelayLevel}: {e}") from None
         need(bool(levels), "messageDelayLevel", "needs at least one delay")
 
+    @property
+    def auto_create_topics(self) -> bool:
+        if self.autoCreateTopicEnable is None:
+            return not self.authorizationEnabled
+        return self.autoCreateTopicEnable
+
     def delay_levels_seconds(self) -> list[int]:
         """``messageDelayLevel`` as whole seconds (the Python client reads whole seconds), at least 1 each."""
         return [max(1, parse_duration_ms(t) // 1000) for t in self.messageDelayLevel.split()]
@@ -108,7 +122,10 @@ class BrokerConfig:
         for key, raw in values.items():
             if key not in types:
                 raise ConfigError(f"{source}: unknown broker key {key!r}")
-            kwargs[key] = _convert(raw, types[key], f"{source}: {key}")
+            typ = types[key]
+            if typ == "bool | None":  # unset means a computed default, a set value is a plain bool
+                typ = "bool"
+            kwargs[key] = _convert(raw, typ, f"{source}: {key}")
         return cls(**kwargs)
 
     def replace(self, **changes: Any) -> "BrokerConfig":

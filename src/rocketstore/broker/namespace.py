@@ -13,12 +13,12 @@ import re
 
 SEPARATOR = "%"
 _PREFIXES = ("%RETRY%", "%DLQ%")
-_NAMESPACE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_NAMESPACE = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 def illegal_namespace(ns: str) -> str | None:
     """Why ``ns`` cannot be a namespace (it must not contain the separator), or None."""
-    if ns and not _NAMESPACE.match(ns):
+    if ns and not _NAMESPACE.fullmatch(ns):
         return f"namespace {ns[:70]!r} does not match ^[a-zA-Z0-9_-]{{1,64}}$"
     return None
 

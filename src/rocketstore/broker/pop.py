@@ -26,6 +26,7 @@ except reads of the store's mapped files.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import time
@@ -34,7 +35,7 @@ from typing import Any, Callable, Iterable
 
 from ..codec import MessageExt, java_hash
 from ..errors import CorruptRecordError
-from ..jsonfile import write_json_atomic
+from ..jsonfile import write_bytes_atomic
 from ..message import GetMessageStatus
 from .offsets import ConsumerOffsetManager, read_json_lenient
 from .topics import TRANS_GROUP
@@ -99,7 +100,7 @@ class Entry:
 
 class QueueState:
     __slots__ = ("group", "topic", "queue_id", "committed", "next", "entries", "acked", "fifo", "fifo_groups",
-                 "next_due", "blocked")
+                 "next_due", "blocked", "text")
 
     def __init__(self, group: str, topic: str, queue_id: int, committed: int, fifo: bool) -> None:
         self.group, self.topic, self.queue_id = group, topic, queue_id
@@ -111,6 +112,7 @@ class QueueState:
         self.fifo_groups: dict[str, list[int]] = {}
         self.next_due = 1 << 62
         self.blocked = 0
+        self.text: str | None = None  # this queue's popState.json record as of the last snapshot
 
     def recompute_due(self) -> None:
         due = 1 << 62
@@ -166,7 +168,7 @@ class DeadLetter:
 class PopService:
     def __init__(self, store: Any, offsets: ConsumerOffsetManager, config_dir: str, *, consume_from: str = "FIRST",
                  auto_renew_ms: int = 60000, renew_ahead_ms: int = 10000, renew_max_ms: int = 3 * 3600 * 1000,
-                 max_span: int = 100000) -> None:
+                 max_span: int = 100000, on_visible: Callable[[str, str], Any] | None = None) -> None:
         self.store = store
         self.offsets = offsets
         self.path = os.path.join(config_dir, "popState.json")
@@ -175,6 +177,8 @@ class PopService:
         self.renew_ahead_ms = renew_ahead_ms
         self.renew_max_ms = renew_max_ms
         self.max_span = max_span
+        # Called with (topic, group) when something became receivable without a new message (long polls wake).
+        self.on_visible = on_visible or (lambda topic, group: None)
         self.queues: dict[tuple[str, str, int], QueueState] = {}
         self.dirty = False
         self._damaged_seen: set[tuple[str, str, int, int | None]] = set()  # logged once at error level
@@ -256,14 +260,28 @@ class PopService:
         qs.recompute_due()
         self.offsets.commit(qs.topic, qs.group, qs.queue_id, qs.committed)
 
-    def snapshot(self) -> dict[str, Any] | None:
+    def _changed(self, qs: QueueState) -> None:
+        qs.text = None
+        self.dirty = True
+
+    def snapshot(self) -> list[str] | None:
+        """The file's queues as JSON texts if something changed since the last snapshot, else None.
+
+        Only queues changed since their last snapshot are encoded again; the others reuse their text.
+        """
         if not self.dirty:
             return None
         self.dirty = False
-        return {"version": 1, "queues": [qs.to_json() for _, qs in sorted(self.queues.items())]}
+        texts = []
+        for _, qs in sorted(self.queues.items()):
+            if qs.text is None:
+                qs.text = json.dumps(qs.to_json(), ensure_ascii=False, separators=(",", ":"))
+            texts.append(qs.text)
+        return texts
 
-    def write(self, snapshot: dict[str, Any]) -> None:
-        write_json_atomic(self.path, snapshot)
+    def write(self, snapshot: list[str]) -> None:
+        text = '{"version":1,"queues":[' + ",".join(snapshot) + "]}"
+        write_bytes_atomic(self.path, text.encode("utf-8"))
 
     def _queue(self, group: str, topic: str, queue_id: int, fifo: bool) -> QueueState:
         key = (group, topic, queue_id)
@@ -275,9 +293,10 @@ class PopService:
                 start = self.store.min_offset_in_queue(topic, queue_id)
             qs = self.queues[key] = QueueState(group, topic, queue_id, start, fifo)
             self.offsets.commit(topic, group, queue_id, start)
-            self.dirty = True
+            self._changed(qs)
         elif qs.fifo != fifo and not qs.entries:
             qs.fifo = fifo
+            self._changed(qs)
         return qs
 
     def _token(self) -> str:
@@ -299,6 +318,15 @@ class PopService:
         if q < 0 or off < 0:
             return None
         return q, off, parts[2]
+
+    def next_due(self, group: str, topic: str, queue_ids: Iterable[int]) -> int:
+        """When the first in-flight message of these queues becomes visible again (epoch ms; far away if none)."""
+        due = 1 << 62
+        for qid in queue_ids:
+            qs = self.queues.get((group, topic, qid))
+            if qs is not None and qs.next_due < due:
+                due = qs.next_due
+        return due
 
     # ------------------------------------------------------------ receive
     def receive(self, group: str, topic: str, queue_ids: list[int], batch: int, invisible_ms: int,
@@ -349,7 +377,7 @@ class PopService:
             e.first_pop = now
         if e.visible_at < qs.next_due:
             qs.next_due = e.visible_at
-        self.dirty = True
+        self._changed(qs)
         return self.handle_of(qs.queue_id, e)
 
     def _redeliver(self, qs: QueueState, now: int, batch: int, invisible_ms: int, flt: TagFilter,
@@ -427,7 +455,7 @@ class PopService:
                 handle = self._deliver(qs, e, now, invisible_ms, client, auto_renew)
                 out.append(Delivery(qs.queue_id, e, m, handle))
             qs.next = end
-            self.dirty = True
+            self._changed(qs)
             if qs.advance():
                 self.offsets.commit(qs.topic, qs.group, qs.queue_id, qs.committed)
 
@@ -442,12 +470,13 @@ class PopService:
         qs.next = max(qs.next, lo)
         qs.advance()
         self.offsets.commit(qs.topic, qs.group, qs.queue_id, qs.committed)
-        self.dirty = True
+        self._changed(qs)
 
     def _remove(self, qs: QueueState, off: int, now: int) -> None:
         e = qs.entries.pop(off, None)
         if e is None:
             return
+        was_full = qs.next - qs.committed >= self.max_span or qs.blocked >= MAX_BLOCKED_PER_QUEUE
         qs.acked.add(off)
         if e.blocked:
             qs.blocked -= 1
@@ -465,11 +494,14 @@ class PopService:
                         qs.blocked -= 1
                         head.visible_at = now
                         qs.next_due = min(qs.next_due, now)
+                        was_full = True
                 else:
                     del qs.fifo_groups[e.msg_group]
         if qs.advance():
             self.offsets.commit(qs.topic, qs.group, qs.queue_id, qs.committed)
-        self.dirty = True
+        self._changed(qs)
+        if was_full:
+            self.on_visible(qs.topic, qs.group)
 
     # ------------------------------------------------------------ receipts
     def _lookup(self, group: str, topic: str, handle: str) -> tuple[QueueState, Entry] | None:
@@ -507,7 +539,8 @@ class PopService:
         e.suspend = suspend
         e.token = self._token()
         qs.recompute_due()
-        self.dirty = True
+        self._changed(qs)
+        self.on_visible(topic, group)  # a waiting receive must look again at the new due time
         return self.handle_of(qs.queue_id, e)
 
     def take_for_dlq(self, group: str, topic: str, handle: str) -> DeadLetter | None:
@@ -529,6 +562,7 @@ class PopService:
             d.entry.dlq_pending = False
             d.entry.visible_at = now_ms() + 1000
             qs.recompute_due()
+            self._changed(qs)
 
     def release(self, deliveries: list[Delivery], group: str, topic: str) -> None:
         """Deliveries that never reached the client: visible again now, the attempt not counted."""
@@ -541,7 +575,9 @@ class PopService:
             d.entry.suspend = True
             d.entry.token = self._token()
             qs.next_due = min(qs.next_due, now)
-            self.dirty = True
+            self._changed(qs)
+        if deliveries:
+            self.on_visible(topic, group)
 
     def release_client(self, client: str, delay_ms: int = 1000) -> int:
         """A client left: its auto-renewed messages become visible after ``delay_ms``."""
@@ -557,26 +593,27 @@ class PopService:
                     n += 1
             if touched:
                 qs.recompute_due()
-                self.dirty = True
+                self._changed(qs)
+                self.on_visible(qs.topic, qs.group)
         return n
 
     def renew(self, alive: Callable[[str], bool]) -> int:
-        """Extend auto-renewed receipts of live clients that are about to expire."""
+        """Extend auto-changed receipts of live clients that are about to expire."""
         now = now_ms()
         n = 0
         for qs in self.queues.values():
-            renewed = False
+            changed = False
             for e in qs.entries.values():
                 if not e.auto_renew or e.blocked or e.visible_at - now > self.renew_ahead_ms:
                     continue
                 if alive(e.client) and now - e.first_pop < self.renew_max_ms:
                     e.visible_at = now + self.auto_renew_ms
                     n += 1
-                    renewed = True
+                    changed = True
                 else:
                     e.auto_renew = False
-            if renewed:
+                    changed = True
+            if changed:
                 qs.recompute_due()
-        if n:
-            self.dirty = True
+                self._changed(qs)
         return n

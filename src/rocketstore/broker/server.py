@@ -24,10 +24,10 @@ from ..store import MessageStore
 from .acl import AccessControl, load_access_control
 from .broker import Broker
 from .config import BrokerConfig
-from .proto import svc_grpc
 from .receipts import ReceiptSigner, load_or_create_secret
 from .service import MessagingService
 from .topics import GroupConfig, TopicConfig
+from . import wire
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,7 @@ async def serve_async(opts: ServeOptions, *, ready: Callable[[str, int], None] |
     """Listen first (a busy port leaves the store untouched), then open the store and serve."""
     bcfg = opts.broker_config or BrokerConfig()
     access = load_access_control(bcfg, opts.store)  # a bad ACL file stops us before the store is touched
-    limit_cfg = opts.store_config or StoreConfig()
-    limit = max(limit_cfg.maxMessageSize * 2 + 1024 * 1024, 8 * 1024 * 1024)
+    limit = wire.hard_frame_limit((opts.store_config or StoreConfig()).maxMessageSize)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", -1), *KEEPALIVE_OPTIONS])
     port = _bind(server, opts)
@@ -125,7 +124,7 @@ async def _serve_store(server: Any, port: int, store: MessageStore, bcfg: Broker
         broker.topics.put_group(g)
     await broker.start()
     service = MessagingService(broker, opts.host, port, receipts=receipts, access=access)
-    svc_grpc.add_MessagingServiceServicer_to_server(service, server)
+    wire.add_service(service, server, max_send_bytes=wire.soft_send_limit(store.config.maxMessageSize))
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     installed = []

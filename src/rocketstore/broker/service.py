@@ -34,12 +34,23 @@ from .convert import (P_DLQ_MSG_ID, P_DLQ_TOPIC, P_ORIGIN_MSG_ID, P_RECONSUME, P
 from .pop import DeadLetter, Delivery, TagFilter, now_ms
 from .proto import pb, svc, svc_grpc
 from .receipts import ReceiptSigner
-from .topics import (MAX_GROUP_LEN, MAX_TOPIC_LEN, TopicConfig, illegal_name,
-                     is_system_topic)
+from .topics import (MAX_GROUP_LEN, MAX_TOPIC_LEN, CreationThrottled, TopicConfig, illegal_name,
+                     is_broker_topic, is_system_topic)
+from .wire import Undecodable, hard_frame_limit
 
 log = logging.getLogger(__name__)
 
 DEDUP_CAPACITY = 100_000
+MAX_ACK_ENTRIES = 1024  # entries of one AckMessage request
+MAX_SEND_MESSAGES = 1024  # messages of one SendMessage request
+
+
+def inflate_budget(max_message_size: int) -> int:
+    """What the GZIP bodies of one SendMessage may inflate to together: what the request could carry plain."""
+    return hard_frame_limit(max_message_size)
+# A waiting receive looks again at least this often (seconds), woken or not: bounds the delay of anything
+# that becomes receivable without a wake-up.
+LONG_POLL_RECHECK = 2.0
 PUB, SUB = ("Pub",), ("Sub",)
 
 
@@ -88,19 +99,30 @@ def _set(status: Any, code: int, text: str = "") -> None:
     status.message = text or pb.Code.Name(code)
 
 
+def internal_error(status: Any, context: Any, what: str) -> None:
+    """INTERNAL_SERVER_ERROR for an unexpected exception (already logged): no Python text goes to the client."""
+    rid = _header(context, "x-mq-request-id")[:64]
+    _set(status, Code.INTERNAL_SERVER_ERROR,
+         f"{what} failed inside the broker; see its log" + (f" (request {rid})" if rid else ""))
+
+
 def guarded(response_type: Callable[[], Any]) -> Callable:
-    """Turn an unexpected exception of a unary handler into INTERNAL_SERVER_ERROR in the body."""
+    """A unary handler: an undecodable request, or an unexpected exception, becomes a body status."""
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         async def inner(self: "MessagingService", request: Any, context: Any) -> Any:
+            if isinstance(request, Undecodable):
+                resp = response_type()
+                _set(resp.status, request.code, request.why)
+                return resp
             try:
                 return await fn(self, request, context)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:
-                log.exception("%s failed", fn.__name__)
+            except Exception:
+                log.exception("%s failed (request %s)", fn.__name__, _header(context, "x-mq-request-id"))
                 resp = response_type()
-                _set(resp.status, Code.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}"[:500])
+                internal_error(resp.status, context, fn.__name__)
                 return resp
         return inner
     return wrap
@@ -197,7 +219,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             return None
         return name
 
-    def _topic_for(self, name: str, *, create: bool, status: Any) -> TopicConfig | None:
+    async def _topic_for(self, name: str, *, create: bool, status: Any, send: bool = False) -> TopicConfig | None:
         why = illegal_name(name, "topic", MAX_TOPIC_LEN)
         if why:
             _set(status, Code.ILLEGAL_TOPIC, why)
@@ -205,17 +227,36 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         if is_system_topic(name):
             _set(status, Code.ILLEGAL_TOPIC, f"{name} is a system topic")
             return None
-        t = self.topics.get_topic(name, create=create)
+        if send and is_broker_topic(name):
+            _set(status, Code.ILLEGAL_TOPIC, f"{name} is a retry or dead letter topic; only the broker writes it")
+            return None
+        try:
+            t = await self.topics.ensure_topic(name) if create else self.topics.get_topic(name)
+        except CreationThrottled as e:
+            _set(status, Code.TOO_MANY_REQUESTS, str(e))
+            return None
+        except OSError as e:
+            log.error("cannot write %s: %s", self.topics.topics_path, e)
+            _set(status, Code.INTERNAL_SERVER_ERROR, f"topic {name} could not be created: {e.strerror or e}")
+            return None
         if t is None:
             _set(status, Code.TOPIC_NOT_FOUND, f"topic {name} does not exist")
         return t
 
-    def _group_for(self, name: str, status: Any, orderly_hint: bool = False):
+    async def _group_for(self, name: str, status: Any, orderly_hint: bool = False):
         why = illegal_name(name, "group", MAX_GROUP_LEN)
         if why:
             _set(status, Code.ILLEGAL_CONSUMER_GROUP, why)
             return None
-        g = self.topics.get_group(name, create=True, orderly_hint=orderly_hint)
+        try:
+            g = await self.topics.ensure_group(name, orderly_hint)
+        except CreationThrottled as e:
+            _set(status, Code.TOO_MANY_REQUESTS, str(e))
+            return None
+        except OSError as e:
+            log.error("cannot write %s: %s", self.topics.groups_path, e)
+            _set(status, Code.INTERNAL_SERVER_ERROR, f"group {name} could not be created: {e.strerror or e}")
+            return None
         if g is None:
             _set(status, Code.CONSUMER_GROUP_NOT_FOUND, f"consumer group {name} does not exist")
         elif not g.consume_enable:
@@ -242,7 +283,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         name = caller and self._resolve(caller, resp.status, request.topic, "Topic", PUB + SUB)
         if name is None:
             return resp
-        t = self._topic_for(name, create=True, status=resp.status)
+        t = await self._topic_for(name, create=True, status=resp.status)
         if t is None:
             return resp
         for qid in range(t.queue_count):
@@ -272,6 +313,9 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             if why:
                 _set(resp.status, Code.ILLEGAL_CONSUMER_GROUP, why)
                 return resp
+        if request.client_type not in pb.ClientType.values():
+            _set(resp.status, Code.UNRECOGNIZED_CLIENT_TYPE, f"unknown client type {request.client_type}")
+            return resp
         c = self.broker.clients.touch(cid)
         c.user, c.namespace = caller.user, caller.namespace
         if request.client_type:
@@ -281,9 +325,12 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         _set(resp.status, Code.OK)
         return resp
 
-    def _settings_reply(self, caller: Caller, cmd: Any) -> Any:
+    async def _settings_reply(self, caller: Caller, cmd: Any) -> Any:
         s = cmd.settings
         reply = svc.TelemetryCommand()
+        if s.client_type not in pb.ClientType.values():
+            _set(reply.status, Code.UNRECOGNIZED_CLIENT_TYPE, f"unknown client type {s.client_type}")
+            return reply
         if s.HasField("publishing"):
             topics = [self._resolve(caller, reply.status, r, "Topic", PUB) for r in s.publishing.topics]
             if None in topics:
@@ -320,7 +367,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             c.subscriptions = subs
             fifo_topics = any((t := self.topics.topics.get(name)) is not None and t.message_type == "FIFO"
                               for name in c.subscriptions)
-            g = self._group_for(group, reply.status, fifo_topics)
+            g = await self._group_for(group, reply.status, fifo_topics)
             if g is None:
                 return reply
             c.group = group
@@ -358,8 +405,12 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             try:
                 async for cmd in request_iterator:
                     clients.touch(cid)
-                    if cmd.HasField("settings"):
-                        stream.send(self._settings_reply(caller, cmd))
+                    if isinstance(cmd, Undecodable):
+                        bad = svc.TelemetryCommand()
+                        _set(bad.status, cmd.code, cmd.why)
+                        stream.send(bad)
+                    elif cmd.HasField("settings"):
+                        stream.send(await self._settings_reply(caller, cmd))
                     # thread_stack_trace / verify_message_result replies need no answer
             except asyncio.CancelledError:
                 raise
@@ -406,13 +457,15 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         if not request.messages:
             _set(resp.status, Code.BAD_REQUEST, "no message to send")
             return resp
-        if len(request.messages) > 1024:
-            _set(resp.status, Code.BAD_REQUEST, "more than 1024 messages in one request")
+        if len(request.messages) > MAX_SEND_MESSAGES:
+            _set(resp.status, Code.BAD_REQUEST, f"more than {MAX_SEND_MESSAGES} messages in one request")
             return resp
         peer = context.peer() or ""
+        max_body = self.broker.store.config.maxMessageSize
+        budget = [inflate_budget(max_body)]  # what the request's GZIP bodies may inflate to, together
         for m in request.messages:
             entry = resp.entries.add()
-            await self._send_one(caller, m, entry, peer)
+            await self._send_one(caller, m, entry, peer, budget)
         codes = {e.status.code for e in resp.entries}
         if len(codes) == 1:
             resp.status.CopyFrom(resp.entries[0].status)
@@ -420,23 +473,28 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             _set(resp.status, Code.MULTIPLE_RESULTS, "entries have different results")
         return resp
 
-    async def _send_one(self, caller: Caller, m: Any, entry: Any, peer: str) -> None:
+    async def _send_one(self, caller: Caller, m: Any, entry: Any, peer: str, budget: list[int]) -> None:
         sp = m.system_properties
         entry.message_id = sp.message_id
         name = self._resolve(caller, entry.status, m.topic, "Topic", PUB)
         if name is None:
             return
-        t = self._topic_for(name, create=True, status=entry.status)
+        t = await self._topic_for(name, create=True, status=entry.status, send=True)
         if t is None:
             return
         if not t.writable or t.write_queue_nums <= 0:
             _set(entry.status, Code.FORBIDDEN, f"topic {t.name} is not writable")
             return
+        max_body = self.broker.store.config.maxMessageSize
         try:
-            mtype, body = validate(m, self.broker.store.config.maxMessageSize)
+            mtype, body = validate(m, max_body, budget[0])
         except BadMessage as e:
+            if sp.body_encoding == pb.Encoding.GZIP:  # refused, but the inflating was done: it counts
+                budget[0] -= min(max_body, max(0, budget[0])) + 1
             _set(entry.status, e.code, str(e))
             return
+        if sp.body_encoding == pb.Encoding.GZIP:
+            budget[0] -= len(body)
         tname = TYPE_NAMES[mtype]
         if tname not in t.accepts():
             _set(entry.status, Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE,
@@ -473,7 +531,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         else:
             res = await self.broker.put(msg)
             if res.ok:
-                self.broker.notify(t.name)
+                self.broker.notify(t.name, qid, sp.tag if sp.HasField("tag") else None)
         code = _PUT_CODES.get(res.status, Code.INTERNAL_SERVER_ERROR)
         if res.status is PutMessageStatus.MESSAGE_ILLEGAL and res.error and "maxMessageSize" in res.error:
             code = Code.MESSAGE_BODY_TOO_LARGE
@@ -495,6 +553,11 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         topic = caller and self._resolve(caller, resp.status, request.topic, "Topic", PUB)
         if topic is None:
             return resp
+        if request.resolution not in pb.TransactionResolution.values() \
+                or request.source not in pb.TransactionSource.values():
+            _set(resp.status, Code.BAD_REQUEST, f"unknown transaction resolution {request.resolution} "
+                                                f"or source {request.source}")
+            return resp
         code, text = await self.broker.transactions.end(topic, request.message_id,
                                                         request.transaction_id, request.resolution, request.source)
         _set(resp.status, code, text)
@@ -515,10 +578,10 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         topic = group and self._resolve(caller, resp.status, request.topic, "Topic", SUB)
         if topic is None:
             return resp
-        t = self._topic_for(topic, create=False, status=resp.status)
+        t = await self._topic_for(topic, create=False, status=resp.status)
         if t is None:
             return resp
-        g = self._group_for(group, resp.status, t.message_type == "FIFO")
+        g = await self._group_for(group, resp.status, t.message_type == "FIFO")
         if g is None:
             return resp
         if not t.readable or t.read_queue_nums <= 0:
@@ -534,11 +597,15 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         started = time.monotonic()
         first = svc.ReceiveMessageResponse()
         try:
-            plan = self._receive_plan(request, context, first.status)
-        except Exception as e:
+            if isinstance(request, Undecodable):
+                _set(first.status, request.code, request.why)
+                plan = None
+            else:
+                plan = await self._receive_plan(request, context, first.status)
+        except Exception:
             log.exception("ReceiveMessage failed")
             plan = None
-            _set(first.status, Code.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}"[:500])
+            internal_error(first.status, context, "ReceiveMessage")
         if plan is None:
             yield first
             return
@@ -547,6 +614,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         pop = self.broker.pop
         deadline = started + poll
         sent = False
+        polling_full = False
         try:
             replies: list[Any] = []
             try:
@@ -560,7 +628,13 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
-                    await self.broker.wait_for_messages(t.name, min(left, 0.1))
+                    if self.broker.longpoll.size >= self.cfg.maxPopPollingSize:
+                        polling_full = True
+                        break
+                    # Woken by a put or an unblocked message; else when an in-flight one becomes due again.
+                    due_in = (pop.next_due(group, t.name, qids) - now_ms()) / 1000
+                    wait = min(left, LONG_POLL_RECHECK, due_in + 0.001 if due_in > 0 else LONG_POLL_RECHECK)
+                    await self.broker.longpoll.wait(t.name, group, qids, flt, wait)
                 shown = request.message_queue.topic
                 for d in deliveries:
                     r = svc.ReceiveMessageResponse()
@@ -570,15 +644,18 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
                     replies.append(r)
                 if deliveries:
                     _set(first.status, Code.OK)
+                elif polling_full:
+                    _set(first.status, Code.TOO_MANY_REQUESTS,
+                         f"{self.cfg.maxPopPollingSize} receives are already waiting (maxPopPollingSize)")
                 else:
                     _set(first.status, Code.MESSAGE_NOT_FOUND, "no new message")
             except CorruptRecordError as e:  # the next message is damaged: say so, deliver nothing in its place
                 replies = []
                 _set(first.status, Code.MESSAGE_CORRUPTED, str(e)[:500])
-            except Exception as e:
+            except Exception:
                 log.exception("ReceiveMessage failed")
                 replies = []
-                _set(first.status, Code.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}"[:500])
+                internal_error(first.status, context, "ReceiveMessage")
             yield first
             for r in replies:
                 yield r
@@ -596,7 +673,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _receive_plan(self, request: Any, context: Any, status: Any) -> tuple | None:
+    async def _receive_plan(self, request: Any, context: Any, status: Any) -> tuple | None:
         caller = self._caller(context, status)
         if caller is None:
             return None
@@ -608,16 +685,19 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         topic = group and self._resolve(caller, status, request.message_queue.topic, "Topic", SUB)
         if topic is None:
             return None
-        t = self._topic_for(topic, create=False, status=status)
+        t = await self._topic_for(topic, create=False, status=status)
         if t is None:
             return None
-        g = self._group_for(group, status, t.message_type == "FIFO")
+        g = await self._group_for(group, status, t.message_type == "FIFO")
         if g is None:
             return None
         if not t.readable or t.read_queue_nums <= 0:
             _set(status, Code.FORBIDDEN, f"topic {t.name} is not readable")
             return None
         fe = request.filter_expression
+        if fe.type not in pb.FilterType.values():
+            _set(status, Code.ILLEGAL_FILTER_EXPRESSION, f"unknown filter type {fe.type}")
+            return None
         if fe.type == pb.FilterType.SQL:
             _set(status, Code.ILLEGAL_FILTER_EXPRESSION, "SQL92 filters are not supported; use a TAG expression")
             return None
@@ -640,6 +720,9 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         if request.HasField("long_polling_timeout"):
             d = request.long_polling_timeout
             poll = (d.seconds * 1000 + d.nanos // 1_000_000) / 1000
+            if poll < 0:
+                _set(status, Code.ILLEGAL_POLLING_TIME, "long polling timeout must not be negative")
+                return None
         else:
             poll = self.cfg.longPollingTimeout / 1000
         poll = max(0.0, min(poll, self.cfg.maxLongPollingTimeout / 1000))
@@ -662,7 +745,12 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
                       d.group, e)
             pop.finish_dlq(d, True)
             return True
-        dlq = self.topics.dlq_topic(d.group)
+        try:
+            dlq = await self.topics.ensure_dlq_topic(d.group)
+        except OSError as e:
+            log.error("cannot create the dead letter topic of %s: %s", d.group, e)
+            pop.finish_dlq(d, False)
+            return False
         props = dict(m.properties)
         uniq = props.get("UNIQ_KEY") or m.msg_id
         props.setdefault(P_DLQ_TOPIC, d.topic)
@@ -711,6 +799,10 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             return resp
         if not request.entries:
             _set(resp.status, Code.BAD_REQUEST, "no entry to ack")
+            return resp
+        if len(request.entries) > MAX_ACK_ENTRIES:
+            _set(resp.status, Code.BAD_REQUEST,
+                 f"{len(request.entries)} entries in one ack; at most {MAX_ACK_ENTRIES}")
             return resp
         group, topic = target
         for e in request.entries:

@@ -22,6 +22,7 @@ group's maximum number of deliveries before a message goes to ``%DLQ%<group>``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -32,6 +33,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..jsonfile import read_json, write_json_atomic
+from .writer import CoalescedWriter
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +48,16 @@ TRANS_OP_HALF_TOPIC = "RMQ_SYS_TRANS_OP_HALF_TOPIC"
 TIMER_TOPIC = "rmq_sys_wheel_timer"
 SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"
 SYSTEM_TOPICS = (TRANS_HALF_TOPIC, TRANS_OP_HALF_TOPIC, TIMER_TOPIC)
+# RocketMQ's TopicValidator system topics: no client may route to, send to or consume from them.
+RESERVED_TOPICS = frozenset(SYSTEM_TOPICS + (
+    SCHEDULE_TOPIC, "TBW102", "BenchmarkTest", "RMQ_SYS_TRACE_TOPIC", "TRANS_CHECK_MAX_TIME_TOPIC",
+    "SELF_TEST_TOPIC", "OFFSET_MOVED_EVENT"))
+SYSTEM_TOPIC_PREFIXES = ("rmq_sys_", "RMQ_SYS_")
 DLQ_PREFIX = "%DLQ%"
 RETRY_PREFIX = "%RETRY%"
 TRANS_GROUP = "CID_RMQ_SYS_TRANS"
 
-_NAME = re.compile(r"^[%a-zA-Z0-9_-]+$")
+_NAME = re.compile(r"[%a-zA-Z0-9_-]+")
 MAX_TOPIC_LEN = 127
 MAX_GROUP_LEN = 255
 
@@ -61,14 +68,18 @@ def illegal_name(name: str, what: str, max_len: int) -> str | None:
         return f"{what} name is blank"
     if len(name) > max_len:
         return f"{what} name is longer than {max_len} characters"
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):  # fullmatch: "$" of re.match would let a trailing newline through
         return f"{what} name {name[:60]!r} does not match ^[%a-zA-Z0-9_-]+$"
     return None
 
 
 def is_system_topic(name: str) -> bool:
-    return name in SYSTEM_TOPICS or name == SCHEDULE_TOPIC or name.startswith("rmq_sys_") \
-        or name.startswith("RMQ_SYS_")
+    return name in RESERVED_TOPICS or name.startswith(SYSTEM_TOPIC_PREFIXES)
+
+
+def is_broker_topic(name: str) -> bool:
+    """A retry or dead letter topic: the broker writes them, clients only read them."""
+    return name.startswith((RETRY_PREFIX, DLQ_PREFIX))
 
 
 def dlq_topic(group: str) -> str:
@@ -175,11 +186,39 @@ class GroupConfig:
                    bool(d.get("consumeEnable", True)), dict(d))
 
 
+class CreationThrottled(Exception):
+    """More topics or groups asked to be created on first use than ``autoCreateRatePerSecond`` allows."""
+
+
+class TokenBucket:
+    """``rate`` tokens a second, at most ``rate`` saved up."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = rate
+        self.tokens = float(rate)
+        self.at = time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.rate, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
 class TopicManager:
-    """topics.json and subscriptionGroup.json: loaded at start, rewritten atomically on every change."""
+    """topics.json and subscriptionGroup.json: loaded at start, rewritten atomically on every change.
+
+    The broker's event loop creates topics and groups with the ``ensure_*`` coroutines: rate-limited, and
+    written by a thread (one write for all creations made meanwhile); each returns once its entry is durable,
+    so no message is acknowledged in a topic that a crash could forget.  ``put_*`` and ``get_*(create=True)``
+    write at once (start-up, tools, tests).
+    """
 
     def __init__(self, config_dir: str, *, auto_create_topics: bool, default_queues: int,
-                 auto_create_groups: bool, default_retry_max_times: int) -> None:
+                 auto_create_groups: bool, default_retry_max_times: int, create_rate: int = 10) -> None:
         self.config_dir = config_dir
         self.topics_path = os.path.join(config_dir, "topics.json")
         self.groups_path = os.path.join(config_dir, "subscriptionGroup.json")
@@ -192,6 +231,11 @@ class TopicManager:
         self._topic_version = 0
         self._group_version = 0
         self._lock = threading.Lock()
+        self._bucket = TokenBucket(create_rate)
+        self._written: dict[str, int] = {}  # path -> dataVersion counter last written
+        self._creating: dict[tuple[str, str], asyncio.Future] = {}  # ("topic"|"group", name) being written
+        self._topic_writer = CoalescedWriter(self._topics_doc, self._write_topics)
+        self._group_writer = CoalescedWriter(self._groups_doc, self._write_groups)
         self._load()
 
     def _load(self) -> None:
@@ -217,30 +261,86 @@ class TopicManager:
     # ------------------------------------------------------------ topics
     def get_topic(self, name: str, *, create: bool = False) -> TopicConfig | None:
         t = self.topics.get(name)
-        if t is None and create and self.auto_create_topics and not is_system_topic(name):
+        if t is None and create and self.auto_create_topics and not is_system_topic(name) \
+                and not is_broker_topic(name):
             t = self.put_topic(TopicConfig(name, self.default_queues, self.default_queues))
             log.info("auto-created topic %s with %d queues", name, self.default_queues)
         return t
 
-    def dlq_topic(self, group: str) -> TopicConfig:
+    def put_topic(self, t: TopicConfig) -> TopicConfig:
+        self.topics[t.name] = t
+        self._topic_version += 1
+        self._write_topics(self._topics_doc())
+        return t
+
+    def _topics_doc(self) -> dict[str, Any]:
+        return {"dataVersion": _data_version(self._topic_version),
+                "topicConfigTable": {n: t.to_json() for n, t in sorted(self.topics.items())}}
+
+    def _write_topics(self, doc: dict[str, Any]) -> None:
+        self._write_newer(self.topics_path, doc)
+
+    def _write_newer(self, path: str, doc: dict[str, Any]) -> None:
+        """Write ``doc`` unless a newer version of the file was written meanwhile (by another thread)."""
+        version = doc["dataVersion"]["counter"]
+        with self._lock:
+            if version >= self._written.get(path, -1):
+                write_json_atomic(path, doc)
+                self._written[path] = version
+
+    async def ensure_topic(self, name: str) -> TopicConfig | None:
+        """The topic, created on first use when auto-creation allows it (None: unknown).
+
+        Raises CreationThrottled past the creation rate, OSError when the file cannot be written.
+        """
+        await self._created(("topic", name))
+        t = self.topics.get(name)
+        if t is not None or not self.auto_create_topics or is_system_topic(name) or is_broker_topic(name):
+            return t
+        if not self._bucket.take():
+            raise CreationThrottled(f"topic {name} not created: more than {self._bucket.rate} topics and groups "
+                                    f"created per second")
+        t = await self._create(("topic", name), TopicConfig(name, self.default_queues, self.default_queues))
+        log.info("auto-created topic %s with %d queues", name, self.default_queues)
+        return t
+
+    async def ensure_dlq_topic(self, group: str) -> TopicConfig:
         name = dlq_topic(group)
+        await self._created(("topic", name))
         t = self.topics.get(name)
         if t is None:
-            t = self.put_topic(TopicConfig(name, 1, 1, PERM_READ | PERM_WRITE))
+            t = await self._create(("topic", name), TopicConfig(name, 1, 1, PERM_READ | PERM_WRITE))
             log.info("created dead letter topic %s", name)
         return t
 
-    def put_topic(self, t: TopicConfig) -> TopicConfig:
-        with self._lock:
-            self.topics[t.name] = t
-            self._topic_version += 1
-            self._save_topics()
-        return t
+    async def _created(self, key: tuple[str, str]) -> None:
+        """Wait until an entry being created by another request is written (or its write failed)."""
+        pending = self._creating.get(key)
+        if pending is not None:
+            await asyncio.wait((pending,))
 
-    def _save_topics(self) -> None:
-        write_json_atomic(self.topics_path, {
-            "dataVersion": _data_version(self._topic_version),
-            "topicConfigTable": {n: t.to_json() for n, t in sorted(self.topics.items())}})
+    async def _create(self, key: tuple[str, str], item: Any) -> Any:
+        """Add ``item`` and return once its file is written; a cancelled caller does not stop the creation."""
+        task = asyncio.get_running_loop().create_task(self._add_and_write(key, item))
+        self._creating[key] = task
+        task.add_done_callback(lambda _t: self._creating.pop(key, None))
+        return await asyncio.shield(task)
+
+    async def _add_and_write(self, key: tuple[str, str], item: Any) -> Any:
+        kind, name = key
+        table, writer = (self.topics, self._topic_writer) if kind == "topic" else (self.groups, self._group_writer)
+        table[name] = item
+        if kind == "topic":
+            self._topic_version += 1
+        else:
+            self._group_version += 1
+        try:
+            await writer.flush()
+        except Exception:
+            if table.get(name) is item:
+                del table[name]  # not durable: not created (a later request tries again)
+            raise
+        return item
 
     # ------------------------------------------------------------ groups
     def get_group(self, name: str, *, create: bool = False, orderly_hint: bool = False) -> GroupConfig | None:
@@ -251,12 +351,29 @@ class TopicManager:
         return g
 
     def put_group(self, g: GroupConfig) -> GroupConfig:
-        with self._lock:
-            self.groups[g.name] = g
-            self._group_version += 1
-            write_json_atomic(self.groups_path, {
-                "dataVersion": _data_version(self._group_version),
-                "subscriptionGroupTable": {n: x.to_json() for n, x in sorted(self.groups.items())}})
+        self.groups[g.name] = g
+        self._group_version += 1
+        self._write_groups(self._groups_doc())
+        return g
+
+    def _groups_doc(self) -> dict[str, Any]:
+        return {"dataVersion": _data_version(self._group_version),
+                "subscriptionGroupTable": {n: x.to_json() for n, x in sorted(self.groups.items())}}
+
+    def _write_groups(self, doc: dict[str, Any]) -> None:
+        self._write_newer(self.groups_path, doc)
+
+    async def ensure_group(self, name: str, orderly_hint: bool = False) -> GroupConfig | None:
+        """The group, created on first use when auto-creation allows it (see :meth:`ensure_topic`)."""
+        await self._created(("group", name))
+        g = self.groups.get(name)
+        if g is not None or not self.auto_create_groups:
+            return g
+        if not self._bucket.take():
+            raise CreationThrottled(f"group {name} not created: more than {self._bucket.rate} topics and groups "
+                                    f"created per second")
+        g = await self._create(("group", name), GroupConfig(name, orderly_hint, self.default_retry_max_times))
+        log.info("auto-created consumer group %s (orderly=%s)", name, orderly_hint)
         return g
 
 
