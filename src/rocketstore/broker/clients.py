@@ -79,17 +79,24 @@ class ClientRegistry:
         c = self.clients.get(client_id)
         if c is None:
             return False
-        return any(not s.closed for s in c.streams) or time.monotonic() - c.last_seen < self.expire
+        return self.has_stream(client_id) or time.monotonic() - c.last_seen < self.expire
+
+    def has_stream(self, client_id: str) -> bool:
+        c = self.clients.get(client_id)
+        return c is not None and any(not s.closed for s in c.streams)
 
     def add_stream(self, client_id: str, stream: TelemetryStream) -> None:
         self.touch(client_id).streams.append(stream)
 
-    def remove_stream(self, client_id: str, stream: TelemetryStream) -> None:
+    def remove_stream(self, client_id: str, stream: TelemetryStream) -> bool:
+        """Forget a finished stream; True when it was the client's last open one."""
         stream.close()
         c = self.clients.get(client_id)
         if c is not None and stream in c.streams:
             c.streams.remove(stream)
             c.last_seen = time.monotonic()
+            return not any(not s.closed for s in c.streams)
+        return False
 
     def remove(self, client_id: str) -> ClientInfo | None:
         c = self.clients.pop(client_id, None)

@@ -51,6 +51,9 @@ def inflate_budget(max_message_size: int) -> int:
 # A waiting receive looks again at least this often (seconds), woken or not: bounds the delay of anything
 # that becomes receivable without a wake-up.
 LONG_POLL_RECHECK = 2.0
+# A client whose last Telemetry stream ended and did not open another within this many seconds is gone: its
+# auto-renewed receipts are released (the client's own reconnect, e.g. after a network blip, takes less).
+STREAM_GRACE = 1.0
 PUB, SUB = ("Pub",), ("Sub",)
 
 
@@ -428,7 +431,16 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
                 yield item
         finally:
             reader.cancel()
-            clients.remove_stream(cid, stream)
+            if clients.remove_stream(cid, stream):
+                # Its last stream broke (a push consumer killed): unless it reconnects within a second, the
+                # receipts it renewed go back then, not after clientExpireTime.
+                asyncio.get_running_loop().call_later(STREAM_GRACE, self._stream_gone, cid)
+
+    def _stream_gone(self, cid: str) -> None:
+        if not self.broker.clients.has_stream(cid):
+            n = self.broker.pop.release_client(cid)
+            if n:
+                log.info("client %s lost its Telemetry stream; %d in-flight messages released", cid, n)
 
     @guarded(svc.NotifyClientTerminationResponse)
     async def NotifyClientTermination(self, request: Any, context: Any) -> Any:
