@@ -73,3 +73,74 @@ def test_killed_push_consumer_messages_come_back_promptly(tmp_path):
     assert sorted(got) == sorted(sent), f"the group lost messages of its dead member: {got} vs {sent}"
     late = max(got.values()) - killed
     assert late < 8, f"the dead push consumer's messages came back after {late:.1f} s"
+
+
+def _stub(b):
+    import grpc
+    from rocketstore.broker.proto import svc_grpc
+    return svc_grpc.MessagingServiceStub(grpc.insecure_channel(b.endpoint))
+
+
+MD = [("x-mq-language", "PYTHON"), ("x-mq-protocol", "GRPC_V2"), ("x-mq-client-id", "dedup@1@1@x")]
+
+
+def _msg_id(seq: int) -> str:
+    """A version-1 message id minted now (as the official clients make them)."""
+    return f"01AABBCCDDEEFF0001{int(time.time()) - 1609459200:08X}{seq:08X}"
+
+
+def _send(b, message_id: str, body: bytes) -> tuple[int, int]:
+    from rocketstore.broker.proto import pb, svc
+    req = svc.SendMessageRequest()
+    m = req.messages.add()
+    m.topic.name = "Dup"
+    m.body = body
+    m.system_properties.message_id = message_id
+    m.system_properties.body_encoding = pb.Encoding.IDENTITY
+    r = _stub(b).SendMessage(req, metadata=MD, timeout=10)
+    return r.entries[0].status.code, r.entries[0].offset
+
+
+def _bodies(b) -> list[str]:
+    return _client(b, '''
+        c = SimpleConsumer(cfg(), "DupG", {"Dup": FilterExpression()}, await_duration=1); c.startup()
+        got, idle = [], 0
+        while idle < 2:
+            ms = c.receive(32, 30)
+            idle = 0 if ms else idle + 1
+            for m in ms:
+                got.append(m.body.decode()); c.ack(m)
+        emit(sorted(got))
+        c.shutdown()
+    ''')[0]
+
+
+@pytest.mark.timeout(120)
+def test_resend_after_restart_and_sigkill_is_stored_once(tmp_path):
+    """A resend of a stored id and body answers the stored result, across a restart and a SIGKILL; a different
+    body reusing an id is stored, not dropped."""
+    from rocketstore.broker.proto import pb
+    ok = pb.Code.OK
+    b = _broker(tmp_path, args=["--topic", "Dup:2:NORMAL"])
+    try:
+        a, c = _msg_id(1), _msg_id(2)
+        first = _send(b, a, b"one")
+        assert first[0] == ok
+        assert _send(b, a, b"one") == first, "a resend in the same run is answered from memory"
+        d = _msg_id(3)
+        assert _send(b, d, b"four")[0] == ok and _send(b, d, b"five")[0] == ok
+        b.stop()
+        b.start()
+        assert _send(b, a, b"one") == first, "a resend after a restart is found in the store"
+        code, _ = _send(b, a, b"two")
+        assert code == ok
+        crashed = _send(b, c, b"three")
+        assert crashed[0] == ok
+        b.kill()
+        b.start()
+        assert _send(b, c, b"three") == crashed, "a resend after a SIGKILL is found in the store"
+        assert _send(b, a, b"two")[0] == ok
+        bodies = _bodies(b)
+    finally:
+        b.stop()
+    assert bodies == ["five", "four", "one", "three", "two"], f"each message stored exactly once: {bodies}"

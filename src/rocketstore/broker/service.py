@@ -17,7 +17,6 @@ import itertools
 import logging
 import time
 import zlib
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
@@ -29,6 +28,7 @@ from . import namespace as nsutil
 from .acl import AccessControl, AuthenticationError, AuthorizationError
 from .broker import Broker
 from .clients import ClientOwners
+from .dedup import SendDedup, digest
 from .convert import (P_DLQ_MSG_ID, P_DLQ_TOPIC, P_ORIGIN_MSG_ID, P_RECONSUME, P_RETRY_TOPIC, TYPE_NAMES, BadMessage,
                       Code, host_from, set_ts, store_properties, to_pb, ts_ms, validate)
 from .pop import DeadLetter, Delivery, TagFilter, now_ms
@@ -40,7 +40,6 @@ from .wire import Undecodable, hard_frame_limit
 
 log = logging.getLogger(__name__)
 
-DEDUP_CAPACITY = 100_000
 MAX_ACK_ENTRIES = 1024  # entries of one AckMessage request
 MAX_SEND_MESSAGES = 1024  # messages of one SendMessage request
 
@@ -157,7 +156,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             adv = "127.0.0.1"
         self.advertised = (adv.strip("[]"), port)
         self._rr: dict[str, itertools.count] = {}
-        self._recent: OrderedDict[tuple[str, str], tuple[int, str]] = OrderedDict()
+        self.dedup = SendDedup(broker.store)
         self._tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------ helpers
@@ -518,8 +517,12 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             _set(entry.status, Code.ILLEGAL_DELIVERY_TIME,
                  f"delivery time is more than {self.cfg.maxDelayTime} ms ahead")
             return
-        key = (t.name, sp.message_id)
-        seen = self._recent.get(key)
+        body_digest = digest(body)
+        seen = self.dedup.recent(t.name, sp.message_id, body_digest)
+        if seen is None and mtype != pb.MessageType.TRANSACTION and self.dedup.needs_lookup(t.name, sp.message_id):
+            off = await asyncio.get_running_loop().run_in_executor(self.broker.executor, self.dedup.stored,
+                                                                   t.name, sp.message_id, body)
+            seen = None if off is None else (off, "")
         if seen is not None:  # a client resend of a message already stored
             entry.offset, entry.transaction_id = seen
             _set(entry.status, Code.OK)
@@ -553,9 +556,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             return
         entry.offset = res.queue_offset if res.queue_offset >= 0 else 0
         entry.transaction_id = txid
-        self._recent[key] = (entry.offset, txid)
-        if len(self._recent) > DEDUP_CAPACITY:
-            self._recent.popitem(last=False)
+        self.dedup.remember(t.name, sp.message_id, entry.offset, txid, body_digest)
         _set(entry.status, Code.OK)
 
     @guarded(svc.EndTransactionResponse)
