@@ -144,3 +144,43 @@ def test_resend_after_restart_and_sigkill_is_stored_once(tmp_path):
     finally:
         b.stop()
     assert bodies == ["five", "four", "one", "three", "two"], f"each message stored exactly once: {bodies}"
+
+
+@pytest.mark.timeout(120)
+def test_acks_with_pop_ack_sync_flush_survive_sigkill(tmp_path):
+    """With popAckSyncFlush an answered ack is on disk: a SIGKILL right after brings back only unacked messages
+    (the periodic write is a minute away, so without it every message would come back)."""
+    b = _broker(tmp_path, conf={"popAckSyncFlush": "true", "flushConsumerOffsetInterval": 60000},
+                args=["--topic", "AckD:2:NORMAL"])
+    try:
+        sent = _client(b, '''
+            p = Producer(cfg(), ("AckD",)); p.startup()
+            emit([p.send(msg("AckD", f"a{i}")).message_id for i in range(8)])
+            p.shutdown()
+        ''')[0]
+        acked = _client(b, '''
+            c = SimpleConsumer(cfg(), "AckDG", {"AckD": FilterExpression()}, await_duration=1); c.startup()
+            got, acked, t0 = [], [], time.time()
+            while len(got) < 8 and time.time() - t0 < 20:
+                got += c.receive(8, 2)
+            for m in got[:6]:
+                c.ack(m); acked.append(m.message_id)
+            emit(acked)
+            os._exit(0)
+        ''')[0]
+        assert len(acked) == 6 and set(acked) <= set(sent)
+        b.kill()
+        b.start()
+        again = _client(b, '''
+            c = SimpleConsumer(cfg(), "AckDG", {"AckD": FilterExpression()}, await_duration=1); c.startup()
+            got, t0 = [], time.time()
+            while time.time() - t0 < 6:
+                for m in c.receive(8, 30):
+                    got.append(m.message_id); c.ack(m)
+            emit(got)
+            c.shutdown()
+        ''')[0]
+    finally:
+        b.stop()
+    assert not set(again) & set(acked), f"{len(set(again) & set(acked))} acked messages came back after SIGKILL"
+    assert sorted(again) == sorted(set(sent) - set(acked)), "the unacked messages come back once"

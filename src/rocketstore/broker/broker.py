@@ -122,8 +122,11 @@ class Broker:
         self.longpoll.notify(topic, queue_id, tag)
 
     # ------------------------------------------------------------ state files
-    async def persist(self, *, final: bool = False) -> None:
-        """Write the consumer offsets and the pop state when they changed.
+    async def persist(self, *, final: bool = False) -> bool:
+        """Write the consumer offsets and the pop state when they changed; False when a write failed.
+
+        ``final`` writes popState.json now (at stop, and for an ack with popAckSyncFlush): a caller waiting on
+        the lock finds its change written by the write before it, or writes it with every change made since.
 
         popState.json is written again only after POP_WRITE_SPACING times what its last write took (snapshot
         on the loop plus the write), so that a large in-flight state (60k receipts: ~6 MB) costs a bounded share
@@ -136,7 +139,7 @@ class Broker:
             pop_snap = self.pop.snapshot() if pop_due else None
             off_snap = self.offsets.snapshot()
             if pop_snap is None and off_snap is None:
-                return
+                return True
             loop = asyncio.get_running_loop()
 
             def write() -> None:
@@ -152,11 +155,13 @@ class Broker:
                 if pop_snap is not None:
                     self.pop.dirty = True
                 self.offsets.dirty = True
+                return False
             if pop_snap is not None:
                 took = time.monotonic() - started
                 self._pop_next_write = time.monotonic() + POP_WRITE_SPACING * took
                 if took > 0.05:
                     log.debug("popState.json: %d queues written in %.0f ms", len(pop_snap), took * 1000)
+            return True
 
     async def _housekeeping(self) -> None:
         self.pop.renew(self.clients.alive)

@@ -62,6 +62,9 @@ class BrokerConfig:
     transactionCheckMax: int = 15
     # Consumer offsets and receipt state are written this often when they changed.
     flushConsumerOffsetInterval: int = 1000
+    # An ack is answered only once its effect (popState.json and consumerOffset.json) is on disk, so a crash
+    # never brings an acked message back; acks arriving meanwhile share a write.
+    popAckSyncFlush: bool = False
     # A client is gone when it has no Telemetry stream and sent no heartbeat for this long.
     clientExpireTime: int = 60000
     # Threads that run blocking store calls (puts wait for the flush in SYNC_FLUSH mode).

@@ -825,6 +825,11 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
                 _set(r.status, Code.OK)
             else:
                 _set(r.status, Code.INVALID_RECEIPT_HANDLE, "receipt handle is unknown, expired or superseded")
+        if self.cfg.popAckSyncFlush and not await self.broker.persist(final=True):
+            for r in resp.entries:  # applied, but a crash now would deliver them again
+                if r.status.code == Code.OK:
+                    _set(r.status, Code.MASTER_PERSISTENCE_TIMEOUT, "acked, but writing the consumer state failed "
+                                                                    "(see the broker log)")
         codes = {r.status.code for r in resp.entries}
         if len(codes) == 1:
             resp.status.CopyFrom(resp.entries[0].status)
