@@ -184,3 +184,21 @@ def test_acks_with_pop_ack_sync_flush_survive_sigkill(tmp_path):
         b.stop()
     assert not set(again) & set(acked), f"{len(set(again) & set(acked))} acked messages came back after SIGKILL"
     assert sorted(again) == sorted(set(sent) - set(acked)), "the unacked messages come back once"
+
+
+def test_dedup_looks_up_only_ids_minted_before_the_broker_started():
+    """The index lookup is for ids a client may have sent before a restart; later ids cost nothing."""
+    from rocketstore.broker.dedup import CLOCK_SKEW_MS, SendDedup, minted_ms
+
+    class Store:
+        class config:
+            messageIndexEnable = True
+
+    d = SendDedup(Store())
+    old = _msg_id(1)
+    assert abs(minted_ms(old) - time.time() * 1000) < 2000
+    later = f"01AABBCCDDEEFF0001{(d.started_ms + CLOCK_SKEW_MS) // 1000 - 1609459200 + 5:08X}00000001"
+    assert d.needs_lookup("T", old) and not d.needs_lookup("T", later)
+    assert minted_ms("not-a-v1-id") is None and d.needs_lookup("T", "not-a-v1-id")
+    d.remember("T", old, 7, "", b"d")
+    assert not d.needs_lookup("T", old) and d.recent("T", old, b"d") == (7, "") and d.recent("T", old, b"e") is None
