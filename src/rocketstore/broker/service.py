@@ -29,8 +29,8 @@ from . import namespace as nsutil
 from .acl import AccessControl, AuthenticationError, AuthorizationError
 from .broker import Broker
 from .clients import ClientOwners
-from .convert import (P_DLQ_MSG_ID, P_DLQ_TOPIC, P_ORIGIN_MSG_ID, P_RECONSUME, P_RETRY_TOPIC, TYPE_NAMES, BadMessage,
-                      Code, host_from, set_ts, store_properties, to_pb, ts_ms, validate)
+from .convert import (DELAY, FIFO, GZIP, P_DLQ_MSG_ID, P_DLQ_TOPIC, P_ORIGIN_MSG_ID, P_RECONSUME, P_RETRY_TOPIC,
+                      TRANSACTION, TYPE_NAMES, BadMessage, Code, host_from, set_ts, store_properties, to_pb, ts_ms, validate)
 from .pop import DeadLetter, Delivery, TagFilter, now_ms
 from .proto import pb, svc, svc_grpc
 from .receipts import ReceiptSigner
@@ -94,9 +94,27 @@ def _header(context: Any, name: str) -> str:
     return ""
 
 
+_CALLER_HEADERS = frozenset(("x-mq-client-id", "x-mq-namespace", "authorization", "x-mq-date-time"))
+
+
+def _caller_headers(context: Any) -> dict[str, str]:
+    """The headers :meth:`MessagingService._caller` reads, from one pass over the call's metadata
+    (the first of each name, as :func:`_header` takes)."""
+    out: dict[str, str] = {}
+    for item in context.invocation_metadata() or ():
+        k = item[0]
+        if k in _CALLER_HEADERS and k not in out:
+            v = item[1]
+            out[k] = v if isinstance(v, str) else v.decode("latin-1")
+    return out
+
+
+_CODE_NAMES = {v: k for k, v in pb.Code.items()}
+
+
 def _set(status: Any, code: int, text: str = "") -> None:
     status.code = code
-    status.message = text or pb.Code.Name(code)
+    status.message = text or _CODE_NAMES.get(code) or pb.Code.Name(code)
 
 
 def internal_error(status: Any, context: Any, what: str) -> None:
@@ -169,8 +187,9 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
 
     def _caller(self, context: Any, status: Any) -> Caller | None:
         """Authenticate the request (with ACL on) and check that its client id is the caller's own."""
-        cid = self._client_id(context)
-        ns = _header(context, "x-mq-namespace").strip()
+        h = _caller_headers(context)
+        cid = h.get("x-mq-client-id", "").strip()
+        ns = h.get("x-mq-namespace", "").strip()
         why = nsutil.illegal_namespace(ns)
         if why:
             _set(status, Code.BAD_REQUEST, why)
@@ -179,7 +198,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         if self.access is None:
             return Caller("", cid, ns, ip)
         try:
-            user = self.access.authenticate(_header(context, "authorization"), _header(context, "x-mq-date-time"))
+            user = self.access.authenticate(h.get("authorization", ""), h.get("x-mq-date-time", ""))
         except AuthenticationError as e:
             log.info("unauthenticated request from %s: %s", ip or "?", e)
             _set(status, Code.UNAUTHORIZED, str(e))
@@ -489,11 +508,11 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         try:
             mtype, body = validate(m, max_body, budget[0])
         except BadMessage as e:
-            if sp.body_encoding == pb.Encoding.GZIP:  # refused, but the inflating was done: it counts
+            if sp.body_encoding == GZIP:  # refused, but the inflating was done: it counts
                 budget[0] -= min(max_body, max(0, budget[0])) + 1
             _set(entry.status, e.code, str(e))
             return
-        if sp.body_encoding == pb.Encoding.GZIP:
+        if sp.body_encoding == GZIP:
             budget[0] -= len(body)
         tname = TYPE_NAMES[mtype]
         if tname not in t.accepts():
@@ -501,7 +520,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
                  f"topic {t.name} accepts {'/'.join(t.accepts())} messages, not {tname}")
             return
         now = now_ms()
-        deliver_at = ts_ms(sp.delivery_timestamp) if mtype == pb.MessageType.DELAY else 0
+        deliver_at = ts_ms(sp.delivery_timestamp) if mtype == DELAY else 0
         if deliver_at and deliver_at > now + self.cfg.maxDelayTime:
             _set(entry.status, Code.ILLEGAL_DELIVERY_TIME,
                  f"delivery time is more than {self.cfg.maxDelayTime} ms ahead")
@@ -512,7 +531,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             entry.offset, entry.transaction_id = seen
             _set(entry.status, Code.OK)
             return
-        if mtype == pb.MessageType.FIFO:
+        if mtype == FIFO:
             qid = zlib.crc32(sp.message_group.encode("utf-8")) % t.write_queue_nums
         else:
             rr = self._rr.get(t.name)
@@ -524,7 +543,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
                       born_timestamp=born, born_host=host_from(sp.born_host, peer),
                       store_host=self.broker.store_host)
         txid = ""
-        if mtype == pb.MessageType.TRANSACTION:
+        if mtype == TRANSACTION:
             res, txid = await self.broker.transactions.submit(msg)
         elif deliver_at > now:
             res = await self.broker.timer.submit(msg, deliver_at)
