@@ -247,7 +247,7 @@ def broker_client(res: Results, workdir: str, mode: Mode) -> None:
     os.makedirs(bdir, exist_ok=True)
     t0 = time.perf_counter()
     try:
-        d = bench_vs_bare(bdir, mode.broker_messages, producers=4)
+        d = bench_vs_bare(bdir, mode.broker_messages, producers=4, rounds=max(1, mode.rounds))
     except Exception as e:
         log.exception("bench_vs_bare failed")
         return skip_all(f"bench_vs_bare failed: {e}", "failed")
