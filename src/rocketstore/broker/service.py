@@ -110,6 +110,7 @@ def _caller_headers(context: Any) -> dict[str, str]:
 
 
 _CODE_NAMES = {v: k for k, v in pb.Code.items()}
+_OK, _INTERNAL = Code.OK, Code.INTERNAL_SERVER_ERROR  # plain ints: each Code.X is a Python-level lookup
 
 
 def _set(status: Any, code: int, text: str = "") -> None:
@@ -485,8 +486,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         for m in request.messages:
             entry = resp.entries.add()
             await self._send_one(caller, m, entry, peer, budget)
-        codes = {e.status.code for e in resp.entries}
-        if len(codes) == 1:
+        if len(resp.entries) == 1 or len({e.status.code for e in resp.entries}) == 1:
             resp.status.CopyFrom(resp.entries[0].status)
         else:
             _set(resp.status, Code.MULTIPLE_RESULTS, "entries have different results")
@@ -551,10 +551,10 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             res = await self.broker.put(msg)
             if res.ok:
                 self.broker.notify(t.name, qid, sp.tag if sp.HasField("tag") else None)
-        code = _PUT_CODES.get(res.status, Code.INTERNAL_SERVER_ERROR)
+        code = _PUT_CODES.get(res.status, _INTERNAL)
         if res.status is PutMessageStatus.MESSAGE_ILLEGAL and res.error and "maxMessageSize" in res.error:
             code = Code.MESSAGE_BODY_TOO_LARGE
-        if code != Code.OK:
+        if code != _OK:
             _set(entry.status, code, f"{res.status.value}: {res.error or ''}".strip(": "))
             log.warning("send to %s failed: %s %s", t.name, res.status.value, res.error or "")
             return
@@ -563,7 +563,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         self._recent[key] = (entry.offset, txid)
         if len(self._recent) > DEDUP_CAPACITY:
             self._recent.popitem(last=False)
-        _set(entry.status, Code.OK)
+        _set(entry.status, _OK)
 
     @guarded(svc.EndTransactionResponse)
     async def EndTransaction(self, request: Any, context: Any) -> Any:
