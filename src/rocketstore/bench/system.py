@@ -224,32 +224,40 @@ def spark_scan(res: Results, workdir: str, store_path: str | None, mode: Mode) -
 
 
 def broker_client(res: Results, workdir: str, mode: Mode) -> None:
-    """The gRPC broker with the official Python client (:func:`rocketstore.broker.bench.bench_client_throughput`)."""
+    """The gRPC broker with the official Python client, then the bare reference server (grpc.aio answering the
+    same RPCs from memory) under the same load (:func:`rocketstore.broker.bench.bench_vs_bare`)."""
     labels = {"produce": "gRPC broker: official Python client producers (4), send_async",
               "consume": "gRPC broker: official Python client SimpleConsumers, receive 32 + ack"}
+    bare_labels = {"produce": "bare grpc.aio server, same RPCs answered from memory: producers (4), send_async",
+                   "consume": "bare grpc.aio server, same RPCs answered from memory: receive 32 + ack"}
     refs = {"produce": "rs.put.async.t4.1024", "consume": "rs.consume32"}
 
     def skip_all(note: str, status: str = "skipped") -> None:
         for k in labels:
             res.skip(f"broker.{k}", "rocketstore", labels[k], "msg/s", note, status=status)
+            res.skip(f"bare.{k}", "grpc-bare", bare_labels[k], "msg/s", note, status=status)
 
     if not mode.broker:
         return skip_all(f"not run in {mode.name} mode")
     try:
-        from rocketstore.broker.bench import bench_client_throughput
+        from rocketstore.broker.bench import bench_vs_bare
     except ImportError as e:
         return skip_all(f"rocketstore.broker.bench is not importable ({e})")
     bdir = os.path.join(workdir, "broker")
     os.makedirs(bdir, exist_ok=True)
     t0 = time.perf_counter()
     try:
-        d = bench_client_throughput(bdir, mode.broker_messages, producers=4)
+        d = bench_vs_bare(bdir, mode.broker_messages, producers=4, rounds=max(1, mode.rounds))
     except Exception as e:
-        log.exception("bench_client_throughput failed")
-        return skip_all(f"bench_client_throughput failed: {e}", "failed")
+        log.exception("bench_vs_bare failed")
+        return skip_all(f"bench_vs_bare failed: {e}", "failed")
     wall = time.perf_counter() - t0
     res.series["broker"] = d
     for k in labels:
-        res.add(Measurement(f"broker.{k}", "rocketstore", labels[k], d[f"{k}_msgs_per_s"], "msg/s",
-                            n=mode.broker_messages, seconds=d[f"{k}_seconds"], ref=refs[k], bytes_per_msg=1024,
-                            extra={"job_wall_seconds": wall}))
+        for srv, id, sys_, lab, ref in (("broker", f"broker.{k}", "rocketstore", labels[k], refs[k]),
+                                        ("bare", f"bare.{k}", "grpc-bare", bare_labels[k], None)):
+            r = d[srv]
+            res.add(Measurement(id, sys_, lab, r[f"{k}_msgs_per_s"], "msg/s", n=r[f"{k}d"],
+                                seconds=r[f"{k}_seconds"], ref=ref, bytes_per_msg=1024,
+                                extra={"job_wall_seconds": wall,
+                                       "server_cpu_us_per_msg": r[f"{k}_server_cpu_us_per_msg"]}))

@@ -1,4 +1,4 @@
-"""The targets of issue 8: each a ratio of two figures taken in the same run (or a memory ceiling)."""
+"""The targets of issues 8 and 18: each a ratio of two figures taken in the same run (or a memory ceiling)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,10 @@ TARGETS: list[Target] = [
            ">= 30 % of zlib.crc32 speed over the same bytes", profile="recovery"),
     Target("spark.vs.parquet", "Spark body-less scan, local[2]", "spark.scan", "parquet.scan", 0.5,
            ">= 0.5x Spark over the same messages in Parquet", profile="spark"),
+    Target("broker.produce.vs.bare", "gRPC broker, official client send_async", "broker.produce", "bare.produce",
+           0.8, ">= 0.8x a bare grpc.aio server answering the same sends"),
+    Target("broker.consume.vs.bare", "gRPC broker, official client receive + ack", "broker.consume", "bare.consume",
+           0.8, ">= 0.8x a bare grpc.aio server answering the same receives and acks"),
     Target("memory", "memory while writing", "rs.memory", None, 300.0, "private memory < 300 MB", ceiling=True),
 ]
 

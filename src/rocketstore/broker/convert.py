@@ -9,6 +9,7 @@ one of RocketMQ's reserved property names.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
 import re
@@ -59,6 +60,11 @@ COMPRESSION_ZLIB = 0x3 << 8
 
 MT = pb.MessageType
 TYPE_NAMES = {MT.NORMAL: "NORMAL", MT.FIFO: "FIFO", MT.DELAY: "DELAY", MT.TRANSACTION: "TRANSACTION"}
+# The enum values as plain ints: each ``pb.X.Y`` is a Python-level __getattr__ call, on the path of every send.
+NORMAL, FIFO, DELAY, TRANSACTION = MT.NORMAL, MT.FIFO, MT.DELAY, MT.TRANSACTION
+UNSPECIFIED = MT.MESSAGE_TYPE_UNSPECIFIED
+GZIP = pb.Encoding.GZIP
+PLAIN_ENCODINGS = (pb.Encoding.IDENTITY, pb.Encoding.ENCODING_UNSPECIFIED)
 
 
 class BadMessage(Exception):
@@ -102,13 +108,13 @@ def message_type_of(m) -> int:
     sp = m.system_properties
     if sp.message_type in TYPE_NAMES:
         return sp.message_type
-    if sp.message_type not in (MT.MESSAGE_TYPE_UNSPECIFIED,):
+    if sp.message_type != UNSPECIFIED:
         return sp.message_type  # LITE, PRIORITY, ...: refused by the caller
     if sp.HasField("message_group"):
-        return MT.FIFO
+        return FIFO
     if sp.HasField("delivery_timestamp"):
-        return MT.DELAY
-    return MT.NORMAL
+        return DELAY
+    return NORMAL
 
 
 def inflate(data: bytes, limit: int) -> bytes:
@@ -149,7 +155,7 @@ def validate(m, max_body: int, inflate_left: int | None = None) -> tuple[int, by
     if not sp.message_id or not sp.message_id.strip() or len(sp.message_id) > 128 or _has_control(sp.message_id):
         raise BadMessage(Code.ILLEGAL_MESSAGE_ID, "message_id is blank or malformed")
     body = m.body
-    if sp.body_encoding == pb.Encoding.GZIP:
+    if sp.body_encoding == GZIP:
         limit = max_body if inflate_left is None else max(0, min(max_body, inflate_left))
         try:
             body = inflate(body, limit)
@@ -158,7 +164,7 @@ def validate(m, max_body: int, inflate_left: int | None = None) -> tuple[int, by
                 raise
             raise BadMessage(e.code, "the GZIP bodies of this request inflate to more than the request may carry "
                                      "in total") from None
-    elif sp.body_encoding not in (pb.Encoding.IDENTITY, pb.Encoding.ENCODING_UNSPECIFIED):
+    elif sp.body_encoding not in PLAIN_ENCODINGS:
         raise BadMessage(Code.BAD_REQUEST, f"unknown body encoding {sp.body_encoding}")
     if not body:
         raise BadMessage(Code.MESSAGE_BODY_EMPTY, "message body is empty")
@@ -189,12 +195,12 @@ def validate(m, max_body: int, inflate_left: int | None = None) -> tuple[int, by
     if mtype not in TYPE_NAMES:
         name = pb.MessageType.Name(mtype) if mtype in pb.MessageType.values() else str(mtype)
         raise BadMessage(Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE, f"message type {name} is not supported")
-    if mtype == MT.TRANSACTION and (sp.HasField("message_group") or sp.HasField("delivery_timestamp")):
+    if mtype == TRANSACTION and (sp.HasField("message_group") or sp.HasField("delivery_timestamp")):
         raise BadMessage(Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE,
                          "a transactional message cannot carry a message group or a delivery timestamp")
-    if mtype == MT.FIFO and not sp.HasField("message_group"):
+    if mtype == FIFO and not sp.HasField("message_group"):
         raise BadMessage(Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE, "a FIFO message needs a message group")
-    if mtype == MT.DELAY and not sp.HasField("delivery_timestamp"):
+    if mtype == DELAY and not sp.HasField("delivery_timestamp"):
         raise BadMessage(Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE, "a DELAY message needs a delivery timestamp")
     return mtype, body
 
@@ -214,13 +220,22 @@ def store_properties(m, mtype: int) -> dict[str, str]:
         props[P_TIMER_DELIVER] = str(ts_ms(sp.delivery_timestamp))
     if sp.HasField("trace_context") and sp.trace_context:
         props[P_TRACE] = sp.trace_context
-    if mtype == MT.TRANSACTION:
+    if mtype == TRANSACTION:
         props[P_TRAN] = "true"
         props[P_PGROUP] = m.topic.name  # the proxy's producer group for gRPC clients is the topic
         if sp.HasField("orphaned_transaction_recovery_duration"):
             d = sp.orphaned_transaction_recovery_duration
             props[P_CHECK_IMMUNITY] = str(max(1, d.seconds))
     return props
+
+
+@functools.lru_cache(maxsize=1024)
+def _packed_ip(text: str) -> bytes | None:
+    """An IP text's packed bytes (None if it is not one); cached: a client sends its own address every time."""
+    try:
+        return ipaddress.ip_address(text).packed
+    except ValueError:
+        return None
 
 
 def host_from(text: str, peer: str) -> tuple[bytes, int]:
@@ -230,10 +245,9 @@ def host_from(text: str, peer: str) -> tuple[bytes, int]:
     if peer:
         _, _, p = peer.rpartition(":")
         port = int(p) if p.isdigit() else 0
-    try:
-        return ipaddress.ip_address(t).packed, port
-    except ValueError:
-        pass
+    packed = _packed_ip(t)
+    if packed is not None:
+        return packed, port
     try:
         return codec.parse_host(t)
     except ValueError:

@@ -71,13 +71,28 @@ class BrokerProcess:
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "BrokerProcess":
+    def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "rocketstore", "-v", "serve", self.store, "--host", "127.0.0.1",
                "--port", str(self.port), *self.args]
         if self.conf:
             with open(self.conf_path, "w", encoding="utf-8") as fh:
                 fh.writelines(f"{k}={v}\n" for k, v in self.conf.items())
             cmd += ["--config", self.conf_path]
+        return cmd
+
+    def cpu_seconds(self) -> float:
+        """User plus system CPU time the server process has used so far (Linux /proc; 0.0 elsewhere)."""
+        if self.proc is None:
+            return 0.0
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def start(self, timeout: float = 30.0) -> "BrokerProcess":
+        cmd = self.command()
         log = open(self.log_path, "ab")
         env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "grpc_proxy")}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env)
@@ -135,6 +150,13 @@ class BrokerProcess:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+class BareProcess(BrokerProcess):
+    """The bare reference server (:mod:`rocketstore.broker.bare`) in a subprocess; ``store`` only places its log."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "rocketstore.broker.bare", "--host", "127.0.0.1", "--port", str(self.port)]
 
 
 def client_script(body: str) -> str:

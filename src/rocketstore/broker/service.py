@@ -29,8 +29,8 @@ from .acl import AccessControl, AuthenticationError, AuthorizationError
 from .broker import Broker
 from .clients import ClientOwners
 from .dedup import SendDedup, digest
-from .convert import (P_DLQ_MSG_ID, P_DLQ_TOPIC, P_ORIGIN_MSG_ID, P_RECONSUME, P_RETRY_TOPIC, TYPE_NAMES, BadMessage,
-                      Code, host_from, set_ts, store_properties, to_pb, ts_ms, validate)
+from .convert import (DELAY, FIFO, GZIP, P_DLQ_MSG_ID, P_DLQ_TOPIC, P_ORIGIN_MSG_ID, P_RECONSUME, P_RETRY_TOPIC,
+                      TRANSACTION, TYPE_NAMES, BadMessage, Code, host_from, set_ts, store_properties, to_pb, ts_ms, validate)
 from .pop import DeadLetter, Delivery, TagFilter, now_ms
 from .proto import pb, svc, svc_grpc
 from .receipts import ReceiptSigner
@@ -96,9 +96,28 @@ def _header(context: Any, name: str) -> str:
     return ""
 
 
+_CALLER_HEADERS = frozenset(("x-mq-client-id", "x-mq-namespace", "authorization", "x-mq-date-time"))
+
+
+def _caller_headers(context: Any) -> dict[str, str]:
+    """The headers :meth:`MessagingService._caller` reads, from one pass over the call's metadata
+    (the first of each name, as :func:`_header` takes)."""
+    out: dict[str, str] = {}
+    for item in context.invocation_metadata() or ():
+        k = item[0]
+        if k in _CALLER_HEADERS and k not in out:
+            v = item[1]
+            out[k] = v if isinstance(v, str) else v.decode("latin-1")
+    return out
+
+
+_CODE_NAMES = {v: k for k, v in pb.Code.items()}
+_OK, _INTERNAL = Code.OK, Code.INTERNAL_SERVER_ERROR  # plain ints: each Code.X is a Python-level lookup
+
+
 def _set(status: Any, code: int, text: str = "") -> None:
     status.code = code
-    status.message = text or pb.Code.Name(code)
+    status.message = text or _CODE_NAMES.get(code) or pb.Code.Name(code)
 
 
 def internal_error(status: Any, context: Any, what: str) -> None:
@@ -171,8 +190,9 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
 
     def _caller(self, context: Any, status: Any) -> Caller | None:
         """Authenticate the request (with ACL on) and check that its client id is the caller's own."""
-        cid = self._client_id(context)
-        ns = _header(context, "x-mq-namespace").strip()
+        h = _caller_headers(context)
+        cid = h.get("x-mq-client-id", "").strip()
+        ns = h.get("x-mq-namespace", "").strip()
         why = nsutil.illegal_namespace(ns)
         if why:
             _set(status, Code.BAD_REQUEST, why)
@@ -181,7 +201,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         if self.access is None:
             return Caller("", cid, ns, ip)
         try:
-            user = self.access.authenticate(_header(context, "authorization"), _header(context, "x-mq-date-time"))
+            user = self.access.authenticate(h.get("authorization", ""), h.get("x-mq-date-time", ""))
         except AuthenticationError as e:
             log.info("unauthenticated request from %s: %s", ip or "?", e)
             _set(status, Code.UNAUTHORIZED, str(e))
@@ -477,8 +497,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         for m in request.messages:
             entry = resp.entries.add()
             await self._send_one(caller, m, entry, peer, budget)
-        codes = {e.status.code for e in resp.entries}
-        if len(codes) == 1:
+        if len(resp.entries) == 1 or len({e.status.code for e in resp.entries}) == 1:
             resp.status.CopyFrom(resp.entries[0].status)
         else:
             _set(resp.status, Code.MULTIPLE_RESULTS, "entries have different results")
@@ -500,11 +519,11 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         try:
             mtype, body = validate(m, max_body, budget[0])
         except BadMessage as e:
-            if sp.body_encoding == pb.Encoding.GZIP:  # refused, but the inflating was done: it counts
+            if sp.body_encoding == GZIP:  # refused, but the inflating was done: it counts
                 budget[0] -= min(max_body, max(0, budget[0])) + 1
             _set(entry.status, e.code, str(e))
             return
-        if sp.body_encoding == pb.Encoding.GZIP:
+        if sp.body_encoding == GZIP:
             budget[0] -= len(body)
         tname = TYPE_NAMES[mtype]
         if tname not in t.accepts():
@@ -512,7 +531,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
                  f"topic {t.name} accepts {'/'.join(t.accepts())} messages, not {tname}")
             return
         now = now_ms()
-        deliver_at = ts_ms(sp.delivery_timestamp) if mtype == pb.MessageType.DELAY else 0
+        deliver_at = ts_ms(sp.delivery_timestamp) if mtype == DELAY else 0
         if deliver_at and deliver_at > now + self.cfg.maxDelayTime:
             _set(entry.status, Code.ILLEGAL_DELIVERY_TIME,
                  f"delivery time is more than {self.cfg.maxDelayTime} ms ahead")
@@ -527,7 +546,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             entry.offset, entry.transaction_id = seen
             _set(entry.status, Code.OK)
             return
-        if mtype == pb.MessageType.FIFO:
+        if mtype == FIFO:
             qid = zlib.crc32(sp.message_group.encode("utf-8")) % t.write_queue_nums
         else:
             rr = self._rr.get(t.name)
@@ -539,7 +558,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
                       born_timestamp=born, born_host=host_from(sp.born_host, peer),
                       store_host=self.broker.store_host)
         txid = ""
-        if mtype == pb.MessageType.TRANSACTION:
+        if mtype == TRANSACTION:
             res, txid = await self.broker.transactions.submit(msg)
         elif deliver_at > now:
             res = await self.broker.timer.submit(msg, deliver_at)
@@ -547,17 +566,17 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             res = await self.broker.put(msg)
             if res.ok:
                 self.broker.notify(t.name, qid, sp.tag if sp.HasField("tag") else None)
-        code = _PUT_CODES.get(res.status, Code.INTERNAL_SERVER_ERROR)
+        code = _PUT_CODES.get(res.status, _INTERNAL)
         if res.status is PutMessageStatus.MESSAGE_ILLEGAL and res.error and "maxMessageSize" in res.error:
             code = Code.MESSAGE_BODY_TOO_LARGE
-        if code != Code.OK:
+        if code != _OK:
             _set(entry.status, code, f"{res.status.value}: {res.error or ''}".strip(": "))
             log.warning("send to %s failed: %s %s", t.name, res.status.value, res.error or "")
             return
         entry.offset = res.queue_offset if res.queue_offset >= 0 else 0
         entry.transaction_id = txid
         self.dedup.remember(t.name, sp.message_id, entry.offset, txid, body_digest)
-        _set(entry.status, Code.OK)
+        _set(entry.status, _OK)
 
     @guarded(svc.EndTransactionResponse)
     async def EndTransaction(self, request: Any, context: Any) -> Any:

@@ -1,0 +1,146 @@
+"""The broker's send path without gRPC: where puts run, what a send is answered, how often headers are read;
+and the bare reference server of the broker benchmark under the official client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+import uuid
+
+import pytest
+
+from rocketstore.broker.broker import Broker
+from rocketstore.broker.config import BrokerConfig
+from rocketstore.broker.proto import pb, svc
+from rocketstore.broker.receipts import ReceiptSigner
+from rocketstore.broker.service import MessagingService
+from rocketstore.config import StoreConfig
+from rocketstore.message import Message, PutMessageStatus
+from rocketstore.store import MessageStore
+
+SMALL = dict(mappedFileSizeCommitLog=1024 * 1024, mappedFileSizeConsumeQueue=6000, maxHashSlotNum=100,
+             maxIndexNum=400)
+
+
+class Context:
+    """A gRPC servicer context with a client's headers; counts the passes over its metadata."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def invocation_metadata(self):
+        self.reads += 1
+        return (("x-mq-client-id", "c1"), ("x-mq-language", "PYTHON"), ("x-mq-request-id", "r1"),
+                ("x-mq-namespace", ""), ("x-mq-date-time", "20261125T000000Z"))
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5555"
+
+
+def _send_request(n: int = 1) -> object:
+    req = svc.SendMessageRequest()
+    for i in range(n):
+        m = req.messages.add()
+        m.topic.name = "SendT"
+        m.body = b"body-%d" % i
+        sp = m.system_properties
+        sp.message_id = uuid.uuid4().hex
+        sp.tag = "t"
+        sp.message_type = pb.MessageType.NORMAL
+        sp.born_host = "10.1.2.3"
+        sp.born_timestamp.seconds = int(time.time())
+    return req
+
+
+def _run(tmp_path, flush: str, scenario) -> object:
+    store = MessageStore.open(str(tmp_path / "store"), StoreConfig(flushDiskType=flush, **SMALL))
+
+    async def main():
+        broker = Broker(store, BrokerConfig())
+        await broker.start()
+        try:
+            service = MessagingService(broker, "127.0.0.1", 8081, receipts=ReceiptSigner(b"k" * 32))
+            return await scenario(broker, service, store)
+        finally:
+            await broker.stop()
+
+    try:
+        return asyncio.run(main())
+    finally:
+        store.close()
+
+
+def _record_put_threads(store) -> list[int]:
+    threads: list[int] = []
+    real = store.put
+
+    def put(msg):
+        threads.append(threading.get_ident())
+        return real(msg)
+    store.put = put
+    return threads
+
+
+def test_async_flush_put_runs_on_the_loop_and_answers_after_the_store(tmp_path):
+    async def scenario(broker, service, store):
+        threads = _record_put_threads(store)
+        resp = await service.SendMessage(_send_request(3), Context())
+        return threads, resp, threading.get_ident()
+
+    threads, resp, loop_thread = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    assert threads == [loop_thread] * 3  # no hop to the store-put pool
+    assert resp.status.code == pb.Code.OK
+    assert [e.status.code for e in resp.entries] == [pb.Code.OK] * 3
+    assert [e.offset for e in resp.entries] == [0, 0, 0]  # round robin over 8 queues: first of each
+
+
+def test_sync_flush_put_stays_off_the_loop(tmp_path):
+    async def scenario(broker, service, store):
+        threads = _record_put_threads(store)
+        resp = await service.SendMessage(_send_request(1), Context())
+        return threads, resp, threading.get_ident()
+
+    threads, resp, loop_thread = _run(tmp_path, "SYNC_FLUSH", scenario)
+    assert resp.status.code == pb.Code.OK
+    assert len(threads) == 1 and threads[0] != loop_thread  # it waits for fdatasync: not on the loop
+
+
+def test_inline_put_failure_is_not_acknowledged(tmp_path):
+    async def scenario(broker, service, store):
+        store.running_flags.make_not_writeable("disk gone (test)")
+        resp = await service.SendMessage(_send_request(1), Context())
+        direct = await broker.put(Message(topic="SendT", body=b"x"))
+        return resp, direct, store.commitlog.max_offset()
+
+    resp, direct, end = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    assert direct.status is PutMessageStatus.SERVICE_NOT_AVAILABLE
+    assert resp.entries[0].status.code == pb.Code.INTERNAL_SERVER_ERROR
+    assert "disk gone" in resp.entries[0].status.message
+    assert end == 0
+
+
+def test_headers_are_read_once_per_send(tmp_path):
+    async def scenario(broker, service, store):
+        ctx = Context()
+        resp = await service.SendMessage(_send_request(2), ctx)
+        return ctx.reads, resp
+
+    reads, resp = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    assert resp.status.code == pb.Code.OK
+    assert reads == 1
+
+
+@pytest.mark.timeout(120)
+def test_bare_reference_server_serves_the_official_client(tmp_path):
+    pytest.importorskip("rocketmq")
+    from rocketstore.broker.bench import bench_client_throughput
+    d = bench_client_throughput(str(tmp_path / "bare"), 40, producers=1, consumers=1, consumer_threads=1,
+                                server="bare", timeout=90)
+    assert d["server"] == "bare"
+    assert d["produced"] == 40
+    assert d["consumed"] >= 40  # and the producer's warm-up message
+    assert d["produce_msgs_per_s"] > 0 and d["consume_msgs_per_s"] > 0
+    assert d["produce_server_cpu_us_per_msg"] is not None
+    assert os.path.exists(str(tmp_path / "bare" / "broker.log"))
