@@ -146,25 +146,6 @@ class CommitLog:
         finally:
             f.release()
 
-    def read_message_or_none(self, offset: int, size: int, *, read_body: bool = True) -> MessageExt | None:
-        """The record at ``offset`` of ``size`` bytes, or None if it is not (or not yet) readable whole.
-
-        For views that follow another process's writes (tail_view): a unit may point at a record that
-        is not complete yet, which is waited for, not an error."""
-        f = self.queue.find(offset)
-        if f is None or not f.hold():
-            return None
-        try:
-            pos = offset - f.file_from_offset
-            if pos + size > f.wrote_position:
-                return None
-            try:
-                return codec.decode(f.mm, pos, pos + size, read_body=read_body)
-            except codec.RecordError:
-                return None
-        finally:
-            f.release()
-
     def pickup_store_timestamp(self, offset: int, size: int) -> int:
         if offset < self.min_offset() or offset + size > self.max_offset():
             return -1

@@ -140,12 +140,21 @@ def _extend_consume_queue(store: MessageStore, cq: ConsumeQueue, log_end: int) -
 
 def _unit_agrees(store: MessageStore, cq: ConsumeQueue, index: int, phy: int, size: int, tags: int,
                  log_end: int) -> bool:
-    """Whether the unit points at a whole record of the view that is this queue's message ``index``."""
+    """Whether the unit points at a whole record of the view that is this queue's message ``index``
+    (the read path's own check, codec.decode_unit, plus the tagsCode)."""
     if size <= 0 or phy < 0 or phy + size > log_end:
         return False
-    msg = store.commitlog.read_message_or_none(phy, size, read_body=False)
-    if msg is None or msg.size != size or msg.topic != cq.topic or msg.queue_id != cq.queue_id or \
-            msg.queue_offset != index:
+    seg = store.commitlog.queue.find(phy)
+    if seg is None or not seg.hold():
+        return False
+    try:
+        pos = phy - seg.file_from_offset
+        if pos + size > seg.wrote_position:
+            return False  # not whole yet: the next call looks again
+        msg = codec.decode_unit(seg.mm, pos, size, False, cq.topic, cq.topic.encode("utf-8"), cq.queue_id, index)
+    finally:
+        seg.release()
+    if msg is None:
         return False
     want = codec.dispatch_tags_code(msg.topic, msg.properties, msg.store_timestamp)
     return tags == want or (tags - want) % (1 << 32) == 0
