@@ -63,7 +63,6 @@ import os
 import shutil
 import struct
 import time
-from collections import Counter
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
@@ -295,26 +294,6 @@ def _lost_messages(cq_root: str, spans: list[DamagedSpan]) -> None:
                                                       "commitLogOffset": off, "size": size})
 
 
-def repair_geometry(path: str, config: StoreConfig | None) -> StoreConfig:
-    """The store's geometry, where one damaged consume-queue file cannot change every queue's file size.
-
-    ``infer_config`` reads the first consume-queue file it finds; repair takes
-    the size most of them share unless the configuration sets one: the rebuilt
-    queues are created at that size.
-    """
-    cfg = infer_config(path, config)
-    if config is not None and config.mappedFileSizeConsumeQueue != StoreConfig().mappedFileSizeConsumeQueue:
-        return cfg
-    root = StorePaths(path).consumequeue
-    sizes = Counter(s for s in (os.path.getsize(os.path.join(d, n)) for d, _dirs, names in os.walk(root)
-                                for n in names if len(n) == 20 and n.isdigit()) if s and s % CQ_STORE_UNIT_SIZE == 0)
-    if sizes:
-        size = max(sizes.items(), key=lambda kv: (kv[1], kv[0]))[0]
-        if size != cfg.mappedFileSizeConsumeQueue:
-            cfg = cfg.replace(mappedFileSizeConsumeQueue=size)
-    return cfg
-
-
 @contextmanager
 def _store_lock(paths: StorePaths, dry_run: bool) -> Iterator[None]:
     """Hold the store's lock (RocketMQ's, on byte 0 of ``lock``) so no broker runs while repair works."""
@@ -435,7 +414,7 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
     paths = StorePaths(path)
     if not os.path.isdir(paths.commitlog):
         raise StoreLoadError(f"{path}: no commitlog directory; not a store")
-    cfg = repair_geometry(path, config)  # before the files it is inferred from are moved aside
+    cfg = infer_config(path, config)  # by majority, before the files it is measured from are moved aside
     with _store_lock(paths, dry_run):
         spans = plan(path, cfg.mappedFileSizeCommitLog)
         _lost_messages(paths.consumequeue, spans)
