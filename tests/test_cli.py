@@ -195,7 +195,9 @@ def test_import_streams_its_file(tmp_path, golden_conf, capsys):
     finally:
         tracemalloc.stop()
     assert status == 0 and json.loads(capsys.readouterr().out)["imported"] == n
-    assert peak < size / 8, (peak, size)  # the old importer peaked at ~3.5x the file; background dispatch adds some
+    # The old importer peaked at ~3.5x the file. The store's own 1 s services (metrics, disk guard, cleaner) run
+    # inside this window when a loaded machine slows the import: up to 2.5 MB seen in a CI run.
+    assert peak < size / 4, (peak, size)
 
 
 # ---------------------------------------------------------------- demo and bench --smoke
