@@ -121,8 +121,14 @@ class CleanService(ServiceThread):
         now_ms = store.clock() * 1000
         deleted: list[MappedFile] = []
         candidates = queue.files[:-1]
+        tier = store.tier
         for i, f in enumerate(candidates):
             if not (clean_immediately or now_ms >= _mtime_ms(f.path) + self.expired_ms()):
+                break
+            if tier is not None and not tier.has_segment(f.file_from_offset, f.file_size):
+                # Tiered: a segment leaves the disk only once the tier holds it (a full disk then turns the
+                # store read-only rather than lose it).
+                log.info("%s expired but is not in the tier %s yet; kept", f.path, tier.loc.uri)
                 break
             if not f.destroy(cfg.destroyMapedFileIntervalForcibly, now=store.clock()):
                 break
@@ -152,16 +158,21 @@ class CleanService(ServiceThread):
         store, cfg = self.store, self.store.config
         store.apply_topic_retention()
         m = store.commitlog.min_offset()
-        if m <= self.last_physical_min_offset:
-            return 0
-        self.last_physical_min_offset = m
+        tier = store.tier
+        if tier is None:
+            if m <= self.last_physical_min_offset:
+                return 0
+            self.last_physical_min_offset = m
         n = 0
+        readable = store.commitlog.min_offset_with_tier()
         for cq in store.consume_queues():
-            d = cq.delete_expired_file(m)
+            gate = None if tier is None else \
+                (lambda name, cq=cq: tier.has_queue_file(cq.topic, cq.queue_id, name))
+            d = cq.delete_expired_file(m, may_delete=gate, readable_min=readable)
             n += d
             if d and cfg.deleteConsumeQueueFilesInterval:
                 store.sleep(cfg.deleteConsumeQueueFilesInterval / 1000)
-        store.index_service.delete_expired_file(m)
+        store.index_service.delete_expired_file(m, None if tier is None else tier.has_index_file)
         return n
 
 

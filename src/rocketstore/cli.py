@@ -27,6 +27,7 @@ log = logging.getLogger("rocketstore")
 PLUGINS = [
     ("rocketstore.cli_store", "register"),
     ("rocketstore.cli_admin", "register"),
+    ("rocketstore.cli_tier", "register"),
     ("rocketstore.spark.cli", "register"),
     ("rocketstore.broker.cli", "register"),
     ("rocketstore.bench.cli", "register"),

@@ -174,7 +174,7 @@ def find_by_id(store: MessageStore, msg_id: str, topic: str | None = None) -> tu
     decoded = codec.decode_offset_msg_id(msg_id)
     if decoded is not None:
         offset = decoded[2]
-        if store.min_phy_offset() <= offset < store.max_phy_offset():
+        if store.min_readable_offset() <= offset < store.max_phy_offset():
             try:
                 m = store.look(offset)
             except CorruptRecordError:

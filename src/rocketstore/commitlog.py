@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from . import codec
 from .codec import BLANK_RECORD_SIZE, EncodedRecord, MessageExt
@@ -48,6 +48,7 @@ class CommitLog:
         # cleaned, and a store through the map would take a write-protect fault there every time.
         self.gather_min_bytes = 0 if gather_all else GATHER_MIN_BYTES
         self.warmer: WarmAheadService | None = None  # set by the store when warmAheadBytes > 0
+        self.tier: Any = None  # the store's TieredStorage: offsets below the local minimum are read there
 
     def load(self, on_bad_file=None) -> None:
         self.queue.load(on_bad_file=on_bad_file)
@@ -135,6 +136,8 @@ class CommitLog:
     def read_message(self, offset: int, *, read_body: bool = True, check_crc: bool = False) -> MessageExt:
         """Decode the record at ``offset``; raises CorruptRecordError naming file and offset."""
         f = self.queue.find(offset)
+        if (f is None or not f.hold()) and self._in_tier(offset):
+            return self.tier.reader.read_message(offset, read_body=read_body, check_crc=check_crc)
         if f is None or not f.hold():
             raise CorruptRecordError(f"commitlog offset {offset} is not in any segment of {self.directory}")
         try:
@@ -146,7 +149,27 @@ class CommitLog:
         finally:
             f.release()
 
+    def _in_tier(self, offset: int) -> bool:
+        """Whether ``offset`` lies below the local segments, in the tier."""
+        t = self.tier
+        return t is not None and t.reader is not None and t.holds(offset) and \
+            (not self.queue.files or offset < self.min_offset())
+
+    def min_offset_with_tier(self) -> int:
+        """The lowest readable offset: the tier's start when it reaches below the local segments."""
+        local = self.min_offset()
+        t = self.tier
+        if t is not None and t.reader is not None and t.manifest.commitlog and \
+                (not self.queue.files or t.manifest.min_offset < local) and t.manifest.end_offset >= local:
+            return t.manifest.min_offset
+        return local
+
     def pickup_store_timestamp(self, offset: int, size: int) -> int:
+        if self._in_tier(offset):
+            try:
+                return self.tier.reader.store_timestamp(offset)
+            except (CorruptRecordError, OSError):
+                return -1
         if offset < self.min_offset() or offset + size > self.max_offset():
             return -1
         f = self.queue.find(offset)
@@ -166,6 +189,20 @@ class CommitLog:
         push its working set out of the page cache.
         """
         files = list(self.queue.files)
+        if from_offset < 0:
+            from_offset = self.min_offset_with_tier()
+        if self._in_tier(from_offset):
+            local_min = self.min_offset() if files else self.tier.manifest.end_offset
+            last = None
+            for item in self.tier.reader.scan(from_offset, local_min if end is None else min(end, local_min),
+                                              check_crc=check_crc, read_body=read_body):
+                yield item
+                if item[2] is None:
+                    return
+                last = item
+            from_offset = local_min if last is None else max(local_min, last[0] + last[1])
+            if end is not None and from_offset >= end:
+                return
         if not files:
             return
         offset = files[0].file_from_offset if from_offset < 0 else from_offset

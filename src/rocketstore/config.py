@@ -95,6 +95,14 @@ class StoreConfig:
     maxFilterMessageSize: int = 16000
     warmMapedFileEnable: bool = False
     warmAheadBytes: int = 64 * 1024 * 1024  # rocketstore: page cache read ahead of the commitlog writer (0 = off)
+    # Tiered storage (rocketstore; the object-store keys are RocketMQ tieredstore's): sealed segments and their
+    # consume-queue and index files are copied to s3://bucket/prefix (or file:///dir), and old offsets read there.
+    tieredStoreUri: str = ""
+    tieredStoreUploadInterval: int = 10000  # ms between upload rounds
+    objectStoreEndpoint: str = ""  # e.g. http://127.0.0.1:9000 (default: AWS, or $AWS_ENDPOINT_URL)
+    objectStoreRegion: str = ""
+    objectStoreAccessKey: str = ""  # default: the AWS environment / credential chain
+    objectStoreSecretKey: str = ""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "StoreConfig":
         self = super().__new__(cls)
@@ -133,6 +141,10 @@ class StoreConfig:
         for key in ("warmAheadBytes", "flushIntervalCommitLog", "flushIntervalConsumeQueue", "syncFlushTimeout",
                     "cleanResourceInterval", "fileReservedTime", "deleteFileBatchMax"):
             need(getattr(self, key) >= 0, key, "must not be negative")
+        need(self.tieredStoreUploadInterval > 0, "tieredStoreUploadInterval", "must be positive")
+        if self.tieredStoreUri:
+            from .tier.objectstore import TierLocation
+            TierLocation.parse(self.tieredStoreUri)
         try:
             self.topic_retention()
         except ValueError:

@@ -551,20 +551,27 @@ class ConsumeQueue:
         return int((base + pos) / CQ_STORE_UNIT_SIZE)  # Java truncates toward zero
 
     # ------------------------------------------------------------ cleaning
-    def delete_expired_file(self, min_commit_log_offset: int, interval_forcibly_ms: int = 60000) -> int:
-        """Delete files (never the last) whose last unit points below the commitlog minimum."""
+    def delete_expired_file(self, min_commit_log_offset: int, interval_forcibly_ms: int = 60000, *,
+                            may_delete: Callable[[str], bool] | None = None, readable_min: int | None = None) -> int:
+        """Delete files (never the last) whose last unit points below the commitlog minimum.
+
+        ``may_delete(name)``: with a tier, only files it holds go (the first one it lacks stops the round).
+        ``readable_min``: the lowest offset still readable (the tier's start), for the queue's minimum.
+        """
         deleted = 0
         for f in list(self.queue.files[:-1]):
             if f.available:
                 off, _, _ = _UNIT.unpack_from(f.mm, self.file_size - CQ_STORE_UNIT_SIZE)
                 if off >= min_commit_log_offset:
                     break
+                if may_delete is not None and not may_delete(os.path.basename(f.path)):
+                    break
             if not f.destroy(interval_forcibly_ms):
                 break
             self.queue.files.remove(f)
             self._time_cache.pop(f.path, None)
             deleted += 1
-        self.correct_min_offset(min_commit_log_offset)
+        self.correct_min_offset(min_commit_log_offset if readable_min is None else readable_min)
         return deleted
 
     def close(self) -> None:

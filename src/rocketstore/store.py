@@ -36,6 +36,8 @@ from .quarantine import QuarantinePlan, file_kind
 from .recovery import RecoveryReport, queues_with_records_before, recover
 from .running_flags import RunningFlags
 from .store_lock import StoreLock
+from .tier.tiered import TieredStorage
+from .tier.upload import TierUploadService
 from .warm_ahead import WarmAheadService
 
 log = logging.getLogger(__name__)
@@ -97,6 +99,7 @@ class MessageStore:
         self.metrics = StoreMetrics()
         self._topic_cache: dict[str, tuple[bytes, int, bytes]] = {}  # codec.topic_tail per topic
         self._tags_codes: dict[str, int] = {}
+        self.tier: TieredStorage | None = None
 
         if not os.path.isdir(root):
             if read_only:
@@ -187,6 +190,10 @@ class MessageStore:
                                      "has not finished; a writable open (rocketstore recover) finishes it")
             self.queues_to_rebuild += unfinished.split()
         self.commitlog.load(on_bad_file=self._on_bad_file)
+        if cfg.tieredStoreUri:
+            self.tier = TieredStorage(self.root, cfg, read_only=ro)
+            self.tier.refresh()  # a tier that cannot be reached is recorded, not fatal: local data stays readable
+            self.commitlog.tier = self.tier
         self._load_consume_queues()
         self._check_quarantine()  # before the checkpoint and the index are touched
         if not ro:
@@ -318,7 +325,7 @@ class MessageStore:
                 self._cq_table[(topic, int(qid))] = cq
 
     def recover_topic_queue_table(self) -> None:
-        min_phy = self.commitlog.min_offset()
+        min_phy = self.commitlog.min_offset_with_tier()  # units whose records are in the tier stay readable
         table = {}
         for key, cq in self._cq_table.items():
             table[key] = cq.max_offset_in_queue
@@ -354,6 +361,8 @@ class MessageStore:
         self.reput = ReputMessageService(self, self.commitlog.max_offset())
         self._services += [self.reput, FlushConsumeQueueService(self), CheckpointService(self)]
         self._services += [self.clean_service, DiskGuardService(self), MetricsService(self)]
+        if self.tier is not None:
+            self._services.append(TierUploadService(self))
         if cfg.warmAheadBytes > 0:
             self.commitlog.warmer = WarmAheadService(self.commitlog.queue, cfg.warmAheadBytes)
             self._services.append(self.commitlog.warmer)
@@ -396,7 +405,12 @@ class MessageStore:
 
     # ------------------------------------------------------------ offsets
     def min_phy_offset(self) -> int:
+        """The first offset of the local segments."""
         return self.commitlog.min_offset()
+
+    def min_readable_offset(self) -> int:
+        """The first offset a read can reach: the tier's start when a tier holds older segments."""
+        return self.commitlog.min_offset_with_tier()
 
     def max_phy_offset(self) -> int:
         return self.commitlog.max_offset()
@@ -420,7 +434,8 @@ class MessageStore:
 
     def min_offset_in_queue(self, topic: str, queue_id: int) -> int:
         cq = self._cq_table.get((topic, queue_id))
-        return cq.min_offset_in_queue if cq else 0
+        lo = cq.min_offset_in_queue if cq else 0
+        return self.queue_min_with_tier(topic, queue_id, lo) if self.tier is not None else lo
 
     def max_offset_in_queue(self, topic: str, queue_id: int) -> int:
         cq = self._cq_table.get((topic, queue_id))
@@ -661,6 +676,8 @@ class MessageStore:
         if hi == 0:
             return GetMessageResult(GetMessageStatus.NO_MESSAGE_IN_QUEUE, 0, lo, hi)
         if offset < lo:
+            if self.tier is not None and self.tier.reader is not None:
+                return self._get_from_tier(topic, queue_id, offset, max_msgs, tag_filter, read_body, lo, hi)
             return GetMessageResult(GetMessageStatus.OFFSET_TOO_SMALL, lo, lo, hi)
         if offset == hi:
             return GetMessageResult(GetMessageStatus.OFFSET_OVERFLOW_ONE, offset, lo, hi)
@@ -720,16 +737,22 @@ class MessageStore:
                             seg_start, seg_end, mm = seg.file_from_offset, seg.end_offset, seg.mm
                     pos = phy - seg_start
                     if seg is None or pos + size > seg.wrote_position:
-                        if not n:
-                            status = GetMessageStatus.MESSAGE_WAS_REMOVING
-                        skip_file_end = phy - phy % self.commitlog.file_size + self.commitlog.file_size
-                        continue
-                    msg = decode_unit(mm, pos, size, read_body, topic, topic_bytes, queue_id, idx - 1)
+                        if seg is None and self.commitlog._in_tier(phy):  # uploaded, and gone from local disk
+                            msg = self._tier_unit(phy, size, read_body, topic, topic_bytes, queue_id, idx - 1)
+                        else:
+                            if not n:
+                                status = GetMessageStatus.MESSAGE_WAS_REMOVING
+                            skip_file_end = phy - phy % self.commitlog.file_size + self.commitlog.file_size
+                            continue
+                    else:
+                        msg = decode_unit(mm, pos, size, read_body, topic, topic_bytes, queue_id, idx - 1)
                     if msg is None:
                         if n:  # return what was read; the next call starts at the damaged unit and raises
                             idx -= 1
                             full = True
                             break
+                        if seg is None:
+                            raise self._tier_damaged(phy, size, topic, queue_id, idx - 1)
                         raise _damaged_unit(seg, pos, size, cq, f, topic, queue_id, idx - 1, read_body)
                     if not n:
                         # "In memory" (within 40 % of RAM of the log's end): 32 messages / 256 KiB a call,
@@ -754,6 +777,88 @@ class MessageStore:
                 seg.release()
         return GetMessageResult(status, idx, lo, hi, out)
 
+    # ------------------------------------------------------------ reading from the tier
+    def _tier_unit(self, phy: int, size: int, read_body: bool, topic: str, topic_bytes: bytes, queue_id: int,
+                   queue_offset: int) -> MessageExt | None:
+        """The record of a unit whose segment is only in the tier (None when it is not the unit's record)."""
+        buf, _ = self.tier.reader.record_bytes(phy, size)
+        if len(buf) < size:
+            return None
+        return codec.decode_unit(buf, 0, size, read_body, topic, topic_bytes, queue_id, queue_offset)
+
+    def _tier_damaged(self, phy: int, size: int, topic: str, queue_id: int, queue_offset: int) -> CorruptRecordError:
+        reader = self.tier.reader
+        seg = reader.manifest.segment_for(phy)
+        where = reader.where(f"commitlog/{seg.name}") if seg else self.tier.loc.uri
+        return CorruptRecordError(f"{where} at offset {phy}: the record is not the one {topic}-{queue_id} unit "
+                                  f"{queue_offset} points at ({size} bytes), or its body fails BODYCRC",
+                                  path=where, offset=phy)
+
+    def queue_min_with_tier(self, topic: str, queue_id: int, local_min: int) -> int:
+        """A queue's lowest readable offset: where its consume-queue files in the tier begin, when lower."""
+        t = self.tier
+        rng = t.manifest.queue_range(topic, queue_id) if t is not None and t.manifest is not None else None
+        return rng[0] if rng is not None and rng[0] < local_min else local_min
+
+    def _get_from_tier(self, topic: str, queue_id: int, offset: int, max_msgs: int, tag_filter: set[int] | None,
+                       read_body: bool, lo: int, hi: int) -> GetMessageResult:
+        """get() below the local consume queue: units from the tier's queue files, records from wherever they are.
+
+        Cold reads take RocketMQ's on-disk caps (maxTransferCountOnMessageInDisk / ...BytesOnMessageInDisk).
+        """
+        reader = self.tier.reader
+        rng = reader.manifest.queue_range(topic, queue_id)
+        tier_lo = rng[0] if rng is not None and rng[0] < lo else lo
+        if offset < tier_lo:
+            return GetMessageResult(GetMessageStatus.OFFSET_TOO_SMALL, tier_lo, tier_lo, hi)
+        if rng is None or offset >= rng[1]:  # between the tier's last file and the local first: none there
+            return GetMessageResult(GetMessageStatus.OFFSET_FOUND_NULL, lo, tier_lo, hi)
+        cfg = self.config
+        count_cap = min(max_msgs, cfg.maxTransferCountOnMessageInDisk) or 1
+        byte_cap = cfg.maxTransferBytesOnMessageInDisk
+        topic_bytes = topic.encode("utf-8")
+        out: list[MessageExt] = []
+        total = 0
+        idx = offset
+        status = GetMessageStatus.NO_MATCHED_MESSAGE
+        stop = min(rng[1], lo if lo > offset else rng[1])
+        while idx < stop and len(out) < count_cap:
+            units = reader.units(topic, queue_id, idx, min(stop - idx, max(max_msgs, 32)))
+            if not units:
+                break
+            for phy, size, tags in units:
+                if out and (len(out) >= count_cap or total + size > byte_cap):
+                    return GetMessageResult(GetMessageStatus.FOUND, idx, tier_lo, hi, out)
+                if tag_filter is not None and _signed32(tags) not in tag_filter:
+                    idx += 1
+                    continue
+                if self.commitlog._in_tier(phy):
+                    msg = self._tier_unit(phy, size, read_body, topic, topic_bytes, queue_id, idx)
+                else:
+                    msg = self._local_unit(phy, size, read_body, topic, topic_bytes, queue_id, idx)
+                if msg is None:
+                    if out:
+                        return GetMessageResult(GetMessageStatus.FOUND, idx, tier_lo, hi, out)
+                    raise self._tier_damaged(phy, size, topic, queue_id, idx)
+                out.append(msg)
+                total += size
+                status = GetMessageStatus.FOUND
+                idx += 1
+        return GetMessageResult(status, idx, tier_lo, hi, out)
+
+    def _local_unit(self, phy: int, size: int, read_body: bool, topic: str, topic_bytes: bytes, queue_id: int,
+                    queue_offset: int) -> MessageExt | None:
+        f = self.commitlog.queue.find(phy)
+        if f is None or not f.hold():
+            return None
+        try:
+            pos = phy - f.file_from_offset
+            if pos + size > f.wrote_position:
+                return None
+            return codec.decode_unit(f.mm, pos, size, read_body, topic, topic_bytes, queue_id, queue_offset)
+        finally:
+            f.release()
+
     def look(self, commit_log_offset: int, *, read_body: bool = True) -> MessageExt:
         """The message at a commitlog offset (RocketMQ's lookMessageByOffset).
 
@@ -775,12 +880,21 @@ class MessageStore:
         """
         limit = min(max_num, self.config.maxMsgsNumBatch)
         offsets, last_ts, last_phy = self.index_service.query_offset(topic, key, limit, begin, end)
+        if self.tier is not None and self.tier.reader is not None and len(offsets) < limit:
+            local = {os.path.basename(f.path) for f in self.index_service.files}
+            more = self.tier.reader.select(f"{topic}#{key}", limit - len(offsets), begin, end, local)
+            offsets = list(dict.fromkeys(offsets + more))
         offsets.sort()
         msgs, phys = [], []
         for off in offsets:
             f = self.commitlog.queue.find(off)
             if f is None or not f.hold():
-                continue  # the segment was deleted (retention): RocketMQ skips such entries too
+                if self.commitlog._in_tier(off):  # uploaded and gone from local disk
+                    m = self.commitlog.tier.reader.read_message(off, read_body=read_body, check_crc=read_body)
+                    if m.topic == topic and (key == m.uniq_key or key in (m.keys or "").split(" ")):
+                        msgs.append(m)
+                        phys.append(off)
+                continue  # else the segment was deleted (retention): RocketMQ skips such entries too
             try:
                 pos = off - f.file_from_offset
                 if pos + 4 > f.wrote_position:
@@ -809,7 +923,7 @@ class MessageStore:
         if cq is None:
             return 0
         return cq.offset_by_time(timestamp, boundary, self.commitlog.pickup_store_timestamp,
-                                 self.commitlog.min_offset())
+                                 self.commitlog.min_offset_with_tier())
 
     def messages(self, from_offset: int = -1, *, read_body: bool = True, check_crc: bool | None = None,
                  drop_cache: bool = False, skip_damaged: bool = False
@@ -860,7 +974,7 @@ class MessageStore:
         (PREPARED/ROLLBACK transaction halves) before that point are skipped.
         """
         if topic is None and from_time is None:
-            return self.min_phy_offset()
+            return self.min_readable_offset()
         best = None
         for (t, qid), cq in list(self._cq_table.items()):
             if topic is not None and t != topic:
@@ -869,7 +983,7 @@ class MessageStore:
             unit = cq.get_unit(idx)
             if unit is not None and (best is None or unit[0] < best):
                 best = unit[0]
-        return self.max_phy_offset() if best is None else max(best, self.min_phy_offset())
+        return self.max_phy_offset() if best is None else max(best, self.min_readable_offset())
 
     def consumer_offsets(self, problems: list[str] | None = None) -> dict[tuple[str, int], int]:
         """Lowest committed offset per queue over all groups, from RocketMQ's config/consumerOffset.json

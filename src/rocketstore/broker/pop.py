@@ -408,7 +408,7 @@ class PopService:
         try:
             return self.store.look(e.phy)
         except CorruptRecordError:
-            if self.store.min_phy_offset() <= e.phy < self.store.max_phy_offset():
+            if self.store.min_readable_offset() <= e.phy < self.store.max_phy_offset():
                 raise  # damaged in place: never dropped (acked) on the quiet
             return None  # deleted by retention, or a bad offset from an old state file
         except Exception:

@@ -1,0 +1,87 @@
+"""``rocketstore tier status|upload STORE``: what of a tiered store is on local disk, in the bucket, or both."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from .cli import emit
+from .cli_format import JSON, TABLE, add_format_flag, print_rows
+from .cli_store import open_read_only, open_writable
+from .errors import CliError
+from .store import MessageStore
+
+
+def tier_status(store: MessageStore) -> dict[str, Any]:
+    """Per kind of file (commitlog, consumequeue, index): how many files, and bytes, are local only, in the
+    tier only, or in both; the tier's offset range and the local one; the last error."""
+    tier = store.tier
+    if tier is None:
+        raise CliError(f"{store.root}: no tieredStoreUri in the store's config (STORE/broker.conf or --config)")
+    m = tier.manifest
+    rows = []
+
+    def row(kind: str, local: dict[str, int], remote: dict[str, int]) -> None:
+        both = set(local) & set(remote)
+        lo, ro = set(local) - both, set(remote) - both
+        rows.append({"kind": kind, "localOnly": len(lo), "both": len(both), "tierOnly": len(ro),
+                     "localOnlyBytes": sum(local[n] for n in lo), "bothBytes": sum(local[n] for n in both),
+                     "tierOnlyBytes": sum(remote[n] for n in ro)})
+
+    seg_size = store.config.mappedFileSizeCommitLog
+    row("commitlog", {os.path.basename(f.path): f.file_size for f in store.commitlog.queue.files},
+        {s.name: s.size for s in m.commitlog} if m else {})
+    cq_size = store.config.mappedFileSizeConsumeQueue
+    local_cq = {f"{cq.topic}/{cq.queue_id}/{os.path.basename(f.path)}": cq_size
+                for cq in store.consume_queues() for f in cq.queue.files}
+    row("consumequeue", local_cq,
+        {f"{q}/{f.name}": cq_size for q, files in m.consumequeue.items() for f in files} if m else {})
+    row("index", {os.path.basename(f.path): len(f.mm) for f in store.index_service.files},
+        {i.name: 0 for i in m.index} if m else {})
+    sealed_pending = sum(1 for f in store.commitlog.queue.files[:-1]
+                         if not tier.has_segment(f.file_from_offset, seg_size))
+    return {"store": store.root, **tier.status(), "localMinOffset": store.min_phy_offset(),
+            "maxOffset": store.max_phy_offset(), "readableFrom": store.min_readable_offset(),
+            "sealedNotUploaded": sealed_pending, "files": rows}
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with open_read_only(args) as store:
+        st = tier_status(store)
+    if args.format == JSON:
+        emit(st)
+    else:
+        print(f"tier {st['uri']}  offsets [{st['minOffset']}, {st['endOffset']})  local from {st['localMinOffset']}"
+              f"  max {st['maxOffset']}  sealed segments not uploaded: {st['sealedNotUploaded']}"
+              + (f"  ERROR: {st['error']}" if st["error"] else ""))
+        print_rows(st["files"], ("kind", "localOnly", "both", "tierOnly", "localOnlyBytes", "bothBytes",
+                                 "tierOnlyBytes"), args.format)
+    return 1 if st["error"] else 0
+
+
+def cmd_upload(args: argparse.Namespace) -> int:
+    from .tier.upload import upload_round
+    with open_writable(args, start_services=False) as store:
+        if store.tier is None:
+            raise CliError(f"{store.root}: no tieredStoreUri in the store's config (STORE/broker.conf or --config)")
+        store.commitlog.flush(0)
+        done = upload_round(store)
+        emit({"store": store.root, "uploaded": done, **store.tier.status()})
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    tier = sub.add_parser("tier", help="tiered storage: segments copied to s3://bucket/prefix (tieredStoreUri)")
+    tsub = tier.add_subparsers(dest="tier_command", metavar="TIER_COMMAND", required=True)
+    for name, handler, text in (
+            ("status", cmd_status, "what is local, in the tier, or both, per kind of file (exit 1 when the tier "
+             "cannot be read or is refused)"),
+            ("upload", cmd_upload, "upload every sealed segment (and its queue and index files) now, with the "
+             "store closed to other writers")):
+        p = tsub.add_parser(name, help=text, description=text)
+        p.add_argument("store", metavar="STORE", help="store root directory (storePathRootDir)")
+        p.add_argument("--config", metavar="FILE", help="broker.conf style file (key=value), over STORE/broker.conf")
+        if name == "status":
+            add_format_flag(p, TABLE)
+        p.set_defaults(handler=handler)

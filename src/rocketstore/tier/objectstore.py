@@ -1,0 +1,193 @@
+"""ObjectStore: the bucket a tiered store uploads to, reached through ``pyarrow.fs``.
+
+Why pyarrow: it is already a dependency (the Spark source), it speaks S3 with
+ranged reads (``read_at``) and multipart uploads, and the same code runs on a
+Spark executor that has only pyarrow and the rocketstore zip.  ``file://``
+URIs use pyarrow's local filesystem (a tier on a mounted disk, and handy in
+tests); ``s3://bucket/prefix`` uses S3 with RocketMQ's tieredstore key names
+for endpoint and credentials (``objectStoreEndpoint`` ...), falling back to
+the AWS environment variables when they are not given.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import zlib
+from dataclasses import dataclass
+from typing import Any, Mapping
+from urllib.parse import urlparse
+
+from ..errors import ConfigError, StoreError
+
+log = logging.getLogger(__name__)
+
+UPLOAD_CHUNK = 8 * 1024 * 1024  # bytes read from a segment per write to the upload stream
+
+
+class TierError(StoreError):
+    """The tier (bucket) could not be read or written; the message names the URI and key."""
+
+
+@dataclass(frozen=True)
+class TierLocation:
+    """Where a tier lives: ``s3://bucket/prefix`` or ``file:///path``, and how to reach it."""
+
+    uri: str
+    scheme: str
+    bucket: str  # s3 bucket, or "" for file://
+    prefix: str  # key prefix inside the bucket (no leading/trailing slash), or the local directory
+    endpoint: str = ""
+    region: str = ""
+    access_key: str = ""
+    secret_key: str = ""
+
+    @classmethod
+    def parse(cls, uri: str, *, endpoint: str = "", region: str = "", access_key: str = "",
+              secret_key: str = "") -> "TierLocation":
+        u = urlparse(uri)
+        if u.scheme in ("s3", "s3a"):
+            if not u.netloc:
+                raise ConfigError(f"tieredStoreUri={uri}: no bucket (expected s3://bucket/prefix)")
+            return cls(uri, "s3", u.netloc, u.path.strip("/"), endpoint, region, access_key, secret_key)
+        if u.scheme == "file":
+            if not u.path.startswith("/"):
+                raise ConfigError(f"tieredStoreUri={uri}: a file URI needs an absolute path (file:///dir)")
+            return cls(uri, "file", "", u.path.rstrip("/") or "/")
+        raise ConfigError(f"tieredStoreUri={uri}: expected s3://bucket/prefix or file:///directory")
+
+    @classmethod
+    def from_options(cls, uri: str, options: Mapping[str, Any]) -> "TierLocation":
+        """From a URI and RocketMQ-named options (a StoreConfig's dict, Spark options, broker.conf keys)."""
+        return cls.parse(uri, endpoint=str(options.get("objectStoreEndpoint") or ""),
+                         region=str(options.get("objectStoreRegion") or ""),
+                         access_key=str(options.get("objectStoreAccessKey") or ""),
+                         secret_key=str(options.get("objectStoreSecretKey") or ""))
+
+    def key(self, *parts: str) -> str:
+        """The filesystem path of an object: ``bucket/prefix/part/...`` (or the local path)."""
+        base = self.prefix if self.scheme == "file" else posixpath.join(self.bucket, self.prefix) if self.prefix \
+            else self.bucket
+        return posixpath.join(base, *parts)
+
+
+def open_filesystem(loc: TierLocation) -> Any:
+    """A ``pyarrow.fs`` filesystem for ``loc`` (S3 with bounded timeouts, or the local one)."""
+    import pyarrow.fs as pafs
+    if loc.scheme == "file":
+        return pafs.LocalFileSystem()
+    kw: dict[str, Any] = {"connect_timeout": 5, "request_timeout": 60}
+    endpoint = loc.endpoint or os.environ.get("AWS_ENDPOINT_URL", "")
+    if endpoint:
+        u = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")
+        kw["endpoint_override"] = u.netloc
+        kw["scheme"] = u.scheme or "https"
+    if loc.region:
+        kw["region"] = loc.region
+    if loc.access_key or loc.secret_key:
+        if not (loc.access_key and loc.secret_key):
+            raise ConfigError(f"tieredStoreUri={loc.uri}: objectStoreAccessKey and objectStoreSecretKey go together")
+        kw["access_key"], kw["secret_key"] = loc.access_key, loc.secret_key
+    try:
+        return pafs.S3FileSystem(**kw)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises its own ArrowInvalid / OSError kinds
+        raise TierError(f"{loc.uri}: cannot set up the S3 client: {e}") from None
+
+
+class ObjectStore:
+    """Whole-object writes and ranged reads of one tier; every error is a TierError naming the key."""
+
+    def __init__(self, loc: TierLocation) -> None:
+        self.loc = loc
+        self.fs = open_filesystem(loc)
+        self._files: dict[str, Any] = {}  # open handles of sealed objects: a ranged read is one GET, no HEAD
+
+    def _err(self, what: str, key: str, e: BaseException) -> TierError:
+        return TierError(f"{self.loc.uri}: {what} {key}: {e}")
+
+    def read(self, key: str, pos: int, length: int) -> bytes:
+        """``length`` bytes at ``pos`` of object ``key`` (fewer only at the object's end)."""
+        try:
+            f = self._files.get(key)
+            if f is None:
+                f = self._files[key] = self.fs.open_input_file(self.loc.key(key))
+            return f.read_at(length, pos)
+        except Exception as e:  # noqa: BLE001
+            self._files.pop(key, None)
+            raise self._err("cannot read", key, e) from None
+
+    def size(self, key: str) -> int | None:
+        """The object's size, or None when there is none."""
+        import pyarrow.fs as pafs
+        try:
+            info = self.fs.get_file_info(self.loc.key(key))
+        except Exception as e:  # noqa: BLE001
+            raise self._err("cannot stat", key, e) from None
+        return info.size if info.type == pafs.FileType.File else None
+
+    def get_bytes(self, key: str) -> bytes | None:
+        """The whole object, or None when there is none."""
+        if self.size(key) is None:
+            return None
+        try:
+            with self.fs.open_input_stream(self.loc.key(key)) as f:
+                return f.read()
+        except Exception as e:  # noqa: BLE001
+            raise self._err("cannot read", key, e) from None
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Write a whole object (S3 makes it visible only once complete: readers never see half of it)."""
+        path = self.loc.key(key)
+        try:
+            self._ensure_parent(path)
+            tmp = path + ".tmp" if self.loc.scheme == "file" else path
+            with self.fs.open_output_stream(tmp) as out:
+                out.write(data)
+            if tmp != path:
+                self.fs.move(tmp, path)  # a local tier gets S3's all-or-nothing visibility by a rename
+        except Exception as e:  # noqa: BLE001
+            raise self._err("cannot write", key, e) from None
+
+    def put_file(self, local_path: str, key: str, length: int) -> int:
+        """Upload the first ``length`` bytes of a local file as ``key``; return their CRC-32.
+
+        The object's size is checked after the upload: a short object raises and is not reported uploaded.
+        """
+        path = self.loc.key(key)
+        crc = 0
+        try:
+            self._ensure_parent(path)
+            tmp = path + ".tmp" if self.loc.scheme == "file" else path
+            with open(local_path, "rb") as src, self.fs.open_output_stream(tmp) as out:
+                left = length
+                while left > 0:
+                    chunk = src.read(min(UPLOAD_CHUNK, left))
+                    if not chunk:
+                        raise OSError(f"{local_path} ended {left} bytes early")
+                    crc = zlib.crc32(chunk, crc)
+                    out.write(chunk)
+                    left -= len(chunk)
+            if tmp != path:
+                self.fs.move(tmp, path)
+        except TierError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise self._err("cannot upload to", key, e) from None
+        got = self.size(key)
+        if got != length:
+            raise TierError(f"{self.loc.uri}: uploaded {key} is {got} bytes, expected {length}")
+        return crc
+
+    def delete(self, key: str) -> None:
+        self._files.pop(key, None)
+        try:
+            self.fs.delete_file(self.loc.key(key))
+        except FileNotFoundError:
+            pass
+        except Exception as e:  # noqa: BLE001
+            raise self._err("cannot delete", key, e) from None
+
+    def _ensure_parent(self, path: str) -> None:
+        if self.loc.scheme == "file":
+            os.makedirs(posixpath.dirname(path), exist_ok=True)
