@@ -75,3 +75,12 @@ def flip_body_bit(store: Path, offset: int, segment: str = "commitlog/0000000000
     with open(path, "r+b") as fh:
         fh.seek(at)
         fh.write(bytes([data[at] ^ 0x10]))
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """An S3 API server (moto, a child process) on 127.0.0.1 for the tiered-storage tests."""
+    from helpers import s3server
+    server = s3server.start(str(tmp_path_factory.mktemp("s3") / "moto.log"))
+    yield server
+    server.stop()

@@ -192,7 +192,7 @@ class MessageStore:
         self.commitlog.load(on_bad_file=self._on_bad_file)
         if cfg.tieredStoreUri:
             self.tier = TieredStorage(self.root, cfg, read_only=ro)
-            self.tier.refresh()  # a tier that cannot be reached is recorded, not fatal: local data stays readable
+            self.tier.refresh(quiet=True)  # a tier that cannot be reached is recorded, not fatal: local data stays readable
             self.commitlog.tier = self.tier
         self._load_consume_queues()
         self._check_quarantine()  # before the checkpoint and the index are touched
@@ -922,8 +922,44 @@ class MessageStore:
         cq = self._cq_table.get((topic, queue_id))
         if cq is None:
             return 0
-        return cq.offset_by_time(timestamp, boundary, self.commitlog.pickup_store_timestamp,
-                                 self.commitlog.min_offset_with_tier())
+        local = cq.offset_by_time(timestamp, boundary, self.commitlog.pickup_store_timestamp,
+                                  self.commitlog.min_offset_with_tier())
+        t = self.tier
+        rng = t.manifest.queue_range(topic, queue_id) if t is not None and t.reader is not None else None
+        lo = cq.min_offset_in_queue
+        if rng is None or rng[0] >= lo:
+            return local
+        first = cq.get_unit(lo)
+        if first is not None and timestamp >= self.commitlog.pickup_store_timestamp(first[0], first[1]):
+            return local
+        return self._tier_offset_by_time(topic, queue_id, timestamp, boundary, rng[0], min(rng[1], lo))
+
+    def _tier_offset_by_time(self, topic: str, queue_id: int, timestamp: int, boundary: str, lo: int,
+                             hi: int) -> int:
+        """offset_by_time over queue offsets [lo, hi) held by the tier: a binary search on store times."""
+        reader = self.tier.reader
+
+        def time_at(i: int) -> int:
+            unit = reader.units(topic, queue_id, i, 1)
+            return self.commitlog.pickup_store_timestamp(unit[0][0], unit[0][1]) if unit else -1
+
+        if boundary == LOWER:  # the first offset stored at or after ``timestamp``
+            a, b = lo, hi
+            while a < b:
+                mid = (a + b) // 2
+                if time_at(mid) >= timestamp:
+                    b = mid
+                else:
+                    a = mid + 1
+            return a
+        a, b = lo, hi  # UPPER: the last offset stored at or before ``timestamp``
+        while a < b:
+            mid = (a + b) // 2
+            if time_at(mid) <= timestamp:
+                a = mid + 1
+            else:
+                b = mid
+        return max(lo, a - 1)
 
     def messages(self, from_offset: int = -1, *, read_body: bool = True, check_crc: bool | None = None,
                  drop_cache: bool = False, skip_damaged: bool = False

@@ -79,8 +79,9 @@ class TieredStorage:
             self._objects = ObjectStore(self.loc)
         return self._objects
 
-    def refresh(self) -> TierManifest | None:
-        """Read ``tier.json`` again; on failure keep the last good manifest and record the error."""
+    def refresh(self, *, quiet: bool = False) -> TierManifest | None:
+        """Read ``tier.json`` again; on failure keep the last good manifest and record the error (logged
+        unless ``quiet``: an open records it for ``state``/``tier status``, the upload service logs it)."""
         with self.lock:
             try:
                 data = self.objects.get_bytes(MANIFEST)
@@ -91,7 +92,8 @@ class TieredStorage:
                 self.error = None
             except (TierError, StoreLoadError) as e:
                 self.error = str(e)
-                log.error("tier %s: %s", self.loc.uri, e)
+                if not quiet:
+                    log.error("tier %s: %s", self.loc.uri, e)
             return self.manifest
 
     def _check_ours(self, m: TierManifest) -> None:

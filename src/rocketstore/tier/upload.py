@@ -39,13 +39,18 @@ class TierUploadService(ServiceThread):
     def __init__(self, store: "MessageStore") -> None:
         super().__init__(store.config.tieredStoreUploadInterval / 1000.0, initial_delay=0.5)
         self.store = store
+        self._last_error: str | None = None
 
     def run_once(self) -> None:
         try:
             upload_round(self.store)
         except TierError as e:  # the tier is down: local files stay until it is back
+            if str(e) != self._last_error:  # once per distinct failure, not every round
+                log.error("tier upload: %s", e)
+            self._last_error = str(e)
             self.store.tier.error = str(e)
-            log.error("tier upload: %s", e)
+        else:
+            self._last_error = None
 
 
 def upload_round(store: "MessageStore", max_segments: int | None = None) -> dict[str, int]:
@@ -53,7 +58,7 @@ def upload_round(store: "MessageStore", max_segments: int | None = None) -> dict
     tier = store.tier
     assert tier is not None
     with tier.lock:
-        m = tier.refresh()
+        m = tier.refresh(quiet=True)
         if tier.error is not None:
             raise TierError(tier.error)
         if m is None:
