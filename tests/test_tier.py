@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 
 from rocketstore import GetMessageStatus, MessageStore
-from rocketstore.config import StoreConfig
 from rocketstore.message import Message
 from rocketstore.tier.manifest import MANIFEST
 from rocketstore.tier.upload import upload_round

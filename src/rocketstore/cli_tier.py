@@ -10,6 +10,7 @@ from .cli import emit
 from .cli_format import JSON, TABLE, add_format_flag, print_rows
 from .cli_store import open_read_only, open_writable
 from .errors import CliError
+from .index import index_file_size
 from .store import MessageStore
 
 
@@ -38,7 +39,7 @@ def tier_status(store: MessageStore) -> dict[str, Any]:
     row("consumequeue", local_cq,
         {f"{q}/{f.name}": cq_size for q, files in m.consumequeue.items() for f in files} if m else {})
     row("index", {os.path.basename(f.path): len(f.mm) for f in store.index_service.files},
-        {i.name: 0 for i in m.index} if m else {})
+        {i.name: index_file_size(store.config.maxHashSlotNum, store.config.maxIndexNum) for i in m.index} if m else {})
     sealed_pending = sum(1 for f in store.commitlog.queue.files[:-1]
                          if not tier.has_segment(f.file_from_offset, seg_size))
     return {"store": store.root, **tier.status(), "localMinOffset": store.min_phy_offset(),

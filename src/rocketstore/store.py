@@ -1041,12 +1041,14 @@ class MessageStore:
         queues = []
         for (topic, qid) in self.queue_keys():
             cq = self._cq_table[(topic, qid)]
-            queues.append({"topic": topic, "queueId": qid, "minOffsetInQueue": cq.min_offset_in_queue,
-                           "maxOffsetInQueue": cq.max_offset_in_queue,
-                           "messageTotalInQueue": cq.message_total_in_queue})
+            lo, hi = self.min_offset_in_queue(topic, qid), cq.max_offset_in_queue  # lo: from the tier, if tiered
+            queues.append({"topic": topic, "queueId": qid, "minOffsetInQueue": lo, "maxOffsetInQueue": hi,
+                           "messageTotalInQueue": hi - lo})
         d = {"minPhyOffset": self.min_phy_offset(), "maxPhyOffset": self.max_phy_offset(),
              "abortFilePresent": self.abort_file_present, "checkpoint": self.checkpoint.to_dict(),
              "reservedBytes": reserved_bytes(self.root), "queues": queues}
+        if self.tier is not None:
+            d["tier"] = self.tier.status()
         if not self.read_only:
             d["writeable"] = self.running_flags.why_not_writeable() is None
             d["notWriteableReason"] = self.running_flags.why_not_writeable()
