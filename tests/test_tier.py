@@ -60,6 +60,7 @@ def test_golden_store_reads_through_the_tier_after_retention(tmp_path, s3_server
     with MessageStore.open(str(store_path), start_services=False) as store:
         done = upload_round(store)
         assert done["segments"] == 3 and done["queueFiles"] > 0 and done["indexFiles"] == 1
+        assert store.look(0).commit_log_offset == 0  # a read must release its segment, or retention waits
         _free_local(store)
         assert store.min_phy_offset() == 3 * 1048576  # only the active segment is left on disk
         assert store.min_readable_offset() == 0

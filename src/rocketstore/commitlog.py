@@ -136,9 +136,9 @@ class CommitLog:
     def read_message(self, offset: int, *, read_body: bool = True, check_crc: bool = False) -> MessageExt:
         """Decode the record at ``offset``; raises CorruptRecordError naming file and offset."""
         f = self.queue.find(offset)
-        if (f is None or not f.hold()) and self._in_tier(offset):
-            return self.tier.reader.read_message(offset, read_body=read_body, check_crc=check_crc)
         if f is None or not f.hold():
+            if self._in_tier(offset):  # uploaded, and gone from local disk
+                return self.tier.reader.read_message(offset, read_body=read_body, check_crc=check_crc)
             raise CorruptRecordError(f"commitlog offset {offset} is not in any segment of {self.directory}")
         try:
             pos = offset - f.file_from_offset
