@@ -34,7 +34,7 @@ def _golden_tiered(tmp_path: Path, s3_server, name: str = "basic") -> tuple[Path
     bucket = s3_server.new_bucket()
     conf = s3_server.conf(f"s3://{bucket}/stores/{name}")
     (store / "broker.conf").write_text(GOLDEN_CONF + "".join(f"{k}={v}\n" for k, v in conf.items())
-                                       + "fileReservedTime=0\n")
+                                       + "fileReservedTime=0\ntieredStoreFileReservedTime=0\n")
     return store, bucket, conf
 
 
@@ -157,7 +157,8 @@ def test_background_upload_then_restart_reads_everything(tmp_path, s3_server):
     """The upload service runs by itself; after retention and a restart, get/query/dump reach every message."""
     bucket = s3_server.new_bucket()
     conf = _conf_file(tmp_path / "broker.conf", {**SMALL, **s3_server.conf(f"s3://{bucket}/live"),
-                                                  "tieredStoreUploadInterval": 200, "fileReservedTime": 0})
+                                                  "tieredStoreUploadInterval": 200, "fileReservedTime": 0,
+                                                  "tieredStoreFileReservedTime": 0})
     root = str(tmp_path / "store")
     n = 3000
     with MessageStore.open(root, str(conf)) as store:
@@ -217,3 +218,39 @@ def test_bad_tier_uri_is_a_config_error(tmp_path):
     r = run_cli("state", golden_store("basic"), "--config",
                 _conf_file(tmp_path / "c.conf", {"tieredStoreUri": "ftp://x/y"}))
     assert r.returncode == 2 and b"tieredStoreUri=ftp://x/y" in r.stderr
+
+
+def test_tier_retention_drops_the_oldest_segments(tmp_path, s3_server):
+    """tieredStoreFileReservedTime: a tier segment goes once the next one's first record is older than the
+    reserved time; queue minimums move past it and every later message still reads exactly."""
+    store_path, bucket, conf = _golden_tiered(tmp_path, s3_server)
+    with (store_path / "broker.conf").open("a") as fh:
+        fh.write("tieredStoreFileReservedTime=1\n")
+    expected = sorted(golden_expected("basic"), key=lambda e: e["commitLogOffset"])
+    # The golden messages were stored days before the test runs: older than the one hour kept.
+    with MessageStore.open(str(store_path), start_services=False) as store:
+        done = upload_round(store)
+        assert (done["segments"], done["expiredSegments"]) == (3, 2)  # the newest tier segment stays
+        _free_local(store)  # the local copies of segments the tier dropped may go too
+        assert store.min_phy_offset() == 3 * 1048576
+        assert store.min_readable_offset() == 2 * 1048576
+        keys = s3_server.keys(bucket)
+        assert not any(k.endswith("commitlog/00000000000000000000") or k.endswith("commitlog/00000000000001048576")
+                       for k in keys)
+        for (topic, qid) in sorted({(e["topic"], e["queueId"]) for e in expected}):
+            want = [e for e in expected if (e["topic"], e["queueId"]) == (topic, qid)
+                    and e["commitLogOffset"] >= 2 * 1048576]
+            lo = store.min_offset_in_queue(topic, qid)
+            assert lo == want[0]["queueOffset"]
+            assert store.get(topic, qid, lo - 1).status == GetMessageStatus.OFFSET_TOO_SMALL
+            seen, off = [], lo
+            while True:
+                r = store.get(topic, qid, off, 32)
+                if not r.messages:
+                    break
+                seen += [(m.queue_offset, m.commit_log_offset) for m in r.messages]
+                off = r.next_begin_offset
+            assert seen == [(e["queueOffset"], e["commitLogOffset"]) for e in want]
+    got = _dump(store_path)
+    assert [g["commitLogOffset"] for g in got] == [e["commitLogOffset"] for e in expected
+                                                   if e["commitLogOffset"] >= 2 * 1048576]

@@ -167,7 +167,7 @@ class CleanService(ServiceThread):
         readable = store.commitlog.min_offset_with_tier()
         for cq in store.consume_queues():
             gate = None if tier is None else \
-                (lambda name, cq=cq: tier.has_queue_file(cq.topic, cq.queue_id, name))
+                (lambda name, last_phy, cq=cq: tier.has_queue_file(cq.topic, cq.queue_id, name, last_phy))
             d = cq.delete_expired_file(m, may_delete=gate, readable_min=readable)
             n += d
             if d and cfg.deleteConsumeQueueFilesInterval:

@@ -99,6 +99,7 @@ class StoreConfig:
     # consume-queue and index files are copied to s3://bucket/prefix (or file:///dir), and old offsets read there.
     tieredStoreUri: str = ""
     tieredStoreUploadInterval: int = 10000  # ms between upload rounds
+    tieredStoreFileReservedTime: int = 72  # hours the tier keeps a segment (RocketMQ's default; 0 = forever)
     objectStoreEndpoint: str = ""  # e.g. http://127.0.0.1:9000 (default: AWS, or $AWS_ENDPOINT_URL)
     objectStoreRegion: str = ""
     objectStoreAccessKey: str = ""  # default: the AWS environment / credential chain
@@ -139,7 +140,7 @@ class StoreConfig:
         for key in ("diskMaxUsedSpaceRatio", "diskSpaceWarningLevelRatio", "diskSpaceCleanForciblyRatio"):
             need(0 < getattr(self, key) <= 100, key, "must be a percentage in (0, 100]")
         for key in ("warmAheadBytes", "flushIntervalCommitLog", "flushIntervalConsumeQueue", "syncFlushTimeout",
-                    "cleanResourceInterval", "fileReservedTime", "deleteFileBatchMax"):
+                    "cleanResourceInterval", "fileReservedTime", "deleteFileBatchMax", "tieredStoreFileReservedTime"):
             need(getattr(self, key) >= 0, key, "must not be negative")
         need(self.tieredStoreUploadInterval > 0, "tieredStoreUploadInterval", "must be positive")
         if self.tieredStoreUri:

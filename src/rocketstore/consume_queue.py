@@ -552,10 +552,12 @@ class ConsumeQueue:
 
     # ------------------------------------------------------------ cleaning
     def delete_expired_file(self, min_commit_log_offset: int, interval_forcibly_ms: int = 60000, *,
-                            may_delete: Callable[[str], bool] | None = None, readable_min: int | None = None) -> int:
+                            may_delete: Callable[[str, int], bool] | None = None, readable_min: int | None = None
+                            ) -> int:
         """Delete files (never the last) whose last unit points below the commitlog minimum.
 
-        ``may_delete(name)``: with a tier, only files it holds go (the first one it lacks stops the round).
+        ``may_delete(name, last unit's offset)``: with a tier, only files it holds go (the first one it lacks
+        stops the round).
         ``readable_min``: the lowest offset still readable (the tier's start), for the queue's minimum.
         """
         deleted = 0
@@ -564,7 +566,7 @@ class ConsumeQueue:
                 off, _, _ = _UNIT.unpack_from(f.mm, self.file_size - CQ_STORE_UNIT_SIZE)
                 if off >= min_commit_log_offset:
                     break
-                if may_delete is not None and not may_delete(os.path.basename(f.path)):
+                if may_delete is not None and not may_delete(os.path.basename(f.path), off):
                     break
             if not f.destroy(interval_forcibly_ms):
                 break

@@ -466,15 +466,15 @@ class IndexService:
         return out, last_ts, last_phy
 
     # ------------------------------------------------------------ maintenance
-    def delete_expired_file(self, min_offset: int, may_delete: Callable[[str], bool] | None = None) -> int:
+    def delete_expired_file(self, min_offset: int, may_delete: Callable[[str, int], bool] | None = None) -> int:
         """Delete files (never the last) whose end offset is below the commitlog minimum (and, with a tier,
-        that ``may_delete(name)`` says the tier holds)."""
+        that ``may_delete(name, end offset)`` says the tier holds)."""
         with self.lock:
             if not self.files or self.files[0].end_phy_offset >= min_offset:
                 return 0
             victims = []
             for f in self.files[:-1]:
-                if f.end_phy_offset < min_offset and (may_delete is None or may_delete(os.path.basename(f.path))):
+                if f.end_phy_offset < min_offset and (may_delete is None or may_delete(os.path.basename(f.path), f.end_phy_offset)):
                     victims.append(f)
                 else:
                     break

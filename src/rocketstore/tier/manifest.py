@@ -41,6 +41,7 @@ class TierQueueFile:
     name: str  # the consume-queue file name: its first unit's byte position, 20 digits
     min_index: int  # first unit whose record the tier holds (earlier ones point below the tier's start)
     units: int  # units in the file
+    last_phy: int = 0  # commitlog offset of its last unit's record: tier retention drops the file below it
 
 
 @dataclass
@@ -98,7 +99,8 @@ class TierManifest:
             "updatedAt": self.updated_at,
             "commitlog": [{"name": s.name, "size": s.size, "crc32": s.crc32, "firstStoreTime": s.first_store_time}
                           for s in self.commitlog],
-            "consumequeue": {q: [{"name": f.name, "minIndex": f.min_index, "units": f.units} for f in files]
+            "consumequeue": {q: [{"name": f.name, "minIndex": f.min_index, "units": f.units, "lastPhy": f.last_phy}
+                                 for f in files]
                              for q, files in sorted(self.consumequeue.items())},
             "index": [{"name": i.name, "beginTimestamp": i.begin_timestamp, "endTimestamp": i.end_timestamp,
                        "beginPhyOffset": i.begin_phy_offset, "endPhyOffset": i.end_phy_offset} for i in self.index],
@@ -119,7 +121,8 @@ class TierManifest:
                     updated_at=int(d.get("updatedAt", 0)))
             m.commitlog = [TierSegment(str(s["name"]), int(s["size"]), int(s["crc32"]), int(s.get("firstStoreTime", 0)))
                            for s in d["commitlog"]]
-            m.consumequeue = {str(q): [TierQueueFile(str(f["name"]), int(f["minIndex"]), int(f["units"]))
+            m.consumequeue = {str(q): [TierQueueFile(str(f["name"]), int(f["minIndex"]), int(f["units"]),
+                                                     int(f.get("lastPhy", 0)))
                                        for f in files] for q, files in d["consumequeue"].items()}
             m.index = [TierIndexFile(str(i["name"]), int(i["beginTimestamp"]), int(i["endTimestamp"]),
                                      int(i["beginPhyOffset"]), int(i["endPhyOffset"])) for i in d["index"]]

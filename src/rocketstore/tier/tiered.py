@@ -130,20 +130,36 @@ class TieredStorage:
             self.last_upload_ms = m.updated_at
 
     # ------------------------------------------------------------ questions from the store
+    def _expired_below(self, m: TierManifest, end_offset: int) -> bool:
+        """Whether data ending at ``end_offset`` lies below the tier's start: the tier held it and its own
+        retention (tieredStoreFileReservedTime) has dropped it (uploads start at the first local segment and
+        leave no gap, so nothing below the start was skipped)."""
+        return bool(m.commitlog) and end_offset <= m.min_offset
+
     def has_segment(self, base: int, length: int) -> bool:
         m = self.manifest
         if m is None or self.error is not None:
             return False
+        if self._expired_below(m, base + length):
+            return True
         s = m.segment_for(base)
         return s is not None and s.base == base and s.size >= length
 
-    def has_queue_file(self, topic: str, queue_id: int, name: str) -> bool:
+    def has_queue_file(self, topic: str, queue_id: int, name: str, last_phy: int | None = None) -> bool:
         m = self.manifest
-        return m is not None and self.error is None and any(f.name == name for f in m.queue_files(topic, queue_id))
+        if m is None or self.error is not None:
+            return False
+        if last_phy is not None and self._expired_below(m, last_phy + 1):
+            return True
+        return any(f.name == name for f in m.queue_files(topic, queue_id))
 
-    def has_index_file(self, name: str) -> bool:
+    def has_index_file(self, name: str, end_phy: int | None = None) -> bool:
         m = self.manifest
-        return m is not None and self.error is None and any(f.name == name for f in m.index)
+        if m is None or self.error is not None:
+            return False
+        if end_phy is not None and self._expired_below(m, end_phy + 1):
+            return True
+        return any(f.name == name for f in m.index)
 
     def holds(self, offset: int) -> bool:
         m = self.manifest

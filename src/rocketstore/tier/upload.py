@@ -24,6 +24,7 @@ from ..service import ServiceThread
 from .manifest import TierIndexFile, TierManifest, TierQueueFile, TierSegment
 from .objectstore import TierError
 from .reader import index_key, queue_key, segment_key
+from .retention import expire_round
 
 if TYPE_CHECKING:
     from ..store import MessageStore
@@ -63,7 +64,7 @@ def upload_round(store: "MessageStore", max_segments: int | None = None) -> dict
             raise TierError(tier.error)
         if m is None:
             m = tier.new_manifest()
-        done = {"segments": 0, "queueFiles": 0, "indexFiles": 0}
+        done = {"segments": 0, "queueFiles": 0, "indexFiles": 0, "expiredSegments": 0}
         done["segments"] = _upload_segments(store, m, max_segments)
         if done["segments"] or not m.updated_at:
             tier.publish(m)
@@ -71,6 +72,7 @@ def upload_round(store: "MessageStore", max_segments: int | None = None) -> dict
         done["indexFiles"] = _upload_index_files(store, m)
         if done["queueFiles"] or done["indexFiles"]:
             tier.publish(m)
+        done["expiredSegments"] = expire_round(store, int(store.clock() * 1000))
         if any(done.values()):
             log.info("tier %s: uploaded %s", tier.loc.uri, done)
         return done
@@ -134,7 +136,7 @@ def _upload_queue_files(store: "MessageStore", m: TierManifest) -> int:
                 continue  # every record it points at was gone before the tier began
             tier.objects.put_file(f.path, queue_key(cq.topic, cq.queue_id, name), size)
             files = m.consumequeue.setdefault(key, [])
-            files.append(TierQueueFile(name, int(name) // CQ_STORE_UNIT_SIZE + min_index, len(units)))
+            files.append(TierQueueFile(name, int(name) // CQ_STORE_UNIT_SIZE + min_index, len(units), last_phy))
             files.sort(key=lambda x: int(x.name))
             n += 1
     return n
