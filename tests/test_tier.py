@@ -254,3 +254,27 @@ def test_tier_retention_drops_the_oldest_segments(tmp_path, s3_server):
     got = _dump(store_path)
     assert [g["commitLogOffset"] for g in got] == [e["commitLogOffset"] for e in expected
                                                    if e["commitLogOffset"] >= 2 * 1048576]
+
+
+def test_bucket_down_at_open_fails_reads_loudly_and_hides_nothing(tmp_path, s3_server):
+    """Opened while the bucket cannot be reached, a store still knows (from config/tierManifest.json) what the
+    tier holds: queue minimums stay at the tier's start and a read there is an error naming the object, never
+    OFFSET_TOO_SMALL or a skipped message; once the bucket is back the same reads succeed."""
+    store_path, bucket, conf = _golden_tiered(tmp_path, s3_server)
+    with MessageStore.open(str(store_path), start_services=False) as store:
+        upload_round(store)
+        _free_local(store)
+    good = (store_path / "broker.conf").read_text()
+    (store_path / "broker.conf").write_text(good.replace(s3_server.endpoint, "http://127.0.0.1:9"))
+    from rocketstore.errors import StoreError
+    with MessageStore.open(str(store_path), read_only=True) as store:
+        assert store.min_offset_in_queue("TopicA", 0) == 0
+        with pytest.raises(StoreError, match="consumequeue/TopicA/0/"):
+            store.get("TopicA", 0, 0)
+        with pytest.raises(StoreError, match="commitlog/00000000000000000000"):
+            store.look(0)
+    r = run_cli("dump", store_path)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and b"commitlog/00000000000000000000" in r.stderr
+    (store_path / "broker.conf").write_text(good)
+    with MessageStore.open(str(store_path), read_only=True) as store:
+        assert store.get("TopicA", 0, 0).status == GetMessageStatus.FOUND

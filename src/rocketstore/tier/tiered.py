@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STORE_ID_FILE = "tierStore.json"  # under the store's config/: which tier this store owns, by id
+LOCAL_MANIFEST = "tierManifest.json"  # under config/: the last manifest this store published, for opens
 
 
 class TieredStorage:
@@ -48,7 +49,23 @@ class TieredStorage:
         self.lock = threading.RLock()
         self.store_id = self._local_store_id()
         self.last_upload_ms = 0
+        self._load_local_copy()
 
+    def _load_local_copy(self) -> None:
+        """Start from the last manifest this store published: an open knows the tier's range (queue minimums,
+        reads below the local disk) without reaching the bucket, and a bucket that is down then fails reads
+        with an error naming the object rather than hiding the messages."""
+        path = os.path.join(self.root, "config", LOCAL_MANIFEST)
+        try:
+            with open(path, "rb") as fh:
+                m = TierManifest.loads(fh.read(), path)
+            self._check_ours(m)
+        except FileNotFoundError:
+            return
+        except (OSError, StoreLoadError) as e:
+            log.warning("tier: ignoring the local copy of the manifest: %s", e)
+            return
+        self._set(m)
     # ------------------------------------------------------------ identity
     @property
     def id_path(self) -> str:
@@ -124,7 +141,10 @@ class TieredStorage:
     def publish(self, m: TierManifest) -> None:
         """Write the manifest: from now on the objects it lists count as uploaded."""
         m.updated_at = int(time.time() * 1000)
-        self.objects.put_bytes(MANIFEST, m.dumps())
+        data = m.dumps()
+        self.objects.put_bytes(MANIFEST, data)
+        from ..jsonfile import write_bytes_atomic
+        write_bytes_atomic(os.path.join(self.root, "config", LOCAL_MANIFEST), data)
         with self.lock:
             self._set(m)
             self.last_upload_ms = m.updated_at
