@@ -75,3 +75,17 @@ def flip_body_bit(store: Path, offset: int, segment: str = "commitlog/0000000000
     with open(path, "r+b") as fh:
         fh.seek(at)
         fh.write(bytes([data[at] ^ 0x10]))
+
+
+@pytest.fixture(scope="session")
+def spark_cluster(tmp_path_factory):
+    """A Spark standalone master and one worker on 127.0.0.1 for the whole run (tests/helpers/spark_cluster.py).
+
+    Skips when Java or pyspark is missing (the cluster is made of pyspark's jars run by ``java``).
+    """
+    pytest.importorskip("pyspark")
+    from helpers.spark_cluster import java_executable, spark_cluster as start
+    if java_executable() is None:
+        pytest.skip("java not found (JAVA_HOME or PATH): the Spark cluster tests need Java 17+")
+    with start(tmp_path_factory.mktemp("spark-cluster")) as cluster:
+        yield cluster
