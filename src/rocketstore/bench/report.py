@@ -58,7 +58,8 @@ def targets_table(targets: list[dict[str, Any]]) -> list[str]:
             result = "not measured"
         else:
             result = "met" if t["met"] else "**missed**"
-        ref = fmt_value(t["ref_value"], t["ref_unit"]) if t["ref"] else "-"
+        ref = fmt_value(t["ref_value"], t["ref_unit"]) if t["ref"] else \
+            (fmt_value(t["threshold"], t["unit"]) + " (target)" if t.get("floor") else "-")
         lines.append(f"| {t['workload']} | {t['target']} | {fmt_value(t['value'], t['unit'])} | {ref} | "
                      f"{fmt_ratio(t['ratio'], t['ceiling'])} | {result} |")
     return lines
@@ -156,7 +157,8 @@ def make_plots(res: Results, targets: list[dict[str, Any]], out_dir: str, stem: 
             values.append(0.0)
             colors.append("#bbbbbb")
             continue
-        score = (t["threshold"] / t["ratio"] if t["ratio"] else 0.0) if t["ceiling"] else t["ratio"] / t["threshold"]
+        score = (t["threshold"] / t["ratio"] if t["ratio"] else 0.0) if t["ceiling"] else \
+            t["ratio"] if t.get("floor") else t["ratio"] / t["threshold"]
         values.append(score)
         colors.append("#2e8b57" if t["met"] else "#c0392b")
     ax.barh(range(len(values)), values, color=colors)

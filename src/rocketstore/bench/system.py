@@ -192,7 +192,9 @@ def spark_scan(res: Results, workdir: str, store_path: str | None, mode: Mode) -
     plabel = "Spark reading the same rows exported to Parquet, local[2]"
 
     def skip(note: str, status: str = "skipped") -> None:
-        for id, sys_, lab in (("spark.scan", "rocketstore", label), ("parquet.scan", "spark-parquet", plabel)):
+        for id, sys_, lab in (("spark.scan", "rocketstore", label), ("parquet.scan", "spark-parquet", plabel),
+                              ("spark.write", "rocketstore", "Spark append to a new store, local[2]"),
+                              ("parquet.write", "spark-parquet", "Spark writing the same rows as Parquet")):
             res.skip(id, sys_, lab, "rows/s", note, status=status)
 
     if not mode.spark:
@@ -221,6 +223,12 @@ def spark_scan(res: Results, workdir: str, store_path: str | None, mode: Mode) -
                         extra={"cpuRatio": d.get("cpuRatio"), "job_wall_seconds": wall}))
     res.add(Measurement("parquet.scan", "spark-parquet", plabel, d["parquetRowsPerSec"], "rows/s", n=d["rows"],
                         seconds=best["parquet"], extra={"export_seconds": d["exportSeconds"]}))
+    w = d["write"]
+    res.add(Measurement("spark.write", "rocketstore", "Spark append of the exported rows to a new store, local[2]",
+                        w["rocketstoreRowsPerSec"], "rows/s", n=w["rows"], seconds=min(w["runs"]["rocketstore"]),
+                        ref="parquet.write", params={"repeats": repeats}))
+    res.add(Measurement("parquet.write", "spark-parquet", "Spark writing the same rows as Parquet, local[2]",
+                        w["parquetRowsPerSec"], "rows/s", n=w["rows"], seconds=min(w["runs"]["parquet"])))
 
 
 def broker_client(res: Results, workdir: str, mode: Mode) -> None:

@@ -120,10 +120,42 @@ def bench_spark_scan(store_path: str, workdir: str, *, spark: Any = None, repeat
             cores = _cores(spark.sparkContext.master)
             out["cpuRowsPerSec"] = {k: round(rows * cores / v) for k, v in cpu.items()}
             out["cpuRatio"] = round(cpu["parquet"] / cpu["rocketstore"], 3)
+        out["write"] = bench_spark_write(spark, parquet, workdir, repeats=repeats)
         return out
     finally:
         if own:
             spark.stop()
+
+
+def bench_spark_write(spark: Any, parquet: str, workdir: str, *, repeats: int = 3) -> dict[str, Any]:
+    """Rows/s of appending the exported rows to a new store (``mode("append")``), against Spark writing the
+    same DataFrame as Parquet; best of ``repeats``, each into a new directory."""
+    df = spark.read.parquet(parquet).select("topic", "body", "queueId", "tags", "keys", "properties",
+                                            "bornTimestamp", "bornHost").cache()
+    rows = df.count()
+    warm = os.path.join(workdir, "write-warm-up")  # the first write starts Python workers and loads the writer
+    df.limit(2000).write.format("rocketstore").mode("append").option("mappedFileSizeCommitLog", str(4 * 1024 * 1024)) \
+        .save(warm)
+    shutil.rmtree(warm, ignore_errors=True)
+    runs: dict[str, list[float]] = {"rocketstore": [], "parquet": []}
+    for i in range(max(1, repeats)):
+        target = os.path.join(workdir, f"write-store-{i}")
+        shutil.rmtree(target, ignore_errors=True)
+        t0 = time.perf_counter()
+        df.write.format("rocketstore").mode("append").option("mappedFileSizeCommitLog", str(64 * 1024 * 1024)) \
+            .save(target)
+        runs["rocketstore"].append(time.perf_counter() - t0)
+        shutil.rmtree(target, ignore_errors=True)
+        pq = os.path.join(workdir, f"write-parquet-{i}")
+        t0 = time.perf_counter()
+        df.write.mode("overwrite").parquet(pq)
+        runs["parquet"].append(time.perf_counter() - t0)
+        shutil.rmtree(pq, ignore_errors=True)
+    df.unpersist()
+    best = {k: min(v) for k, v in runs.items()}
+    return {"rows": rows, "rocketstoreRowsPerSec": round(rows / best["rocketstore"]),
+            "parquetRowsPerSec": round(rows / best["parquet"]),
+            "runs": {k: [round(x, 3) for x in v] for k, v in runs.items()}}
 
 
 def _cores(master: str) -> int:
