@@ -84,3 +84,17 @@ def s3_server(tmp_path_factory):
     server = s3server.start(str(tmp_path_factory.mktemp("s3") / "moto.log"))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def spark_cluster(tmp_path_factory):
+    """A Spark standalone master and one worker on 127.0.0.1 for the whole run (tests/helpers/spark_cluster.py).
+
+    Skips when Java or pyspark is missing (the cluster is made of pyspark's jars run by ``java``).
+    """
+    pytest.importorskip("pyspark")
+    from helpers.spark_cluster import java_executable, spark_cluster as start
+    if java_executable() is None:
+        pytest.skip("java not found (JAVA_HOME or PATH): the Spark cluster tests need Java 17+")
+    with start(tmp_path_factory.mktemp("spark-cluster")) as cluster:
+        yield cluster

@@ -1,0 +1,136 @@
+"""Issue 19: the Spark source and jobs on a standalone cluster (a master and a worker on 127.0.0.1).
+
+The cluster (tests/helpers/spark_cluster.py, the session fixture ``spark_cluster``) runs executors in
+their own JVMs whose Python cannot import rocketstore except from the zip the driver ships
+(``spark.submit.pyFiles``, built by ``rocketstore.spark.package.build_zip``): what passes here passes
+on a cluster whose executors have only the zip, pyarrow and numpy (and isal).  Every result is compared
+with local[2]'s and with RocketMQ's golden ``expected.jsonl``.
+
+Only one SparkContext may live in a process, so each test starts and stops its own sessions in turn.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pyspark")
+
+from conftest import copy_store, golden_expected, golden_store
+
+from rocketstore.spark import jobs
+from rocketstore.spark.cli import main as spark_main
+from rocketstore.spark.package import build_zip
+
+LOCAL_CONF = {"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "4", "spark.default.parallelism": "2"}
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory) -> str:
+    """The zip executors import rocketstore from (what ``rocketstore spark package`` writes)."""
+    return build_zip(str(tmp_path_factory.mktemp("pyfiles") / "rocketstore.zip"))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return copy_store(golden_store("basic"), tmp_path_factory.mktemp("cluster-store") / "store")
+
+
+@pytest.fixture
+def on_cluster(spark_cluster, monkeypatch):
+    """Point this process's next SparkContext at the cluster's executor Python (see the helper's docstring)."""
+    for k, v in spark_cluster.driver_env().items():
+        monkeypatch.setenv(k, v)
+    return spark_cluster
+
+
+def _summary(spark, path: Path) -> dict:
+    """Count and checksums of a full read: the bodies' CRC-32s and the commitlog offsets, summed."""
+    from pyspark.sql import functions as F
+    row = (spark.read.format("rocketstore").load(str(path))
+           .agg(F.count("*").alias("count"), F.sum(F.crc32("body")).alias("bodyCrc32"),
+                F.sum("commitLogOffset").alias("offsets"))
+           .collect()[0])
+    return row.asDict()
+
+
+def _golden_summary() -> dict:
+    expected = golden_expected("basic")
+    return {"count": len(expected), "bodyCrc32": sum(zlib.crc32(base64.b64decode(e["body"])) for e in expected),
+            "offsets": sum(e["commitLogOffset"] for e in expected)}
+
+
+def test_read_on_the_cluster_equals_local_and_golden(on_cluster, store, shipped, monkeypatch):
+    # Defined here, not at module level: cloudpickle ships a nested function by value (a module-level one
+    # by reference, and executors cannot import this test module).
+    def _where_tasks_import_from(_: object) -> dict:
+        """Runs inside a task: where rocketstore came from, and whether anything but the zip could provide it."""
+        import importlib.machinery
+        import os
+        import sys
+
+        import rocketstore
+        others = [p for p in sys.path if not p.endswith("rocketstore.zip")]
+        return {"file": rocketstore.__file__, "cwd": os.getcwd(), "pid": os.getpid(), "no_site": sys.flags.no_site,
+                "executable": sys.executable,
+                "elsewhere": importlib.machinery.PathFinder.find_spec("rocketstore", others) is not None
+                or any("editable" in type(f).__name__.lower() for f in sys.meta_path)}
+
+    spark = jobs.session(on_cluster.master_url, on_cluster.driver_conf(shipped), app_name="rocketstore cluster read")
+    try:
+        spark.sparkContext.setLogLevel("ERROR")
+        assert spark.sparkContext.master == on_cluster.master_url
+        where = spark.sparkContext.parallelize(range(4), 4).map(_where_tasks_import_from).collect()
+        on_cluster_summary = _summary(spark, store)
+        apps = on_cluster.state()["activeapps"]
+    finally:
+        spark.stop()
+    work = str(on_cluster.base / "work")
+    for w in where:
+        # An executor process (its cwd is the worker's directory for this app), the venv's Python without
+        # site, rocketstore from the shipped zip, and no other copy it could have used.
+        assert w["cwd"].startswith(work), w
+        assert w["file"].endswith(os.path.join("rocketstore.zip", "rocketstore", "__init__.py")), w
+        assert w["no_site"] == 1 and w["executable"] == sys.executable and not w["elsewhere"], w
+        assert w["pid"] != os.getpid(), w
+    assert [a["name"] for a in apps] == ["rocketstore cluster read"]
+
+    monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)
+    local = jobs.session("local[2]", LOCAL_CONF, app_name="rocketstore local read")
+    try:
+        local_summary = _summary(local, store)
+    finally:
+        local.stop()
+    assert on_cluster_summary == local_summary == _golden_summary()
+
+
+def _cli_json(capsys, *argv: str) -> tuple[int, dict]:
+    code = spark_main(list(argv))
+    out, err = capsys.readouterr()
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    assert lines, f"no output from rocketstore spark {' '.join(argv)}; stderr: {err[-2000:]}"
+    return code, json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("job", ["verify", "stats"])
+def test_cli_job_through_master_url_equals_local(job, on_cluster, store, shipped, monkeypatch, capsys):
+    """``rocketstore spark verify|stats --master spark://...`` gives local[2]'s answer."""
+    conf = [a for k, v in on_cluster.driver_conf(shipped).items() for a in ("--conf", f"{k}={v}")]
+    code, result = _cli_json(capsys, job, str(store), "--json", "--master", on_cluster.master_url, *conf)
+    assert f"rocketstore {job}" in [a["name"] for a in on_cluster.state()["completedapps"]]  # it ran there
+
+    monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)
+    local_conf = [a for k, v in LOCAL_CONF.items() for a in ("--conf", f"{k}={v}")]
+    local_code, local = _cli_json(capsys, job, str(store), "--json", "--master", "local[2]", *local_conf)
+    assert (code, result) == (local_code, local)
+    assert code == 0
+    if job == "verify":
+        assert result["ok"] is True
+    else:
+        assert result["messages"] == len(golden_expected("basic"))
