@@ -147,6 +147,32 @@ def test_a_tier_that_is_not_the_stores_is_refused(golden_tier, s3_server, tmp_pa
         remote.tier_below(str(store), remote.tier_of(str(store), {}), 3 * MIB, 65536)
 
 
+def test_executor_windows_and_parallel_gets_decode_exactly(golden_tier, monkeypatch):
+    """The executor's tier read in windows far smaller than the records (8 KiB bodies in 5000-byte windows:
+    each crossing record widens one window) and GETs of 3000 bytes in parallel gives RocketMQ's rows, also
+    from a start inside the segment that is not known to be a record boundary."""
+    _store, uri, conf = golden_tier
+    monkeypatch.setattr(remote, "FETCH_CHUNK", 3000)
+    ref = remote.tier_of(uri, creds(conf))
+    exp = sorted((e for e in golden_expected("basic") if MIB <= e["commitLogOffset"] < 2 * MIB),
+                 key=lambda e: e["commitLogOffset"])
+    names = ["commitLogOffset", "body", "storeTimestamp"]
+
+    def rows(start, known, window):
+        out = []
+        for b in remote.read_tier_range(ref, "commitlog/00000000000001048576", MIB, MIB, start, MIB, names,
+                                        batch_rows=64, boundary_known=known, window=window):
+            out += list(zip(b.column(0).to_pylist(), b.column(1).to_pylist()))
+        return out
+
+    want = [(e["commitLogOffset"], base64.b64decode(e["body"])) for e in exp]
+    assert max(e["size"] for e in exp) > 5000
+    assert rows(0, True, 5000) == want
+    assert rows(0, True, remote.WINDOW) == want
+    cut = exp[100]["commitLogOffset"] - MIB + 1  # inside record 100: the walk starts at the file start
+    assert rows(cut, False, 7000) == want[101:]
+
+
 # ---------------------------------------------------------------- streaming
 
 class Sink:
