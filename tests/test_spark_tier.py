@@ -155,12 +155,13 @@ def test_executor_windows_and_parallel_gets_decode_exactly(golden_tier, monkeypa
     monkeypatch.setattr(remote, "FETCH_CHUNK", 3000)
     ref = remote.tier_of(uri, creds(conf))
     exp = sorted((e for e in golden_expected("basic") if MIB <= e["commitLogOffset"] < 2 * MIB),
-                 key=lambda e: e["commitLogOffset"])
+                 key=lambda e: e["commitLogOffset"])[:150]  # the first 150 records of segment 1 (~160 KB)
+    end = exp[-1]["commitLogOffset"] + exp[-1]["size"] - MIB
     names = ["commitLogOffset", "body", "storeTimestamp"]
 
     def rows(start, known, window):
         out = []
-        for b in remote.read_tier_range(ref, "commitlog/00000000000001048576", MIB, MIB, start, MIB, names,
+        for b in remote.read_tier_range(ref, "commitlog/00000000000001048576", MIB, MIB, start, end, names,
                                         batch_rows=64, boundary_known=known, window=window):
             out += list(zip(b.column(0).to_pylist(), b.column(1).to_pylist()))
         return out
@@ -168,9 +169,23 @@ def test_executor_windows_and_parallel_gets_decode_exactly(golden_tier, monkeypa
     want = [(e["commitLogOffset"], base64.b64decode(e["body"])) for e in exp]
     assert max(e["size"] for e in exp) > 5000
     assert rows(0, True, 5000) == want
-    assert rows(0, True, remote.WINDOW) == want
     cut = exp[100]["commitLogOffset"] - MIB + 1  # inside record 100: the walk starts at the file start
     assert rows(cut, False, 7000) == want[101:]
+
+
+def test_a_stream_in_the_local_segments_does_not_ask_the_tier(golden_tier):
+    """Once a stream is past the tier, its triggers plan from the local files alone: an unreachable tier
+    (nothing listens on the discard port) stops only what needs it, naming it."""
+    store, uri, conf = golden_tier
+    down = remote.TierRef.from_options(uri, {**creds(conf), "objectStoreEndpoint": "http://127.0.0.1:9"})
+    tail = plan.find_tail(str(store))
+    assert plan.find_tail(str(store), 3 * MIB, 1 << 20, down) == tail
+    assert plan.find_tail(str(store), tier=down) == tail
+    assert [t.key for t in plan.stream_tasks(str(store), 3 * MIB, tail, None, down)] == [None]
+    with pytest.raises(StoreError, match="127.0.0.1:9"):
+        plan.earliest_offset(str(store), down)
+    with pytest.raises(StoreError, match="127.0.0.1:9"):
+        plan.stream_tasks(str(store), 0, tail, None, down)
 
 
 # ---------------------------------------------------------------- streaming
@@ -219,12 +234,14 @@ def test_stream_from_earliest_crosses_from_tier_to_local_once(spark, golden_tier
     first = next(i for i, e in enumerate(exp) if e["storeTimestamp"] >= t)
     assert [o for o, _ in sink.rows()] == [e["commitLogOffset"] for e in exp[first:]]
 
-    mid = exp[700]["commitLogOffset"]  # a record start inside a tier segment; one byte on is refused
+    mid = next(e["commitLogOffset"] for e in exp if e["commitLogOffset"] > MIB + 100000)  # inside tier segment 1
+    tier = remote.tier_of(str(store), {})
+    assert plan.check_boundary(str(store), mid, tier) == mid
     with pytest.raises(StoreError, match="no record starts at commitlog offset"):
-        plan.check_boundary(str(store), mid + 1, remote.tier_of(str(store), {}))
-    sink = Sink()
-    stream(spark, store, {"startingOffsets": mid}, sink, tmp_path / "chk-mid")
-    assert [o for o, _ in sink.rows()] == [e["commitLogOffset"] for e in exp[700:]]
+        plan.check_boundary(str(store), mid + 1, tier)
+    tasks = plan.stream_tasks(str(store), mid, plan.find_tail(str(store)), None, tier)
+    assert [(t.base, t.start, t.key is not None) for t in tasks] == \
+        [(MIB, mid - MIB, True), (2 * MIB, 0, True), (3 * MIB, 0, False)]
 
 
 def _put(root: str, conf: Path, first: int, n: int) -> None:
@@ -277,16 +294,19 @@ def test_small_segments_overlap_and_a_checkpoint_that_moves_into_the_tier(spark,
     assert df.rdd.getNumPartitions() == want[-1][0] // 65536 + 1  # one per segment, none twice
     alone = read(spark, uri, creds(conf)).select("commitLogOffset", "body").collect()
     assert sorted((r.commitLogOffset, bytes(r.body)) for r in alone) == [w for w in want if w[0] < tier_end]
-    assert read(spark, root, {}).count() == sum(1 for w in want if w[0] >= local_min)  # no tier option: local only
 
     chk = tmp_path / "chk"
     sink = Sink(fail_at=2)
-    sopts = {**opts, "startingOffsets": "earliest", "maxBytesPerTrigger": 65536}
+    sopts = {**opts, "startingOffsets": "earliest", "maxBytesPerTrigger": 2 * 65536}  # 2 tier segments a batch
     with pytest.raises(Exception, match="sink failed in batch 2"):
         stream(spark, root, sopts, sink, chk)
     assert sorted(sink.batches) == [0, 1] and sink.rows()[-1][0] < local_min  # stopped inside the tier
     stream(spark, root, sopts, sink, chk)
     assert sink.rows() == want
+    tier_sink = Sink()  # the tier alone, as a stream: what is uploaded so far
+    topts = {**creds(conf), "startingOffsets": "earliest"}
+    stream(spark, uri, topts, tier_sink, tmp_path / "chk-tier")
+    assert tier_sink.rows() == [w for w in want if w[0] < tier_end]
 
     tail = want[-1][0]
     _put(root, cfg, 2300, 900)
@@ -297,13 +317,12 @@ def test_small_segments_overlap_and_a_checkpoint_that_moves_into_the_tier(spark,
     new = _messages(root, cfg)
     assert len(new) == 3200 and sink.rows()[seen:] == new[2300:]
     assert len({o for o, _ in sink.rows()}) == len(sink.rows()) == 3200
+    stream(spark, uri, topts, tier_sink, tmp_path / "chk-tier")  # and on, over what was uploaded since
+    assert tier_sink.rows() == [w for w in new if w[0] < tier_end]
 
 
-def test_write_to_a_tier_is_refused(spark, golden_tier):
+def test_write_to_a_tier_is_refused(golden_tier):
+    from rocketstore.spark.source import RocketStoreWriter, spark_schema
     _store, uri, conf = golden_tier
-    df = spark.createDataFrame([("T", b"x")], "topic string, body binary")
-    with pytest.raises(Exception, match="is a tier"):
-        w = df.write.format("rocketstore").mode("append")
-        for k, v in creds(conf).items():
-            w = w.option(k, v)
-        w.save(uri)
+    with pytest.raises(StoreError, match="is a tier"):
+        RocketStoreWriter({"path": uri, **creds(conf)}, spark_schema())

@@ -524,6 +524,14 @@ def earliest_offset(root: str, tier: TierRef | None = None) -> int:
     return files[0][0] if files else 0
 
 
+def in_local_segments(root: str, offset: int) -> bool:
+    """Whether ``offset`` is at or past the first local segment (so a stream there needs no tier)."""
+    if is_tier_uri(root):
+        return False
+    files = _segment_files(root)
+    return bool(files) and offset >= files[0][0]
+
+
 def _tier_alone(root: str, tier: TierRef | None) -> TierPart:
     """A tier read on its own (``load("s3://...")``), possibly holding no segment yet."""
     from .remote import manifest
@@ -563,7 +571,9 @@ def find_tail(root: str, start: int | None = None, max_bytes: int | None = None,
     if is_tier_uri(root):
         part = store_tier(root, tier) or _tier_alone(root, tier)
         return part.end if start is None else max(start, _tier_tail(part, start, max_bytes))
-    part = store_tier(root, tier) if start is not None else None
+    if start is None or tier is None or in_local_segments(root, start):
+        return _local_tail(root, start, max_bytes)  # the tier is not asked (nor needed to be up)
+    part = store_tier(root, tier)
     if part is None or start >= part.end:
         return _local_tail(root, start, max_bytes)
     pos = _tier_tail(part, start, max_bytes)
@@ -729,7 +739,7 @@ def stream_tasks(root: str, start: int, end: int, flt: RowFilter | None, tier: T
     if end <= start:
         return []
     files = [] if is_tier_uri(root) else _segment_files(root)
-    part = store_tier(root, tier, files)
+    part = None if files and start >= files[0][0] else store_tier(root, tier, files)
     tasks = []
     for s in tier_segments(part):
         lo, hi = max(start, s.base), min(end, s.base + s.file_size)

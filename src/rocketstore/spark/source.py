@@ -415,6 +415,8 @@ class RocketStoreStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNo
         return out
 
     def _check_loss(self, root: str, offset: int) -> int:
+        if planner.in_local_segments(root, offset):
+            return offset  # in the local segments: the tier need not be asked (nor be up)
         earliest = planner.earliest_offset(root, self.tiers[root])
         if offset < earliest:
             msg = (f"{root}: commitlog offset {offset} is gone (the store now starts at {earliest}); "
@@ -429,7 +431,8 @@ class RocketStoreStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNo
         tasks = []
         for r in self.roots:
             s, e = int(start.get(r, 0)), int(end.get(r, 0))
-            s = max(s, planner.earliest_offset(r, self.tiers[r])) if not self.fail_on_data_loss else s
+            if not self.fail_on_data_loss and not planner.in_local_segments(r, s):
+                s = max(s, planner.earliest_offset(r, self.tiers[r]))
             tasks += planner.stream_tasks(r, s, e, None if self.flt.trivial() else self.flt, self.tiers[r])
         return [ScanPartition([t]) for t in tasks]
 
