@@ -39,7 +39,7 @@ from ..errors import StoreError, StoreLoadError
 from ..geometry import STORE_CONF
 from ..tier.manifest import MANIFEST, TierManifest
 from ..tier.objectstore import ObjectStore, TierLocation
-from ..tier.reader import TierReader, segment_key
+from ..tier.reader import TierReader
 from ..tier.tiered import STORE_ID_FILE
 
 log = logging.getLogger(__name__)
