@@ -292,6 +292,18 @@ def test_small_segments_overlap_and_a_checkpoint_that_moves_into_the_tier(spark,
     got = sorted((r.commitLogOffset, bytes(r.body)) for r in df.select("commitLogOffset", "body").collect())
     assert got == want
     assert df.rdd.getNumPartitions() == want[-1][0] // 65536 + 1  # one per segment, none twice
+    # Retention deletes an uploaded local segment between planning and reading: its task reads the tier.
+    from rocketstore.spark.source import read_task
+    tasks = plan.plan_scan(root, RowFilter(), tier=remote.tier_of(root, opts))
+    first_local = next(t.path for t in tasks if t.key is None)
+    os.rename(first_local, first_local + ".gone")
+    try:
+        names = ["commitLogOffset", "body"]
+        got = [(o, b) for batch in read_task(tasks, names, segment.arrow_schema(names), 1000)
+               for o, b in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist())]
+    finally:
+        os.rename(first_local + ".gone", first_local)
+    assert got == want
     alone = read(spark, uri, creds(conf)).select("commitLogOffset", "body").collect()
     assert sorted((r.commitLogOffset, bytes(r.body)) for r in alone) == [w for w in want if w[0] < tier_end]
 
