@@ -6,7 +6,8 @@ their own JVMs whose Python cannot import rocketstore except from the zip the dr
 on a cluster whose executors have only the zip, pyarrow and numpy (and isal).  Every result is compared
 with local[2]'s and with RocketMQ's golden ``expected.jsonl``.
 
-Only one SparkContext may live in a process, so each test starts and stops its own sessions in turn.
+Only one SparkContext may live in a process, so each test starts and stops its own sessions in turn
+(the driver's JVM stays up between them, as in a notebook).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -42,14 +44,6 @@ def store(tmp_path_factory) -> Path:
     return copy_store(golden_store("basic"), tmp_path_factory.mktemp("cluster-store") / "store")
 
 
-@pytest.fixture
-def on_cluster(spark_cluster, monkeypatch):
-    """Point this process's next SparkContext at the cluster's executor Python (see the helper's docstring)."""
-    for k, v in spark_cluster.driver_env().items():
-        monkeypatch.setenv(k, v)
-    return spark_cluster
-
-
 def _summary(spark, path: Path) -> dict:
     """Count and checksums of a full read: the bodies' CRC-32s and the commitlog offsets, summed."""
     from pyspark.sql import functions as F
@@ -66,7 +60,7 @@ def _golden_summary() -> dict:
             "offsets": sum(e["commitLogOffset"] for e in expected)}
 
 
-def test_read_on_the_cluster_equals_local_and_golden(on_cluster, store, shipped, monkeypatch):
+def test_read_on_the_cluster_equals_local_and_golden(spark_cluster, store, shipped, monkeypatch):
     # Defined here, not at module level: cloudpickle ships a nested function by value (a module-level one
     # by reference, and executors cannot import this test module).
     def _where_tasks_import_from(_: object) -> dict:
@@ -82,16 +76,27 @@ def test_read_on_the_cluster_equals_local_and_golden(on_cluster, store, shipped,
                 "elsewhere": importlib.machinery.PathFinder.find_spec("rocketstore", others) is not None
                 or any("editable" in type(f).__name__.lower() for f in sys.meta_path)}
 
-    spark = jobs.session(on_cluster.master_url, on_cluster.driver_conf(shipped), app_name="rocketstore cluster read")
+    # local[2] first, so that the cluster's session reuses this process's JVM, as a notebook's second
+    # session does: spark.submit.pyFiles must still reach executors then (jobs.session sees to it).
+    monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)
+    local = jobs.session("local[2]", LOCAL_CONF, app_name="rocketstore local read")
+    try:
+        local_summary = _summary(local, store)
+    finally:
+        local.stop()
+
+    for k, v in spark_cluster.driver_env().items():
+        monkeypatch.setenv(k, v)
+    spark = jobs.session(spark_cluster.master_url, spark_cluster.driver_conf(shipped), app_name="rocketstore cluster read")
     try:
         spark.sparkContext.setLogLevel("ERROR")
-        assert spark.sparkContext.master == on_cluster.master_url
+        assert spark.sparkContext.master == spark_cluster.master_url
         where = spark.sparkContext.parallelize(range(4), 4).map(_where_tasks_import_from).collect()
         on_cluster_summary = _summary(spark, store)
-        apps = on_cluster.state()["activeapps"]
+        apps = spark_cluster.state()["activeapps"]
     finally:
         spark.stop()
-    work = str(on_cluster.base / "work")
+    work = str(spark_cluster.base / "work")
     for w in where:
         # An executor process (its cwd is the worker's directory for this app), the venv's Python without
         # site, rocketstore from the shipped zip, and no other copy it could have used.
@@ -100,17 +105,11 @@ def test_read_on_the_cluster_equals_local_and_golden(on_cluster, store, shipped,
         assert w["no_site"] == 1 and w["executable"] == sys.executable and not w["elsewhere"], w
         assert w["pid"] != os.getpid(), w
     assert [a["name"] for a in apps] == ["rocketstore cluster read"]
-
-    monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)
-    local = jobs.session("local[2]", LOCAL_CONF, app_name="rocketstore local read")
-    try:
-        local_summary = _summary(local, store)
-    finally:
-        local.stop()
     assert on_cluster_summary == local_summary == _golden_summary()
 
 
 def _cli_json(capsys, *argv: str) -> tuple[int, dict]:
+    """``rocketstore spark ...`` in this process (its JVM reused): exit code and the JSON it printed."""
     code = spark_main(list(argv))
     out, err = capsys.readouterr()
     lines = [ln for ln in out.splitlines() if ln.strip()]
@@ -118,12 +117,30 @@ def _cli_json(capsys, *argv: str) -> tuple[int, dict]:
     return code, json.loads(lines[-1])
 
 
+def _cli_json_subprocess(env: dict[str, str], *argv: str) -> tuple[int, dict]:
+    """``rocketstore spark ...`` as a user runs it: a fresh process whose JVM spark-submit starts."""
+    p = subprocess.run([sys.executable, "-m", "rocketstore", "spark", *argv], capture_output=True, timeout=240,
+                       env={**os.environ, **env})
+    lines = [ln for ln in p.stdout.decode().splitlines() if ln.strip()]
+    assert lines, f"no output from rocketstore spark {' '.join(argv)}; stderr: {p.stderr.decode()[-2000:]}"
+    return p.returncode, json.loads(lines[-1])
+
+
 @pytest.mark.parametrize("job", ["verify", "stats"])
-def test_cli_job_through_master_url_equals_local(job, on_cluster, store, shipped, monkeypatch, capsys):
-    """``rocketstore spark verify|stats --master spark://...`` gives local[2]'s answer."""
-    conf = [a for k, v in on_cluster.driver_conf(shipped).items() for a in ("--conf", f"{k}={v}")]
-    code, result = _cli_json(capsys, job, str(store), "--json", "--master", on_cluster.master_url, *conf)
-    assert f"rocketstore {job}" in [a["name"] for a in on_cluster.state()["completedapps"]]  # it ran there
+def test_cli_job_through_master_url_equals_local(job, spark_cluster, store, shipped, monkeypatch, capsys):
+    """``rocketstore spark verify|stats --master spark://...`` gives local[2]'s answer.
+
+    verify runs as a command (a new process), stats in this process: both ways of starting the driver.
+    """
+    conf = [a for k, v in spark_cluster.driver_conf(shipped).items() for a in ("--conf", f"{k}={v}")]
+    argv = (job, str(store), "--json", "--master", spark_cluster.master_url, *conf)
+    if job == "verify":
+        code, result = _cli_json_subprocess(spark_cluster.driver_env(), *argv)
+    else:
+        for k, v in spark_cluster.driver_env().items():
+            monkeypatch.setenv(k, v)
+        code, result = _cli_json(capsys, *argv)
+    assert f"rocketstore {job}" in [a["name"] for a in spark_cluster.state()["completedapps"]]  # it ran there
 
     monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)
     local_conf = [a for k, v in LOCAL_CONF.items() for a in ("--conf", f"{k}={v}")]

@@ -54,8 +54,29 @@ def session(master: str | None = None, conf: dict[str, str] | None = None, app_n
     for k, v in {**defaults, **(conf or {})}.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
+    _serve_submitted_py_files(spark)
     register(spark)
     return spark
+
+
+def _serve_submitted_py_files(spark: Any) -> None:
+    """Make sure executors receive the ``spark.submit.pyFiles`` of this session.
+
+    spark-submit serves those files to executors when it starts the driver's JVM; a later
+    SparkContext in the same Python process (the JVM is reused) only puts them on the driver's
+    path, and executors then fail with "No module named 'rocketstore'".  Add any file Spark does not
+    serve yet.
+    """
+    try:
+        sc = spark.sparkContext
+        wanted = [p for p in sc.getConf().get("spark.submit.pyFiles", "").split(",") if p]
+        served = {os.path.basename(f.rstrip("/")) for f in sc.listFiles}
+    except Exception:  # noqa: BLE001 - Spark Connect has no SparkContext: nothing to serve from here
+        return
+    for path in wanted:
+        if os.path.basename(path) not in served:
+            log.info("adding %s (spark.submit.pyFiles) for executors", path)
+            sc.addPyFile(path)
 
 
 # ---------------------------------------------------------------- verify
