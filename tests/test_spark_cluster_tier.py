@@ -15,21 +15,23 @@ import pytest
 pytest.importorskip("pyspark")
 
 from conftest import golden_expected
-from test_spark_cluster import on_cluster, shipped  # noqa: F401 - fixtures
+from test_spark_cluster import shipped  # noqa: F401 - a fixture
 from test_spark_tier import MIB, Sink, assert_golden, creds, golden_tier, read, stream  # noqa: F401 - fixtures
 
 from rocketstore.spark import jobs
 
 
 def test_cluster_reads_a_tier_alone_and_a_store_whose_older_segments_are_only_in_the_bucket(
-        on_cluster, shipped, golden_tier, tmp_path):  # noqa: F811 - fixtures
+        spark_cluster, shipped, golden_tier, tmp_path, monkeypatch):  # noqa: F811 - fixtures
     store, uri, conf = golden_tier
+    for k, v in spark_cluster.driver_env().items():  # executors run the cluster's Python (the zip only)
+        monkeypatch.setenv(k, v)
     exp = sorted(golden_expected("basic"), key=lambda e: e["commitLogOffset"])
     assert not os.path.exists(store / "commitlog" / "00000000000000000000")
-    spark = jobs.session(on_cluster.master_url, on_cluster.driver_conf(shipped), app_name="rocketstore tier read")
+    spark = jobs.session(spark_cluster.master_url, spark_cluster.driver_conf(shipped), app_name="rocketstore tier read")
     try:
         spark.sparkContext.setLogLevel("ERROR")
-        assert spark.sparkContext.master == on_cluster.master_url
+        assert spark.sparkContext.master == spark_cluster.master_url
         alone = read(spark, uri, creds(conf), maxPartitionBytes=1)
         assert alone.rdd.getNumPartitions() == 3
         assert_golden(alone.collect(), [e for e in exp if e["commitLogOffset"] < 3 * MIB])
@@ -37,7 +39,7 @@ def test_cluster_reads_a_tier_alone_and_a_store_whose_older_segments_are_only_in
         sink = Sink()
         stream(spark, store, {"startingOffsets": "earliest", "maxBytesPerTrigger": MIB}, sink, tmp_path / "chk")
         assert [o for o, _ in sink.rows()] == [e["commitLogOffset"] for e in exp]
-        apps = [a["name"] for a in on_cluster.state()["activeapps"]]
+        apps = [a["name"] for a in spark_cluster.state()["activeapps"]]
     finally:
         spark.stop()
     assert apps == ["rocketstore tier read"]  # it ran on the cluster, not in local mode
