@@ -201,7 +201,7 @@ def first_at_or_after(ref: TierRef, m: TierManifest, segs: Sequence[Any], ts_ms:
     """Commitlog offset of the first record stored at or after ``ts_ms`` in ``segs`` (tier segments), or None.
 
     Store times ascend in commitlog order, so the search starts at the last segment whose first record is
-    older and reads (headers and properties, no bodies) only from there."""
+    older and fetches from there up to the first match (bodies are not decoded)."""
     start_i = 0
     for i, s in enumerate(segs):
         if s.first_store_time and s.first_store_time < ts_ms:
