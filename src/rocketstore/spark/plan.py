@@ -34,6 +34,7 @@ from ..errors import StoreError, StoreLoadError
 from ..queue_checked import units_by_queue
 from ..store import MessageStore
 from . import segment as _segment
+from .remote import TierPart, TierRef, is_tier_uri, tier_below
 from .segment import RowFilter, Segment, first_store_timestamp, store_times, walk
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class SegmentInfo:
     file_size: int
     end: int  # readable end, as a file position
     first_ts: int | None = None  # store time (ms) of the first record
+    key: str | None = None  # the object key when the segment is read from the tier (``path`` is then its URI)
 
 
 @dataclass
@@ -61,6 +63,9 @@ class ScanTask:
     filter: RowFilter | None = None
     queues: list | None = None  # consume-queue slices pointing into the segment (segment.QueueSlice)
     drop_cache: bool = False  # drop the segment's pages after reading (never set for the newest, hot segment)
+    tier: TierRef | None = None  # the store's tier: where ``key`` is read, or a local file gone since planning
+    key: str | None = None  # object key of a tier segment (read with ranged GETs, not from ``path``)
+    file_size: int = 0  # the tier segment's size
 
 
 @dataclass
@@ -88,6 +93,9 @@ def store_roots(options: dict[str, str]) -> list[str]:
         paths.append(options["path"])
     out = []
     for p in paths:
+        if is_tier_uri(p):  # a tier alone: kept as given (s3a:// is s3://)
+            out.append("s3://" + p.split("://", 1)[1].rstrip("/"))
+            continue
         if p.startswith("file://"):
             p = p[len("file://"):]
         elif p.startswith("file:"):
@@ -166,7 +174,7 @@ def _index_hits(store: MessageStore, topics: list[str], keys: frozenset[str]) ->
     return hits, (lo, files[-1].end_phy_offset)
 
 
-def list_segments(root: str) -> list[SegmentInfo]:
+def list_segments(root: str, files: list[tuple[int, str]] | None = None) -> list[SegmentInfo]:
     """The segments holding records and their readable ends, without opening the store.
 
     Every segment but the newest ends at its blank record; the newest ends
@@ -174,7 +182,7 @@ def list_segments(root: str) -> list[SegmentInfo]:
     written, or one whose tail was torn by a crash, reads up to its last whole
     record, as recovery would leave it.
     """
-    files = _segment_files(root)
+    files = _segment_files(root) if files is None else files
     if not files:
         return []
     size = _file_size(files)
@@ -187,18 +195,54 @@ def list_segments(root: str) -> list[SegmentInfo]:
     return out
 
 
+def tier_segments(part: TierPart | None) -> list[SegmentInfo]:
+    """The tier's segments as SegmentInfo: whole sealed files, each ending at its blank record."""
+    if part is None:
+        return []
+    from ..tier.reader import segment_key
+    return [SegmentInfo(part.ref.where(segment_key(s.name)), s.base, s.size, s.size, s.first_store_time or None,
+                        key=segment_key(s.name)) for s in part.segments]
+
+
+def store_tier(root: str, tier: TierRef | None, files: list[tuple[int, str]] | None = None) -> TierPart | None:
+    """The part of ``root``'s commitlog that is read from its tier: below the first of the local segment
+    ``files`` (listed now unless given; callers that also read the local files pass their one listing, so
+    that a file retention deletes in between is in one part or the other, never in neither)."""
+    if tier is None:
+        return None
+    if is_tier_uri(root):
+        return tier_below(root, tier, None, None)
+    if files is None:
+        files = _segment_files(root)
+    if not files:
+        return tier_below(root, tier, None, None)
+    return tier_below(root, tier, files[0][0], _file_size(files))
+
+
 def plan_scan(root: str, flt: RowFilter, *, report: PlanReport | None = None,
-              drop_cache: bool = False) -> list[ScanTask]:
+              drop_cache: bool = False, tier: TierRef | None = None) -> list[ScanTask]:
     """The partitions of a batch scan of one store: one per segment that may hold a matching record.
 
     ``drop_cache``: executors drop each segment's pages once read, except the
-    newest segment's (the hot set of a live store's consumers)."""
+    newest segment's (the hot set of a live store's consumers).
+    ``tier``: the store's tier (or, for an ``s3://`` root, the tier read alone);
+    its segments below the first local one come first, read with ranged GETs.
+    Topic, queue and key pruning apply to local segments only."""
     report = report or PlanReport(root)
-    if not os.path.isdir(os.path.join(root, "commitlog")):
-        if not os.path.exists(root):
-            raise StoreLoadError(f"{root}: no such store directory")
-        raise StoreLoadError(f"{root}: not a message store (no commitlog directory)")
-    segs = list_segments(root)
+    if is_tier_uri(root):
+        if tier is None:
+            raise StoreLoadError(f"{root}: a tier URI needs its options (objectStoreEndpoint ...)")
+        local: list[SegmentInfo] = []
+    else:
+        if not os.path.isdir(os.path.join(root, "commitlog")):
+            if not os.path.exists(root):
+                raise StoreLoadError(f"{root}: no such store directory")
+            raise StoreLoadError(f"{root}: not a message store (no commitlog directory)")
+        files = _segment_files(root)
+        local = list_segments(root, files)
+    part = store_tier(root, tier, None if is_tier_uri(root) else files)
+    remote = tier_segments(part)
+    segs = remote + local
     report.segments = len(segs)
     if flt.empty():
         report.pruned["emptyFilter"] = len(segs)
@@ -215,7 +259,7 @@ def plan_scan(root: str, flt: RowFilter, *, report: PlanReport | None = None,
         hi = 2 ** 63 if flt.offset_hi is None else flt.offset_hi
         keep = drop("commitLogOffset", [s for s in keep if s.base + s.end > lo and s.base <= hi])
     if (flt.ts_lo is not None or flt.ts_hi is not None) and keep:
-        _segment_times(segs)
+        _segment_times(local)
         kept = []
         for i, s in enumerate(segs):
             if s not in keep:
@@ -227,11 +271,11 @@ def plan_scan(root: str, flt: RowFilter, *, report: PlanReport | None = None,
                 continue
             kept.append(s)
         keep = drop("storeTimestamp", kept)
-    if (flt.topics is not None or flt.queue_ids is not None or flt.keys is not None) and keep:
+    if (flt.topics is not None or flt.queue_ids is not None or flt.keys is not None) and keep and local:
         with open_read_only(root) as store:
             file_size = store.commitlog.file_size
             units = units_by_queue(store)
-            covered = _covered_segments(segs, units, file_size)
+            covered = _covered_segments(local, units, file_size)  # tier segments are never covered: kept
             if flt.topics is not None or flt.queue_ids is not None:
                 hit: set[int] = set()
                 for (t, q), u in units.items():
@@ -249,16 +293,18 @@ def plan_scan(root: str, flt: RowFilter, *, report: PlanReport | None = None,
                         if s.base in hit_segs or c is None or not (ilo <= c[0] and c[1] <= ihi):
                             kept.append(s)
                     keep = drop("index", kept)
-    slices = queue_slices(root, keep)
+    slices = queue_slices(root, [s for s in keep if s.key is None]) if local else {}
     tasks = []
     for s in keep:
         start, known = 0, True
         if flt.offset_lo is not None and s.base < flt.offset_lo < s.base + s.end:
-            start, known = _boundary(s, flt.offset_lo)
+            start, known = _boundary(s, flt.offset_lo, part)
         tasks.append(ScanTask(root, s.path, s.base, start, s.end, known, None if flt.trivial() else flt,
-                              slices.get(s.base), drop_cache=drop_cache and s is not segs[-1]))
+                              slices.get(s.base), drop_cache=drop_cache and s is not segs[-1] and s.key is None,
+                              tier=tier, key=s.key, file_size=s.file_size))
     report.selected = len(tasks)
-    log.info("scan of %s: %d of %d segments (%s)", root, len(tasks), len(segs), report.pruned or "no pruning")
+    log.info("scan of %s: %d of %d segments (%d from the tier) (%s)", root, len(tasks), len(segs), len(remote),
+             report.pruned or "no pruning")
     return tasks
 
 
@@ -443,8 +489,12 @@ def _record_starts_at(path: str, base: int, offset: int) -> bool:
     return magic in (codec.MAGIC_V1, codec.MAGIC_V2) and struct.unpack_from(">q", head, 28)[0] == offset
 
 
-def _boundary(s: SegmentInfo, offset: int) -> tuple[int, bool]:
+def _boundary(s: SegmentInfo, offset: int, part: TierPart | None = None) -> tuple[int, bool]:
     """Start a walk at ``offset`` if a record starts there (its PHYSICALOFFSET says so), else at the file start."""
+    if s.key is not None:
+        assert part is not None
+        from .remote import record_starts_at
+        return (offset - s.base, True) if record_starts_at(part.ref, part.manifest, offset) else (0, False)
     with Segment(s.path) as seg:
         _size, msg, _ = codec.check(seg.mm, offset - s.base, s.end, check_crc=False)
         if msg is not None and msg.commit_log_offset == offset:
@@ -463,16 +513,79 @@ def _segment_files(root: str) -> list[tuple[int, str]]:
     return [(int(n), os.path.join(d, n)) for n in names]
 
 
-def earliest_offset(root: str) -> int:
+def earliest_offset(root: str, tier: TierRef | None = None) -> int:
+    """The first offset a stream can read: the tier's start when it holds segments below the local ones."""
+    part = store_tier(root, tier)
+    if part is not None:
+        return part.start
+    if is_tier_uri(root):
+        return _tier_alone(root, tier).end
     files = _segment_files(root)
     return files[0][0] if files else 0
+
+
+def in_local_segments(root: str, offset: int) -> bool:
+    """Whether ``offset`` is at or past the first local segment (so a stream there needs no tier)."""
+    if is_tier_uri(root):
+        return False
+    files = _segment_files(root)
+    return bool(files) and offset >= files[0][0]
+
+
+def _tier_alone(root: str, tier: TierRef | None) -> TierPart:
+    """A tier read on its own (``load("s3://...")``), possibly holding no segment yet."""
+    from .remote import manifest
+    if tier is None:
+        raise StoreLoadError(f"{root}: a tier URI needs its options (objectStoreEndpoint ...)")
+    return TierPart(tier, manifest(tier), [])
+
+
+def _tier_tail(part: TierPart, start: int, max_bytes: int | None) -> int:
+    """How far a stream goes in the tier from ``start`` (a record boundary): whole segments, at least the rest
+    of ``start``'s, within ``max_bytes`` (the tier is sealed: every segment end is a record boundary)."""
+    pos = start
+    size = part.file_size
+    for s in part.segments:
+        seg_end = s.base + size
+        if seg_end <= pos:
+            continue
+        if max_bytes is not None and pos > start and seg_end - start > max_bytes:
+            break
+        pos = seg_end
+    return pos
 
 
 def _file_size(files: list[tuple[int, str]]) -> int:
     return os.path.getsize(files[0][1])
 
 
-def find_tail(root: str, start: int | None = None, max_bytes: int | None = None) -> int:
+def find_tail(root: str, start: int | None = None, max_bytes: int | None = None,
+              tier: TierRef | None = None) -> int:
+    """The offset just past the last complete record, from ``start`` (see :func:`_local_tail`), across the
+    tier's segments (``tier``) first when ``start`` lies in them.
+
+    In the tier, ``max_bytes`` counts whole segments (at least the rest of
+    ``start``'s): segment ends are record boundaries, and finding a record
+    boundary inside one would mean fetching it on the driver.
+    """
+    if is_tier_uri(root):
+        part = store_tier(root, tier) or _tier_alone(root, tier)
+        return part.end if start is None else max(start, _tier_tail(part, start, max_bytes))
+    if start is None or tier is None or in_local_segments(root, start):
+        return _local_tail(root, start, max_bytes)  # the tier is not asked (nor needed to be up)
+    part = store_tier(root, tier)
+    if part is None or start >= part.end:
+        return _local_tail(root, start, max_bytes)
+    pos = _tier_tail(part, start, max_bytes)
+    if pos < part.end:
+        return pos
+    if max_bytes is None:
+        return _local_tail(root)
+    left = max_bytes - (pos - start)
+    return pos if left <= 0 else _local_tail(root, pos, left)
+
+
+def _local_tail(root: str, start: int | None = None, max_bytes: int | None = None) -> int:
     """The commitlog offset just past the last complete record, walking record headers from ``start``.
 
     ``start`` must be a record boundary (a previous tail); None starts at the
@@ -551,8 +664,23 @@ def _queue_verified_prefix(root: str, base: int, path: str, size: int) -> tuple[
     return int(pos[-1]), int(ends[n - 1] - base)
 
 
-def offset_for_timestamp(root: str, ts_ms: int) -> int:
-    """Commitlog offset of the first record stored at or after ``ts_ms`` (the tail when there is none)."""
+def offset_for_timestamp(root: str, ts_ms: int, tier: TierRef | None = None) -> int:
+    """Commitlog offset of the first record stored at or after ``ts_ms`` (the tail when there is none).
+
+    The tier is searched when the first local record is that new or newer (store times ascend in
+    commitlog order), from its last segment whose first record is older: headers read with ranged GETs.
+    """
+    part = store_tier(root, tier)
+    if part is not None:
+        files = [] if is_tier_uri(root) else _segment_files(root)
+        t0 = first_store_timestamp(files[0][1]) if files else None
+        if t0 is None or t0 >= ts_ms:
+            from .remote import first_at_or_after
+            hit = first_at_or_after(part.ref, part.manifest, part.segments, ts_ms)
+            if hit is not None:
+                return hit
+    if is_tier_uri(root):
+        return find_tail(root, tier=tier)
     files = _segment_files(root)
     start_i = 0
     for i, (_base, path) in enumerate(files):
@@ -571,8 +699,19 @@ def offset_for_timestamp(root: str, ts_ms: int) -> int:
     return find_tail(root)
 
 
-def check_boundary(root: str, offset: int) -> int:
+def check_boundary(root: str, offset: int, tier: TierRef | None = None) -> int:
     """``offset`` if a record (or a segment, or the tail) starts there; a stream can only start at one."""
+    part = store_tier(root, tier)
+    if is_tier_uri(root) and part is None:
+        part = _tier_alone(root, tier)
+    if part is not None and (part.start <= offset < part.end or is_tier_uri(root)):
+        from .remote import record_starts_at
+        if offset == part.end or offset in {s.base for s in part.segments} or \
+                (part.start <= offset < part.end and record_starts_at(part.ref, part.manifest, offset)):
+            return offset
+        raise StoreError(f"{root}: no record starts at commitlog offset {offset} in the tier {part.ref.uri}; a "
+                         "stream must start at a record (use an offset a batch read returned as commitLogOffset, "
+                         "earliest, latest or startingTimestamp)")
     files = _segment_files(root)
     if not files or any(offset == b for b, _ in files):
         return offset
@@ -591,15 +730,31 @@ def check_boundary(root: str, offset: int) -> int:
                      "startingTimestamp)")
 
 
-def stream_tasks(root: str, start: int, end: int, flt: RowFilter | None) -> list[ScanTask]:
-    """Partitions for the commitlog range [start, end): one per segment piece; both ends are record boundaries."""
+def stream_tasks(root: str, start: int, end: int, flt: RowFilter | None, tier: TierRef | None = None
+                 ) -> list[ScanTask]:
+    """Partitions for the commitlog range [start, end): one per segment piece; both ends are record boundaries.
+
+    Pieces below the first local segment come from the tier; each offset is read from exactly one place,
+    whichever holds it now (a segment both local and uploaded is read locally)."""
     if end <= start:
         return []
-    files = _segment_files(root)
+    files = [] if is_tier_uri(root) else _segment_files(root)
+    part = None if files and start >= files[0][0] else store_tier(root, tier, files)
     tasks = []
+    for s in tier_segments(part):
+        lo, hi = max(start, s.base), min(end, s.base + s.file_size)
+        if lo < hi:
+            tasks.append(ScanTask(root, s.path, s.base, lo - s.base, hi - s.base, True, flt, tier=tier, key=s.key,
+                                  file_size=s.file_size))
     for base, path in files:
-        size = os.path.getsize(path)
+        try:
+            size = os.path.getsize(path)
+        except FileNotFoundError:
+            if tier is None:
+                raise
+            from .remote import manifest  # deleted by retention since the listing: uploaded, read from the tier
+            size = manifest(tier).geometry["mappedFileSizeCommitLog"]
         lo, hi = max(start, base), min(end, base + size)
         if lo < hi:
-            tasks.append(ScanTask(root, path, base, lo - base, hi - base, True, flt))
+            tasks.append(ScanTask(root, path, base, lo - base, hi - base, True, flt, tier=tier, file_size=size))
     return tasks

@@ -43,7 +43,7 @@ from pyspark.sql.types import (
 from ..config import StoreConfig
 from ..errors import StoreError
 from . import plan as planner
-from . import segment
+from . import remote, segment
 from .segment import RowFilter
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,11 @@ class Options:
         if not roots:
             raise StoreError("rocketstore: no store path given (load(path) or option path)")
         return roots
+
+    def tiers(self, roots: list[str]) -> dict[str, remote.TierRef | None]:
+        """Each store's tier (options ``tieredStoreUri``/``objectStore*``, else its broker.conf); an
+        ``s3://`` path is a tier read alone."""
+        return {r: remote.tier_of(r, self.raw) for r in roots}
 
     def config_options(self) -> dict[str, str]:
         from dataclasses import fields as dc_fields
@@ -279,9 +284,20 @@ def read_task(tasks: list[planner.ScanTask] | None, names: list[str], arrow_sche
         return
     import pyarrow as pa
     for task in tasks:
-        for b in segment.read_range(task.path, task.start, task.end, names, task.filter, batch_rows=batch_rows,
-                                    boundary_known=task.boundary_known, queues=task.queues,
-                                    drop_cache=task.drop_cache, skip_damaged=skip_damaged):
+        key = task.key
+        if key is None and task.tier is not None and not os.path.exists(task.path):
+            from ..tier.reader import segment_key  # deleted by retention since planning: it is in the tier
+            log.info("%s: gone since the scan was planned; reading it from %s", task.path, task.tier.uri)
+            key = segment_key(os.path.basename(task.path))
+        if key is not None:
+            batches = remote.read_tier_range(task.tier, key, task.base, task.file_size, task.start, task.end, names,
+                                             task.filter, batch_rows=batch_rows,
+                                             boundary_known=task.boundary_known, skip_damaged=skip_damaged)
+        else:
+            batches = segment.read_range(task.path, task.start, task.end, names, task.filter, batch_rows=batch_rows,
+                                         boundary_known=task.boundary_known, queues=task.queues,
+                                         drop_cache=task.drop_cache, skip_damaged=skip_damaged)
+        for b in batches:
             if b.schema.equals(arrow_schema):
                 yield b
             else:
@@ -302,6 +318,7 @@ class RocketStoreReader(DataSourceReader):
     def __init__(self, options: Any, schema: StructType, default_min_partitions: int | None = None) -> None:
         opts = Options(options)
         self.roots = opts.roots()
+        self.tiers = opts.tiers(self.roots)
         self.names = _check_schema(schema)
         self.arrow_schema = _arrow_schema(schema)
         self.base = options_filter(opts, self.roots)
@@ -319,7 +336,7 @@ class RocketStoreReader(DataSourceReader):
         for root in self.roots:
             rep = planner.PlanReport(root)
             tasks += planner.plan_scan(root, self.base[root], report=rep,
-                                       drop_cache=self.drop_cache)
+                                       drop_cache=self.drop_cache, tier=self.tiers[root])
             reports.append(rep)
         return tasks, reports
 
@@ -343,6 +360,7 @@ class RocketStoreStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNo
     def __init__(self, options: Any, schema: StructType) -> None:
         opts = Options(options)
         self.roots = opts.roots()
+        self.tiers = opts.tiers(self.roots)
         self.names = _check_schema(schema)
         self.arrow_schema = _arrow_schema(schema)
         self.starting = parse_offsets(opts.get("startingOffsets"), self.roots, "startingOffsets", LATEST)
@@ -366,37 +384,40 @@ class RocketStoreStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNo
         out = {}
         for r in self.roots:
             v = self.starting[r]
+            t = self.tiers[r]
             if v == EARLIEST:
-                out[r] = planner.earliest_offset(r)
+                out[r] = planner.earliest_offset(r, t)
             elif v == LATEST:
-                out[r] = planner.find_tail(r)
+                out[r] = planner.find_tail(r, tier=t)
             elif v == "timestamp":
-                out[r] = planner.offset_for_timestamp(r, self.starting_ts)
+                out[r] = planner.offset_for_timestamp(r, self.starting_ts, t)
             else:
-                out[r] = planner.check_boundary(r, int(v))
+                out[r] = planner.check_boundary(r, int(v), t)
         return out
 
     def getDefaultReadLimit(self) -> ReadLimit:
         return ReadMaxBytes(self.max_bytes) if self.max_bytes else ReadAllAvailable()
 
     def prepareForTriggerAvailableNow(self) -> None:
-        self.target = {r: planner.find_tail(r) for r in self.roots}
+        self.target = {r: planner.find_tail(r, tier=self.tiers[r]) for r in self.roots}
 
     def latestOffset(self, start: dict | None = None, limit: ReadLimit | None = None) -> dict:
         start = start if start is not None else self.initialOffset()
         budget = limit.max_bytes if isinstance(limit, ReadMaxBytes) else None
         out = {}
         for r in self.roots:
-            s = int(start.get(r, planner.earliest_offset(r)))
+            s = int(start.get(r, planner.earliest_offset(r, self.tiers[r])))
             s = self._check_loss(r, s)
-            end = planner.find_tail(r, s, budget)
+            end = planner.find_tail(r, s, budget, self.tiers[r])
             if self.target is not None:
                 end = min(end, max(s, self.target[r]))
             out[r] = end
         return out
 
     def _check_loss(self, root: str, offset: int) -> int:
-        earliest = planner.earliest_offset(root)
+        if planner.in_local_segments(root, offset):
+            return offset  # in the local segments: the tier need not be asked (nor be up)
+        earliest = planner.earliest_offset(root, self.tiers[root])
         if offset < earliest:
             msg = (f"{root}: commitlog offset {offset} is gone (the store now starts at {earliest}); "
                    "messages were deleted before this query read them")
@@ -410,8 +431,9 @@ class RocketStoreStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNo
         tasks = []
         for r in self.roots:
             s, e = int(start.get(r, 0)), int(end.get(r, 0))
-            s = max(s, planner.earliest_offset(r)) if not self.fail_on_data_loss else s
-            tasks += planner.stream_tasks(r, s, e, None if self.flt.trivial() else self.flt)
+            if not self.fail_on_data_loss and not planner.in_local_segments(r, s):
+                s = max(s, planner.earliest_offset(r, self.tiers[r]))
+            tasks += planner.stream_tasks(r, s, e, None if self.flt.trivial() else self.flt, self.tiers[r])
         return [ScanPartition([t]) for t in tasks]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
@@ -435,6 +457,9 @@ class RocketStoreWriter(DataSourceArrowWriter):
         roots = opts.roots()
         if len(roots) != 1:
             raise StoreError("rocketstore write: save(path) takes exactly one store directory")
+        if remote.is_tier_uri(roots[0]):
+            raise StoreError(f"rocketstore write: {roots[0]} is a tier; a store uploads its own tier "
+                             "(write to the store directory)")
         self.root = roots[0]
         check_columns(schema.fieldNames())
         self.opts = WriteOptions.from_options(opts.config_options())
