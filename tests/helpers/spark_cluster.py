@@ -86,12 +86,24 @@ def _site_packages() -> str:
     return ":".join(dict.fromkeys([paths["purelib"], paths["platlib"]]))
 
 
+EXECUTOR_MARK = "ROCKETSTORE_TEST_EXECUTOR"  # set in the worker's environment only: executors inherit it
+
+
 def write_executor_python(path: Path) -> Path:
-    """The executors' Python: this venv's interpreter without ``site`` (see the module docstring)."""
+    """The Python every Spark worker process runs (see the module docstring).
+
+    Spark gives one ``PYSPARK_PYTHON`` path to the executors and to the Python runners the driver's JVM
+    starts (planning, a streaming source).  On a real cluster that path is the driver host's Python, with
+    rocketstore installed, and on executor hosts a Python without it.  On one machine the wrapper tells
+    them apart by :data:`EXECUTOR_MARK`: executors get the venv's python without ``site`` (no ``.pth``
+    files, so rocketstore comes only from the zip a job ships; site-packages itself stays on the path),
+    the driver side the venv's python as installed.
+    """
     path.write_text("#!/bin/sh\n"
-                    "# rocketstore tests: the venv's python without site (.pth files) so that rocketstore comes\n"
-                    "# only from the zip a job ships; site-packages itself stays on the path.\n"
-                    f'PYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{_site_packages()}" exec {sys.executable} -S "$@"\n',
+                    f'if [ -n "${EXECUTOR_MARK}" ]; then\n'
+                    f'  PYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{_site_packages()}" exec {sys.executable} -S "$@"\n'
+                    "fi\n"
+                    f'exec {sys.executable} "$@"\n',
                     encoding="utf-8")
     path.chmod(0o755)
     return path
@@ -114,6 +126,7 @@ def _clean_env(home: Path, base: Path) -> dict[str, str]:
                # The worker builds executor command lines with Spark's launcher, which needs the Scala
                # version (bin/load-spark-env.sh sets it; started with plain java, it is ours to set).
                SPARK_SCALA_VERSION=_scala_version(home))
+    env[EXECUTOR_MARK] = "1"
     return env
 
 
