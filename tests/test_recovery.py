@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -93,10 +94,16 @@ def test_clean_reopen_keeps_everything(tmp_path):
 def _run_writer(path: Path, flush: str, start: int, count: int, kill_after: float | None):
     p = subprocess.Popen([sys.executable, str(WRITER), str(path), flush, str(start), str(count)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    first = b""
     if kill_after is not None:
+        # The kill clock starts at the first acknowledged put, not at the spawn: on a loaded machine the
+        # writer's start-up alone can take longer than the shortest kill delay.
+        ready, _, _ = select.select([p.stdout], [], [], 60)
+        first = p.stdout.readline() if ready else b""
         time.sleep(kill_after)
         p.send_signal(signal.SIGKILL)
     out, err = p.communicate(timeout=120)
+    out = first + out
     acked = {}
     for line in out.decode().splitlines():
         parts = line.split()
