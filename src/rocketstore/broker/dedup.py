@@ -54,6 +54,7 @@ class SendDedup:
         self.started_ms = int(time.time() * 1000)
         # The commitlog's end when this process started taking sends: a record stored before it lies below.
         self.stored_before = store.max_phy_offset()
+        self._none_older = False  # set once no record older than this process is left
         self._recent: OrderedDict[tuple[str, str], tuple[int, str, bytes]] = OrderedDict()
 
     def remember(self, topic: str, message_id: str, offset: int, txid: str, body_digest: bytes) -> None:
@@ -76,7 +77,10 @@ class SendDedup:
         """Whether the id may belong to a message stored before this process started (then ask ``stored``)."""
         if not message_id or not self.store.config.messageIndexEnable or (topic, message_id) in self._recent:
             return False
+        if self._none_older:
+            return False
         if self.store.min_phy_offset() >= self.stored_before:
+            self._none_older = True  # (the commitlog's start only moves on)
             return False  # no record older than this process is left: nothing to find (and no thread hop)
         minted = minted_ms(message_id)
         return minted is None or minted < self.started_ms + CLOCK_SKEW_MS
