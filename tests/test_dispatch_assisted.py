@@ -183,3 +183,16 @@ def test_an_assisted_service_waits_longer_between_rounds_but_wakes_for_what_is_l
             time.sleep(0.01)
         assert store.reput.reput_from_offset == store.commitlog.max_offset()  # long before the next round
         assert store.query("T", "vk").phy_offsets == [r.commit_log_offset]
+
+
+def test_dispatch_ready_without_an_index(tmp_path):
+    with MessageStore.open(str(tmp_path / "s"), StoreConfig(messageIndexEnable=False)) as store:
+        store.reput.assisted = True
+        assert store.put(Message("T", b"a", queue_id=0, keys="k")).ok
+        assert store.wait_dispatched(10)
+        _service_paused(store)
+        assert store.put(Message("T", b"b", queue_id=0, keys="k2")).ok
+        assert store.reput.dispatch_ready() is True
+        assert [m.body for m in store.get("T", 0, 0, 8).messages] == [b"a", b"b"]
+        assert not store.index_service.files
+        _service_resumed(store)
