@@ -194,6 +194,12 @@ def test_dedup_looks_up_only_ids_minted_before_the_broker_started():
         class config:
             messageIndexEnable = True
 
+        def min_phy_offset(self):
+            return 0
+
+        def max_phy_offset(self):
+            return 4096  # records stored before this process started
+
     d = SendDedup(Store())
     old = _msg_id(1)
     assert abs(minted_ms(old) - time.time() * 1000) < 2000
@@ -202,3 +208,32 @@ def test_dedup_looks_up_only_ids_minted_before_the_broker_started():
     assert minted_ms("not-a-v1-id") is None and d.needs_lookup("T", "not-a-v1-id")
     d.remember("T", old, 7, "", b"d")
     assert not d.needs_lookup("T", old) and d.recent("T", old, b"d") == (7, "") and d.recent("T", old, b"e") is None
+
+
+def test_dedup_skips_the_lookup_when_no_record_predates_the_broker():
+    """A store that held nothing when the broker started (or whose older records are all deleted) cannot hold an
+    earlier send of any id: no index lookup (and no thread hop per send), whatever the id's mint time."""
+    from rocketstore.broker.dedup import SendDedup
+
+    class Store:
+        class config:
+            messageIndexEnable = True
+        lo, hi = 0, 0
+
+        def min_phy_offset(self):
+            return self.lo
+
+        def max_phy_offset(self):
+            return self.hi
+
+    empty = Store()
+    d = SendDedup(empty)
+    old = _msg_id(1)
+    empty.hi = 8192  # this process's own sends
+    assert not d.needs_lookup("T", old) and not d.needs_lookup("T", "not-a-v1-id")
+    held = Store()
+    held.hi = 4096
+    d = SendDedup(held)
+    assert d.needs_lookup("T", old)
+    held.lo = 4096  # retention deleted every record older than this process
+    assert not d.needs_lookup("T", old)

@@ -107,6 +107,45 @@ def test_sync_flush_put_stays_off_the_loop(tmp_path):
     assert len(threads) == 1 and threads[0] != loop_thread  # it waits for fdatasync: not on the loop
 
 
+def test_async_flush_sends_are_dispatched_on_the_loop_once_per_iteration(tmp_path):
+    """The consume queues are still built after the send is answered, but by one call on the loop for every send
+    of the loop iteration, not by waking the store's dispatch thread (which then waits longer between rounds)."""
+    from rocketstore.consume_queue import ConsumeQueue
+
+    async def scenario(broker, service, store):
+        assert store.reput.assisted
+        await service.SendMessage(_send_request(8), Context())  # one per queue: the dispatch thread makes them
+        assert await asyncio.to_thread(store.wait_dispatched, 10)
+        writers: list[int] = []
+        real = ConsumeQueue.put_units
+
+        def put_units(cq, *a):
+            writers.append(threading.get_ident())
+            return real(cq, *a)
+        ConsumeQueue.put_units = put_units
+        try:
+            resps = [await service.SendMessage(_send_request(1), Context()) for _ in range(3)]  # (no await waits)
+            queued_at_answer = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
+            await asyncio.sleep(0)
+            queued_after = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
+        finally:
+            ConsumeQueue.put_units = real
+        return resps, queued_at_answer, queued_after, writers, threading.get_ident()
+
+    resps, at_answer, after, writers, loop_thread = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    assert [r.status.code for r in resps] == [pb.Code.OK] * 3
+    assert at_answer == 8  # asynchronous: not in the queues when answered
+    assert after == 11
+    assert writers == [loop_thread] * 3  # three queues, one dispatch call
+
+
+def test_sync_flush_dispatch_stays_with_the_dispatch_thread(tmp_path):
+    async def scenario(broker, service, store):
+        return store.reput.assisted
+
+    assert _run(tmp_path, "SYNC_FLUSH", scenario) is False
+
+
 def test_inline_put_failure_is_not_acknowledged(tmp_path):
     async def scenario(broker, service, store):
         store.running_flags.make_not_writeable("disk gone (test)")

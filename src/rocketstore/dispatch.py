@@ -2,7 +2,8 @@
 
 ``DispatchRequest`` is what one record contributes; ``CommitLogDispatcher``
 applies it (used by recovery, rebuilds and the live ReputMessageService,
-which follows the CommitLog's confirmed end in its own thread).
+which follows the CommitLog's confirmed end in its own thread, or is helped
+by the thread that put the records: see :meth:`ReputMessageService.dispatch_ready`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Callable
 
 from . import codec
 from .codec import MessageExt
+from .consume_queue import CQ_STORE_UNIT_SIZE
 from .message import illegal_topic
 from .service import ServiceThread
 
@@ -27,6 +29,7 @@ log = logging.getLogger(__name__)
 
 INDEX_RETRY_S = 1.0  # how often a failed index is tried again
 CATCH_UP_SLICE_S = 0.2  # index catch-up work per dispatch round, so the consume queues keep up meanwhile
+ASSISTED_INTERVAL = 0.05  # the service's own rounds while an assistant dispatches the puts (see dispatch_ready)
 
 
 def note_index_failure(index: "IndexService", offset: int, store_ts: int, e: OSError) -> None:
@@ -112,6 +115,15 @@ class ReputMessageService(ServiceThread):
     Anything not handed over (after a restart, replayed imports,
     delay-topic records) is decoded from the CommitLog, as RocketMQ does.
     Either way a record is dispatched only once it is below the confirmed end.
+
+    A process whose puts all come from one thread (the broker's event loop)
+    can take the common case off this thread: it sets ``assisted`` and calls
+    :meth:`dispatch_ready` after its puts (once per loop iteration).  The
+    service then runs a round only every ASSISTED_INTERVAL (or when woken)
+    for what the assistant leaves: records not handed over, new files, the
+    index catch-up.  Polling every millisecond woke this thread for one or
+    two records a time, and each wake-up fought the putting thread for the
+    GIL; that cost more than dispatching the records.
     """
 
     name = "ReputMessageService"
@@ -127,11 +139,60 @@ class ReputMessageService(ServiceThread):
         # (the deque's own append: a method of ours around it would double the cost of the call).
         self.hand_over: Callable[[tuple], None] = self.handed_over.append
         self._index_retry_at = 0.0
+        self._round = threading.Lock()  # one dispatch round at a time: this thread's, or an assistant's
+        self.assisted = False  # an assistant calls dispatch_ready after its puts (the broker's loop)
 
     def behind(self) -> int:
         return max(0, self.store.confirm_offset() - self.reput_from_offset)
 
+    def wait_for_running(self, timeout: float) -> None:
+        super().wait_for_running(max(timeout, ASSISTED_INTERVAL) if self.assisted else timeout)
+
     def run_once(self) -> None:
+        with self._round:
+            self._run_round()
+
+    def dispatch_ready(self) -> bool:
+        """Dispatch, in the calling thread, the handed-over puts that are next and confirmed; True if any were.
+
+        Only what is quick is done here: units appended to existing consume-queue files with room, keys
+        added to an index file with room.  Whatever needs more (records to decode from the log, a new
+        queue or file, the index catch-up, the lock held by a flush) is left to the service, which is
+        woken for it.  The caller never waits for the service's round: when it is under way, the service
+        is woken to go on.
+        """
+        if self.stopped or not self._round.acquire(blocking=False):
+            self.wakeup()
+            return False
+        try:
+            store = self.store
+            index = store.index_service if store.config.messageIndexEnable else None
+            if index is not None and not index.lock.acquire(blocking=False):
+                self.wakeup()  # a flush or a cleaner has it: the service waits for it, not the caller
+                return False
+            try:
+                end = store.confirm_offset()
+                pending = self.handed_over
+                done = False
+                if self.reput_from_offset >= store.commitlog.min_offset() and \
+                        (index is None or index.missed_from is None):
+                    while pending and pending[0][0] < self.reput_from_offset:
+                        pending.popleft()  # already dispatched from the log
+                    if pending and pending[0][0] == self.reput_from_offset:
+                        done = self._dispatch_handed_over(pending, end, quick=True)
+                if self.reput_from_offset < end:
+                    self.wakeup()  # left for the service
+            finally:
+                if index is not None:
+                    index.lock.release()
+        finally:
+            self._round.release()
+        if done:
+            with self.caught_up:
+                self.caught_up.notify_all()
+        return done
+
+    def _run_round(self) -> None:
         store = self.store
         commitlog = store.commitlog
         if self.reput_from_offset < commitlog.min_offset():
@@ -156,12 +217,14 @@ class ReputMessageService(ServiceThread):
             with self.caught_up:
                 self.caught_up.notify_all()
 
-    def _dispatch_handed_over(self, pending: deque, end: int) -> bool:
+    def _dispatch_handed_over(self, pending: deque, end: int, quick: bool = False) -> bool:
         """Dispatch the handed-over puts that continue at the reput offset and end below ``end``.
 
         Units of one queue that follow each other (across puts too) are packed
         into the consume queue with one write: per record this is the
         dispatcher's whole cost unless the record has keys to index.
+        ``quick`` (dispatch_ready) stops before a put that needs a new queue
+        or file, or that does not continue its queue's last unit.
         """
         store = self.store
         index = store.index_service if store.config.messageIndexEnable else None
@@ -174,10 +237,35 @@ class ReputMessageService(ServiceThread):
         sizes: list[int] = []
         codes: list[int] = []
         last_ts = None
+        index_room = 0
+        if quick and index is not None:
+            last = index.files[-1] if index.files else None
+            if last is None or last.is_full():
+                return False  # the service makes the file
+            index_room = last.entries - last.index_count
         while pending:
             offset, stop, topic, qid, qoff, ts, txn, offs, szs, cds, keys, uniqs = pending[0]
             if offset != expected or stop > end:
                 break
+            if quick:
+                if qoff >= 0:
+                    key = (topic, qid)
+                    cq = store._cq_table.get(key)
+                    f = None if cq is None else cq.queue.last()
+                    if f is None:
+                        break
+                    held = len(offsets) if offsets and run_key == key and qoff == run_next else 0
+                    at = f.wrote_position + held * CQ_STORE_UNIT_SIZE
+                    if qoff * CQ_STORE_UNIT_SIZE != f.file_from_offset + at or \
+                            at + len(offs) * CQ_STORE_UNIT_SIZE > cq.file_size:
+                        break
+                if index is not None:  # at most this many keys: never a new index file here
+                    need = 0 if uniqs is None else len(offs)
+                    if keys is not None:
+                        need += sum(k.count(" ") + 1 for k in keys if k)
+                    if need > index_room or index_room == 0:
+                        break
+                    index_room -= need
             pending.popleft()
             expected = stop
             if qoff >= 0:

@@ -3,7 +3,9 @@
 It owns the topic and group tables, consumer offsets, the pop state, the
 timer (delay messages), transactions and the connected clients, and runs the
 periodic work: writing state files, renewing auto-renewed receipts, expiring
-clients.  Everything runs on one asyncio loop, ASYNC_FLUSH puts too; in
+clients.  Everything runs on one asyncio loop, ASYNC_FLUSH puts too, and so
+does their dispatch into the consume queues and the index, once per loop
+iteration (the store's dispatch thread is left what is not quick); in
 SYNC_FLUSH mode a put waits for the group commit, so those run in a thread pool.
 """
 
@@ -57,6 +59,7 @@ class Broker:
         self._tasks: list[asyncio.Task] = []
         self._persist_lock: asyncio.Lock | None = None
         self._pop_next_write = 0.0
+        self._dispatch_due = False  # a dispatch_ready call is scheduled for this loop iteration
         self.started = False
 
     # ------------------------------------------------------------ lifecycle
@@ -76,6 +79,8 @@ class Broker:
         self._tasks = [loop.create_task(every(self.cfg.flushConsumerOffsetInterval / 1000, self.persist,
                                               "persisting consumer state"), name="persist"),
                        loop.create_task(every(1.0, self._housekeeping, "housekeeping"), name="housekeeping")]
+        if self.store.group_commit is None and self.store.reput is not None:
+            self.store.reput.assisted = True  # our puts are dispatched on the loop (see put)
         self.started = True
 
     async def stop(self) -> None:
@@ -83,6 +88,8 @@ class Broker:
         if not self.started:
             return
         self.started = False
+        if self.store.reput is not None:
+            self.store.reput.assisted = False
         await cancel(*self._tasks)
         if self.timer:
             await self.timer.stop()
@@ -100,27 +107,44 @@ class Broker:
 
         ASYNC_FLUSH: the put runs on the loop.  It appends to the mapped commitlog and hands the record to the
         dispatcher (tens of microseconds); sending it to a thread cost more than the put itself (a pool
-        submit, a thread wake-up and a loop wake-up per send).  SYNC_FLUSH: the put waits for the group
-        commit's fdatasync, so it runs in the pool, where several wait on one flush.
+        submit, a thread wake-up and a loop wake-up per send).  The records are dispatched on the loop too,
+        after the current callback (so, as ever, asynchronously to the put), by one call for every put of
+        the loop iteration: waking the store's dispatch thread for them cost more than the dispatch.
+        SYNC_FLUSH: the put waits for the group commit's fdatasync, so it runs in the pool, where several wait
+        on one flush; the dispatch thread follows the flushed end.
         """
         try:
             if self.store.group_commit is None:
-                return self.store.put(msg)
+                res = self.store.put(msg)
+                if not self._dispatch_due and self.store.reput is not None:
+                    self._dispatch_due = True
+                    asyncio.get_running_loop().call_soon(self._dispatch)
+                return res
             return await asyncio.get_running_loop().run_in_executor(self.executor, self.store.put, msg)
         except StoreError as e:
             return PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=str(e))
         except RuntimeError as e:  # executor shut down
             return PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=str(e))
 
+    def _dispatch(self) -> None:
+        self._dispatch_due = False
+        try:
+            self.store.reput.dispatch_ready()
+        except Exception:  # the dispatch thread does it instead (and logs what fails there)
+            log.exception("dispatching on the loop failed; left to the dispatch thread")
+            self.store.reput.wakeup()
+
     # ------------------------------------------------------------ long polling
     def notify(self, topic: str, queue_id: int | None = None, tag: str | None = None) -> None:
         """A message was stored in ``topic`` (queue and tag when known): wake the receives that may take it.
 
         The wake-up waits until the store's dispatcher has put what is written so far into the consume queues
-        (about a millisecond; at most DISPATCH_WAIT): a receive woken earlier would find nothing and sleep on.
+        (at most DISPATCH_WAIT): a receive woken earlier would find nothing and sleep on.  It is first tried
+        after the loop's dispatch of this iteration's puts (scheduled before it), so it is usually not delayed.
         """
         if self.longpoll.has_waiters(topic):
-            self._wake(topic, queue_id, tag, self.store.max_phy_offset(), time.monotonic() + DISPATCH_WAIT)
+            asyncio.get_running_loop().call_soon(self._wake, topic, queue_id, tag, self.store.max_phy_offset(),
+                                                 time.monotonic() + DISPATCH_WAIT)
 
     def _wake(self, topic: str, queue_id: int | None, tag: str | None, end: int, give_up: float) -> None:
         reput = self.store.reput

@@ -67,6 +67,11 @@ GZIP = pb.Encoding.GZIP
 PLAIN_ENCODINGS = (pb.Encoding.IDENTITY, pb.Encoding.ENCODING_UNSPECIFIED)
 
 
+# (field, status code when it is out of range) of the Timestamps validate checks; built once, as each Code.X is a
+# Python-level enum lookup
+_TIMESTAMP_FIELDS = (("born_timestamp", Code.BAD_REQUEST), ("delivery_timestamp", Code.ILLEGAL_DELIVERY_TIME))
+
+
 class BadMessage(Exception):
     """A message the broker refuses: carries the RocketMQ status code."""
 
@@ -186,7 +191,7 @@ def validate(m, max_body: int, inflate_left: int | None = None) -> tuple[int, by
             raise BadMessage(Code.ILLEGAL_MESSAGE_PROPERTY_KEY, f"property name {k[:40]!r} is reserved or malformed")
         if "\x01" in v or "\x02" in v:
             raise BadMessage(Code.ILLEGAL_MESSAGE_PROPERTY_KEY, f"property {k[:40]!r} has a control character value")
-    for field, code in (("born_timestamp", Code.BAD_REQUEST), ("delivery_timestamp", Code.ILLEGAL_DELIVERY_TIME)):
+    for field, code in _TIMESTAMP_FIELDS:
         if sp.HasField(field):
             why = bad_timestamp(getattr(sp, field))
             if why:

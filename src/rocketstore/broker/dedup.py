@@ -4,7 +4,8 @@ Clients resend a message (same message id) when an answer does not reach them, a
 restart.  Recent sends are remembered in memory (id -> queue offset, transaction id, body digest).  An id
 this process has not seen, but that the client may have minted before the broker started, is looked up in
 the store's index (it maps ``topic#UNIQ_KEY`` to records), so a resend after a restart or a crash is not
-stored twice; no extra file is kept.
+stored twice; no extra file is kept.  The lookup is skipped when no record stored before this process started
+is left in the commitlog (a new store, or everything older deleted): then there is nothing it could find.
 
 A message is a resend only when its body is the stored body too.  A different message reusing an id is
 stored (as RocketMQ stores every send) and logged, never dropped.  Only messages put straight into their
@@ -51,6 +52,9 @@ class SendDedup:
         self.store = store
         self.capacity = capacity
         self.started_ms = int(time.time() * 1000)
+        # The commitlog's end when this process started taking sends: a record stored before it lies below.
+        self.stored_before = store.max_phy_offset()
+        self._none_older = False  # set once no record older than this process is left
         self._recent: OrderedDict[tuple[str, str], tuple[int, str, bytes]] = OrderedDict()
 
     def remember(self, topic: str, message_id: str, offset: int, txid: str, body_digest: bytes) -> None:
@@ -73,6 +77,11 @@ class SendDedup:
         """Whether the id may belong to a message stored before this process started (then ask ``stored``)."""
         if not message_id or not self.store.config.messageIndexEnable or (topic, message_id) in self._recent:
             return False
+        if self._none_older:
+            return False
+        if self.store.min_phy_offset() >= self.stored_before:
+            self._none_older = True  # (the commitlog's start only moves on)
+            return False  # no record older than this process is left: nothing to find (and no thread hop)
         minted = minted_ms(message_id)
         return minted is None or minted < self.started_ms + CLOCK_SKEW_MS
 

@@ -102,11 +102,11 @@ _CALLER_HEADERS = frozenset(("x-mq-client-id", "x-mq-namespace", "authorization"
 def _caller_headers(context: Any) -> dict[str, str]:
     """The headers :meth:`MessagingService._caller` reads, from one pass over the call's metadata
     (the first of each name, as :func:`_header` takes)."""
+    md = dict(reversed(context.invocation_metadata() or ()))  # (reversed: the first of a name wins)
     out: dict[str, str] = {}
-    for item in context.invocation_metadata() or ():
-        k = item[0]
-        if k in _CALLER_HEADERS and k not in out:
-            v = item[1]
+    for k in _CALLER_HEADERS:
+        v = md.get(k)
+        if v is not None:
             out[k] = v if isinstance(v, str) else v.decode("latin-1")
     return out
 
@@ -176,6 +176,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         self.advertised = (adv.strip("[]"), port)
         self._rr: dict[str, itertools.count] = {}
         self.dedup = SendDedup(broker.store)
+        self._legal_topics: set[str] = set()  # names illegal_name has passed
         self._tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------ helpers
@@ -242,10 +243,14 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         return name
 
     async def _topic_for(self, name: str, *, create: bool, status: Any, send: bool = False) -> TopicConfig | None:
-        why = illegal_name(name, "topic", MAX_TOPIC_LEN)
-        if why:
-            _set(status, Code.ILLEGAL_TOPIC, why)
-            return None
+        if name not in self._legal_topics:  # (a regular expression per send otherwise)
+            why = illegal_name(name, "topic", MAX_TOPIC_LEN)
+            if why:
+                _set(status, Code.ILLEGAL_TOPIC, why)
+                return None
+            if len(self._legal_topics) >= 10000:
+                self._legal_topics.clear()
+            self._legal_topics.add(name)
         if is_system_topic(name):
             _set(status, Code.ILLEGAL_TOPIC, f"{name} is a system topic")
             return None
@@ -538,7 +543,7 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
             return
         body_digest = digest(body)
         seen = self.dedup.recent(t.name, sp.message_id, body_digest)
-        if seen is None and mtype != pb.MessageType.TRANSACTION and self.dedup.needs_lookup(t.name, sp.message_id):
+        if seen is None and mtype != TRANSACTION and self.dedup.needs_lookup(t.name, sp.message_id):
             off = await asyncio.get_running_loop().run_in_executor(self.broker.executor, self.dedup.stored,
                                                                    t.name, sp.message_id, body)
             seen = None if off is None else (off, "")
