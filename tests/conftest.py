@@ -46,6 +46,17 @@ def basic_copy(tmp_path: Path) -> Path:
     return copy_store(golden_store("basic"), tmp_path / "store")
 
 
+def local_spark(app_name: str, shuffle_partitions: int = 4):
+    """A local[2] SparkSession for a test module (workers run this Python); the caller stops it."""
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    from rocketstore.spark import jobs
+    s = jobs.session("local[2]", {"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": str(shuffle_partitions),
+                                  "spark.default.parallelism": "2"}, app_name=app_name)
+    s.sparkContext.setLogLevel("ERROR")
+    return s
+
+
 def run_cli(*args: str, input: bytes | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run the real console entry point in a subprocess (exit codes and stderr as a user sees them)."""
     return subprocess.run([sys.executable, "-m", "rocketstore", *map(str, args)], input=input,

@@ -110,26 +110,17 @@ def test_sync_flush_put_stays_off_the_loop(tmp_path):
 def test_async_flush_sends_are_dispatched_on_the_loop_once_per_iteration(tmp_path):
     """The consume queues are still built after the send is answered, but by one call on the loop for every send
     of the loop iteration, not by waking the store's dispatch thread (which then waits longer between rounds)."""
-    from rocketstore.consume_queue import ConsumeQueue
+    from helpers.workloads import put_units_threads
 
     async def scenario(broker, service, store):
         assert store.reput.assisted
         await service.SendMessage(_send_request(8), Context())  # one per queue: the dispatch thread makes them
         assert await asyncio.to_thread(store.wait_dispatched, 10)
-        writers: list[int] = []
-        real = ConsumeQueue.put_units
-
-        def put_units(cq, *a):
-            writers.append(threading.get_ident())
-            return real(cq, *a)
-        ConsumeQueue.put_units = put_units
-        try:
+        with put_units_threads() as writers:
             resps = [await service.SendMessage(_send_request(1), Context()) for _ in range(3)]  # (no await waits)
             queued_at_answer = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
             await asyncio.sleep(0)
             queued_after = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
-        finally:
-            ConsumeQueue.put_units = real
         return resps, queued_at_answer, queued_after, writers, threading.get_ident()
 
     resps, at_answer, after, writers, loop_thread = _run(tmp_path, "ASYNC_FLUSH", scenario)

@@ -13,7 +13,7 @@ import threading
 import time
 
 from rocketstore import Message, MessageStore, StoreConfig, dispatch
-from rocketstore.consume_queue import ConsumeQueue
+from helpers.workloads import mixed_puts, put_units_threads
 
 
 def _service_paused(store: MessageStore) -> None:
@@ -31,19 +31,10 @@ def test_dispatch_ready_dispatches_in_the_calling_thread(tmp_path):
         assert store.put(Message("T", b"first", queue_id=0)).ok
         assert store.wait_dispatched(10)  # the service makes the queue and the index file
         _service_paused(store)
-        writers: list[int] = []
-        real = ConsumeQueue.put_units
-
-        def put_units(cq, *a):
-            writers.append(threading.get_ident())
-            return real(cq, *a)
-        ConsumeQueue.put_units = put_units
-        try:
+        with put_units_threads() as writers:
             results = [store.put(Message("T", b"m%d" % i, queue_id=0, keys=f"k{i}")) for i in range(5)]
             assert store.get("T", 0, 1, 8).messages == []  # not dispatched yet: the put does not dispatch
             assert store.reput.dispatch_ready() is True
-        finally:
-            ConsumeQueue.put_units = real
         assert writers == [threading.get_ident()]  # one write for the five units, in this thread
         assert store.reput.reput_from_offset == store.commitlog.max_offset()
         assert [m.body for m in store.get("T", 0, 1, 8).messages] == [b"m%d" % i for i in range(5)]
@@ -124,24 +115,13 @@ def test_assisted_dispatch_writes_what_a_rebuild_from_the_commitlog_writes(tmp_p
     cfg = StoreConfig(mappedFileSizeCommitLog=256 * 1024, mappedFileSizeConsumeQueue=200, maxIndexNum=120)
     rnd = random.Random(11)
     path = tmp_path / "s"
-    keyed = []
     with MessageStore.open(str(path), cfg) as store:
         store.reput.assisted = True
-        for i in range(600):
-            q = rnd.randrange(3)
-            if i % 7 == 0:
-                batch = [Message("T", b"b" * rnd.randrange(1, 300), queue_id=q, tags=f"t{i}")
-                         for _ in range(rnd.randrange(1, 13))]
-                assert store.put_batch(batch).ok
-            else:
-                topic = "T" if i % 5 else "U"
-                r = store.put(Message(topic, b"x" * rnd.randrange(1, 300), queue_id=q,
-                                      keys=f"k{i} j{i}" if i % 3 == 0 else None, tags="TagA" if i % 2 else None))
-                assert r.ok
-                if i % 3 == 0:
-                    keyed.append((topic, i, r.commit_log_offset))
+
+        def maybe_dispatch() -> None:
             if rnd.random() < 0.8:
                 store.reput.dispatch_ready()
+        keyed = mixed_puts(store, rnd, after_each=maybe_dispatch)
         assert store.wait_dispatched(10)
         assert store.reput.reput_from_offset == store.commitlog.max_offset()
         for topic, i, off in keyed:

@@ -22,7 +22,7 @@ import pytest
 
 pyspark = pytest.importorskip("pyspark")
 
-from conftest import GOLDEN, copy_store, flip_body_bit, golden_expected, golden_queries, golden_store, run_cli
+from conftest import local_spark, GOLDEN, copy_store, flip_body_bit, golden_expected, golden_queries, golden_store, run_cli
 
 from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.config import golden_config
@@ -37,12 +37,7 @@ EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 @pytest.fixture(scope="module")
 def spark():
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    from rocketstore.spark import jobs
-    s = jobs.session("local[2]", {"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "4",
-                                  "spark.default.parallelism": "2"}, app_name="rocketstore tests")
-    s.sparkContext.setLogLevel("ERROR")
+    s = local_spark("rocketstore tests", 4)
     yield s
     s.stop()
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import base64
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("pyspark")
 
-from conftest import GOLDEN_CONF, copy_store, golden_expected, golden_store
+from conftest import local_spark, GOLDEN_CONF, copy_store, golden_expected, golden_store
 from test_tier import SMALL, _free_local
 
 from rocketstore import Message, MessageStore
@@ -31,12 +30,7 @@ TIER_OPTS = ("objectStoreEndpoint", "objectStoreRegion", "objectStoreAccessKey",
 
 @pytest.fixture(scope="module")
 def spark():
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    from rocketstore.spark import jobs
-    s = jobs.session("local[2]", {"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "2",
-                                  "spark.default.parallelism": "2"}, app_name="rocketstore tier tests")
-    s.sparkContext.setLogLevel("ERROR")
+    s = local_spark("rocketstore tier tests", 2)
     yield s
     s.stop()
 

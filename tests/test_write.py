@@ -15,6 +15,7 @@ from rocketstore import (ConfigError, GetMessageStatus, Message, MessageStore, P
                          StoreConfig, StoreLoadError, StoreLockedError)
 from rocketstore.config import golden_config
 from conftest import GOLDEN, GOLDEN_NAMES, golden_expected, golden_queries, golden_store, run_cli
+from helpers.workloads import mixed_puts
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -341,15 +342,7 @@ def test_live_dispatch_writes_the_consume_queues_a_rebuild_from_the_commitlog_wr
     rnd = random.Random(7)
     path = tmp_path / "s"
     with MessageStore.open(str(path), cfg) as store:
-        for i in range(600):
-            q = rnd.randrange(3)
-            if i % 7 == 0:
-                batch = [Message("T", b"b" * rnd.randrange(1, 300), queue_id=q, tags=f"t{i}")
-                         for _ in range(rnd.randrange(1, 13))]
-                assert store.put_batch(batch).ok
-            else:
-                assert store.put(Message("T" if i % 5 else "U", b"x" * rnd.randrange(1, 300), queue_id=q,
-                                         keys=f"k{i}" if i % 3 == 0 else None, tags="TagA" if i % 2 else None)).ok
+        mixed_puts(store, rnd)
         assert store.wait_dispatched()
     live = {p.relative_to(path): p.read_bytes() for p in sorted((path / "consumequeue").rglob("*")) if p.is_file()}
     assert len(live) > 60

@@ -52,6 +52,25 @@ def index_file_name(now_ms: int) -> str:
     return time.strftime("%Y%m%d%H%M%S", t) + f"{now_ms % 1000:03d}"
 
 
+def walk_chain(entry: Callable[[int], tuple[int, int, int, int]], cur: int, count: int, h: int, begin_ts: int,
+               out: list[int], max_num: int, begin: int, end: int) -> None:
+    """Follow a hash slot's chain from entry ``cur`` (newest first), adding to ``out`` the offsets of entries
+    of hash ``h`` stored in [begin, end]; ``entry(n)`` reads entry n as (hash, offset, time diff, previous).
+    A chain stops at a bad link (outside 1..count, or a loop to itself) or once it is older than ``begin``."""
+    if cur <= 0 or cur > count or count <= 1:
+        return
+    while len(out) < max_num:
+        eh, off, diff, prev = entry(cur)
+        if diff < 0:
+            break
+        t = begin_ts + diff * 1000
+        if eh == h and begin <= t <= end:
+            out.append(off)
+        if prev <= 0 or prev > count or prev == cur or t < begin:
+            break
+        cur = prev
+
+
 class IndexFile:
     def __init__(self, path: str, slots: int, entries: int, *, read_only: bool = False, create: bool = False,
                  prev_end: tuple[int, int] = (0, 0)) -> None:
@@ -125,20 +144,9 @@ class IndexFile:
     def select(self, out: list[int], key: str, max_num: int, begin: int, end: int) -> None:
         h = index_key_hash(key)
         cur = _SLOT.unpack_from(self.mm, HEADER_SIZE + (h % self.slots) * SLOT_SIZE)[0]
-        count = self.index_count
-        if cur <= 0 or cur > count or count <= 1:
-            return
-        base, fb = self._entries_base, self.begin_timestamp
-        while len(out) < max_num:
-            eh, off, diff, prev = _ENTRY.unpack_from(self.mm, base + cur * ENTRY_SIZE)
-            if diff < 0:
-                break
-            t = fb + diff * 1000
-            if eh == h and begin <= t <= end:
-                out.append(off)
-            if prev <= 0 or prev > count or prev == cur or t < begin:
-                break
-            cur = prev
+        base, mm = self._entries_base, self.mm
+        walk_chain(lambda n: _ENTRY.unpack_from(mm, base + n * ENTRY_SIZE), cur, self.index_count, h,
+                   self.begin_timestamp, out, max_num, begin, end)
 
     def holds(self, key: str, phy_offset: int) -> bool:
         """Whether an entry of ``key`` points at ``phy_offset`` (its hash chain is walked back to older

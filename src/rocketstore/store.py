@@ -835,7 +835,7 @@ class MessageStore:
                 if self.commitlog._in_tier(phy):
                     msg = self._tier_unit(phy, size, read_body, topic, topic_bytes, queue_id, idx)
                 else:
-                    msg = self._local_unit(phy, size, read_body, topic, topic_bytes, queue_id, idx)
+                    msg = self.local_unit_record(phy, size, read_body, topic, topic_bytes, queue_id, idx)
                 if msg is None:
                     if out:
                         return GetMessageResult(GetMessageStatus.FOUND, idx, tier_lo, hi, out)
@@ -846,8 +846,10 @@ class MessageStore:
                 idx += 1
         return GetMessageResult(status, idx, tier_lo, hi, out)
 
-    def _local_unit(self, phy: int, size: int, read_body: bool, topic: str, topic_bytes: bytes, queue_id: int,
-                    queue_offset: int) -> MessageExt | None:
+    def local_unit_record(self, phy: int, size: int, read_body: bool, topic: str, topic_bytes: bytes, queue_id: int,
+                          queue_offset: int) -> MessageExt | None:
+        """The record a consume-queue unit points at in the local segments, or None when it is not there whole
+        or is not the unit's record (codec.decode_unit's check: topic, queue id, queue offset, size)."""
         f = self.commitlog.queue.find(phy)
         if f is None or not f.hold():
             return None

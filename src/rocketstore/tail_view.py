@@ -144,16 +144,8 @@ def _unit_agrees(store: MessageStore, cq: ConsumeQueue, index: int, phy: int, si
     (the read path's own check, codec.decode_unit, plus the tagsCode)."""
     if size <= 0 or phy < 0 or phy + size > log_end:
         return False
-    seg = store.commitlog.queue.find(phy)
-    if seg is None or not seg.hold():
-        return False
-    try:
-        pos = phy - seg.file_from_offset
-        if pos + size > seg.wrote_position:
-            return False  # not whole yet: the next call looks again
-        msg = codec.decode_unit(seg.mm, pos, size, False, cq.topic, cq.topic.encode("utf-8"), cq.queue_id, index)
-    finally:
-        seg.release()
+    # None also when the record is not whole yet: the next call looks again
+    msg = store.local_unit_record(phy, size, False, cq.topic, cq.topic.encode("utf-8"), cq.queue_id, index)
     if msg is None:
         return False
     want = codec.dispatch_tags_code(msg.topic, msg.properties, msg.store_timestamp)

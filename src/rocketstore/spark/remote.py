@@ -27,7 +27,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Any
 from urllib.parse import urlparse
 
 import numpy as np
@@ -41,6 +41,7 @@ from ..tier.manifest import MANIFEST, TierManifest
 from ..tier.objectstore import ObjectStore, TierLocation
 from ..tier.reader import TierReader
 from ..tier.tiered import STORE_ID_FILE
+from .segment import Segment
 
 log = logging.getLogger(__name__)
 
@@ -219,11 +220,11 @@ def first_at_or_after(ref: TierRef, m: TierManifest, segs: Sequence[Any], ts_ms:
 
 # ---------------------------------------------------------------- executors
 
-class RemoteSegment:
+class RemoteSegment(Segment):
     """A tier segment as :class:`.segment.Segment` presents a local one (``mm``, ``np``, ``pa``, ``base``,
-    ``size``, ``path``), filled window by window with ranged reads (:meth:`fetch`)."""
+    ``size``, ``path``; closed the same way), filled window by window with ranged reads (:meth:`fetch`)."""
 
-    def __init__(self, ref: TierRef, key: str, base: int, size: int) -> None:
+    def __init__(self, ref: TierRef, key: str, base: int, size: int) -> None:  # noqa: super() maps a file
         self.ref = ref
         self.key = key
         self.path = ref.where(key)
@@ -264,21 +265,6 @@ class RemoteSegment:
             except (OSError, AttributeError, ValueError):
                 pass
 
-    def close(self) -> None:
-        self.np = np.zeros(0, np.uint8)
-        self.pa = None
-        if self.mm is not None:
-            try:
-                self.mm.close()
-            except BufferError:  # an Arrow array still points into the map; it goes with that array
-                pass
-            self.mm = None
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def read_tier_range(ref: TierRef, key: str, base: int, size: int, start: int, end: int, names: Sequence[str],

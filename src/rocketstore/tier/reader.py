@@ -16,7 +16,7 @@ from .. import codec
 from ..codec import MessageExt
 from ..consume_queue import CQ_STORE_UNIT_SIZE
 from ..errors import CorruptRecordError
-from ..index import ENTRY_SIZE, HEADER_SIZE, SLOT_SIZE
+from ..index import ENTRY_SIZE, HEADER_SIZE, SLOT_SIZE, walk_chain
 from .manifest import TierManifest, TierSegment
 from .objectstore import ObjectStore
 
@@ -193,16 +193,8 @@ class TierReader:
             count = _HEADER.unpack_from(self.read(key, 0, HEADER_SIZE), 0)[5]
             cur = _SLOT.unpack_from(self.read(key, HEADER_SIZE + (h % slots) * SLOT_SIZE, SLOT_SIZE), 0)[0]
             base = HEADER_SIZE + SLOT_SIZE * slots
-            while 0 < cur <= count and count > 1 and len(out) < max_num:
-                eh, off, diff, prev = _ENTRY.unpack_from(self.read(key, base + cur * ENTRY_SIZE, ENTRY_SIZE), 0)
-                if diff < 0:
-                    break
-                t = fb + diff * 1000
-                if eh == h and begin <= t <= end:
-                    out.append(off)
-                if prev <= 0 or prev > count or prev == cur or t < begin:
-                    break
-                cur = prev
+            walk_chain(lambda n, key=key: _ENTRY.unpack_from(self.read(key, base + n * ENTRY_SIZE, ENTRY_SIZE), 0),
+                       cur, count, h, fb, out, max_num, begin, end)
             if fb < begin or len(out) >= max_num:
                 break
         return out
