@@ -278,3 +278,24 @@ def test_bucket_down_at_open_fails_reads_loudly_and_hides_nothing(tmp_path, s3_s
     (store_path / "broker.conf").write_text(good)
     with MessageStore.open(str(store_path), read_only=True) as store:
         assert store.get("TopicA", 0, 0).status == GetMessageStatus.FOUND
+
+
+def test_recovery_after_a_crash_keeps_units_that_point_into_the_tier(tmp_path, s3_server):
+    """Abnormal recovery of a store whose older segments are only in the bucket: the consume-queue units that
+    point there are kept (not truncated as dangling) and every message still reads."""
+    store_path, bucket, conf = _golden_tiered(tmp_path, s3_server)
+    expected = sorted(golden_expected("basic"), key=lambda e: e["commitLogOffset"])
+    with MessageStore.open(str(store_path), start_services=False) as store:
+        upload_round(store)
+        _free_local(store)
+    (store_path / "abort").write_bytes(b"")  # as a kill -9 leaves it
+    with MessageStore.open(str(store_path)) as store:
+        assert store.recovery_report.abnormal
+        got = []
+        for (topic, qid) in sorted({(e["topic"], e["queueId"]) for e in expected}):
+            off = store.min_offset_in_queue(topic, qid)
+            assert off == 0
+            while (r := store.get(topic, qid, off, 32)).messages:
+                got += [m.commit_log_offset for m in r.messages]
+                off = r.next_begin_offset
+        assert sorted(got) == [e["commitLogOffset"] for e in expected]
