@@ -286,3 +286,62 @@ def test_a_long_damaged_span_gets_tombstones_of_the_lost_sizes_and_fillers_betwe
     span.action = "blank"  # nothing valid after it in its file: a blank after the last tombstone
     assert [(o, n, kind) for o, n, kind, _m in layout(span, set())][-2:] == [(2400, 500, "tombstone"),
                                                                             (2900, 1000, "blank")]
+
+
+def _flip_header(store: Path, e: dict, at: int, mask: int) -> None:
+    """XOR one byte of the record ``e`` at record position ``at`` (no CRC covers the header)."""
+    seg = e["commitLogOffset"] // SEG * SEG
+    with open(store / "commitlog" / f"{seg:020d}", "r+b") as fh:
+        fh.seek(e["commitLogOffset"] - seg + at)
+        b = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([b[0] ^ mask]))
+
+
+@pytest.mark.parametrize("field,at,mask", [
+    ("queueId", 15, 0x01),        # queue 3 -> 2: another queue's record at the same offset exists
+    ("queueId", 12, 0x02),        # a queue that does not exist (fuzz seed 1600136 flipped this field)
+    ("queueOffset", 27, 0x04),    # another offset of the same queue
+    ("topic", None, 0x02),        # TopicA -> TopicC: another topic's queue
+])
+def test_a_flipped_routing_field_is_restored_from_the_consume_queue(basic_copy, field, at, mask):
+    """A bit flip in a record's topic, queue id or queue offset (no CRC covers them) used to be dispatched as
+    it read when repair rebuilt the queues: the message moved to another queue, or left a gap in its own."""
+    from rocketstore.config import golden_config
+    from rocketstore.repair import repair_store
+    e = next(x for x in golden_expected("basic") if x["topic"] == "TopicA" and x["queueId"] == 3
+             and x["queueOffset"] == 204)
+    if at is None:
+        at = e["size"] - len(e["propertiesString"].encode()) - 2 - 1  # the last topic character ("A")
+    _flip_header(basic_copy, e, at, mask)
+    result = repair_store(str(basic_copy), golden_config())
+    assert result["ok"] and not result["problems"] and result["lost"] == [], result
+    [fix] = result["restored"]
+    assert fix["offset"] == e["commitLogOffset"] and list(fix["fields"]) == [field]
+    restored = {"topic": "TopicA", "queueId": 3, "queueOffset": 204}[field]
+    assert fix["fields"][field]["restored"] == restored
+    # The record is the golden one again, byte for byte; its original is kept in quarantine.
+    seg = f"{e['commitLogOffset'] // SEG * SEG:020d}"
+    assert (basic_copy / "commitlog" / seg).read_bytes() == (golden_store("basic") / "commitlog" / seg).read_bytes()
+    assert (Path(result["quarantine"]) / "commitlog" / seg).exists()
+    with MessageStore.open(str(basic_copy), read_only=True) as store:
+        [m] = store.get("TopicA", 3, 204, 1).messages
+        assert (m.commit_log_offset, m.queue_offset, m.body_crc) == (e["commitLogOffset"], 204, e["bodyCrc"])
+        assert sorted(store.queue_keys()) == sorted({(x["topic"], x["queueId"]) for x in golden_expected("basic")})
+
+
+def test_a_routing_field_two_units_claim_is_left_as_it_reads(basic_copy):
+    """When another unit points at the record too, repair cannot tell which is right: it restores nothing."""
+    from rocketstore.config import golden_config
+    from rocketstore.repair import header_fixes
+    e = next(x for x in golden_expected("basic") if x["topic"] == "TopicA" and x["queueId"] == 3
+             and x["queueOffset"] == 204)
+    _flip_header(basic_copy, e, 15, 0x01)  # now it reads TopicA-2
+    cq = basic_copy / "consumequeue"
+    assert len(header_fixes(str(cq), str(basic_copy / "commitlog"), SEG, [])) == 1
+    other = cq / "TopicA" / "2" / "00000000000000000000"
+    data = bytearray(other.read_bytes())
+    data[204 * 20:205 * 20] = (cq / "TopicA" / "3" / "00000000000000000000").read_bytes()[204 * 20:205 * 20]
+    other.write_bytes(bytes(data))
+    assert header_fixes(str(cq), str(basic_copy / "commitlog"), SEG, []) == []
+    assert golden_config().mappedFileSizeCommitLog == SEG
