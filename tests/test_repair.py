@@ -345,3 +345,26 @@ def test_a_routing_field_two_units_claim_is_left_as_it_reads(basic_copy):
     other.write_bytes(bytes(data))
     assert header_fixes(str(cq), str(basic_copy / "commitlog"), SEG, []) == []
     assert golden_config().mappedFileSizeCommitLog == SEG
+
+
+def test_units_shifted_by_a_gap_are_not_taken_for_flipped_queue_offsets(basic_copy):
+    """Fuzz seed 1801196: dispatch writes the records after a gap at the lost units, so each of those units
+    points at a record of a later queue offset, with its size and tagsCode.  Repair took them for records
+    whose QUEUEOFFSET a bit flip had changed and wrote the unit's offsets into 62 intact records.  A
+    restore needs sound units on both sides; here no commitlog byte may change."""
+    from rocketstore.config import golden_config
+    from rocketstore.repair import repair_store
+    cq = basic_copy / "consumequeue" / "TopicA" / "0" / "00000000000000000000"
+    data = cq.read_bytes()
+    cq.write_bytes(data[:100 * 20] + data[103 * 20:] + bytes(3 * 20))  # units 100..102 lost, the rest moved down
+    result = repair_store(str(basic_copy), golden_config())
+    assert result["restored"] == [] and result["lost"] == []
+    assert tree_digest(basic_copy / "commitlog") == tree_digest(golden_store("basic") / "commitlog")
+    queue = sorted((e for e in golden_expected("basic") if (e["topic"], e["queueId"]) == ("TopicA", 0)),
+                   key=lambda e: e["queueOffset"])
+    with MessageStore.open(str(basic_copy), read_only=True) as store:
+        got, off = [], 0
+        while (r := store.get("TopicA", 0, off, 32, read_body=False)).messages:
+            got += [(m.queue_offset, m.commit_log_offset) for m in r.messages]
+            off = r.next_begin_offset
+    assert got == [(e["queueOffset"], e["commitLogOffset"]) for e in queue]

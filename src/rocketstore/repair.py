@@ -341,41 +341,52 @@ def _queue_units(cq_root: str) -> Iterator[tuple[str, int, int, int, int, int]]:
 
 def header_fixes(cq_root: str, cdir: str, file_size: int, spans: list[DamagedSpan]) -> list[HeaderFix]:
     """The records whose topic, queue id or queue offset contradict the old consume-queue unit pointing at
-    them, where that unit is the only one pointing there and matches the record's size and tagsCode.
+    them, where that unit is the only one pointing there, matches the record's size and tagsCode, and sits
+    between two units of its queue that agree with their records in every field.
 
-    A unit is written from the record's own fields by dispatch, so a record
-    that agrees with its unit on size and tagsCode but names another queue or
-    offset was changed afterwards; a bit flip in a unit could not make it point
-    exactly at another record of the same size and tags.  A V1/V2 topic is
-    restored only at the same byte length, and only for records dispatch puts
-    in a queue (not PREPARED or ROLLBACK: which of the two it was is unknown).
+    Dispatch writes a unit from the record's fields, so a record that agrees
+    with its unit on size and tagsCode but names another queue or offset was
+    changed afterwards; a bit flip in a unit could not make it point exactly
+    at another record of the same size and tags.  The sound neighbours rule out
+    the one way dispatch itself writes units at other offsets than their
+    records': a queue that lost units and was refilled from later records
+    (RocketMQ's gap handling shifts every unit after the gap, not one).  A
+    V1/V2 topic is restored only at the same byte length, and only for records
+    dispatch puts in a queue (not PREPARED or ROLLBACK: which of the two it was
+    is unknown).
     """
     ranges = sorted((s.offset, s.offset + s.length) for s in spans)
     segments: dict[int, Any] = {}
-    candidates: dict[int, HeaderFix] = {}
+
+    def record_at(off: int) -> tuple[Any, int, tuple, bytes, int] | None:
+        """(segment map, position, header, topic bytes, topic position) of a structurally valid record
+        starting at ``off``."""
+        base = off - off % file_size
+        if any(a <= off < b for a, b in ranges):
+            return None  # a damaged span: its records are rewritten, not restored
+        mm = segments.get(base)
+        if mm is None:
+            p = os.path.join(cdir, f"{base:020d}")
+            mm = False
+            if os.path.isfile(p) and os.path.getsize(p) == file_size:
+                with open(p, "rb") as fh:
+                    mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            segments[base] = mm
+        if mm is False:
+            return None
+        try:
+            h, tp, tl, _pl = codec.parse(mm, off - base, file_size)
+        except codec.RecordError:
+            return None  # a dangling unit: the rebuild drops it
+        return (mm, off - base, h, bytes(mm[tp:tp + tl]), tp) if h[6] == off else None
+
+    candidates: dict[int, tuple[tuple[str, int, int], HeaderFix]] = {}
     try:
         for topic, qid, qoff, off, size, tags in _queue_units(cq_root):
-            base = off - off % file_size
-            if any(a <= off < b for a, b in ranges):
-                continue  # a damaged span: its records are rewritten, not restored
-            mm = segments.get(base)
-            if mm is None:
-                p = os.path.join(cdir, f"{base:020d}")
-                if base in segments or not os.path.isfile(p) or os.path.getsize(p) != file_size:
-                    segments[base] = False
-                    continue
-                with open(p, "rb") as fh:
-                    mm = segments[base] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-            if mm is False:
+            rec = record_at(off)
+            if rec is None or rec[2][0] != size:
                 continue
-            pos = off - base
-            try:
-                h, tp, tl, _pl = codec.parse(mm, pos, file_size)
-            except codec.RecordError:
-                continue  # a dangling unit: the rebuild drops it
-            if h[6] != off or h[0] != size:
-                continue
-            rtopic = bytes(mm[tp:tp + tl])
+            mm, pos, h, rtopic, tp = rec
             want = topic.encode("utf-8", "surrogatepass")
             if (rtopic, h[3], h[5]) == (want, qid, qoff):
                 continue
@@ -396,18 +407,27 @@ def header_fixes(cq_root: str, cdir: str, file_size: int, spans: list[DamagedSpa
             if h[5] != qoff:
                 fields["queueOffset"] = (h[5], qoff)
                 writes.append((pos + 20, struct.pack(">q", qoff)))
-            candidates.setdefault(off, HeaderFix(os.path.join(cdir, f"{base:020d}"), off, fields, writes))
+            fix = HeaderFix(os.path.join(cdir, f"{off - off % file_size:020d}"), off, fields, writes)
+            candidates.setdefault(off, ((topic, qid, qoff), fix))
+        if not candidates:
+            return []
+        claims: dict[int, int] = dict.fromkeys(candidates, 0)  # a record two units point at: trust neither
+        wanted = {(t, q, o + d) for t, q, o in (c[0] for c in candidates.values()) for d in (-1, 1)}
+        sound: set[tuple[str, int, int]] = set()  # units among ``wanted`` that agree with their record
+        for topic, qid, qoff, off, size, _tags in _queue_units(cq_root):
+            if off in claims:
+                claims[off] += 1
+            if (topic, qid, qoff) in wanted:
+                rec = record_at(off)
+                if rec is not None and (rec[2][0], rec[3], rec[2][3], rec[2][5]) == (
+                        size, topic.encode("utf-8", "surrogatepass"), qid, qoff):
+                    sound.add((topic, qid, qoff))
+        return [fix for off, ((t, q, o), fix) in sorted(candidates.items())
+                if claims[off] == 1 and (t, q, o - 1) in sound and (t, q, o + 1) in sound]
     finally:
         for mm in segments.values():
             if mm:
                 mm.close()
-    if not candidates:
-        return []
-    claims: dict[int, int] = dict.fromkeys(candidates, 0)  # a record two units point at: trust neither
-    for _t, _q, _o, off, _s, _tags in _queue_units(cq_root):
-        if off in claims:
-            claims[off] += 1
-    return [fix for off, fix in sorted(candidates.items()) if claims[off] == 1]
 
 
 def _fields(fix: HeaderFix) -> str:
