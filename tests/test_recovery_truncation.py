@@ -360,6 +360,36 @@ def test_reboot_without_a_checkpoint_start_gets_back_the_lost_tail_of_a_queue_th
     assert run_cli("verify", path, "--config", conf).returncode == 0
 
 
+@pytest.mark.parametrize("index", [False, True])
+def test_clean_recovery_gets_back_zeroed_tail_units_whose_records_lie_before_its_scan(tmp_path, index):
+    """Fuzz seed 1801196: the tail of a queue's last file zeroed after a clean shutdown.  Recovery scans from
+    the segment of the highest queue end, so the queue's next records (in earlier segments) were never
+    offered, and the later ones it met were appended at the lost units (a gap): every read of the queue past
+    the damage raised, and verify --repair was needed.  The scan now goes back once to where such a queue
+    ends."""
+    path = tmp_path / "s"
+    cfg = StoreConfig(mappedFileSizeCommitLog=64 * 1024, mappedFileSizeConsumeQueue=200, messageIndexEnable=index)
+    with MessageStore.open(str(path), cfg) as store:
+        rs = [store.put(Message("H", b"a" * 300, queue_id=0, keys=f"a{i}")) for i in range(57)]
+        rs += [store.put(Message("H", b"b" * 300, queue_id=1, keys=f"b{i}")) for i in range(800)]
+        rs += [store.put(Message("H", b"c" * 300, queue_id=0, keys=f"c{i}")) for i in range(3)]
+    assert rs[-1].commit_log_offset - rs[56].commit_log_offset > 3 * cfg.mappedFileSizeCommitLog
+    last = path / "consumequeue" / "H" / "0" / f"{50 * CQ_STORE_UNIT_SIZE:020d}"
+    data = last.read_bytes()
+    last.write_bytes(data[:2 * CQ_STORE_UNIT_SIZE] + bytes(len(data) - 2 * CQ_STORE_UNIT_SIZE))  # units 52..59 lost
+    queue0 = rs[:57] + rs[-3:]
+    with MessageStore.open(str(path), cfg) as store:
+        assert not store.recovery_report.abnormal
+        assert store.max_offset_in_queue("H", 0) == 60
+        assert [(m.queue_offset, m.commit_log_offset) for m in read_queue(store, "H", 0)] == \
+            [(r.queue_offset, r.commit_log_offset) for r in queue0]
+        assert len(read_queue(store, "H", 1)) == 800
+    conf = _conf(tmp_path, cfg)
+    conf.write_text(conf.read_text() + f"messageIndexEnable={str(index).lower()}\n")
+    r = run_cli("verify", path, "--config", conf)
+    assert r.returncode == 0, r.stdout.decode()[-2000:]
+
+
 @pytest.mark.parametrize("torn", [2, 4])  # a middle file, the last file
 def test_reboot_with_index_entries_lost_below_the_header_s_count_reindexes_them(tmp_path, torn):
     """The header's page reached the disk but a page of entries did not: the file is dropped with the files

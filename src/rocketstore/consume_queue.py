@@ -138,6 +138,7 @@ class ConsumeQueue:
         self.lost_units: tuple[int, int] | None = None  # what lay beyond it (see _last_unit_beyond)
         self.pad_gaps = False  # while recovery rebuilds a queue cut at a hole: see _pad
         self.blank_units: list[tuple[int, int]] = []  # (first, last) unit ranges _pad wrote
+        self.gap_at: int | None = None  # the unit where put_unit first wrote a record of a later queue offset
         self._time_cache: dict[str, tuple[int, int]] = {}
 
     def load(self, on_bad_file=None) -> None:
@@ -426,6 +427,8 @@ class ConsumeQueue:
             elif expect != current:
                 log.error("%s-%d: queue offset gap, expected unit %d, writing at %d",
                           self.topic, self.queue_id, cq_offset, current // CQ_STORE_UNIT_SIZE)
+                if self.gap_at is None:
+                    self.gap_at = current // CQ_STORE_UNIT_SIZE
         self.max_physic_offset = offset + size
         f.append(_UNIT.pack(offset, size, tags_code))
         return True

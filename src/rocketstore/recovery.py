@@ -4,7 +4,10 @@ Clean (no ``abort`` file): each consume queue checks its last three files; the
 CommitLog is re-checked from the segment holding the queues' highest offset and
 records past that offset are re-indexed.  Unlike RocketMQ, every record from
 that segment on is offered to the consume queues, which skip what they hold,
-so a lost or torn queue tail is rebuilt.
+so a lost or torn queue tail is rebuilt; when the scan meets a queue's record
+past a gap and that queue ended before the scan began, its next records lie
+further back: the units the scan appended to it are cut and the scan runs once
+more from the segment where it ends.
 
 Unclean (``abort`` present): the CommitLog is CRC-checked from the newest
 segment whose first record is older than the checkpoint's minimum time (3 s of
@@ -168,70 +171,96 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
             log.info("recovery: %d bytes checked (%.1f MB/s), segment %s", done,
                      done / 1e6 / max(time.monotonic() - t0, 1e-9), path)
 
-    idx = start_idx
-    while True:
-        f = files[idx]
-        mm, end, base = f.mm, 0, f.file_from_offset  # end: where the valid records of this file end
-        stop = None
-        blank = False
-        pos, last, n = 0, -1, 0
-        if min(max_cq, base + file_size) - base >= VECTORISED_MIN_BYTES:
-            # First the records the consume queues point at (and hold), checked in vectorised passes.
-            from . import queue_checked
-            pos, last, n = queue_checked.checked_prefix(
-                mm, 0, file_size, base=base, units=queue_checked.units_by_queue(store, base, base + file_size),
-                check_crc=check_crc, held=held, index_from=index_from,
-                progress=lambda at, base=base, path=f.path: progress(base + at, path))
-        if n:
-            end = pos
-            last_valid = base + last
-            report.records_checked += n
-        while pos < file_size:
-            # Then record by record: whole runs of valid records, checked without building anything.
-            chunk_end = min(file_size, pos + SCAN_CHUNK)
-            nxt, last, n, wanted = codec.scan_records(mm, pos, chunk_end, file_size, base=base, check_crc=check_crc,
-                                                       held=held, index_from=index_from)
+    # A queue whose tail units were lost (zeroed, torn) ends before records the scan may start after: the scan
+    # would append its later records at the wrong unit (a gap).  Its end and length before the scan tell.
+    before = {cq: (cq.max_physic_offset, cq.max_offset_in_queue) for cq in store.consume_queues()}
+    for cq in before:
+        cq.gap_at = None
+    rescanned = False
+    while True:  # the scan; once more, from further back, when a queue's lost tail lies before where it began
+        idx = start_idx
+        while True:
+            f = files[idx]
+            mm, end, base = f.mm, 0, f.file_from_offset  # end: where the valid records of this file end
+            stop = None
+            blank = False
+            pos, last, n = 0, -1, 0
+            if min(max_cq, base + file_size) - base >= VECTORISED_MIN_BYTES:
+                # First the records the consume queues point at (and hold), checked in vectorised passes.
+                from . import queue_checked
+                pos, last, n = queue_checked.checked_prefix(
+                    mm, 0, file_size, base=base, units=queue_checked.units_by_queue(store, base, base + file_size),
+                    check_crc=check_crc, held=held, index_from=index_from,
+                    progress=lambda at, base=base, path=f.path: progress(base + at, path))
             if n:
-                if dispatcher is not None:
-                    for w in wanted:
-                        parsed = codec.parse(mm, w, file_size)
-                        offer(mm, w, parsed, parsed[0][0])
-                pos = end = nxt
+                end = pos
                 last_valid = base + last
                 report.records_checked += n
-                progress(base + pos, f.path)
-                if pos >= chunk_end:
-                    continue
-            # The record the scan did not accept: the full check says why (or accepts it after all).
-            item = next(codec.walk(mm, pos, file_size, check_crc=check_crc, parsed=True), None)
-            if item is None:  # all-zero bytes: the end of written data
+            while pos < file_size:
+                # Then record by record: whole runs of valid records, checked without building anything.
+                chunk_end = min(file_size, pos + SCAN_CHUNK)
+                nxt, last, n, wanted = codec.scan_records(mm, pos, chunk_end, file_size, base=base, check_crc=check_crc,
+                                                           held=held, index_from=index_from)
+                if n:
+                    if dispatcher is not None:
+                        for w in wanted:
+                            parsed = codec.parse(mm, w, file_size)
+                            offer(mm, w, parsed, parsed[0][0])
+                    pos = end = nxt
+                    last_valid = base + last
+                    report.records_checked += n
+                    progress(base + pos, f.path)
+                    if pos >= chunk_end:
+                        continue
+                # The record the scan did not accept: the full check says why (or accepts it after all).
+                item = next(codec.walk(mm, pos, file_size, check_crc=check_crc, parsed=True), None)
+                if item is None:  # all-zero bytes: the end of written data
+                    break
+                _, size, parsed, reason = item
+                if size == 0:
+                    blank = True
+                    break
+                if parsed is None:
+                    stop = reason or "invalid record"
+                    break
+                phy = parsed[0][6]
+                if phy != base + pos:
+                    stop = f"PHYSICALOFFSET {phy} differs from the record's position {base + pos}"
+                    break
+                end = pos + size
+                last_valid = base + pos
+                report.records_checked += 1
+                if dispatcher is not None:
+                    offer(mm, pos, parsed, size)
+                if report.records_checked % 1024 == 0:
+                    progress(base + pos, f.path)
+                pos = end
+            process = base + end
+            if stop is not None:
+                report.stopped_because = f"{f.path} at file position {end}: {stop}"
                 break
-            _, size, parsed, reason = item
-            if size == 0:
-                blank = True
+            if not blank or idx + 1 >= len(files):  # only a blank record leads on to the next segment
                 break
-            if parsed is None:
-                stop = reason or "invalid record"
-                break
-            phy = parsed[0][6]
-            if phy != base + pos:
-                stop = f"PHYSICALOFFSET {phy} differs from the record's position {base + pos}"
-                break
-            end = pos + size
-            last_valid = base + pos
-            report.records_checked += 1
-            if dispatcher is not None:
-                offer(mm, pos, parsed, size)
-            if report.records_checked % 1024 == 0:
-                progress(base + pos, f.path)
-            pos = end
-        process = base + end
-        if stop is not None:
-            report.stopped_because = f"{f.path} at file position {end}: {stop}"
+            idx += 1
+        if dispatcher is None or rescanned:
             break
-        if not blank or idx + 1 >= len(files):  # only a blank record leads on to the next segment
+        refill = [cq for cq, (end, units) in before.items()
+                  if cq.gap_at is not None and cq.gap_at == units and end < report.start_offset]
+        if not refill:
             break
-        idx += 1
+        rescanned = True
+        for cq in refill:
+            cq.truncate_dirty_logic(report.start_offset)  # only the units this scan appended point there
+        start_idx = min(_file_index(files, before[cq][0]) if before[cq][0] >= 0 else 0 for cq in refill)
+        log.warning("recovery: %s ended before the records of their next queue offsets (lost units); "
+                    "offering the records again from %s", ", ".join(f"{cq.topic}-{cq.queue_id}" for cq in refill),
+                    files[start_idx].path)
+        report.start_offset = files[start_idx].file_from_offset
+        held = _held_by_queues(store)
+        if index_enabled:
+            index_from = index.resume_offset() if report.abnormal else max(index.resume_offset(), max_cq + 1)
+        for cq in before:
+            cq.gap_at = None
     report.process_offset = process
     report.bytes_checked = process - report.start_offset
     report.confirm_offset = last_valid
