@@ -13,7 +13,8 @@ The properties, each a test per file kind:
   intact one);
 - nothing intact lost: records ending before the first damaged commitlog byte (all
   records when no commitlog byte is damaged) are readable at their queue offset and
-  found by key after recover (and repair); a refused open changes no commitlog byte;
+  found by key after recover (and repair); a refused open changes no commitlog byte,
+  and a refused writable open is followed by ``verify --repair``, as an operator would;
 - verify clean after recover or ``verify --repair`` (findings about the damaged
   commitlog bytes themselves excepted, and so is the repair's quarantine of them,
   which verify names until the operator removes it).
@@ -106,6 +107,7 @@ def run_case(tmp: Path, kind: str, i: int) -> tuple[Mutation, dict[str, list[str
 
     # Writable with the store's config: this open is the recovery (as `rocketstore recover`).
     before = _commitlog_digest(root)
+    refusal = None
     try:
         with _open(root, config=golden_config(), start_services=False) as store:
             reads(store, "writable")
@@ -113,7 +115,9 @@ def run_case(tmp: Path, kind: str, i: int) -> tuple[Mutation, dict[str, list[str
         refused(e, "writable open")
         if _commitlog_digest(root) != before:
             out["lost"].append("the writable open refused the store but changed commitlog files")
-        return mut, out
+        if not isinstance(e, StoreError):
+            return mut, out
+        refusal = f"the writable open refused: {e}"  # what the operator does next: verify --repair
 
     intact = g.intact_before(mut.damaged_from)
 
@@ -137,19 +141,22 @@ def run_case(tmp: Path, kind: str, i: int) -> tuple[Mutation, dict[str, list[str
                 out["lost"].append(f"intact record {e['commitLogOffset']} not found by UNIQ_KEY {uniq} {when} "
                                    f"(got {found})")
 
-    # After recover: every intact record readable; then verify, and verify --repair when it is not clean.
-    try:
-        store = _open(root, config=golden_config(), read_only=True)
-    except Exception as e:  # noqa: BLE001
-        out["verify" if isinstance(e, StoreError) else "traceback"].append(
-            f"cannot open the recovered store read-only: {type(e).__name__}: {e}")
-        return mut, out
-    with store:
-        unreadable(store, "after recover")
-        first = unexplained_findings(verify_store(store), g, mut)
-        if not first:
-            unfindable(store, "after recover (verify clean)")
+    # After recover: every intact record readable; then verify, and verify --repair when it is not clean
+    # (or when the writable open refused the store).
+    first: list = [refusal]
+    if refusal is None:
+        try:
+            store = _open(root, config=golden_config(), read_only=True)
+        except Exception as e:  # noqa: BLE001
+            out["verify" if isinstance(e, StoreError) else "traceback"].append(
+                f"cannot open the recovered store read-only: {type(e).__name__}: {e}")
             return mut, out
+        with store:
+            unreadable(store, "after recover")
+            first = unexplained_findings(verify_store(store), g, mut)
+            if not first:
+                unfindable(store, "after recover (verify clean)")
+                return mut, out
     try:
         result = repair_store(str(root), golden_config())
     except Exception as e:  # noqa: BLE001

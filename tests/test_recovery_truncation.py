@@ -390,6 +390,37 @@ def test_clean_recovery_gets_back_zeroed_tail_units_whose_records_lie_before_its
     assert r.returncode == 0, r.stdout.decode()[-2000:]
 
 
+@pytest.mark.parametrize("garbage", [b"\x13\x37" * 4, bytes(8)])  # a header that fails its checks, zeros
+def test_clean_recovery_refuses_to_cut_intact_records_after_damage_and_repair_keeps_them(tmp_path, garbage):
+    """Fuzz seed 1900075: after a clean shutdown, 8 damaged bytes in a record header of the batch store made
+    recovery truncate the log there, zeroing the 38 intact records after it (1 MB) in the last segment.
+    A clean shutdown leaves no torn tail, so an intact record after the damage means damage: the writable
+    open refuses before any commitlog byte changes, and verify --repair keeps every other record."""
+    from conftest import copy_store, golden_store
+    from rocketstore.config import golden_config
+    from rocketstore.errors import StoreLoadError
+    from rocketstore.repair import repair_store
+    root = copy_store(golden_store("batch"), tmp_path / "s")
+    seg = root / "commitlog" / "00000000000000000000"
+    data = bytearray(seg.read_bytes())
+    data[43462:43470] = garbage  # TopicBatch-1 offset 17; 46142 is the next record
+    seg.write_bytes(bytes(data))
+    with pytest.raises(StoreLoadError, match=r"at commitlog offset 46142\).*verify .* --repair") as e:
+        MessageStore.open(str(root), golden_config(), start_services=False)
+    assert "43462" in str(e.value)
+    assert seg.read_bytes() == bytes(data)
+    result = repair_store(str(root), golden_config())
+    [span] = result["lost"]
+    assert span["offset"] == 43462 and [m["queueOffset"] for m in span["messages"]] == [17]
+    assert [p for p in result["problems"] if p["kind"] != "quarantined"] == []
+    expected = golden_expected("batch")
+    with MessageStore.open(str(root), golden_config(), read_only=True) as store:
+        for e in expected:
+            if e.get("cqUnit") and e["commitLogOffset"] != 43462:
+                [m] = store.get(e["topic"], e["queueId"], e["queueOffset"], 1).messages
+                assert m.commit_log_offset == e["commitLogOffset"]
+
+
 @pytest.mark.parametrize("torn", [2, 4])  # a middle file, the last file
 def test_reboot_with_index_entries_lost_below_the_header_s_count_reindexes_them(tmp_path, torn):
     """The header's page reached the disk but a page of entries did not: the file is dropped with the files

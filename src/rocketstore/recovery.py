@@ -7,7 +7,10 @@ that segment on is offered to the consume queues, which skip what they hold,
 so a lost or torn queue tail is rebuilt; when the scan meets a queue's record
 past a gap and that queue ended before the scan began, its next records lie
 further back: the units the scan appended to it are cut and the scan runs once
-more from the segment where it ends.
+more from the segment where it ends.  A clean shutdown leaves no torn tail: a
+writable open whose check stops at damage with an intact record after it
+refuses (nothing in the CommitLog changed) rather than truncate acknowledged
+records; ``verify --repair`` keeps them.
 
 Unclean (``abort`` present): the CommitLog is CRC-checked from the newest
 segment whose first record is older than the checkpoint's minimum time (3 s of
@@ -45,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from . import codec
 from .consume_queue import CQ_STORE_UNIT_SIZE
 from .dispatch import CommitLogDispatcher
+from .errors import StoreLoadError
 
 if TYPE_CHECKING:
     from .store import MessageStore
@@ -261,6 +265,8 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
             index_from = index.resume_offset() if report.abnormal else max(index.resume_offset(), max_cq + 1)
         for cq in before:
             cq.gap_at = None
+    if writable and not report.abnormal and (report.stopped_because is not None or max_cq > process):
+        _refuse_to_cut_intact_records(store, process, max_cq, report)
     report.process_offset = process
     report.bytes_checked = process - report.start_offset
     report.confirm_offset = last_valid
@@ -290,6 +296,41 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     if report.stopped_because and report.abnormal:
         log.warning("recovery truncated the commitlog at %d: %s", process, report.stopped_because)
     return report
+
+
+def _refuse_to_cut_intact_records(store: "MessageStore", process: int, max_cq: int, report: RecoveryReport) -> None:
+    """After a clean shutdown every record was flushed, so a scan that stops before the log's end (at a record
+    that fails its checks, or at zero bytes the consume queues point past) met damage, not a torn tail.  When
+    an intact record follows, truncating there would delete acknowledged messages (and zero them in the last
+    segment): refuse the open before any commitlog byte changes; ``verify --repair`` keeps every valid record.
+    """
+    nxt = _intact_record_after(store.commitlog, process)
+    if nxt is None:
+        return
+    why = report.stopped_because or f"zero bytes at commitlog offset {process}, below the consume queues' end {max_cq}"
+    raise StoreLoadError(f"{why}: the store was shut down cleanly, yet its commitlog has damage here with an intact "
+                         f"record after it (at commitlog offset {nxt}); recovery would truncate the log at "
+                         f"{process} and lose every record after. No commitlog byte was changed: run `rocketstore verify "
+                         f"{store.root} --repair`, which keeps every valid record")
+
+
+def _intact_record_after(commitlog, offset: int) -> int | None:
+    """Commitlog offset of the first record after ``offset`` that passes every check (CRC, PHYSICALOFFSET equal
+    to its position), in its segment or a later one; None when there is none."""
+    size = commitlog.file_size
+    for f in commitlog.queue.files:
+        base = f.file_from_offset
+        if base + size <= offset:
+            continue
+        mm = f.mm
+        if base > offset:  # a later segment: its first record, then the magic codes after it
+            first, parsed, _ = codec.check(mm, 0, size, check_crc=True, parsed=True)
+            if parsed is not None and first > 0 and parsed[0][6] == base:
+                return base
+        p = codec.find_record(mm, max(0, offset - base), size, base, check_crc=True)
+        if p is not None and codec.read_total_size(mm, p) != size - p:  # not the blank that ends the file
+            return base + p
+    return None
 
 
 def _store_time(store: "MessageStore"):

@@ -806,8 +806,11 @@ class MessageStore:
         records from the end of the previous unit's record up to the next
         unit's offset, at most ``MISPLACED_SEARCH_BYTES`` (its offset damaged).
         """
-        prev = cq.get_unit(index - 1) if index > 0 else None
-        nxt = cq.get_unit(index + 1)
+        try:
+            prev = cq.get_unit(index - 1) if index > 0 else None
+            nxt = cq.get_unit(index + 1)
+        except ValueError:  # a neighbouring queue file retention closed meanwhile: no bounds to walk between
+            prev = nxt = None
         starts = [phy]
         if prev is not None and prev[0] >= 0 and 0 < prev[1] < 0x7FFFFFFF:
             starts.append(prev[0] + prev[1])
