@@ -368,3 +368,47 @@ def test_units_shifted_by_a_gap_are_not_taken_for_flipped_queue_offsets(basic_co
             got += [(m.queue_offset, m.commit_log_offset) for m in r.messages]
             off = r.next_begin_offset
     assert got == [(e["queueOffset"], e["commitLogOffset"]) for e in queue]
+
+
+def test_a_record_whose_queue_id_and_offset_flipped_is_neither_dispatched_nor_queried_as_it_reads(basic_copy):
+    """Fuzz seed 1900113 (ipv6 store, bits of QUEUEID and QUEUEOFFSET of a queue's first record flipped):
+    recovery dispatched the record into a new queue TopicV6-8 at offset 2310348807864320000, query handed it
+    out with those fields, and repair could not restore it (no unit before a queue's first).  Another queue's
+    unit pointing at the record proves the header changed: recovery does not dispatch it, query raises
+    CorruptRecordError naming it, and repair restores it from that unit."""
+    from rocketstore.config import golden_config
+    from rocketstore.errors import CorruptRecordError
+    from rocketstore.repair import repair_store
+    e = next(x for x in golden_expected("basic") if x["commitLogOffset"] == 0)  # TopicA-1 offset 0
+    _flip_header(basic_copy, e, 15, 0x08)  # queue 1 -> 9 (no such queue)
+    _flip_header(basic_copy, e, 22, 0x20)  # queue offset 0 -> 2**45
+    uniq = e["properties"]["UNIQ_KEY"]
+    with MessageStore.open(str(basic_copy), golden_config(), start_services=False) as store:
+        assert ("TopicA", 9) not in store.queue_keys()
+        with pytest.raises(CorruptRecordError, match=r"at offset 0 .*says TopicA/9 offset 35184372088832, but "
+                                                     r"consume queue TopicA/1 offset 0 points at it"):
+            store.query("TopicA", uniq)
+    result = repair_store(str(basic_copy), golden_config())
+    assert result["ok"] and [f["fields"] for f in result["restored"]] == [
+        {"queueId": {"read": 9, "restored": 1}, "queueOffset": {"read": 1 << 45, "restored": 0}}]
+    with MessageStore.open(str(basic_copy), read_only=True) as store:
+        [m] = store.query("TopicA", uniq).messages
+        assert (m.queue_id, m.queue_offset, m.commit_log_offset) == (1, 0, 0)
+        assert sorted(store.queue_keys()) == sorted({(x["topic"], x["queueId"]) for x in golden_expected("basic")})
+
+
+def test_recovery_does_not_open_a_queue_for_a_record_another_queue_s_unit_points_at(tmp_path):
+    """The ipv6 store is one segment, so its clean recovery offers every record: the record of fuzz seed
+    1900113 was dispatched into a queue of its own (TopicV6-8, at a queue offset above 2**60)."""
+    from rocketstore.config import golden_config
+    store_dir = copy_store(golden_store("ipv6"), tmp_path / "s")
+    e = next(x for x in golden_expected("ipv6") if x["commitLogOffset"] == 0)
+    assert e["queueOffset"] == 0
+    with open(store_dir / "commitlog" / f"{0:020d}", "r+b") as fh:
+        for at, mask in ((15, 0x08), (22, 0x20)):
+            fh.seek(at)
+            b = fh.read(1)
+            fh.seek(at)
+            fh.write(bytes([b[0] ^ mask]))
+    with MessageStore.open(str(store_dir), golden_config(), start_services=False) as store:
+        assert sorted(store.queue_keys()) == sorted({(x["topic"], x["queueId"]) for x in golden_expected("ipv6")})

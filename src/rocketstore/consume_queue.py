@@ -183,6 +183,34 @@ class ConsumeQueue:
             return None
         return _UNIT.unpack_from(f.mm, pos - f.file_from_offset)
 
+    def unit_pointing_at(self, phy: int) -> int | None:
+        """Queue offset of the unit whose record starts at commitlog offset ``phy``, or None: a binary search,
+        units ascending in commitlog offset (blank units before a queue's first message point at 0)."""
+        files = [f for f in self.queue.files if f.wrote_position >= CQ_STORE_UNIT_SIZE]
+        lo, hi = 0, len(files)
+        while lo < hi:  # the last file whose first unit points at or below phy
+            mid = (lo + hi) // 2
+            if _UNIT.unpack_from(files[mid].mm, 0)[0] <= phy:
+                lo = mid + 1
+            else:
+                hi = mid
+        if not lo:
+            return None
+        f = files[lo - 1]
+        a, b = 0, f.wrote_position // CQ_STORE_UNIT_SIZE
+        while a < b:  # the first unit at or past phy
+            mid = (a + b) // 2
+            if _UNIT.unpack_from(f.mm, mid * CQ_STORE_UNIT_SIZE)[0] < phy:
+                a = mid + 1
+            else:
+                b = mid
+        if a * CQ_STORE_UNIT_SIZE + CQ_STORE_UNIT_SIZE > f.wrote_position:
+            return None
+        off, size, _ = _UNIT.unpack_from(f.mm, a * CQ_STORE_UNIT_SIZE)
+        if off != phy or not 0 < size < 0x7FFFFFFF:
+            return None
+        return (f.file_from_offset + a * CQ_STORE_UNIT_SIZE) // CQ_STORE_UNIT_SIZE
+
     def hold_file_at(self, index: int) -> MappedFile | None:
         """The file holding unit ``index``, held for the caller to :meth:`read_units` from and then release;
         None below the minimum or when the file is gone (a get answers OFFSET_FOUND_NULL)."""

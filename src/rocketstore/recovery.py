@@ -460,7 +460,16 @@ def _queue_needs(store: "MessageStore", mm, parsed: tuple, size: int, topics: di
     if topic is None:
         topic = topics[raw] = raw.decode("utf-8", "replace")
     cq = store._cq_table.get((topic, h[3]))
-    return cq is None or h[6] + size > cq.max_physic_offset
+    if cq is not None and h[6] + size <= cq.max_physic_offset:
+        return False
+    if cq is None or h[5] != cq.max_offset_in_queue:  # a new queue, or not its next offset: a damaged header?
+        claim = store.queue_claiming(h[6], topic, h[3], h[5], h[7])
+        if claim is not None:
+            log.error("record at commitlog offset %d says %s-%d offset %d, but %s-%d unit %d points at it: its "
+                      "header was damaged; not dispatched (verify --repair restores it)", h[6], topic, h[3], h[5],
+                      *claim)
+            return False
+    return True
 
 
 def _zero_stale_tail(commitlog, offset: int) -> int:

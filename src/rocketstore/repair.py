@@ -342,7 +342,8 @@ def _queue_units(cq_root: str) -> Iterator[tuple[str, int, int, int, int, int]]:
 def header_fixes(cq_root: str, cdir: str, file_size: int, spans: list[DamagedSpan]) -> list[HeaderFix]:
     """The records whose topic, queue id or queue offset contradict the old consume-queue unit pointing at
     them, where that unit is the only one pointing there, matches the record's size and tagsCode, and sits
-    between two units of its queue that agree with their records in every field.
+    between two units of its queue that agree with their records in every field (after one, for the queue's
+    first unit).
 
     Dispatch writes a unit from the record's fields, so a record that agrees
     with its unit on size and tagsCode but names another queue or offset was
@@ -414,7 +415,9 @@ def header_fixes(cq_root: str, cdir: str, file_size: int, spans: list[DamagedSpa
         claims: dict[int, int] = dict.fromkeys(candidates, 0)  # a record two units point at: trust neither
         wanted = {(t, q, o + d) for t, q, o in (c[0] for c in candidates.values()) for d in (-1, 1)}
         sound: set[tuple[str, int, int]] = set()  # units among ``wanted`` that agree with their record
+        first: dict[tuple[str, int], int] = {}  # each queue's first unit that points at a record
         for topic, qid, qoff, off, size, _tags in _queue_units(cq_root):
+            first.setdefault((topic, qid), qoff)
             if off in claims:
                 claims[off] += 1
             if (topic, qid, qoff) in wanted:
@@ -422,8 +425,8 @@ def header_fixes(cq_root: str, cdir: str, file_size: int, spans: list[DamagedSpa
                 if rec is not None and (rec[2][0], rec[3], rec[2][3], rec[2][5]) == (
                         size, topic.encode("utf-8", "surrogatepass"), qid, qoff):
                     sound.add((topic, qid, qoff))
-        return [fix for off, ((t, q, o), fix) in sorted(candidates.items())
-                if claims[off] == 1 and (t, q, o - 1) in sound and (t, q, o + 1) in sound]
+        return [fix for off, ((t, q, o), fix) in sorted(candidates.items())  # a queue's first unit follows no gap
+                if claims[off] == 1 and ((t, q, o - 1) in sound or first.get((t, q)) == o) and (t, q, o + 1) in sound]
     finally:
         for mm in segments.values():
             if mm:

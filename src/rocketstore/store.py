@@ -793,6 +793,28 @@ class MessageStore:
                 seg.release()
         return GetMessageResult(status, idx, lo, hi, out)
 
+    def queue_claiming(self, phy: int, topic: str, queue_id: int, queue_offset: int, sys_flag: int
+                       ) -> tuple[str, int, int] | None:
+        """(topic, queue id, queue offset) of another queue's unit pointing at the record at ``phy`` when the
+        record's own queue (``topic``, ``queue_id``) has no unit ``queue_offset`` pointing there; else None.
+
+        Dispatch writes a unit from its record's fields, so such a unit means
+        the record's topic, queue id or queue offset was changed since (no CRC
+        covers them): reading or dispatching it as it reads would misroute the
+        message.  PREPARED and ROLLBACK records have no unit: never claimed.
+        """
+        if sys_flag & codec.TRANSACTION_MASK not in (codec.TRANSACTION_NOT_TYPE, codec.TRANSACTION_COMMIT):
+            return None
+        own = self._cq_table.get((topic, queue_id))
+        if own is not None and 0 <= queue_offset < 1 << 58:
+            unit = own.get_unit(queue_offset)
+            if unit is not None and unit[0] == phy:
+                return None
+        for (t, q), cq in list(self._cq_table.items()):
+            if cq is not own and (i := cq.unit_pointing_at(phy)) is not None:
+                return t, q, i
+        return None
+
     def _misplaced_unit_record(self, cq: ConsumeQueue, index: int, phy: int, size: int, read_body: bool,
                                topic: str, topic_bytes: bytes, queue_id: int) -> MessageExt | None:
         """The record unit ``index`` means when the record at its offset ``phy`` is not it, or None.
@@ -969,6 +991,13 @@ class MessageStore:
                     log.debug("%s: index hit at offset %d is %s, not %s#%s (hash collision)",
                               self.paths.index, off, m.topic, topic, key)
                     continue
+                claim = self.queue_claiming(off, m.topic, m.queue_id, m.queue_offset, m.sys_flag)
+                if claim is not None:
+                    raise CorruptRecordError(
+                        f"{f.path} at offset {off} (file position {pos}): damaged record: it says "
+                        f"{m.topic}/{m.queue_id} offset {m.queue_offset}, but consume queue {claim[0]}/{claim[1]} "
+                        f"offset {claim[2]} points at it (its header changed since; verify --repair restores it); "
+                        f"found through the index by {topic}#{key}", path=f.path, offset=off)
                 if read_body and m.body and codec.body_crc(m.body) != m.body_crc:
                     raise CorruptRecordError(f"{f.path} at offset {off} (file position {pos}): damaged record: "
                                              f"body CRC mismatch (stored {m.body_crc}, computed "
