@@ -144,6 +144,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     next_log = time.monotonic() + PROGRESS_INTERVAL_S
     file_size = commitlog.file_size
     topics: dict[bytes, str] = {}
+    deltas: dict = {}  # for _queue_needs
     # What the scan may skip: records their consume queue already holds, and records below where the index
     # must resume.  Both bounds only grow while recovery dispatches, so these snapshots never skip a record
     # the exact per-record rules below would dispatch; those rules still decide for every record offered.
@@ -163,7 +164,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
         phy = h[6]
         to_index = (report.abnormal or phy > max_cq) and index_enabled and \
             h[7] & codec.TRANSACTION_MASK != codec.TRANSACTION_ROLLBACK and phy >= index.resume_offset()
-        to_queue = _queue_needs(store, mm, parsed, size, topics)
+        to_queue = _queue_needs(store, mm, parsed, size, topics, deltas)
         if to_index or to_queue:
             dispatcher.dispatch(codec.decode(mm, pos, pos + size, read_body=False), index=to_index, queue=to_queue)
 
@@ -449,8 +450,12 @@ def _held_by_queues(store: "MessageStore") -> dict[tuple[bytes, int], int]:
     return held
 
 
-def _queue_needs(store: "MessageStore", mm, parsed: tuple, size: int, topics: dict[bytes, str]) -> bool:
-    """Whether a record belongs in a consume queue that does not hold it yet."""
+def _queue_needs(store: "MessageStore", mm, parsed: tuple, size: int, topics: dict[bytes, str],
+                 deltas: dict | None = None) -> bool:
+    """Whether a record belongs in a consume queue that does not hold it yet (and names that queue truly).
+
+    ``deltas``: per queue, the last queue-offset mismatch checked, so a run of records after a gap costs one
+    :meth:`MessageStore.queue_claiming` search, not one per record."""
     h, tp, tl, _ = parsed
     txn = h[7] & codec.TRANSACTION_MASK
     if txn != codec.TRANSACTION_NOT_TYPE and txn != codec.TRANSACTION_COMMIT:
@@ -463,6 +468,11 @@ def _queue_needs(store: "MessageStore", mm, parsed: tuple, size: int, topics: di
     if cq is not None and h[6] + size <= cq.max_physic_offset:
         return False
     if cq is None or h[5] != cq.max_offset_in_queue:  # a new queue, or not its next offset: a damaged header?
+        delta = None if cq is None else h[5] - cq.max_offset_in_queue
+        if deltas is not None and delta is not None and deltas.get(cq) == delta:
+            return True  # the same shift as the record before (a gap dispatch writes through): checked then
+        if deltas is not None and cq is not None:
+            deltas[cq] = delta
         claim = store.queue_claiming(h[6], topic, h[3], h[5], h[7])
         if claim is not None:
             log.error("record at commitlog offset %d says %s-%d offset %d, but %s-%d unit %d points at it: its "
