@@ -14,7 +14,8 @@ The properties, each a test per file kind:
 - nothing intact lost: records ending before the first damaged commitlog byte (all
   records when no commitlog byte is damaged) are readable at their queue offset and
   found by key after recover (and repair); a refused open changes no commitlog byte,
-  and a refused writable open is followed by ``verify --repair``, as an operator would;
+  and a writable open refused for commitlog damage (CommitLogDamagedError) is followed
+  by the ``verify --repair`` it asks for;
 - verify clean after recover or ``verify --repair`` (findings about the damaged
   commitlog bytes themselves excepted, and so is the repair's quarantine of them,
   which verify names until the operator removes it).
@@ -42,7 +43,7 @@ from helpers.store_fuzz import (KINDS, Golden, Mutation, mutate, query_sample, r
                                 unexplained_findings)
 from rocketstore import MessageStore
 from rocketstore.config import golden_config
-from rocketstore.errors import StoreError
+from rocketstore.errors import CommitLogDamagedError, StoreError
 from rocketstore.repair import repair_store
 from rocketstore.verify import verify_store
 
@@ -115,9 +116,9 @@ def run_case(tmp: Path, kind: str, i: int) -> tuple[Mutation, dict[str, list[str
         refused(e, "writable open")
         if _commitlog_digest(root) != before:
             out["lost"].append("the writable open refused the store but changed commitlog files")
-        if not isinstance(e, StoreError):
+        if not isinstance(e, CommitLogDamagedError):  # other refusals ask for a config or --allow-quarantine
             return mut, out
-        refusal = f"the writable open refused: {e}"  # what the operator does next: verify --repair
+        refusal = f"the writable open refused: {e}"  # what it asks the operator to do next: verify --repair
 
     intact = g.intact_before(mut.damaged_from)
 

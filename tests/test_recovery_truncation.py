@@ -398,14 +398,14 @@ def test_clean_recovery_refuses_to_cut_intact_records_after_damage_and_repair_ke
     open refuses before any commitlog byte changes, and verify --repair keeps every other record."""
     from conftest import copy_store, golden_store
     from rocketstore.config import golden_config
-    from rocketstore.errors import StoreLoadError
+    from rocketstore.errors import CommitLogDamagedError
     from rocketstore.repair import repair_store
     root = copy_store(golden_store("batch"), tmp_path / "s")
     seg = root / "commitlog" / "00000000000000000000"
     data = bytearray(seg.read_bytes())
     data[43462:43470] = garbage  # TopicBatch-1 offset 17; 46142 is the next record
     seg.write_bytes(bytes(data))
-    with pytest.raises(StoreLoadError, match=r"at commitlog offset 46142\).*verify .* --repair") as e:
+    with pytest.raises(CommitLogDamagedError, match=r"at commitlog offset 46142\).*verify .* --repair") as e:
         MessageStore.open(str(root), golden_config(), start_services=False)
     assert "43462" in str(e.value)
     assert seg.read_bytes() == bytes(data)

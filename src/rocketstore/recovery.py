@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 from . import codec
 from .consume_queue import CQ_STORE_UNIT_SIZE
 from .dispatch import CommitLogDispatcher
-from .errors import StoreLoadError
+from .errors import CommitLogDamagedError
 
 if TYPE_CHECKING:
     from .store import MessageStore
@@ -309,7 +309,7 @@ def _refuse_to_cut_intact_records(store: "MessageStore", process: int, max_cq: i
     if nxt is None:
         return
     why = report.stopped_because or f"zero bytes at commitlog offset {process}, below the consume queues' end {max_cq}"
-    raise StoreLoadError(f"{why}: the store was shut down cleanly, yet its commitlog has damage here with an intact "
+    raise CommitLogDamagedError(f"{why}: the store was shut down cleanly, yet its commitlog has damage here with an intact "
                          f"record after it (at commitlog offset {nxt}); recovery would truncate the log at "
                          f"{process} and lose every record after. No commitlog byte was changed: run `rocketstore verify "
                          f"{store.root} --repair`, which keeps every valid record")
