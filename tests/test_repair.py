@@ -412,3 +412,19 @@ def test_recovery_does_not_open_a_queue_for_a_record_another_queue_s_unit_points
             fh.write(bytes([b[0] ^ mask]))
     with MessageStore.open(str(store_dir), golden_config(), start_services=False) as store:
         assert sorted(store.queue_keys()) == sorted({(x["topic"], x["queueId"]) for x in golden_expected("ipv6")})
+
+
+def test_query_refuses_a_record_whose_queue_offset_flipped_within_its_own_queue(basic_copy):
+    """Fuzz seed 2200162 (txn store, a bit of QUEUEOFFSET's high byte flipped: 0 -> 2**57): the unit pointing
+    at the record is its own queue's, at another offset; query handed the record out with the flipped
+    offset."""
+    from rocketstore.config import golden_config
+    from rocketstore.errors import CorruptRecordError
+    from rocketstore.repair import repair_store
+    e = next(x for x in golden_expected("basic") if x["commitLogOffset"] == 0)  # TopicA-1 offset 0
+    _flip_header(basic_copy, e, 20, 0x02)
+    with MessageStore.open(str(basic_copy), read_only=True) as store:
+        with pytest.raises(CorruptRecordError, match="consume queue TopicA/1 offset 0 points at it"):
+            store.query("TopicA", e["properties"]["UNIQ_KEY"])
+    assert [f["fields"] for f in repair_store(str(basic_copy), golden_config())["restored"]] == [
+        {"queueOffset": {"read": 1 << 57, "restored": 0}}]

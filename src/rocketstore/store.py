@@ -810,8 +810,8 @@ class MessageStore:
             unit = own.get_unit(queue_offset)
             if unit is not None and unit[0] == phy:
                 return None
-        for (t, q), cq in list(self._cq_table.items()):
-            if cq is not own and (i := cq.unit_pointing_at(phy)) is not None:
+        for (t, q), cq in list(self._cq_table.items()):  # its own queue too: at another offset
+            if (i := cq.unit_pointing_at(phy)) is not None:
                 return t, q, i
         return None
 
