@@ -3,6 +3,7 @@ index entry claims.  Every case damages a copy of the golden store written by Ro
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import struct
@@ -91,6 +92,35 @@ def test_get_through_a_unit_pointing_at_another_queues_record_is_an_error(tmp_pa
         assert "TopicA/1 offset 0" in str(e.value) and "consumequeue/TopicA/0/00000000000000000000" in str(e.value)
     line = one_error_line(run_cli("get", store, "--topic", "TopicA", "--queue-id", "0", "--offset", "0", "--no-body"))
     assert "TopicA/1 offset 0" in line and f"{store / SEG0} at offset 0" in line
+
+
+@pytest.mark.parametrize("field,at,mask", [("size", 8, 0x40), ("size", 11, 0x08),
+                                            ("offset", 6, 0x01), ("offset", 7, 0x40)])
+@pytest.mark.parametrize("read_only", [True, False])
+def test_get_finds_the_record_of_a_unit_with_a_flipped_size_or_offset(tmp_path, field, at, mask, read_only):
+    """Fuzz seeds 1601031 (size) and 1701039 (offset): a bit flip in a unit made its intact record unreadable
+    (CorruptRecordError at that offset until verify --repair).  The record that names itself as the unit's
+    (topic, queue id, queue offset, PHYSICALOFFSET, body CRC) is found at the offset by its own size, or
+    between the records of the units before and after; nothing else is returned."""
+    store = copy_store(golden_store("basic"), tmp_path / "s")
+    queue = sorted((e for e in golden_expected("basic") if (e["topic"], e["queueId"]) == ("TopicA", 1)),
+                   key=lambda e: e["queueOffset"])
+    with open(store / "consumequeue/TopicA/1/00000000000000000000", "r+b") as fh:
+        fh.seek(37 * 20 + at)
+        b = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([b[0] ^ mask]))
+    with MessageStore.open(str(store), read_only=read_only, start_services=False) as s:
+        [m] = s.get("TopicA", 1, 37, 1).messages
+        assert (m.commit_log_offset, m.queue_offset, m.body) == (queue[37]["commitLogOffset"], 37,
+                                                                   base64.b64decode(queue[37]["body"]))
+        got, off = [], 30  # a consumer's loop: every message once, in order (a huge size may end a call early)
+        while off < 62:
+            r = s.get("TopicA", 1, off, 32)
+            got += r.messages
+            off = r.next_begin_offset
+        assert [m.queue_offset for m in got][:32] == list(range(30, 62))
+        assert [m.commit_log_offset for m in got][:32] == [e["commitLogOffset"] for e in queue[30:62]]
 
 
 def test_query_drops_an_index_entry_pointing_at_an_unrelated_record(tmp_path):

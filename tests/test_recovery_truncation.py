@@ -360,6 +360,67 @@ def test_reboot_without_a_checkpoint_start_gets_back_the_lost_tail_of_a_queue_th
     assert run_cli("verify", path, "--config", conf).returncode == 0
 
 
+@pytest.mark.parametrize("index", [False, True])
+def test_clean_recovery_gets_back_zeroed_tail_units_whose_records_lie_before_its_scan(tmp_path, index):
+    """Fuzz seed 1801196: the tail of a queue's last file zeroed after a clean shutdown.  Recovery scans from
+    the segment of the highest queue end, so the queue's next records (in earlier segments) were never
+    offered, and the later ones it met were appended at the lost units (a gap): every read of the queue past
+    the damage raised, and verify --repair was needed.  The scan now goes back once to where such a queue
+    ends."""
+    path = tmp_path / "s"
+    cfg = StoreConfig(mappedFileSizeCommitLog=64 * 1024, mappedFileSizeConsumeQueue=200, messageIndexEnable=index)
+    with MessageStore.open(str(path), cfg) as store:
+        rs = [store.put(Message("H", b"a" * 300, queue_id=0, keys=f"a{i}")) for i in range(57)]
+        rs += [store.put(Message("H", b"b" * 300, queue_id=1, keys=f"b{i}")) for i in range(800)]
+        rs += [store.put(Message("H", b"c" * 300, queue_id=0, keys=f"c{i}")) for i in range(3)]
+    assert rs[-1].commit_log_offset - rs[56].commit_log_offset > 3 * cfg.mappedFileSizeCommitLog
+    last = path / "consumequeue" / "H" / "0" / f"{50 * CQ_STORE_UNIT_SIZE:020d}"
+    data = last.read_bytes()
+    last.write_bytes(data[:2 * CQ_STORE_UNIT_SIZE] + bytes(len(data) - 2 * CQ_STORE_UNIT_SIZE))  # units 52..59 lost
+    queue0 = rs[:57] + rs[-3:]
+    with MessageStore.open(str(path), cfg) as store:
+        assert not store.recovery_report.abnormal
+        assert store.max_offset_in_queue("H", 0) == 60
+        assert [(m.queue_offset, m.commit_log_offset) for m in read_queue(store, "H", 0)] == \
+            [(r.queue_offset, r.commit_log_offset) for r in queue0]
+        assert len(read_queue(store, "H", 1)) == 800
+    conf = _conf(tmp_path, cfg)
+    conf.write_text(conf.read_text() + f"messageIndexEnable={str(index).lower()}\n")
+    r = run_cli("verify", path, "--config", conf)
+    assert r.returncode == 0, r.stdout.decode()[-2000:]
+
+
+@pytest.mark.parametrize("garbage", [b"\x13\x37" * 4, bytes(8)])  # a header that fails its checks, zeros
+def test_clean_recovery_refuses_to_cut_intact_records_after_damage_and_repair_keeps_them(tmp_path, garbage):
+    """Fuzz seed 1900075: after a clean shutdown, 8 damaged bytes in a record header of the batch store made
+    recovery truncate the log there, zeroing the 38 intact records after it (1 MB) in the last segment.
+    A clean shutdown leaves no torn tail, so an intact record after the damage means damage: the writable
+    open refuses before any commitlog byte changes, and verify --repair keeps every other record."""
+    from conftest import copy_store, golden_store
+    from rocketstore.config import golden_config
+    from rocketstore.errors import CommitLogDamagedError
+    from rocketstore.repair import repair_store
+    root = copy_store(golden_store("batch"), tmp_path / "s")
+    seg = root / "commitlog" / "00000000000000000000"
+    data = bytearray(seg.read_bytes())
+    data[43462:43470] = garbage  # TopicBatch-1 offset 17; 46142 is the next record
+    seg.write_bytes(bytes(data))
+    with pytest.raises(CommitLogDamagedError, match=r"at commitlog offset 46142\).*verify .* --repair") as e:
+        MessageStore.open(str(root), golden_config(), start_services=False)
+    assert "43462" in str(e.value)
+    assert seg.read_bytes() == bytes(data)
+    result = repair_store(str(root), golden_config())
+    [span] = result["lost"]
+    assert span["offset"] == 43462 and [m["queueOffset"] for m in span["messages"]] == [17]
+    assert [p for p in result["problems"] if p["kind"] != "quarantined"] == []
+    expected = golden_expected("batch")
+    with MessageStore.open(str(root), golden_config(), read_only=True) as store:
+        for e in expected:
+            if e.get("cqUnit") and e["commitLogOffset"] != 43462:
+                [m] = store.get(e["topic"], e["queueId"], e["queueOffset"], 1).messages
+                assert m.commit_log_offset == e["commitLogOffset"]
+
+
 @pytest.mark.parametrize("torn", [2, 4])  # a middle file, the last file
 def test_reboot_with_index_entries_lost_below_the_header_s_count_reindexes_them(tmp_path, torn):
     """The header's page reached the disk but a page of entries did not: the file is dropped with the files

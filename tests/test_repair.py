@@ -286,3 +286,145 @@ def test_a_long_damaged_span_gets_tombstones_of_the_lost_sizes_and_fillers_betwe
     span.action = "blank"  # nothing valid after it in its file: a blank after the last tombstone
     assert [(o, n, kind) for o, n, kind, _m in layout(span, set())][-2:] == [(2400, 500, "tombstone"),
                                                                             (2900, 1000, "blank")]
+
+
+def _flip_header(store: Path, e: dict, at: int, mask: int) -> None:
+    """XOR one byte of the record ``e`` at record position ``at`` (no CRC covers the header)."""
+    seg = e["commitLogOffset"] // SEG * SEG
+    with open(store / "commitlog" / f"{seg:020d}", "r+b") as fh:
+        fh.seek(e["commitLogOffset"] - seg + at)
+        b = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([b[0] ^ mask]))
+
+
+@pytest.mark.parametrize("field,at,mask", [
+    ("queueId", 15, 0x01),        # queue 3 -> 2: another queue's record at the same offset exists
+    ("queueId", 12, 0x02),        # a queue that does not exist (fuzz seed 1600136 flipped this field)
+    ("queueOffset", 27, 0x04),    # another offset of the same queue
+    ("topic", None, 0x02),        # TopicA -> TopicC: another topic's queue
+])
+def test_a_flipped_routing_field_is_restored_from_the_consume_queue(basic_copy, field, at, mask):
+    """A bit flip in a record's topic, queue id or queue offset (no CRC covers them) used to be dispatched as
+    it read when repair rebuilt the queues: the message moved to another queue, or left a gap in its own."""
+    from rocketstore.config import golden_config
+    from rocketstore.repair import repair_store
+    e = next(x for x in golden_expected("basic") if x["topic"] == "TopicA" and x["queueId"] == 3
+             and x["queueOffset"] == 204)
+    if at is None:
+        at = e["size"] - len(e["propertiesString"].encode()) - 2 - 1  # the last topic character ("A")
+    _flip_header(basic_copy, e, at, mask)
+    result = repair_store(str(basic_copy), golden_config())
+    assert result["ok"] and not result["problems"] and result["lost"] == [], result
+    [fix] = result["restored"]
+    assert fix["offset"] == e["commitLogOffset"] and list(fix["fields"]) == [field]
+    restored = {"topic": "TopicA", "queueId": 3, "queueOffset": 204}[field]
+    assert fix["fields"][field]["restored"] == restored
+    # The record is the golden one again, byte for byte; its original is kept in quarantine.
+    seg = f"{e['commitLogOffset'] // SEG * SEG:020d}"
+    assert (basic_copy / "commitlog" / seg).read_bytes() == (golden_store("basic") / "commitlog" / seg).read_bytes()
+    assert (Path(result["quarantine"]) / "commitlog" / seg).exists()
+    with MessageStore.open(str(basic_copy), read_only=True) as store:
+        [m] = store.get("TopicA", 3, 204, 1).messages
+        assert (m.commit_log_offset, m.queue_offset, m.body_crc) == (e["commitLogOffset"], 204, e["bodyCrc"])
+        assert sorted(store.queue_keys()) == sorted({(x["topic"], x["queueId"]) for x in golden_expected("basic")})
+
+
+def test_a_routing_field_two_units_claim_is_left_as_it_reads(basic_copy):
+    """When another unit points at the record too, repair cannot tell which is right: it restores nothing."""
+    from rocketstore.config import golden_config
+    from rocketstore.repair import header_fixes
+    e = next(x for x in golden_expected("basic") if x["topic"] == "TopicA" and x["queueId"] == 3
+             and x["queueOffset"] == 204)
+    _flip_header(basic_copy, e, 15, 0x01)  # now it reads TopicA-2
+    cq = basic_copy / "consumequeue"
+    assert len(header_fixes(str(cq), str(basic_copy / "commitlog"), SEG, [])) == 1
+    other = cq / "TopicA" / "2" / "00000000000000000000"
+    data = bytearray(other.read_bytes())
+    data[204 * 20:205 * 20] = (cq / "TopicA" / "3" / "00000000000000000000").read_bytes()[204 * 20:205 * 20]
+    other.write_bytes(bytes(data))
+    assert header_fixes(str(cq), str(basic_copy / "commitlog"), SEG, []) == []
+    assert golden_config().mappedFileSizeCommitLog == SEG
+
+
+def test_units_shifted_by_a_gap_are_not_taken_for_flipped_queue_offsets(basic_copy):
+    """Fuzz seed 1801196: dispatch writes the records after a gap at the lost units, so each of those units
+    points at a record of a later queue offset, with its size and tagsCode.  Repair took them for records
+    whose QUEUEOFFSET a bit flip had changed and wrote the unit's offsets into 62 intact records.  A
+    restore needs sound units on both sides; here no commitlog byte may change."""
+    from rocketstore.config import golden_config
+    from rocketstore.repair import repair_store
+    cq = basic_copy / "consumequeue" / "TopicA" / "0" / "00000000000000000000"
+    data = cq.read_bytes()
+    cq.write_bytes(data[:100 * 20] + data[103 * 20:] + bytes(3 * 20))  # units 100..102 lost, the rest moved down
+    result = repair_store(str(basic_copy), golden_config())
+    assert result["restored"] == [] and result["lost"] == []
+    assert tree_digest(basic_copy / "commitlog") == tree_digest(golden_store("basic") / "commitlog")
+    queue = sorted((e for e in golden_expected("basic") if (e["topic"], e["queueId"]) == ("TopicA", 0)),
+                   key=lambda e: e["queueOffset"])
+    with MessageStore.open(str(basic_copy), read_only=True) as store:
+        got, off = [], 0
+        while (r := store.get("TopicA", 0, off, 32, read_body=False)).messages:
+            got += [(m.queue_offset, m.commit_log_offset) for m in r.messages]
+            off = r.next_begin_offset
+    assert got == [(e["queueOffset"], e["commitLogOffset"]) for e in queue]
+
+
+def test_a_record_whose_queue_id_and_offset_flipped_is_neither_dispatched_nor_queried_as_it_reads(basic_copy):
+    """Fuzz seed 1900113 (ipv6 store, bits of QUEUEID and QUEUEOFFSET of a queue's first record flipped):
+    recovery dispatched the record into a new queue TopicV6-8 at offset 2310348807864320000, query handed it
+    out with those fields, and repair could not restore it (no unit before a queue's first).  Another queue's
+    unit pointing at the record proves the header changed: recovery does not dispatch it, query raises
+    CorruptRecordError naming it, and repair restores it from that unit."""
+    from rocketstore.config import golden_config
+    from rocketstore.errors import CorruptRecordError
+    from rocketstore.repair import repair_store
+    e = next(x for x in golden_expected("basic") if x["commitLogOffset"] == 0)  # TopicA-1 offset 0
+    _flip_header(basic_copy, e, 15, 0x08)  # queue 1 -> 9 (no such queue)
+    _flip_header(basic_copy, e, 22, 0x20)  # queue offset 0 -> 2**45
+    uniq = e["properties"]["UNIQ_KEY"]
+    with MessageStore.open(str(basic_copy), golden_config(), start_services=False) as store:
+        assert ("TopicA", 9) not in store.queue_keys()
+        with pytest.raises(CorruptRecordError, match=r"at offset 0 .*says TopicA/9 offset 35184372088832, but "
+                                                     r"consume queue TopicA/1 offset 0 points at it"):
+            store.query("TopicA", uniq)
+    result = repair_store(str(basic_copy), golden_config())
+    assert result["ok"] and [f["fields"] for f in result["restored"]] == [
+        {"queueId": {"read": 9, "restored": 1}, "queueOffset": {"read": 1 << 45, "restored": 0}}]
+    with MessageStore.open(str(basic_copy), read_only=True) as store:
+        [m] = store.query("TopicA", uniq).messages
+        assert (m.queue_id, m.queue_offset, m.commit_log_offset) == (1, 0, 0)
+        assert sorted(store.queue_keys()) == sorted({(x["topic"], x["queueId"]) for x in golden_expected("basic")})
+
+
+def test_recovery_does_not_open_a_queue_for_a_record_another_queue_s_unit_points_at(tmp_path):
+    """The ipv6 store is one segment, so its clean recovery offers every record: the record of fuzz seed
+    1900113 was dispatched into a queue of its own (TopicV6-8, at a queue offset above 2**60)."""
+    from rocketstore.config import golden_config
+    store_dir = copy_store(golden_store("ipv6"), tmp_path / "s")
+    e = next(x for x in golden_expected("ipv6") if x["commitLogOffset"] == 0)
+    assert e["queueOffset"] == 0
+    with open(store_dir / "commitlog" / f"{0:020d}", "r+b") as fh:
+        for at, mask in ((15, 0x08), (22, 0x20)):
+            fh.seek(at)
+            b = fh.read(1)
+            fh.seek(at)
+            fh.write(bytes([b[0] ^ mask]))
+    with MessageStore.open(str(store_dir), golden_config(), start_services=False) as store:
+        assert sorted(store.queue_keys()) == sorted({(x["topic"], x["queueId"]) for x in golden_expected("ipv6")})
+
+
+def test_query_refuses_a_record_whose_queue_offset_flipped_within_its_own_queue(basic_copy):
+    """Fuzz seed 2200162 (txn store, a bit of QUEUEOFFSET's high byte flipped: 0 -> 2**57): the unit pointing
+    at the record is its own queue's, at another offset; query handed the record out with the flipped
+    offset."""
+    from rocketstore.config import golden_config
+    from rocketstore.errors import CorruptRecordError
+    from rocketstore.repair import repair_store
+    e = next(x for x in golden_expected("basic") if x["commitLogOffset"] == 0)  # TopicA-1 offset 0
+    _flip_header(basic_copy, e, 20, 0x02)
+    with MessageStore.open(str(basic_copy), read_only=True) as store:
+        with pytest.raises(CorruptRecordError, match="consume queue TopicA/1 offset 0 points at it"):
+            store.query("TopicA", e["properties"]["UNIQ_KEY"])
+    assert [f["fields"] for f in repair_store(str(basic_copy), golden_config())["restored"]] == [
+        {"queueOffset": {"read": 1 << 57, "restored": 0}}]

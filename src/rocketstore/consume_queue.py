@@ -138,6 +138,7 @@ class ConsumeQueue:
         self.lost_units: tuple[int, int] | None = None  # what lay beyond it (see _last_unit_beyond)
         self.pad_gaps = False  # while recovery rebuilds a queue cut at a hole: see _pad
         self.blank_units: list[tuple[int, int]] = []  # (first, last) unit ranges _pad wrote
+        self.gap_at: int | None = None  # the unit where put_unit first wrote a record of a later queue offset
         self._time_cache: dict[str, tuple[int, int]] = {}
 
     def load(self, on_bad_file=None) -> None:
@@ -181,6 +182,34 @@ class ConsumeQueue:
         if f is None or pos - f.file_from_offset + CQ_STORE_UNIT_SIZE > f.wrote_position:
             return None
         return _UNIT.unpack_from(f.mm, pos - f.file_from_offset)
+
+    def unit_pointing_at(self, phy: int) -> int | None:
+        """Queue offset of the unit whose record starts at commitlog offset ``phy``, or None: a binary search,
+        units ascending in commitlog offset (blank units before a queue's first message point at 0)."""
+        files = [f for f in self.queue.files if f.wrote_position >= CQ_STORE_UNIT_SIZE]
+        lo, hi = 0, len(files)
+        while lo < hi:  # the last file whose first unit points at or below phy
+            mid = (lo + hi) // 2
+            if _UNIT.unpack_from(files[mid].mm, 0)[0] <= phy:
+                lo = mid + 1
+            else:
+                hi = mid
+        if not lo:
+            return None
+        f = files[lo - 1]
+        a, b = 0, f.wrote_position // CQ_STORE_UNIT_SIZE
+        while a < b:  # the first unit at or past phy
+            mid = (a + b) // 2
+            if _UNIT.unpack_from(f.mm, mid * CQ_STORE_UNIT_SIZE)[0] < phy:
+                a = mid + 1
+            else:
+                b = mid
+        if a * CQ_STORE_UNIT_SIZE + CQ_STORE_UNIT_SIZE > f.wrote_position:
+            return None
+        off, size, _ = _UNIT.unpack_from(f.mm, a * CQ_STORE_UNIT_SIZE)
+        if off != phy or not 0 < size < 0x7FFFFFFF:
+            return None
+        return (f.file_from_offset + a * CQ_STORE_UNIT_SIZE) // CQ_STORE_UNIT_SIZE
 
     def hold_file_at(self, index: int) -> MappedFile | None:
         """The file holding unit ``index``, held for the caller to :meth:`read_units` from and then release;
@@ -426,6 +455,8 @@ class ConsumeQueue:
             elif expect != current:
                 log.error("%s-%d: queue offset gap, expected unit %d, writing at %d",
                           self.topic, self.queue_id, cq_offset, current // CQ_STORE_UNIT_SIZE)
+                if self.gap_at is None:
+                    self.gap_at = current // CQ_STORE_UNIT_SIZE
         self.max_physic_offset = offset + size
         f.append(_UNIT.pack(offset, size, tags_code))
         return True

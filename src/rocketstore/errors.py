@@ -11,6 +11,11 @@ class StoreLoadError(StoreError):
     """A store directory that cannot be loaded: missing, not a store, or a file of a bad name or size."""
 
 
+class CommitLogDamagedError(StoreLoadError):
+    """A writable open that would truncate intact records after damage in the commitlog: nothing in the
+    commitlog was changed, and ``verify --repair`` (which keeps every valid record) is the way on."""
+
+
 class CommitLogWriteError(StoreError):
     """Appending to a commitlog segment failed (an I/O error from the kernel): the put is not stored."""
 

@@ -4,7 +4,13 @@ Clean (no ``abort`` file): each consume queue checks its last three files; the
 CommitLog is re-checked from the segment holding the queues' highest offset and
 records past that offset are re-indexed.  Unlike RocketMQ, every record from
 that segment on is offered to the consume queues, which skip what they hold,
-so a lost or torn queue tail is rebuilt.
+so a lost or torn queue tail is rebuilt; when the scan meets a queue's record
+past a gap and that queue ended before the scan began, its next records lie
+further back: the units the scan appended to it are cut and the scan runs once
+more from the segment where it ends.  A clean shutdown leaves no torn tail: a
+writable open whose check stops at damage with an intact record after it
+refuses (nothing in the CommitLog changed) rather than truncate acknowledged
+records; ``verify --repair`` keeps them.
 
 Unclean (``abort`` present): the CommitLog is CRC-checked from the newest
 segment whose first record is older than the checkpoint's minimum time (3 s of
@@ -42,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from . import codec
 from .consume_queue import CQ_STORE_UNIT_SIZE
 from .dispatch import CommitLogDispatcher
+from .errors import CommitLogDamagedError
 
 if TYPE_CHECKING:
     from .store import MessageStore
@@ -137,6 +144,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     next_log = time.monotonic() + PROGRESS_INTERVAL_S
     file_size = commitlog.file_size
     topics: dict[bytes, str] = {}
+    deltas: dict = {}  # for _queue_needs
     # What the scan may skip: records their consume queue already holds, and records below where the index
     # must resume.  Both bounds only grow while recovery dispatches, so these snapshots never skip a record
     # the exact per-record rules below would dispatch; those rules still decide for every record offered.
@@ -156,7 +164,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
         phy = h[6]
         to_index = (report.abnormal or phy > max_cq) and index_enabled and \
             h[7] & codec.TRANSACTION_MASK != codec.TRANSACTION_ROLLBACK and phy >= index.resume_offset()
-        to_queue = _queue_needs(store, mm, parsed, size, topics)
+        to_queue = _queue_needs(store, mm, parsed, size, topics, deltas)
         if to_index or to_queue:
             dispatcher.dispatch(codec.decode(mm, pos, pos + size, read_body=False), index=to_index, queue=to_queue)
 
@@ -168,70 +176,98 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
             log.info("recovery: %d bytes checked (%.1f MB/s), segment %s", done,
                      done / 1e6 / max(time.monotonic() - t0, 1e-9), path)
 
-    idx = start_idx
-    while True:
-        f = files[idx]
-        mm, end, base = f.mm, 0, f.file_from_offset  # end: where the valid records of this file end
-        stop = None
-        blank = False
-        pos, last, n = 0, -1, 0
-        if min(max_cq, base + file_size) - base >= VECTORISED_MIN_BYTES:
-            # First the records the consume queues point at (and hold), checked in vectorised passes.
-            from . import queue_checked
-            pos, last, n = queue_checked.checked_prefix(
-                mm, 0, file_size, base=base, units=queue_checked.units_by_queue(store, base, base + file_size),
-                check_crc=check_crc, held=held, index_from=index_from,
-                progress=lambda at, base=base, path=f.path: progress(base + at, path))
-        if n:
-            end = pos
-            last_valid = base + last
-            report.records_checked += n
-        while pos < file_size:
-            # Then record by record: whole runs of valid records, checked without building anything.
-            chunk_end = min(file_size, pos + SCAN_CHUNK)
-            nxt, last, n, wanted = codec.scan_records(mm, pos, chunk_end, file_size, base=base, check_crc=check_crc,
-                                                       held=held, index_from=index_from)
+    # A queue whose tail units were lost (zeroed, torn) ends before records the scan may start after: the scan
+    # would append its later records at the wrong unit (a gap).  Its end and length before the scan tell.
+    before = {cq: (cq.max_physic_offset, cq.max_offset_in_queue) for cq in store.consume_queues()}
+    for cq in before:
+        cq.gap_at = None
+    rescanned = False
+    while True:  # the scan; once more, from further back, when a queue's lost tail lies before where it began
+        idx = start_idx
+        while True:
+            f = files[idx]
+            mm, end, base = f.mm, 0, f.file_from_offset  # end: where the valid records of this file end
+            stop = None
+            blank = False
+            pos, last, n = 0, -1, 0
+            if min(max_cq, base + file_size) - base >= VECTORISED_MIN_BYTES:
+                # First the records the consume queues point at (and hold), checked in vectorised passes.
+                from . import queue_checked
+                pos, last, n = queue_checked.checked_prefix(
+                    mm, 0, file_size, base=base, units=queue_checked.units_by_queue(store, base, base + file_size),
+                    check_crc=check_crc, held=held, index_from=index_from,
+                    progress=lambda at, base=base, path=f.path: progress(base + at, path))
             if n:
-                if dispatcher is not None:
-                    for w in wanted:
-                        parsed = codec.parse(mm, w, file_size)
-                        offer(mm, w, parsed, parsed[0][0])
-                pos = end = nxt
+                end = pos
                 last_valid = base + last
                 report.records_checked += n
-                progress(base + pos, f.path)
-                if pos >= chunk_end:
-                    continue
-            # The record the scan did not accept: the full check says why (or accepts it after all).
-            item = next(codec.walk(mm, pos, file_size, check_crc=check_crc, parsed=True), None)
-            if item is None:  # all-zero bytes: the end of written data
+            while pos < file_size:
+                # Then record by record: whole runs of valid records, checked without building anything.
+                chunk_end = min(file_size, pos + SCAN_CHUNK)
+                nxt, last, n, wanted = codec.scan_records(mm, pos, chunk_end, file_size, base=base, check_crc=check_crc,
+                                                           held=held, index_from=index_from)
+                if n:
+                    if dispatcher is not None:
+                        for w in wanted:
+                            parsed = codec.parse(mm, w, file_size)
+                            offer(mm, w, parsed, parsed[0][0])
+                    pos = end = nxt
+                    last_valid = base + last
+                    report.records_checked += n
+                    progress(base + pos, f.path)
+                    if pos >= chunk_end:
+                        continue
+                # The record the scan did not accept: the full check says why (or accepts it after all).
+                item = next(codec.walk(mm, pos, file_size, check_crc=check_crc, parsed=True), None)
+                if item is None:  # all-zero bytes: the end of written data
+                    break
+                _, size, parsed, reason = item
+                if size == 0:
+                    blank = True
+                    break
+                if parsed is None:
+                    stop = reason or "invalid record"
+                    break
+                phy = parsed[0][6]
+                if phy != base + pos:
+                    stop = f"PHYSICALOFFSET {phy} differs from the record's position {base + pos}"
+                    break
+                end = pos + size
+                last_valid = base + pos
+                report.records_checked += 1
+                if dispatcher is not None:
+                    offer(mm, pos, parsed, size)
+                if report.records_checked % 1024 == 0:
+                    progress(base + pos, f.path)
+                pos = end
+            process = base + end
+            if stop is not None:
+                report.stopped_because = f"{f.path} at file position {end}: {stop}"
                 break
-            _, size, parsed, reason = item
-            if size == 0:
-                blank = True
+            if not blank or idx + 1 >= len(files):  # only a blank record leads on to the next segment
                 break
-            if parsed is None:
-                stop = reason or "invalid record"
-                break
-            phy = parsed[0][6]
-            if phy != base + pos:
-                stop = f"PHYSICALOFFSET {phy} differs from the record's position {base + pos}"
-                break
-            end = pos + size
-            last_valid = base + pos
-            report.records_checked += 1
-            if dispatcher is not None:
-                offer(mm, pos, parsed, size)
-            if report.records_checked % 1024 == 0:
-                progress(base + pos, f.path)
-            pos = end
-        process = base + end
-        if stop is not None:
-            report.stopped_because = f"{f.path} at file position {end}: {stop}"
+            idx += 1
+        if dispatcher is None or rescanned:
             break
-        if not blank or idx + 1 >= len(files):  # only a blank record leads on to the next segment
+        refill = [cq for cq, (end, units) in before.items()
+                  if cq.gap_at is not None and cq.gap_at == units and end < report.start_offset]
+        if not refill:
             break
-        idx += 1
+        rescanned = True
+        for cq in refill:
+            cq.truncate_dirty_logic(report.start_offset)  # only the units this scan appended point there
+        start_idx = min(_file_index(files, before[cq][0]) if before[cq][0] >= 0 else 0 for cq in refill)
+        log.warning("recovery: %s ended before the records of their next queue offsets (lost units); "
+                    "offering the records again from %s", ", ".join(f"{cq.topic}-{cq.queue_id}" for cq in refill),
+                    files[start_idx].path)
+        report.start_offset = files[start_idx].file_from_offset
+        held = _held_by_queues(store)
+        if index_enabled:
+            index_from = index.resume_offset() if report.abnormal else max(index.resume_offset(), max_cq + 1)
+        for cq in before:
+            cq.gap_at = None
+    if writable and not report.abnormal and (report.stopped_because is not None or max_cq > process):
+        _refuse_to_cut_intact_records(store, process, max_cq, report)
     report.process_offset = process
     report.bytes_checked = process - report.start_offset
     report.confirm_offset = last_valid
@@ -261,6 +297,41 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     if report.stopped_because and report.abnormal:
         log.warning("recovery truncated the commitlog at %d: %s", process, report.stopped_because)
     return report
+
+
+def _refuse_to_cut_intact_records(store: "MessageStore", process: int, max_cq: int, report: RecoveryReport) -> None:
+    """After a clean shutdown every record was flushed, so a scan that stops before the log's end (at a record
+    that fails its checks, or at zero bytes the consume queues point past) met damage, not a torn tail.  When
+    an intact record follows, truncating there would delete acknowledged messages (and zero them in the last
+    segment): refuse the open before any commitlog byte changes; ``verify --repair`` keeps every valid record.
+    """
+    nxt = _intact_record_after(store.commitlog, process)
+    if nxt is None:
+        return
+    why = report.stopped_because or f"zero bytes at commitlog offset {process}, below the consume queues' end {max_cq}"
+    raise CommitLogDamagedError(f"{why}: the store was shut down cleanly, yet its commitlog has damage here with an intact "
+                         f"record after it (at commitlog offset {nxt}); recovery would truncate the log at "
+                         f"{process} and lose every record after. No commitlog byte was changed: run `rocketstore verify "
+                         f"{store.root} --repair`, which keeps every valid record")
+
+
+def _intact_record_after(commitlog, offset: int) -> int | None:
+    """Commitlog offset of the first record after ``offset`` that passes every check (CRC, PHYSICALOFFSET equal
+    to its position), in its segment or a later one; None when there is none."""
+    size = commitlog.file_size
+    for f in commitlog.queue.files:
+        base = f.file_from_offset
+        if base + size <= offset:
+            continue
+        mm = f.mm
+        if base > offset:  # a later segment: its first record, then the magic codes after it
+            first, parsed, _ = codec.check(mm, 0, size, check_crc=True, parsed=True)
+            if parsed is not None and first > 0 and parsed[0][6] == base:
+                return base
+        p = codec.find_record(mm, max(0, offset - base), size, base, check_crc=True)
+        if p is not None and codec.read_total_size(mm, p) != size - p:  # not the blank that ends the file
+            return base + p
+    return None
 
 
 def _store_time(store: "MessageStore"):
@@ -379,8 +450,12 @@ def _held_by_queues(store: "MessageStore") -> dict[tuple[bytes, int], int]:
     return held
 
 
-def _queue_needs(store: "MessageStore", mm, parsed: tuple, size: int, topics: dict[bytes, str]) -> bool:
-    """Whether a record belongs in a consume queue that does not hold it yet."""
+def _queue_needs(store: "MessageStore", mm, parsed: tuple, size: int, topics: dict[bytes, str],
+                 deltas: dict | None = None) -> bool:
+    """Whether a record belongs in a consume queue that does not hold it yet (and names that queue truly).
+
+    ``deltas``: per queue, the last queue-offset mismatch checked, so a run of records after a gap costs one
+    :meth:`MessageStore.queue_claiming` search, not one per record."""
     h, tp, tl, _ = parsed
     txn = h[7] & codec.TRANSACTION_MASK
     if txn != codec.TRANSACTION_NOT_TYPE and txn != codec.TRANSACTION_COMMIT:
@@ -390,7 +465,21 @@ def _queue_needs(store: "MessageStore", mm, parsed: tuple, size: int, topics: di
     if topic is None:
         topic = topics[raw] = raw.decode("utf-8", "replace")
     cq = store._cq_table.get((topic, h[3]))
-    return cq is None or h[6] + size > cq.max_physic_offset
+    if cq is not None and h[6] + size <= cq.max_physic_offset:
+        return False
+    if cq is None or h[5] != cq.max_offset_in_queue:  # a new queue, or not its next offset: a damaged header?
+        delta = None if cq is None else h[5] - cq.max_offset_in_queue
+        if deltas is not None and delta is not None and deltas.get(cq) == delta:
+            return True  # the same shift as the record before (a gap dispatch writes through): checked then
+        if deltas is not None and cq is not None:
+            deltas[cq] = delta
+        claim = store.queue_claiming(h[6], topic, h[3], h[5], h[7])
+        if claim is not None:
+            log.error("record at commitlog offset %d says %s-%d offset %d, but %s-%d unit %d points at it: its "
+                      "header was damaged; not dispatched (verify --repair restores it)", h[6], topic, h[3], h[5],
+                      *claim)
+            return False
+    return True
 
 
 def _zero_stale_tail(commitlog, offset: int) -> int:

@@ -43,6 +43,15 @@ recovery never starts later because of them.  They carry no ``__CRC32#``
 property: a broker run with ``forceVerifyPropCRC=true`` (off by default) would
 refuse them, as it refuses every record written without ``enabledAppendPropCRC``.
 
+A record whose routing fields (topic, queue id, queue offset: no CRC covers
+them) contradict the one old consume-queue unit that points at it, while its
+size and tagsCode match that unit and no other unit claims it, had its header
+damaged: dispatching it as it reads would put the message in another queue
+(or at another offset) than the one its producer was acknowledged for.  Repair
+writes the unit's values back into those fields (a **restored** header, the
+body untouched); when the evidence is not that clear it leaves the record as
+it is and the rebuild dispatches it as it reads.
+
 Before any byte changes, the original segment is copied to
 ``quarantine/repair-<ms>/commitlog/``; the consume queues, the index, the
 checkpoint and an ``abort`` file are moved there too and the rebuilt ones take
@@ -107,6 +116,20 @@ class DamagedSpan:
         d["allZero"] = d.pop("all_zero")
         d["rewrite"] = [{"offset": o, "length": n, "as": kind} for o, n, kind, _m in d.pop("pieces")]
         return d
+
+
+@dataclass
+class HeaderFix:
+    """A record whose routing fields a bit flip changed, and the values its consume-queue unit says they had."""
+
+    file: str
+    offset: int  # commitlog offset of the record
+    fields: dict[str, tuple[Any, Any]]  # field name -> (value read, value restored)
+    writes: list[tuple[int, bytes]]  # (position in the file, bytes written there)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "offset": self.offset,
+                "fields": {k: {"read": a, "restored": b} for k, (a, b) in self.fields.items()}}
 
 
 def _is_zero(buf: Any, start: int, end: int) -> bool:
@@ -294,6 +317,126 @@ def _lost_messages(cq_root: str, spans: list[DamagedSpan]) -> None:
                                                       "commitLogOffset": off, "size": size})
 
 
+def _queue_units(cq_root: str) -> Iterator[tuple[str, int, int, int, int, int]]:
+    """(topic, queue id, queue offset, commitlog offset, size, tagsCode) of every unit of the consume queues
+    under ``cq_root`` that points at a record (blank units and invalid ones left out)."""
+    unit = struct.Struct(">qiq")
+    for topic in sorted(os.listdir(cq_root)) if os.path.isdir(cq_root) else []:
+        tdir = os.path.join(cq_root, topic)
+        for qid in sorted(os.listdir(tdir)) if os.path.isdir(tdir) else []:
+            qdir = os.path.join(tdir, qid)
+            if not (qid.lstrip("-").isdigit() and os.path.isdir(qdir)):
+                continue
+            for name in sorted(os.listdir(qdir)):
+                if not name.isdigit():
+                    continue
+                with open(os.path.join(qdir, name), "rb") as fh:
+                    data = fh.read()
+                first = int(name) // CQ_STORE_UNIT_SIZE
+                usable = len(data) - len(data) % CQ_STORE_UNIT_SIZE
+                for i, (off, size, tags) in enumerate(unit.iter_unpack(data[:usable])):
+                    if off >= 0 and 0 < size < 0x7FFFFFFF:
+                        yield topic, int(qid), first + i, off, size, tags
+
+
+def header_fixes(cq_root: str, cdir: str, file_size: int, spans: list[DamagedSpan]) -> list[HeaderFix]:
+    """The records whose topic, queue id or queue offset contradict the old consume-queue unit pointing at
+    them, where that unit is the only one pointing there, matches the record's size and tagsCode, and sits
+    between two units of its queue that agree with their records in every field (after one, for the queue's
+    first unit).
+
+    Dispatch writes a unit from the record's fields, so a record that agrees
+    with its unit on size and tagsCode but names another queue or offset was
+    changed afterwards; a bit flip in a unit could not make it point exactly
+    at another record of the same size and tags.  The sound neighbours rule out
+    the one way dispatch itself writes units at other offsets than their
+    records': a queue that lost units and was refilled from later records
+    (RocketMQ's gap handling shifts every unit after the gap, not one).  A
+    V1/V2 topic is restored only at the same byte length, and only for records
+    dispatch puts in a queue (not PREPARED or ROLLBACK: which of the two it was
+    is unknown).
+    """
+    ranges = sorted((s.offset, s.offset + s.length) for s in spans)
+    segments: dict[int, Any] = {}
+
+    def record_at(off: int) -> tuple[Any, int, tuple, bytes, int] | None:
+        """(segment map, position, header, topic bytes, topic position) of a structurally valid record
+        starting at ``off``."""
+        base = off - off % file_size
+        if any(a <= off < b for a, b in ranges):
+            return None  # a damaged span: its records are rewritten, not restored
+        mm = segments.get(base)
+        if mm is None:
+            p = os.path.join(cdir, f"{base:020d}")
+            mm = False
+            if os.path.isfile(p) and os.path.getsize(p) == file_size:
+                with open(p, "rb") as fh:
+                    mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            segments[base] = mm
+        if mm is False:
+            return None
+        try:
+            h, tp, tl, _pl = codec.parse(mm, off - base, file_size)
+        except codec.RecordError:
+            return None  # a dangling unit: the rebuild drops it
+        return (mm, off - base, h, bytes(mm[tp:tp + tl]), tp) if h[6] == off else None
+
+    candidates: dict[int, tuple[tuple[str, int, int], HeaderFix]] = {}
+    try:
+        for topic, qid, qoff, off, size, tags in _queue_units(cq_root):
+            rec = record_at(off)
+            if rec is None or rec[2][0] != size:
+                continue
+            mm, pos, h, rtopic, tp = rec
+            want = topic.encode("utf-8", "surrogatepass")
+            if (rtopic, h[3], h[5]) == (want, qid, qoff):
+                continue
+            if h[7] & codec.TRANSACTION_MASK not in (codec.TRANSACTION_NOT_TYPE, codec.TRANSACTION_COMMIT) or \
+                    (rtopic != want and len(rtopic) != len(want)):
+                continue
+            msg = codec.decode(mm, pos, pos + size, read_body=False)
+            if codec.dispatch_tags_code(topic, msg.properties, msg.store_timestamp) != tags:
+                continue
+            fields: dict[str, tuple[Any, Any]] = {}
+            writes: list[tuple[int, bytes]] = []
+            if rtopic != want:
+                fields["topic"] = (rtopic.decode("utf-8", "replace"), topic)
+                writes.append((tp, want))
+            if h[3] != qid:
+                fields["queueId"] = (h[3], qid)
+                writes.append((pos + 12, struct.pack(">i", qid)))
+            if h[5] != qoff:
+                fields["queueOffset"] = (h[5], qoff)
+                writes.append((pos + 20, struct.pack(">q", qoff)))
+            fix = HeaderFix(os.path.join(cdir, f"{off - off % file_size:020d}"), off, fields, writes)
+            candidates.setdefault(off, ((topic, qid, qoff), fix))
+        if not candidates:
+            return []
+        claims: dict[int, int] = dict.fromkeys(candidates, 0)  # a record two units point at: trust neither
+        wanted = {(t, q, o + d) for t, q, o in (c[0] for c in candidates.values()) for d in (-1, 1)}
+        sound: set[tuple[str, int, int]] = set()  # units among ``wanted`` that agree with their record
+        first: dict[tuple[str, int], int] = {}  # each queue's first unit that points at a record
+        for topic, qid, qoff, off, size, _tags in _queue_units(cq_root):
+            first.setdefault((topic, qid), qoff)
+            if off in claims:
+                claims[off] += 1
+            if (topic, qid, qoff) in wanted:
+                rec = record_at(off)
+                if rec is not None and (rec[2][0], rec[3], rec[2][3], rec[2][5]) == (
+                        size, topic.encode("utf-8", "surrogatepass"), qid, qoff):
+                    sound.add((topic, qid, qoff))
+        return [fix for off, ((t, q, o), fix) in sorted(candidates.items())  # a queue's first unit follows no gap
+                if claims[off] == 1 and ((t, q, o - 1) in sound or first.get((t, q)) == o) and (t, q, o + 1) in sound]
+    finally:
+        for mm in segments.values():
+            if mm:
+                mm.close()
+
+
+def _fields(fix: HeaderFix) -> str:
+    return ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in fix.fields.items())
+
+
 @contextmanager
 def _store_lock(paths: StorePaths, dry_run: bool) -> Iterator[None]:
     """Hold the store's lock (RocketMQ's, on byte 0 of ``lock``) so no broker runs while repair works."""
@@ -335,12 +478,15 @@ def plan(path: str, file_size: int) -> list[DamagedSpan]:
     return spans
 
 
-def _apply(spans: list[DamagedSpan], qdir: str, file_size: int) -> list[DamagedSpan]:
-    """Copy each touched segment to ``qdir/commitlog`` and rewrite its damaged spans; the spans not rewritten."""
+def _apply(spans: list[DamagedSpan], fixes: list[HeaderFix], qdir: str, file_size: int) -> list[DamagedSpan]:
+    """Copy each touched segment to ``qdir/commitlog``, rewrite its damaged spans and restore the headers of
+    ``fixes``; the spans not rewritten."""
     unfixed = []
     by_file: dict[str, list[DamagedSpan]] = {}
     for s in spans:
         by_file.setdefault(s.file, []).append(s)
+    for fix in fixes:
+        by_file.setdefault(fix.file, [])
     for p, file_spans in by_file.items():
         keep = os.path.join(qdir, "commitlog", os.path.basename(p))
         os.makedirs(os.path.dirname(keep), exist_ok=True)
@@ -366,6 +512,12 @@ def _apply(spans: list[DamagedSpan], qdir: str, file_size: int) -> list[DamagedS
                         for n in filler_pieces(length):
                             os.pwrite(fh.fileno(), filler_record(n, base + at, s.resume_store_timestamp), at)
                             at += n
+            for fix in fixes:
+                if fix.file == p:
+                    log.warning("%s: record at commitlog offset %d: %s restored from its consume-queue unit; "
+                                "original kept in %s", p, fix.offset, _fields(fix), keep)
+                    for at, data in fix.writes:
+                        os.pwrite(fh.fileno(), data, at)
             os.fsync(fh.fileno())
     return unfixed
 
@@ -419,6 +571,7 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
         spans = plan(path, cfg.mappedFileSizeCommitLog)
         _lost_messages(paths.consumequeue, spans)
         held = _held_queue_offsets(spans, cfg.mappedFileSizeCommitLog)
+        fixes = header_fixes(paths.consumequeue, paths.commitlog, cfg.mappedFileSizeCommitLog, spans)
         for s in spans:
             s.pieces = layout(s, held)
             kept_as = {id(m) for _o, _n, kind, m in s.pieces if kind == "tombstone"}
@@ -440,11 +593,13 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
             result["lost"] = [s.to_json() for s in spans]
             result["repaired"] = [f"commitlog: would rewrite {s.length} bytes at {s.offset} as "
                                   + ", ".join(kind for _o, _n, kind, _m in s.pieces) for s in spans if s.pieces]
+            result["repaired"] += [f"commitlog: would restore {_fields(f)} of the record at {f.offset}" for f in fixes]
+            result["restored"] = [f.to_json() for f in fixes]
             result["ok"] = result["ok"] and not spans
             return result
         qdir = os.path.join(paths.quarantine, f"repair-{int(time.time() * 1000)}")
         os.makedirs(qdir)
-        unfixed = _apply(spans, qdir, cfg.mappedFileSizeCommitLog)
+        unfixed = _apply(spans, fixes, qdir, cfg.mappedFileSizeCommitLog)
         if os.path.exists(paths.checkpoint):
             shutil.copyfile(paths.checkpoint, os.path.join(qdir, "checkpoint"))  # the rebuild keeps its times
         for name in ("consumequeue", "index", "abort"):
@@ -464,22 +619,25 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
             store.close()
         repaired = [f"commitlog: {s.length} bytes at {s.offset} rewritten as "
                     + ", ".join(kind for _o, _n, kind, _m in s.pieces) for s in spans if s not in unfixed]
+        repaired += [f"commitlog: {_fields(f)} of the record at {f.offset} restored from its consume-queue unit"
+                     for f in fixes]
         for name in ("consumequeue", "index"):
             change = _drop_identical(os.path.join(qdir, name), os.path.join(path, name), name)
             if change:
                 repaired.append(change)
-        kept = spans or any(os.path.exists(os.path.join(qdir, n)) for n in ("consumequeue", "index", "abort"))
+        kept = spans or fixes or any(os.path.exists(os.path.join(qdir, n)) for n in ("consumequeue", "index", "abort"))
         if not kept:
             shutil.rmtree(qdir)
             if not os.listdir(paths.quarantine):
                 os.rmdir(paths.quarantine)
         else:
             with open(os.path.join(qdir, REPORT_NAME), "w", encoding="utf-8") as fh:
-                json.dump({"lost": [s.to_json() for s in spans], "repaired": repaired}, fh, ensure_ascii=False,
-                          indent=1)
+                json.dump({"lost": [s.to_json() for s in spans], "restored": [f.to_json() for f in fixes],
+                           "repaired": repaired}, fh, ensure_ascii=False, indent=1)
         with MessageStore.open(path, cfg, read_only=True) as store:
             result = verify_store(store)
     result["lost"] = [s.to_json() for s in spans]
+    result["restored"] = [f.to_json() for f in fixes]
     result["repaired"] = repaired
     if kept:
         result["quarantine"] = qdir

@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+from itertools import islice
 from time import perf_counter
 from typing import Any, Callable, Iterator
 
@@ -41,6 +42,9 @@ from .tier.upload import TierUploadService
 from .warm_ahead import WarmAheadService
 
 log = logging.getLogger(__name__)
+# How far a get walks the commitlog for the record of a unit whose offset was damaged (see
+# MessageStore._misplaced_unit_record): a few RocketMQ maximum-size messages.
+MISPLACED_SEARCH_BYTES = 16 << 20
 
 
 class StorePaths:
@@ -658,7 +662,8 @@ class MessageStore:
         (topic, queue id, queue offset, size) is never returned nor skipped:
         the call returns the messages before it (FOUND, ``next_begin_offset``
         at that unit), and a call starting at it raises
-        :class:`CorruptRecordError` naming the segment file and offset.
+        :class:`CorruptRecordError` naming the segment file and offset.  A unit whose own size or
+        offset was damaged still reads its intact record (see :meth:`_misplaced_unit_record`).
 
         Consumers call this in a loop, so the fixed cost of a call weighs about as
         much as the per-message cost: units are read in blocks of one unpack each,
@@ -701,7 +706,7 @@ class MessageStore:
         stop_idx = offset + -(-span // CQ_STORE_UNIT_SIZE)
         if stop_idx > hi:
             stop_idx = hi
-        skip_file_end = -1
+        skip_file_start = skip_file_end = -1
         seg, seg_start, seg_end, mm = None, 0, -1, None  # the commitlog segment held while reading from it
         decode_unit = codec.decode_unit
         topic_bytes = topic.encode("utf-8")
@@ -725,7 +730,7 @@ class MessageStore:
                         if not n:
                             status = GetMessageStatus.NO_MATCHED_MESSAGE
                         continue
-                    if phy < skip_file_end:
+                    if skip_file_start <= phy < skip_file_end:  # a unit's segment that is gone
                         continue
                     if not (seg_start <= phy < seg_end):
                         if seg is not None:
@@ -740,12 +745,23 @@ class MessageStore:
                         if seg is None and self.commitlog._in_tier(phy):  # uploaded, and gone from local disk
                             msg = self._tier_unit(phy, size, read_body, topic, topic_bytes, queue_id, idx - 1)
                         else:
-                            if not n:
-                                status = GetMessageStatus.MESSAGE_WAS_REMOVING
-                            skip_file_end = phy - phy % self.commitlog.file_size + self.commitlog.file_size
-                            continue
+                            # Not expired, yet no record there: a damaged unit, whose record may still be found.
+                            msg = None if phy < self.commitlog.min_offset() else self._misplaced_unit_record(
+                                cq, idx - 1, phy, size, read_body, topic, topic_bytes, queue_id)
+                            if msg is None:
+                                if not n:
+                                    status = GetMessageStatus.MESSAGE_WAS_REMOVING
+                                skip_file_start = phy - phy % self.commitlog.file_size
+                                skip_file_end = skip_file_start + self.commitlog.file_size
+                                continue
+                            size = msg.size
                     else:
                         msg = decode_unit(mm, pos, size, read_body, topic, topic_bytes, queue_id, idx - 1)
+                    if msg is None and seg is not None:
+                        msg = self._misplaced_unit_record(cq, idx - 1, phy, size, read_body, topic, topic_bytes,
+                                                          queue_id)
+                        if msg is not None:
+                            size = msg.size
                     if msg is None:
                         if n:  # return what was read; the next call starts at the damaged unit and raises
                             idx -= 1
@@ -776,6 +792,77 @@ class MessageStore:
             if seg is not None:
                 seg.release()
         return GetMessageResult(status, idx, lo, hi, out)
+
+    def queue_claiming(self, phy: int, topic: str, queue_id: int, queue_offset: int, sys_flag: int
+                       ) -> tuple[str, int, int] | None:
+        """(topic, queue id, queue offset) of another queue's unit pointing at the record at ``phy`` when the
+        record's own queue (``topic``, ``queue_id``) has no unit ``queue_offset`` pointing there; else None.
+
+        Dispatch writes a unit from its record's fields, so such a unit means
+        the record's topic, queue id or queue offset was changed since (no CRC
+        covers them): reading or dispatching it as it reads would misroute the
+        message.  PREPARED and ROLLBACK records have no unit: never claimed.
+        """
+        if sys_flag & codec.TRANSACTION_MASK not in (codec.TRANSACTION_NOT_TYPE, codec.TRANSACTION_COMMIT):
+            return None
+        own = self._cq_table.get((topic, queue_id))
+        if own is not None and 0 <= queue_offset < 1 << 58:
+            unit = own.get_unit(queue_offset)
+            if unit is not None and unit[0] == phy:
+                return None
+        for (t, q), cq in list(self._cq_table.items()):  # its own queue too: at another offset
+            if (i := cq.unit_pointing_at(phy)) is not None:
+                return t, q, i
+        return None
+
+    def _misplaced_unit_record(self, cq: ConsumeQueue, index: int, phy: int, size: int, read_body: bool,
+                               topic: str, topic_bytes: bytes, queue_id: int) -> MessageExt | None:
+        """The record unit ``index`` means when the record at its offset ``phy`` is not it, or None.
+
+        A bit flip in a unit's size or offset must not cost the intact message
+        (a get would stop at it until ``verify --repair``), nor hand out another
+        one.  Only a record that names itself as this unit's is taken: its
+        topic, queue id and queue offset, a PHYSICALOFFSET equal to its position
+        (and its body CRC when bodies are read).  Looked for at ``phy`` by the
+        record's own TOTALSIZE (the unit's size damaged), then walking the
+        records from the end of the previous unit's record up to the next
+        unit's offset, at most ``MISPLACED_SEARCH_BYTES`` (its offset damaged).
+        """
+        try:
+            prev = cq.get_unit(index - 1) if index > 0 else None
+            nxt = cq.get_unit(index + 1)
+        except ValueError:  # a neighbouring queue file retention closed meanwhile: no bounds to walk between
+            prev = nxt = None
+        starts = [phy]
+        if prev is not None and prev[0] >= 0 and 0 < prev[1] < 0x7FFFFFFF:
+            starts.append(prev[0] + prev[1])
+        hi = nxt[0] if nxt is not None and nxt[0] >= 0 and 0 < nxt[1] < 0x7FFFFFFF else None
+        for k, start in enumerate(starts):
+            seg = self.commitlog.queue.find(start)
+            if seg is None or not seg.hold():
+                continue
+            try:
+                base = seg.file_from_offset
+                limit = seg.wrote_position
+                stop = limit
+                if k:  # the walk between the neighbours' records
+                    stop = min(limit, start - base + MISPLACED_SEARCH_BYTES, limit if hi is None else hi - base)
+                records = codec.walk(seg.mm, start - base, stop, check_crc=False, parsed=True)
+                for pos, rsize, parsed, _ in (records if k else islice(records, 1)):  # k == 0: the one at phy
+                    if parsed is None or rsize <= 0:
+                        break
+                    h = parsed[0]
+                    if h[6] == base + pos and h[3] == queue_id and h[5] == index:
+                        msg = codec.decode_unit(seg.mm, pos, rsize, read_body, topic, topic_bytes, queue_id, index)
+                        if msg is not None:
+                            log.warning("%s-%d: unit %d says (%d, %d) but its record is at %d, %d bytes: a damaged "
+                                        "unit (verify --repair rebuilds the queue)", topic, queue_id, index, phy,
+                                        size, base + pos, rsize)
+                            return msg
+                        break
+            finally:
+                seg.release()
+        return None
 
     # ------------------------------------------------------------ reading from the tier
     def _tier_unit(self, phy: int, size: int, read_body: bool, topic: str, topic_bytes: bytes, queue_id: int,
@@ -906,6 +993,13 @@ class MessageStore:
                     log.debug("%s: index hit at offset %d is %s, not %s#%s (hash collision)",
                               self.paths.index, off, m.topic, topic, key)
                     continue
+                claim = self.queue_claiming(off, m.topic, m.queue_id, m.queue_offset, m.sys_flag)
+                if claim is not None:
+                    raise CorruptRecordError(
+                        f"{f.path} at offset {off} (file position {pos}): damaged record: it says "
+                        f"{m.topic}/{m.queue_id} offset {m.queue_offset}, but consume queue {claim[0]}/{claim[1]} "
+                        f"offset {claim[2]} points at it (its header changed since; verify --repair restores it); "
+                        f"found through the index by {topic}#{key}", path=f.path, offset=off)
                 if read_body and m.body and codec.body_crc(m.body) != m.body_crc:
                     raise CorruptRecordError(f"{f.path} at offset {off} (file position {pos}): damaged record: "
                                              f"body CRC mismatch (stored {m.body_crc}, computed "

@@ -7,6 +7,7 @@ units shifted against their records' queue offsets (``cq-gap``), records with
 no unit (``cq-missing``), index entries that point nowhere or at a record
 without that key (``index-dangling``, ``index-mismatch``), a key hash and
 offset indexed more often than the record has the key (``index-duplicate``),
+entries a query cannot reach from their key's hash slot (``index-unreachable``),
 and keys of indexed records with no entry (``index-missing``).
 
 Findings are plain dicts ``{"kind", "file", "offset", "detail"}`` so that the
@@ -286,6 +287,7 @@ def _check_index(store: MessageStore, by_offset: dict[int, RecordSummary],
                                             f"entry {n}: hash {h} -> {off} is indexed more often than the record "
                                             f"at {off} has that key ({c - 1})"))
         counts["indexEntries"] += max(0, f.index_count - 1)
+        findings += _unreachable_entries(f)
     if not store.config.messageIndexEnable:
         return findings
     # Records the index must cover: from the oldest index file's first entry (older files expire), or all
@@ -306,6 +308,34 @@ def _check_index(store: MessageStore, by_offset: dict[int, RecordSummary],
                                         f"record of {r.topic} at {off}: {want - have} index entr"
                                         f"{'y' if want - have == 1 else 'ies'} of key hash {h} missing"))
     return findings
+
+
+def _unreachable_entries(f: IndexFile) -> list[dict[str, Any]]:
+    """Entries a query cannot reach: a query walks only the chain from its key's hash slot (newest first,
+    through each entry's prev), so a damaged slot or prev hides every key of the chain behind it although
+    each entry still points at its record.  One finding per file (the first such entry, and how many)."""
+    count, slots = f.index_count, f.slots
+    if count <= 1:
+        return []
+    mm, base = f.mm, f._entries_base
+    reached = bytearray(count)
+    for s, (cur,) in enumerate(struct.iter_unpack(">i", mm[40:40 + 4 * slots])):
+        while 0 < cur < count and not reached[cur]:
+            h, _off, _diff, prev = _IDX_ENTRY.unpack_from(mm, base + cur * 20)
+            if h % slots == s:
+                reached[cur] = 1
+            if prev >= cur:
+                break
+            cur = prev
+    missing = count - 1 - sum(reached)
+    if not missing:
+        return []
+    first = reached.index(0, 1)
+    return [finding("index-unreachable", f.path, first, f"{missing} entr{'y' if missing == 1 else 'ies'} (the first: "
+                    f"entry {first}) cannot be reached from their hash slot: queries miss their keys")]
+
+
+_IDX_ENTRY = struct.Struct(">iqii")
 
 
 def _entries(f: IndexFile) -> Iterator[tuple[int, int, int, int]]:
