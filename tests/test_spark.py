@@ -405,7 +405,11 @@ def test_append_batches_keep_every_queues_order(spark, tmp_path):
 def test_append_batches_units(tmp_path):
     """Plain appends group rows by queue; a replay batches only runs of one queue and store time, and puts
     transaction records alone, so that the commitlog order is the rows' order."""
-    from rocketstore.spark.write import BATCH_MESSAGES, batches
+    from rocketstore.spark.write import BATCH_MESSAGES, to_message
+    from rocketstore.spark.write import batches as message_batches
+
+    def batches(rows, replay, segment_size):
+        return message_batches((to_message(r, replay) for r in rows), replay, segment_size)
 
     def row(topic, q, ts=None, flag=0):
         return {"topic": topic, "body": b"b", "queueId": q, "tags": None, "keys": None, "properties": None,
