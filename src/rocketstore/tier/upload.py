@@ -122,12 +122,14 @@ def _upload_queue_files(store: "MessageStore", m: TierManifest) -> int:
             if name in have or not f.hold():
                 continue
             try:
+                # The last unit decides first: a file whose records are not all in the tier yet is looked at
+                # again every round, and unpacking all its units (300,000 by default) each time is waste.
+                last_phy, last_size, _ = _UNIT.unpack_from(f.mm, size - CQ_STORE_UNIT_SIZE)
+                if last_size <= 0 or last_phy + last_size > m.end_offset:
+                    break  # not yet all in the tier (or not full): later
                 units = [_UNIT.unpack_from(f.mm, i) for i in range(0, size, CQ_STORE_UNIT_SIZE)]
             finally:
                 f.release()
-            last_phy, last_size, _ = units[-1]
-            if last_size <= 0 or last_phy + last_size > m.end_offset:
-                break  # not yet all in the tier (or not full): later
             if any(s <= 0 for _, s, _ in units):
                 log.warning("tier: %s has blank units; not uploaded", f.path)
                 break
