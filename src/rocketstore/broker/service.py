@@ -39,6 +39,7 @@ from .topics import (MAX_GROUP_LEN, MAX_TOPIC_LEN, CreationThrottled, TopicConfi
 from .wire import Undecodable, hard_frame_limit
 
 log = logging.getLogger(__name__)
+_REFUSED = object()  # a creation that was throttled or failed (None means "does not exist")
 
 MAX_ACK_ENTRIES = 1024  # entries of one AckMessage request
 MAX_SEND_MESSAGES = 1024  # messages of one SendMessage request
@@ -257,32 +258,36 @@ class MessagingService(svc_grpc.MessagingServiceServicer):
         if send and is_broker_topic(name):
             _set(status, Code.ILLEGAL_TOPIC, f"{name} is a retry or dead letter topic; only the broker writes it")
             return None
-        try:
-            t = await self.topics.ensure_topic(name) if create else self.topics.get_topic(name)
-        except CreationThrottled as e:
-            _set(status, Code.TOO_MANY_REQUESTS, str(e))
-            return None
-        except OSError as e:
-            log.error("cannot write %s: %s", self.topics.topics_path, e)
-            _set(status, Code.INTERNAL_SERVER_ERROR, f"topic {name} could not be created: {e.strerror or e}")
-            return None
+        if create:
+            t = await self._create(self.topics.ensure_topic(name), status, "topic", name, self.topics.topics_path)
+            if t is _REFUSED:
+                return None
+        else:
+            t = self.topics.get_topic(name)
         if t is None:
             _set(status, Code.TOPIC_NOT_FOUND, f"topic {name} does not exist")
         return t
+
+    @staticmethod
+    async def _create(creation: Any, status: Any, kind: str, name: str, path: str) -> Any:
+        """Await a topic or group creation; a throttled or failed one sets ``status`` and gives _REFUSED."""
+        try:
+            return await creation
+        except CreationThrottled as e:
+            _set(status, Code.TOO_MANY_REQUESTS, str(e))
+        except OSError as e:
+            log.error("cannot write %s: %s", path, e)
+            _set(status, Code.INTERNAL_SERVER_ERROR, f"{kind} {name} could not be created: {e.strerror or e}")
+        return _REFUSED
 
     async def _group_for(self, name: str, status: Any, orderly_hint: bool = False):
         why = illegal_name(name, "group", MAX_GROUP_LEN)
         if why:
             _set(status, Code.ILLEGAL_CONSUMER_GROUP, why)
             return None
-        try:
-            g = await self.topics.ensure_group(name, orderly_hint)
-        except CreationThrottled as e:
-            _set(status, Code.TOO_MANY_REQUESTS, str(e))
-            return None
-        except OSError as e:
-            log.error("cannot write %s: %s", self.topics.groups_path, e)
-            _set(status, Code.INTERNAL_SERVER_ERROR, f"group {name} could not be created: {e.strerror or e}")
+        g = await self._create(self.topics.ensure_group(name, orderly_hint), status, "group", name,
+                               self.topics.groups_path)
+        if g is _REFUSED:
             return None
         if g is None:
             _set(status, Code.CONSUMER_GROUP_NOT_FOUND, f"consumer group {name} does not exist")
