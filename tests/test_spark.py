@@ -402,31 +402,6 @@ def test_append_batches_keep_every_queues_order(spark, tmp_path):
         assert [m.body for m in e] == [b"4997"]
 
 
-def test_append_batches_units(tmp_path):
-    """Plain appends group rows by queue; a replay batches only runs of one queue and store time, and puts
-    transaction records alone, so that the commitlog order is the rows' order."""
-    from rocketstore.spark.write import BATCH_MESSAGES, to_message
-    from rocketstore.spark.write import batches as message_batches
-
-    def batches(rows, replay, segment_size):
-        return message_batches((to_message(r, replay) for r in rows), replay, segment_size)
-
-    def row(topic, q, ts=None, flag=0):
-        return {"topic": topic, "body": b"b", "queueId": q, "tags": None, "keys": None, "properties": None,
-                "flag": None, "bornTimestamp": None, "bornHost": None, "reconsumeTimes": None, "storeTimestamp": ts,
-                "storeHost": None, "sysFlag": flag, "preparedTransactionOffset": None, "propertiesString": None,
-                "commitLogOffset": None}
-    rows = [row("A", i % 2) for i in range(10)]
-    plain = list(batches(rows, False, 1 << 20))
-    assert [[(m.topic, m.queue_id) for m in b] for b in plain] == [[("A", 0)] * 5, [("A", 1)] * 5]
-    many = list(batches([row("A", 0)] * (BATCH_MESSAGES + 3), False, 1 << 20))
-    assert [len(b) for b in many] == [BATCH_MESSAGES, 3]
-    replay = [row("A", 0, 5), row("A", 0, 5), row("A", 1, 5), row("A", 0, 5), row("A", 0, 6), row("A", 0, 6, 4),
-              row("A", 0, 6)]
-    got = [[(m.queue_id, m.store_timestamp, m.sys_flag) for m in b] for b in batches(replay, True, 1 << 20)]
-    assert got == [[(0, 5, 0), (0, 5, 0)], [(1, 5, 0)], [(0, 5, 0)], [(0, 6, 0)], [(0, 6, 4)], [(0, 6, 0)]]
-
-
 def test_default_min_partitions_is_the_sessions_parallelism():
     """register() gives the source the session's default parallelism (a cluster's cores), and it survives the
     pickling that takes the source to Spark's planning worker."""

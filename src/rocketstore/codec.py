@@ -423,6 +423,7 @@ def decode(buf: Any, pos: int, limit: int, *, check_crc: bool = False, read_body
     return MessageExt(h, topic, props, body)
 
 
+HEADER_BY_HOST_FLAGS = _HEADERS  # an EncodedRecord's header struct by sysFlag & 0x30 (staged records)
 _V4_HEADER = _HEADERS[0]
 _V4_UNPACK = _V4_HEADER.unpack_from
 _V4_SIZE = _V4_HEADER.size

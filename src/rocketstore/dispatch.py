@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Callable
 from . import codec
 from .codec import MessageExt
 from .consume_queue import CQ_STORE_UNIT_SIZE
+from .encoder import MessageEncoder
+from .index import key_hashes
 from .message import illegal_topic
 from .service import ServiceThread
 
@@ -57,8 +59,8 @@ class CommitLogDispatcher:
 
     def __init__(self, store: "MessageStore") -> None:
         self.store = store
-        self._tags_codes: dict[str, int] = {}
         self._queue_topics: set[str] = set()  # topics seen to be legal directory names
+        self._tags_code = MessageEncoder().tags_code  # (cached per tags string)
 
     def dispatch(self, msg: MessageExt, index: bool = True, queue: bool = True) -> None:
         """Apply one record; ``index=False`` builds only the consume queue (duplicates are skipped there),
@@ -71,14 +73,8 @@ class CommitLogDispatcher:
             tags = props.get("TAGS")
             if msg.topic == codec.SCHEDULE_TOPIC:
                 code = codec.dispatch_tags_code(msg.topic, props, msg.store_timestamp)
-            elif not tags:
-                code = 0
             else:
-                code = self._tags_codes.get(tags)
-                if code is None:
-                    code = self._tags_codes[tags] = codec.java_hash(tags)
-                    if len(self._tags_codes) > 100000:
-                        self._tags_codes.clear()
+                code = self._tags_code(tags) if tags else 0
             cq = store.find_consume_queue(msg.topic, msg.queue_id)
             cq.put_unit(msg.commit_log_offset, msg.size, code, msg.queue_offset)
             store.checkpoint.logics_dispatched = msg.store_timestamp
@@ -110,8 +106,10 @@ class ReputMessageService(ServiceThread):
     The put path hands over what it already knows of the records of each put
     (``hand_over``, one tuple per put call: first offset, end offset, topic,
     queue, first queue offset, store time, transaction type, then per record
-    the offsets, sizes, tagsCodes, KEYS and UNIQ_KEYs; each of the last three
-    None when all are 0 or absent), so the common case needs no re-decoding.
+    the offsets, sizes, tagsCodes, KEYS, UNIQ_KEYs and index key hashes; each
+    of the last four None when all are 0 or absent, and the hashes given
+    instead of KEYS and UNIQ_KEYs by a writer that computed them already, as
+    the Spark append's tasks do), so the common case needs no re-decoding.
     Anything not handed over (after a restart, replayed imports,
     delay-topic records) is decoded from the CommitLog, as RocketMQ does.
     Either way a record is dispatched only once it is below the confirmed end.
@@ -244,7 +242,7 @@ class ReputMessageService(ServiceThread):
                 return False  # the service makes the file
             index_room = last.entries - last.index_count
         while pending:
-            offset, stop, topic, qid, qoff, ts, txn, offs, szs, cds, keys, uniqs = pending[0]
+            offset, stop, topic, qid, qoff, ts, txn, offs, szs, cds, keys, uniqs, hashes = pending[0]
             if offset != expected or stop > end:
                 break
             if quick:
@@ -260,9 +258,12 @@ class ReputMessageService(ServiceThread):
                             at + len(offs) * CQ_STORE_UNIT_SIZE > cq.file_size:
                         break
                 if index is not None:  # at most this many keys: never a new index file here
-                    need = 0 if uniqs is None else len(offs)
-                    if keys is not None:
-                        need += sum(k.count(" ") + 1 for k in keys if k)
+                    if hashes is not None:
+                        need = sum(map(len, hashes))
+                    else:
+                        need = 0 if uniqs is None else len(offs)
+                        if keys is not None:
+                            need += sum(k.count(" ") + 1 for k in keys if k)
                     if need > index_room or index_room == 0:
                         break
                     index_room -= need
@@ -280,15 +281,14 @@ class ReputMessageService(ServiceThread):
                 codes += cds if cds is not None else (0,) * len(offs)
                 last_ts = ts
             if index is not None:
-                at = offset
+                if hashes is None and (keys is not None or uniqs is not None):
+                    hashes = [key_hashes(topic, uniq, key) for key, uniq in zip(keys or repeat(None),
+                                                                                uniqs or repeat(None))]
                 try:
-                    if keys is None and uniqs is None:  # one call stands for all: it only makes a first index file
-                        index.build_index(topic, offset, ts, txn, None, None)
-                    else:
-                        for at, key, uniq in zip(offs, keys or repeat(None), uniqs or repeat(None)):
-                            index.build_index(topic, at, ts, txn, uniq, key)
-                except OSError as e:
-                    note_index_failure(index, at, ts, e)
+                    index.build_index_hashes(offs, ts, txn, hashes)
+                except OSError as e:  # missed from the message being indexed (its entries so far are kept)
+                    last = index.files[-1].end_phy_offset if index.files else offset
+                    note_index_failure(index, next((o for o in offs if o >= last), offset), ts, e)
                     index = None
         if offsets:
             self._put_units(run_key, offsets, sizes, codes, run_first)

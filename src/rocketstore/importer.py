@@ -78,7 +78,7 @@ def _group_problem(store: MessageStore, group: list[Line], now_ms: int) -> tuple
         if line.problem:
             return line.number, line.problem
         try:
-            store._encode(line.message, now_ms)  # the put path's own checks (topic, sizes, hosts, properties)
+            store.encoder.encode(line.message, now_ms)  # the put path's own checks (topic, sizes, hosts, properties)
         except ValueError as e:
             return line.number, str(e)
     if len(group) > 1:

@@ -24,7 +24,7 @@ import os
 import struct
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from .codec import index_key_hash
 from .errors import StoreLoadError
@@ -71,6 +71,62 @@ def walk_chain(entry: Callable[[int], tuple[int, int, int, int]], cur: int, coun
         cur = prev
 
 
+def key_hashes(topic: str, uniq_key: str | None, keys: str | None) -> list[int]:
+    """The index key hashes of one message: ``topic#UNIQ_KEY``, then ``topic#key`` for each of the
+    space-separated KEYS (RocketMQ's buildKey), in the order entries are written."""
+    out = [index_key_hash(f"{topic}#{uniq_key}")] if uniq_key else []
+    if keys:
+        out += [index_key_hash(f"{topic}#{k}") for k in keys.split(" ") if k]
+    return out
+
+
+def key_hashes_many(messages: Sequence[tuple[str, str | None, str | None]]) -> list[list[int] | None]:
+    """:func:`key_hashes` of many (topic, UNIQ_KEY, KEYS) at once, None for a message without keys.
+
+    A Spark append's task hashes its rows' keys here: the ASCII keys go through
+    Java's polynomial hash together, one numpy step per character position,
+    about ten times cheaper per key than one call each.
+    """
+    import numpy as np
+    full: list[str] = []
+    counts: list[int] = []
+    for topic, uniq, keys in messages:
+        n = len(full)
+        if uniq:
+            full.append(f"{topic}#{uniq}")
+        if keys:
+            full += [f"{topic}#{k}" for k in keys.split(" ") if k]
+        counts.append(len(full) - n)
+    hashes: list[int] = [0] * len(full)
+    fast = [i for i, k in enumerate(full) if len(k) <= 256 and k.isascii()]
+    for i in set(range(len(full))).difference(fast) if len(fast) < len(full) else ():
+        hashes[i] = index_key_hash(full[i])
+    if fast:
+        sel = [full[i] for i in fast]
+        lens = np.fromiter(map(len, sel), np.int64, len(sel))
+        width = int(lens.max())
+        chars = np.frombuffer("".join(sel).encode("ascii"), np.uint8)
+        # each key right-aligned in a row of ``width`` (leading zeros do not change the hash)
+        starts = np.cumsum(lens) - lens
+        at = np.repeat(np.arange(len(sel), dtype=np.int64) * width + (width - lens) - starts, lens) + \
+            np.arange(len(chars), dtype=np.int64)
+        grid = np.zeros(len(sel) * width, np.uint32)
+        grid[at] = chars
+        grid = grid.reshape(len(sel), width)
+        h = np.zeros(len(sel), np.uint32)
+        for c in range(width):
+            h = h * np.uint32(31) + grid[:, c]  # wraps modulo 2**32, as Java's int arithmetic does
+        v = np.abs(h.view(np.int32).astype(np.int64))
+        v[v == 0x80000000] = 0  # abs(Integer.MIN_VALUE) stays negative in Java; RocketMQ maps it to 0
+        for i, x in zip(fast, v.tolist()):
+            hashes[i] = x
+    out: list[list[int] | None] = []
+    at_key = 0
+    for n in counts:
+        out.append(hashes[at_key:at_key + n] if n else None)
+        at_key += n
+    return out
+
 class IndexFile:
     def __init__(self, path: str, slots: int, entries: int, *, read_only: bool = False, create: bool = False,
                  prev_end: tuple[int, int] = (0, 0)) -> None:
@@ -112,11 +168,10 @@ class IndexFile:
     def is_full(self) -> bool:
         return self.index_count >= self.entries
 
-    def put_key(self, key: str, phy_offset: int, store_ts: int) -> bool:
-        """Add one entry; False when the file is full."""
+    def put_key(self, h: int, phy_offset: int, store_ts: int) -> bool:
+        """Add one entry for the key hash ``h`` (:func:`codec.index_key_hash`); False when the file is full."""
         if self.index_count >= self.entries:
             return False
-        h = index_key_hash(key)
         slot_pos = HEADER_SIZE + (h % self.slots) * SLOT_SIZE
         head = _SLOT.unpack_from(self.mm, slot_pos)[0]
         if head <= 0 or head > self.index_count:
@@ -148,10 +203,9 @@ class IndexFile:
         walk_chain(lambda n: _ENTRY.unpack_from(mm, base + n * ENTRY_SIZE), cur, self.index_count, h,
                    self.begin_timestamp, out, max_num, begin, end)
 
-    def holds(self, key: str, phy_offset: int) -> bool:
-        """Whether an entry of ``key`` points at ``phy_offset`` (its hash chain is walked back to older
-        offsets)."""
-        h = index_key_hash(key)
+    def holds(self, h: int, phy_offset: int) -> bool:
+        """Whether an entry of the key hash ``h`` points at ``phy_offset`` (its hash chain is walked back to
+        older offsets)."""
         cur = _SLOT.unpack_from(self.mm, HEADER_SIZE + (h % self.slots) * SLOT_SIZE)[0]
         count = self.index_count
         while 0 < cur < count:
@@ -368,10 +422,10 @@ class IndexService:
         with self.lock:
             return self.files[-1].end_phy_offset if self.files else 0
 
-    def _holds(self, key: str, phy_offset: int) -> bool:
-        """Whether the last two files (the record of the last entry may span a roll-over) hold ``key`` at
-        ``phy_offset``."""
-        return any(f.holds(key, phy_offset) for f in self.files[-2:])
+    def _holds(self, h: int, phy_offset: int) -> bool:
+        """Whether the last two files (the record of the last entry may span a roll-over) hold the key hash
+        ``h`` at ``phy_offset``."""
+        return any(f.holds(h, phy_offset) for f in self.files[-2:])
 
     def truncate(self, phy: int, store_time: Callable[[int], int]) -> int:
         """Drop every entry for a record at or past commitlog offset ``phy`` (recovery cut the commitlog
@@ -425,35 +479,38 @@ class IndexService:
 
     def build_index(self, topic: str, phy_offset: int, store_ts: int, sys_flag_txn: int,
                     uniq_key: str | None, keys: str | None) -> None:
-        """Index one dispatched message (ROLLBACK messages are not indexed).
+        """Index one dispatched message (ROLLBACK messages are not indexed)."""
+        self.build_index_hashes((phy_offset,), store_ts, sys_flag_txn,
+                                (key_hashes(topic, uniq_key, keys),) if uniq_key or keys else None)
 
-        The header is written once per message rather than once per key: the
+    def build_index_hashes(self, offsets: Sequence[int], store_ts: int, sys_flag_txn: int,
+                           hashes: Sequence[Sequence[int]] | None) -> None:
+        """Index the messages of one put: ``hashes[i]`` are the key hashes of the message at ``offsets[i]``
+        (:func:`key_hashes`; a Spark task computes them, so the driver's dispatcher only writes entries).
+        ``hashes`` None: no message has keys.
+
+        The header is written once per put rather than once per key: the
         bytes on disk after the call are the same, and queries use the header
         fields held in memory.
         """
-        if not uniq_key and not keys and self.files and not self.files[-1].is_full():
+        if hashes is None and self.files and not self.files[-1].is_full():
             return  # nothing to index; RocketMQ still makes a file when there is none, hence the test
         with self.lock:
             f = self._writable_file()
-            if phy_offset < f.end_phy_offset or sys_flag_txn == 0xC:
+            if sys_flag_txn == 0xC or hashes is None:
                 return
-            # The record of the last entry, offered again by recovery: only the keys it lacks are added.
-            again = phy_offset == f.end_phy_offset
-            if uniq_key:
-                f = self._put(f, f"{topic}#{uniq_key}", phy_offset, store_ts, again)
-            if keys:
-                for token in keys.split(" "):
-                    if token:
-                        f = self._put(f, f"{topic}#{token}", phy_offset, store_ts, again)
+            for phy_offset, hs in zip(offsets, hashes):
+                if not hs or phy_offset < f.end_phy_offset:
+                    continue
+                # The record of the last entry, offered again by recovery: only the keys it lacks are added.
+                again = phy_offset == f.end_phy_offset
+                for h in hs:
+                    if again and self._holds(h, phy_offset):
+                        continue
+                    while not f.put_key(h, phy_offset, store_ts):
+                        f._write_header()
+                        f = self._writable_file()
             f._write_header()
-
-    def _put(self, f: IndexFile, key: str, phy_offset: int, store_ts: int, again: bool = False) -> IndexFile:
-        if again and self._holds(key, phy_offset):
-            return f
-        while not f.put_key(key, phy_offset, store_ts):
-            f._write_header()
-            f = self._writable_file()
-        return f
 
     # ------------------------------------------------------------ querying
     def query_offset(self, topic: str, key: str, max_num: int, begin: int, end: int) -> tuple[list[int], int, int]:

@@ -25,13 +25,14 @@ from .commitlog import CommitLog
 from .config import SYNC_FLUSH, StoreConfig, total_memory_bytes
 from .consume_queue import CQ_STORE_UNIT_SIZE, LOWER, ConsumeQueue
 from .dispatch import ReputMessageService
+from .encoder import MessageEncoder
 from .errors import CommitLogWriteError, CorruptRecordError, ReadOnlyStoreError, StoreClosedError, StoreLoadError
 from .flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeService, GroupCommitService
 from .geometry import STORE_CONF, reserved_bytes, store_config
 from .index import IndexService
 from .jsonfile import write_file_durably
-from .message import (DEFAULT_STORE_HOST, LOCALHOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
-                      PutMessageStatus, QueryMessageResult, host_tuple, illegal_topic, parse_tag_filter)
+from .message import (DEFAULT_STORE_HOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
+                      PutMessageStatus, QueryMessageResult, host_tuple, parse_tag_filter)
 from .metrics import SAMPLE_EVERY, MetricsService, StoreMetrics
 from .quarantine import QuarantinePlan, file_kind
 from .recovery import RecoveryReport, queues_with_records_before, recover
@@ -101,8 +102,7 @@ class MessageStore:
         self.clean_service = CleanService(self)
         self._ram = total_memory_bytes()
         self.metrics = StoreMetrics()
-        self._topic_cache: dict[str, tuple[bytes, int, bytes]] = {}  # codec.topic_tail per topic
-        self._tags_codes: dict[str, int] = {}
+        self.encoder = MessageEncoder.for_config(config)
         self.tier: TieredStorage | None = None
 
         if not os.path.isdir(root):
@@ -464,62 +464,63 @@ class MessageStore:
             return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error=why)
         return self._put(messages, batch=True)
 
-    def _encode(self, m: Message, now_ms: int) -> codec.EncodedRecord:
-        """Validate and encode one message (raises codec.RecordError subclasses or ValueError)."""
-        topic = self._topic_cache.get(m.topic)
-        if topic is None:
-            err = illegal_topic(m.topic)
-            if err:
-                raise codec.RecordError(err)
-            topic = codec.topic_tail(m.topic, self.config.autoMessageVersionOnTopicLen)
-            if len(self._topic_cache) > 10000:
-                self._topic_cache.clear()
-            self._topic_cache[m.topic] = topic
-        body = m.body
-        if type(body) is not bytes:
-            if not isinstance(body, (bytearray, memoryview)):
-                raise codec.RecordError(f"body must be bytes, not {type(body).__name__}")
-            body = bytes(body)
-        if not 0 <= m.queue_id < 2 ** 31:
-            raise codec.RecordError(f"queue id {m.queue_id} out of range")
-        if m.properties_string is not None:
-            props = m.properties_string.encode("utf-8")
-        elif m.tags is None and m.keys is None and not m.properties:
-            props = b""  # the common message: no properties to serialise
+    def put_encoded(self, topic: str, queue_id: int, records: list[codec.EncodedRecord],
+                    dispatch: tuple[list[int] | None, list[list[int] | None] | None] | None,
+                    store_timestamp: int | None = None) -> PutMessageResult:
+        """Append records a :class:`MessageEncoder` made elsewhere (a Spark append's tasks) as one unit of one
+        topic/queue.  ``dispatch`` is what the dispatcher needs of them: their tagsCodes and index key hashes
+        (:func:`index.key_hashes`), each None when all are 0 or absent; None when it must decode them from
+        the log (the records' properties say more than the writer parsed, as a replay's do).  The writer
+        vouches that the records are of ``topic``; this re-checks what the store's config limits (record
+        sizes against maxMessageSize, queue id, one transaction record alone), so a writer with other limits
+        cannot slip a record past them."""
+        if self.closed or self.read_only or not self.running_flags.is_writeable():
+            return PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=self._check_writable())
+        if not records:
+            return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error="empty batch")
+        limit = self.config.maxMessageSize
+        for r in records:
+            if r[4] != queue_id or (r[6] & codec.TRANSACTION_MASK and len(records) > 1):
+                return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL,
+                                        error="a batch holds one queue and no transaction messages")
+            if len(r[14]) > limit or r[1] > limit + 65536:
+                return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL,
+                                        error=f"a {r[1]}-byte record is over maxMessageSize {limit}")
+        if dispatch is not None and self.reput is not None:
+            dispatch = (dispatch[0], None, None, dispatch[1])
         else:
-            props = m.build_properties().encode("utf-8")
-        born_addr, born_port = LOCALHOST if m.born_host is None else host_tuple(m.born_host)
-        store_addr, store_port = DEFAULT_STORE_HOST if m.store_host is None else host_tuple(m.store_host)
-        sys_flag = m.sys_flag
-        if sys_flag & 0x30 or len(born_addr) != 4 or len(store_addr) != 4:
-            sys_flag = codec.with_host_flags(sys_flag, born_addr, store_addr)
-        return codec.encode_with_tail(topic, body, props, m.queue_id, m.flag, sys_flag,
-                                      now_ms if m.born_timestamp is None else m.born_timestamp, born_addr, born_port,
-                                      store_addr, store_port, m.reconsume_times, m.prepared_transaction_offset,
-                                      self.config.maxMessageSize)
+            dispatch = None
+        return self._append(topic, queue_id, records, dispatch, store_timestamp, None, None)
 
     def _put(self, messages: list[Message], batch: bool) -> PutMessageResult:
         if self.closed or self.read_only or not self.running_flags.is_writeable():
             why = self._check_writable()
             return PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=why)
-        metrics = self.metrics
-        n = metrics.puts
-        metrics.puts = n + 1
-        timed = not n & _UNSAMPLED
-        t0 = perf_counter() if timed else 0.0
         now_ms = int(self.clock() * 1000)
+        encode = self.encoder.encode
         try:
             # (one message without a comprehension: on 3.11 each one costs a function frame)
-            records = [self._encode(messages[0], now_ms)] if len(messages) == 1 else \
-                [self._encode(m, now_ms) for m in messages]
+            records = [encode(messages[0], now_ms)] if len(messages) == 1 else [encode(m, now_ms) for m in messages]
         except codec.PropertiesTooLarge as e:
             return PutMessageResult(PutMessageStatus.PROPERTIES_SIZE_EXCEEDED, error=str(e))
         except (codec.RecordError, ValueError) as e:
             return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error=str(e))
         first = messages[0]
-        key = (first.topic, first.queue_id)
+        dispatch = None if self.reput is None else self.encoder.dispatch_columns(messages)
+        return self._append(first.topic, first.queue_id, records, dispatch, first.store_timestamp or None,
+                            first.store_host, first)
+
+    def _append(self, topic: str, queue_id: int, records: list[codec.EncodedRecord], dispatch: tuple | None,
+                store_timestamp: int | None, store_host: Any, first: Message | None) -> PutMessageResult:
+        """The put under the lock: stamp and write the records, hand them to the dispatcher, then the flush
+        (a synchronous flush is waited for when ``first`` asks to; None: never)."""
+        metrics = self.metrics
+        n = metrics.puts
+        metrics.puts = n + 1
+        timed = not n & _UNSAMPLED
+        t0 = perf_counter() if timed else 0.0
+        key = (topic, queue_id)
         assigns = records[0][6] & codec.TRANSACTION_MASK in _QUEUED_TXN
-        dispatch = None if self.reput is None else self._dispatch_columns(messages)
         commitlog = self.commitlog
         with commitlog.put_lock:
             t1 = perf_counter() if timed else 0.0
@@ -527,8 +528,7 @@ class MessageStore:
                 raise StoreClosedError(f"{self.root}: store is closed")
             qoff = self.topic_queue_table.get(key, 0) if assigns else None
             try:
-                wrote_offset, wrote_bytes, store_ts, offsets = commitlog.append(records, qoff,
-                                                                               first.store_timestamp or None)
+                wrote_offset, wrote_bytes, store_ts, offsets = commitlog.append(records, qoff, store_timestamp)
             except codec.MessageTooLarge as e:
                 return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error=str(e))
             except CommitLogWriteError as e:  # nothing acknowledged; stop taking writes, as after a flush error
@@ -542,7 +542,7 @@ class MessageStore:
             if assigns:
                 self.topic_queue_table[key] = qoff + len(records)
             if dispatch is not None:  # else the dispatcher decodes these records from the log
-                self.reput.hand_over((wrote_offset, wrote_offset + wrote_bytes, first.topic, first.queue_id,
+                self.reput.hand_over((wrote_offset, wrote_offset + wrote_bytes, topic, queue_id,
                                       qoff if assigns else -1, store_ts, records[0][6] & codec.TRANSACTION_MASK,
                                       offsets, (wrote_bytes,) if len(records) == 1 else [r[1] for r in records],
                                       *dispatch))
@@ -550,11 +550,11 @@ class MessageStore:
         # (positional arguments and the shared default host tuple: a quarter fewer instructions for the result)
         result = PutMessageResult(PutMessageStatus.PUT_OK, wrote_offset, wrote_bytes, qoff if assigns else 0, "",
                                   store_ts, len(records), None,
-                                  DEFAULT_STORE_HOST if first.store_host is None else host_tuple(first.store_host),
+                                  DEFAULT_STORE_HOST if store_host is None else host_tuple(store_host),
                                   offsets if len(records) > 1 else None)
         gc = self.group_commit
         if gc is not None:
-            if _wait_store_msg_ok(first):
+            if first is not None and _wait_store_msg_ok(first):
                 if not gc.wait_flushed(wrote_offset + wrote_bytes, self.config.syncFlushTimeout / 1000):
                     result.status = PutMessageStatus.FLUSH_DISK_TIMEOUT
                     result.error = self.flush_error or \
@@ -564,52 +564,6 @@ class MessageStore:
         if timed:
             metrics.record_put(t2 - t1, perf_counter() - t0)
         return result
-
-    def _dispatch_columns(self, messages: list[Message]) -> tuple[list[int] | None, list[str | None] | None,
-                                                                  list[str | None] | None] | None:
-        """The tagsCodes, KEYS and UNIQ_KEYs of a put's messages for the dispatcher, each None when all are 0 or
-        absent (the common case costs nothing to hand over); None when the log must tell (see _dispatch_info)."""
-        if len(messages) == 1:
-            info = self._dispatch_info(messages[0])
-            if info is None or info is _PLAIN_DISPATCH:
-                return None if info is None else _PLAIN_COLUMNS
-            code, keys, uniq = info
-            return (None if not code else [code], None if keys is None else [keys],
-                    None if uniq is None else [uniq])
-        infos = [self._dispatch_info(m) for m in messages]
-        if infos.count(_PLAIN_DISPATCH) == len(infos):
-            return _PLAIN_COLUMNS
-        if None in infos:
-            return None
-        codes, keys, uniqs = zip(*infos)
-        return (list(codes) if any(codes) else None, None if keys.count(None) == len(keys) else list(keys),
-                None if uniqs.count(None) == len(uniqs) else list(uniqs))
-
-    def _dispatch_info(self, m: Message) -> tuple[int, str | None, str | None] | None:
-        """(tagsCode, KEYS, UNIQ_KEY) as dispatch would parse them from the stored properties, or None when
-        only the stored record can tell (a verbatim properties string, the delay topic, separator characters)."""
-        if m.properties_string is not None or m.topic == codec.SCHEDULE_TOPIC:
-            return None
-        props = m.properties
-        if not props and m.tags is None and m.keys is None:
-            return _PLAIN_DISPATCH  # the common message: no tags, no keys
-        tags = m.tags if m.tags is not None else props.get("TAGS")
-        keys = m.keys if m.keys is None or isinstance(m.keys, str) else " ".join(m.keys)
-        if keys is None:
-            keys = props.get("KEYS")
-        uniq = props.get("UNIQ_KEY")
-        for v in (tags, keys, uniq):
-            if v is not None and ("\x01" in v or "\x02" in v):
-                return None
-        if not tags:
-            code = 0
-        else:
-            code = self._tags_codes.get(tags)
-            if code is None:
-                if len(self._tags_codes) > 100000:
-                    self._tags_codes.clear()
-                code = self._tags_codes[tags] = codec.java_hash(tags)
-        return code, keys or None, uniq or None
 
     # ------------------------------------------------------------ flushing
     def flush_commitlog(self, least_pages: int, thorough: bool) -> bool:
@@ -1245,8 +1199,6 @@ def _wait_store_msg_ok(m: Message) -> bool:
 
 
 _QUEUED_TXN = (codec.TRANSACTION_NOT_TYPE, codec.TRANSACTION_COMMIT)
-_PLAIN_DISPATCH = (0, None, None)  # (tagsCode, KEYS, UNIQ_KEY) of a message with no properties
-_PLAIN_COLUMNS = (None, None, None)  # the same for every message of a put
 _UNSAMPLED = SAMPLE_EVERY - 1
 
 

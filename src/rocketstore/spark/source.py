@@ -470,6 +470,7 @@ class RocketStoreWriter(DataSourceArrowWriter):
         cfg = cfg or StoreConfig()
         self.max_message_size = cfg.maxMessageSize
         self.segment_size = cfg.mappedFileSizeCommitLog
+        self.auto_v2 = cfg.autoMessageVersionOnTopicLen
         self.staging = os.path.join(self.root, STAGING, uuid.uuid4().hex)
         os.makedirs(self.staging, exist_ok=True)
 
@@ -481,7 +482,7 @@ class RocketStoreWriter(DataSourceArrowWriter):
         pid = ctx.partitionId() if ctx else 0
         attempt = ctx.attemptNumber() if ctx else 0
         return StagedCommit(stage(iterator, self.staging, pid, attempt, self.opts, self.max_message_size,
-                                  self.segment_size))
+                                  self.segment_size, self.auto_v2))
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         from .write import cleanup, commit

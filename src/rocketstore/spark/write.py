@@ -1,17 +1,26 @@
-"""Appending a DataFrame to a store: executors stage validated rows, the driver appends them under the store's lock.
+"""Appending a DataFrame to a store: executors encode the records, the driver stamps and writes them under the
+store's lock.
 
 ``df.write.format("rocketstore").mode("append").save(path)`` runs in two steps:
 
-1. every task normalises and validates its rows (topic legal and short enough,
-   body and properties within RocketMQ's limits) and writes them as an Arrow
-   IPC file under ``<store>/.spark-staging/<job>/``; a bad row fails the task,
-   so the job aborts and the store is never touched;
+1. every task normalises its rows and encodes each with the put path's own
+   :class:`MessageEncoder` (which refuses what the store would: an illegal
+   topic, a body or properties over RocketMQ's limits, a record that does not
+   fit a segment), hashes the index keys, and writes the records with what the
+   dispatcher needs as an Arrow IPC file under ``<store>/.spark-staging/<job>/``;
+   a bad row fails the task, so the job aborts and the store is never touched;
 2. the driver's commit opens the store writable, which takes its ``lock`` (one
    writer at a time; it waits up to ``lockTimeoutMs`` for another writer to
-   finish), appends the staged rows in partition order, waits for dispatch and
-   closes the store cleanly.  If a put is refused half-way, the error names how
-   many messages were written and their commitlog offsets; the store stays
-   readable and consistent (every appended message is a complete record).
+   finish), puts the staged records in partition order with
+   :meth:`MessageStore.put_encoded` (only the queue offset, commitlog offset
+   and store time are left to stamp), waits for dispatch and closes the store
+   cleanly.  If a put is refused half-way, the error names how many messages
+   were written and their commitlog offsets; the store stays readable and
+   consistent (every appended message is a complete record).
+
+Encoding in the tasks matters because the commit is one thread: it used to
+spend most of its time serialising properties and hashing keys, work that
+spreads over the executors.
 
 ``replay=true`` keeps every stored field (store time and host, sysFlag, the
 exact properties string) and appends in ``commitLogOffset`` order when that
@@ -22,6 +31,8 @@ commitlog byte for byte.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import logging
 import os
@@ -38,6 +49,8 @@ import pyarrow.compute as pc
 from .. import codec
 from ..config import StoreConfig
 from ..errors import StoreError, StoreLockedError
+from ..encoder import MessageEncoder
+from ..index import key_hashes_many
 from ..message import Message
 from ..store import MessageStore
 
@@ -151,71 +164,21 @@ def normalize(batch: pa.RecordBatch, replay: bool) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays([cols[f.name] for f in STAGED_SCHEMA], schema=STAGED_SCHEMA)
 
 
-def to_message(row: dict[str, Any], replay: bool) -> Message:
-    props = dict(row["properties"] or [])
-    keys = row["keys"]
-    m = Message(topic=row["topic"], body=row["body"], queue_id=row["queueId"] or 0, tags=row["tags"],
-                keys=keys, properties=props, flag=row["flag"] or 0, born_timestamp=row["bornTimestamp"],
-                born_host=row["bornHost"], reconsume_times=row["reconsumeTimes"] or 0)
-    if replay:
-        m.store_timestamp = row["storeTimestamp"]
-        m.store_host = row["storeHost"]
-        m.sys_flag = row["sysFlag"] or 0
-        m.prepared_transaction_offset = row["preparedTransactionOffset"] or 0
-        m.properties_string = row["propertiesString"]
-    return m
-
-
-def _topic_facts(topic: Any, where: str) -> tuple[int, bool]:
-    """A topic's encoded length and whether it takes the V2 magic; refuses what the store refuses."""
-    from ..store import illegal_topic
-    err = illegal_topic(topic)
-    if err:
-        raise StoreError(f"{where}: {err}")
-    try:
-        codec.topic_tail(topic)
-    except (codec.RecordError, ValueError) as e:
-        raise StoreError(f"{where}: {e}") from None
-    return len(topic.encode("utf-8")), codec.java_len(topic) > 127
-
-
-def validate(row: dict[str, Any], where: str, max_message_size: int, replay: bool,
-             segment_size: int | None = None, topics: dict[str, tuple[int, bool]] | None = None) -> None:
-    """The checks the store makes before a put, so that a bad row fails its task rather than the commit.
-
-    ``topics`` memoises the per-topic checks across the rows of a task (a task sees few topics).
-    """
-    topic = row["topic"]
-    facts = topics.get(topic) if topics is not None and isinstance(topic, str) else None
-    if facts is None:
-        facts = _topic_facts(topic, where)
-        if topics is not None:
-            topics[topic] = facts
-    if row["body"] is None:
-        raise StoreError(f"{where}: body is null (RocketMQ messages need a body)")
-    try:
-        m = to_message(row, replay)
-        props = (m.properties_string if m.properties_string is not None else m.build_properties()).encode("utf-8")
-        if len(props) > codec.MAX_PROPERTIES_BYTES:
-            raise codec.PropertiesTooLarge(f"properties are {len(props)} bytes, more than {codec.MAX_PROPERTIES_BYTES}")
-        if len(row["body"]) > max_message_size:
-            raise codec.MessageTooLarge(f"body is {len(row['body'])} bytes, more than maxMessageSize "
-                                        f"{max_message_size}")
-        if not 0 <= m.queue_id < 2 ** 31:
-            raise codec.RecordError(f"queue id {m.queue_id} out of range")
-        hosts = [codec.parse_host(h) if isinstance(h, str) else None for h in (m.born_host, m.store_host)]
-        if segment_size is not None:
-            sys_flag = codec.with_host_flags(m.sys_flag, hosts[0][0] if hosts[0] else b"\0" * 4,
-                                             hosts[1][0] if hosts[1] else b"\0" * 4)
-            size = codec.record_length(len(row["body"]), facts[0], len(props), sys_flag, facts[1])
-            if size + codec.BLANK_RECORD_SIZE > segment_size:
-                raise codec.MessageTooLarge(f"a {size}-byte record does not fit the store's {segment_size}-byte "
-                                            "commitlog segments (mappedFileSizeCommitLog)")
-    except (codec.RecordError, ValueError) as e:
-        raise StoreError(f"{where}: {e}") from None
-
-
 # ---------------------------------------------------------------- executor side
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while staging or committing: both build hundreds of thousands of
+    short-lived tuples and messages (none in a cycle), and the collections they set off cost a quarter of
+    the commit."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
 
 @dataclass
 class StagedPart:
@@ -225,35 +188,140 @@ class StagedPart:
     attempt: int
 
 
+# What a task stages per row: the record as MessageEncoder made it (all but the fields stamped under the
+# put lock), what the dispatcher needs of it, and the replay's store time and order.
+ENCODED_SCHEMA = pa.schema([
+    ("topic", pa.string()), ("queueId", pa.int32()), ("total", pa.int32()), ("magic", pa.uint32()),
+    ("bodyCrc", pa.int32()), ("flag", pa.int32()), ("sysFlag", pa.int32()), ("bornTimestamp", pa.int64()),
+    ("bornAddr", pa.binary()), ("bornPort", pa.int32()), ("storeAddr", pa.binary()), ("storePort", pa.int32()),
+    ("reconsumeTimes", pa.int32()), ("preparedTransactionOffset", pa.int64()), ("body", pa.binary()),
+    ("tail", pa.binary()),
+    ("tagsCode", pa.int64()), ("fromLog", pa.bool_()), ("storeTimestamp", pa.int64()),
+    ("commitLogOffset", pa.int64()), ("indexHashes", pa.list_(pa.int32())),
+])
+# The staged columns a task computes; the others are the normalised input's own (nulls as the encoder reads them).
+_COMPUTED = ["total", "magic", "bodyCrc", "sysFlag", "bornTimestamp", "bornAddr", "bornPort", "storeAddr",
+             "storePort", "tail", "tagsCode", "fromLog", "indexHashes"]
+# Rows per staged batch: the driver puts the rows of each queue in a batch together.
+STAGED_BATCH_ROWS = 65536
+
+
+def _properties(arr: pa.Array) -> list[dict[str, str]]:
+    """A map column as dicts, from its flat keys and values (``to_pylist`` builds a tuple per entry)."""
+    offsets = arr.offsets.to_pylist()  # into the whole child arrays, which a slice of a map column shares
+    base = offsets[0]
+    keys = arr.keys.slice(base, offsets[-1] - base).to_pylist()
+    items = arr.items.slice(base, offsets[-1] - base).to_pylist()
+    valid = arr.is_valid().to_pylist() if arr.null_count else None
+    out = []
+    for i in range(len(arr)):
+        lo, hi = offsets[i] - base, offsets[i + 1] - base
+        out.append(dict(zip(keys[lo:hi], items[lo:hi])) if hi > lo and (valid is None or valid[i]) else {})
+    return out
+
+
+class RowEncoder:
+    """Encodes a task's rows with the put path's own :class:`MessageEncoder`, so that a row the store would
+    refuse fails its task (the job aborts and the store is never touched), and the driver only stamps."""
+
+    def __init__(self, replay: bool, max_message_size: int, segment_size: int | None, auto_v2: bool = True) -> None:
+        self.replay = replay
+        self.encoder = MessageEncoder(max_message_size, auto_v2)
+        self.segment_size = segment_size
+        self.now_ms = int(time.time() * 1000)  # the born time of rows without one
+
+    def messages(self, nb: pa.RecordBatch) -> Iterator[Message]:
+        """A normalised batch's rows as messages, built column by column (a dict per row costs as much again)."""
+        cols = [_properties(nb.column(name)) if name == "properties" else nb.column(name).to_pylist()
+                for name in CONTENT]
+        if not self.replay:
+            for topic, body, qid, tags, keys, props, flag, born_ts, born_host, reconsume in zip(*cols):
+                yield Message(topic, body, qid or 0, tags, keys, props, flag or 0, born_timestamp=born_ts,
+                              born_host=born_host, reconsume_times=reconsume or 0)
+            return
+        for (topic, body, qid, tags, keys, props, flag, born_ts, born_host, reconsume, store_ts, store_host, sys_flag,
+             prepared, props_string) in zip(*cols, *(nb.column(name).to_pylist() for name in REPLAY[:-1])):
+            yield Message(topic, body, qid or 0, tags, keys, props, flag or 0, sys_flag=sys_flag or 0,
+                          born_timestamp=born_ts, born_host=born_host, store_host=store_host,
+                          reconsume_times=reconsume or 0, prepared_transaction_offset=prepared or 0,
+                          properties_string=props_string, store_timestamp=store_ts)
+
+    def encode(self, nb: pa.RecordBatch, where: str, first_row: int) -> pa.RecordBatch:
+        """A normalised batch as staged rows (ENCODED_SCHEMA); StoreError names the row (``where`` row
+        ``first_row + i``) the store would refuse."""
+        encode, dispatch_info = self.encoder.encode, self.encoder.dispatch_info
+        now_ms, segment = self.now_ms, self.segment_size
+        computed: list[tuple] = []
+        keyed: list[int] = []  # rows with keys to hash, and their (topic, UNIQ_KEY, KEYS)
+        keys_of: list[tuple[str, str | None, str | None]] = []
+        for i, m in enumerate(self.messages(nb)):
+            try:
+                if m.body is None:
+                    raise codec.RecordError("body is null (RocketMQ messages need a body)")
+                rec = encode(m, now_ms)
+                if segment is not None and rec[1] + codec.BLANK_RECORD_SIZE > segment:
+                    raise codec.MessageTooLarge(f"a {rec[1]}-byte record does not fit the store's {segment}-byte "
+                                                "commitlog segments (mappedFileSizeCommitLog)")
+            except (codec.RecordError, ValueError) as e:
+                raise StoreError(f"{where} row {first_row + i}: {e}") from None
+            info = dispatch_info(m)
+            # (header, total, magic, crc, qid, flag, sysFlag, bornTs, bornAddr, bornPort, storeAddr, storePort, ...)
+            if info is None:  # the dispatcher parses the stored properties itself
+                computed.append((rec[1], rec[2], rec[3], rec[6], rec[7], rec[8], rec[9], rec[10], rec[11], rec[15],
+                                 0, True))
+                continue
+            if info[1] or info[2]:
+                keyed.append(i)
+                keys_of.append((m.topic, info[2], info[1]))
+            computed.append((rec[1], rec[2], rec[3], rec[6], rec[7], rec[8], rec[9], rec[10], rec[11], rec[15],
+                             info[0], False))
+        n = nb.num_rows
+        hashes: list[list[int] | None] = [None] * n
+        for i, h in zip(keyed, key_hashes_many(keys_of)):
+            hashes[i] = h
+        cols = dict(zip(_COMPUTED, [*zip(*computed), hashes]))
+        return pa.RecordBatch.from_arrays(
+            [pa.array(cols[f.name], f.type) if f.name in cols else
+             pc.fill_null(nb.column(f.name), 0) if f.name in ("queueId", "flag", "reconsumeTimes",
+                                                               "preparedTransactionOffset") else
+             nb.column(f.name) for f in ENCODED_SCHEMA], schema=ENCODED_SCHEMA)
+
+
 def stage(batches: Iterator[pa.RecordBatch], staging_dir: str, partition: int, attempt: int,
-          opts: WriteOptions, max_message_size: int, segment_size: int | None = None) -> StagedPart:
-    """Validate and stage one task's rows (sorted by commitLogOffset when replaying)."""
+          opts: WriteOptions, max_message_size: int, segment_size: int | None = None,
+          auto_v2: bool = True) -> StagedPart:
+    """Encode and stage one task's rows (ENCODED_SCHEMA, an Arrow IPC file).
+
+    A replay keeps every row and sorts them by commitLogOffset when that column is present.
+    """
     os.makedirs(staging_dir, exist_ok=True)
     path = os.path.join(staging_dir, f"part-{partition:05d}-{attempt}-{uuid.uuid4().hex[:8]}.arrow")
     tmp = path + ".tmp"
+    enc = RowEncoder(opts.replay, max_message_size, segment_size, auto_v2)
     rows = 0
-    staged: list[pa.RecordBatch] = []
-    topics: dict[str, tuple[int, bool]] = {}
-    with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, STAGED_SCHEMA) as writer:
+    pending: list[pa.RecordBatch] = []
+    with gc_paused(), pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, ENCODED_SCHEMA) as writer:
+        def flush() -> None:
+            table = pa.Table.from_batches(pending, ENCODED_SCHEMA)
+            if opts.replay and table.column("commitLogOffset").null_count < table.num_rows:
+                table = table.sort_by([("commitLogOffset", "ascending")])  # stable; rows without go last
+            for b in table.combine_chunks().to_batches(max_chunksize=STAGED_BATCH_ROWS):
+                writer.write_batch(b)
+            pending.clear()
+
+        staged = 0
         for batch in batches:
             if batch.num_rows == 0:
                 continue
             check_columns(batch.schema.names)
-            nb = normalize(batch, opts.replay)
-            for i, row in enumerate(nb.to_pylist()):
-                validate(row, f"partition {partition} row {rows + i}", max_message_size, opts.replay, segment_size,
-                         topics)
-            rows += nb.num_rows
-            if opts.replay:
-                staged.append(nb)
-            else:
-                writer.write_batch(nb)
-        if staged:
-            table = pa.Table.from_batches(staged, STAGED_SCHEMA)
-            if table.column("commitLogOffset").null_count < table.num_rows:
-                table = table.sort_by([("commitLogOffset", "ascending")])
-            for b in table.to_batches(max_chunksize=8192):
-                writer.write_batch(b)
+            pending.append(enc.encode(normalize(batch, opts.replay), f"partition {partition}", rows))
+            rows += batch.num_rows
+            staged += batch.num_rows
+            if not opts.replay and staged >= STAGED_BATCH_ROWS:
+                flush()
+                staged = 0
+        if pending:
+            flush()
     os.replace(tmp, path)
     return StagedPart(path, rows, partition, attempt)
 
@@ -274,98 +342,92 @@ def open_for_append(root: str, opts: WriteOptions) -> MessageStore:
             time.sleep(0.1)
 
 
-def _rows(parts: list[StagedPart]) -> Iterator[dict[str, Any]]:
-    for p in parts:
+# A staged row on the driver: (topic, queueId, EncodedRecord, storeTimestamp, tagsCode, indexHashes, fromLog).
+StagedRow = tuple
+
+
+def _part_rows(part: StagedPart, grouped: bool) -> Iterator[StagedRow]:
+    """A part's staged rows; ``grouped`` (a plain append): the rows of each staged batch queue by queue, each
+    queue's in their order (only how queues interleave in the commitlog changes, which no consumer sees), so
+    that puts are long runs of one queue."""
+    header = codec.HEADER_BY_HOST_FLAGS
+    with pa.memory_map(part.path) as src:
+        reader = pa.ipc.open_file(src)
+        for i in range(reader.num_record_batches):
+            b = reader.get_batch(i)
+            cols = [b.column(name).to_pylist() for name in ENCODED_SCHEMA.names if name != "commitLogOffset"]
+            rows = [(topic, qid, (header[sf & 0x30], total, magic, crc, qid, flag, sf, born_ts, born_addr, born_port,
+                                  store_addr, store_port, reconsume, prepared, body, tail), store_ts, code, hashes,
+                     from_log)
+                    for (topic, qid, total, magic, crc, flag, sf, born_ts, born_addr, born_port, store_addr,
+                         store_port, reconsume, prepared, body, tail, code, from_log, store_ts, hashes) in zip(*cols)]
+            if grouped:
+                queues: dict[tuple[str, int], list[StagedRow]] = {}
+                for r in rows:
+                    run = queues.get(r[:2])
+                    if run is None:
+                        queues[r[:2]] = [r]
+                    else:
+                        run.append(r)
+                for run in queues.values():
+                    yield from run
+            else:
+                yield from rows
+
+
+def _staged_rows(parts: list[StagedPart], replay: bool) -> Iterator[StagedRow]:
+    """The staged rows in partition order; a replay's in commitLogOffset order across parts (each part is
+    sorted; rows without one go last)."""
+    if not replay:
+        for p in parts:
+            yield from _part_rows(p, True)
+        return
+
+    def keyed(p: StagedPart) -> Iterator[tuple[int, int, int, StagedRow]]:
         with pa.memory_map(p.path) as src:
             reader = pa.ipc.open_file(src)
-            for i in range(reader.num_record_batches):
-                yield from reader.get_batch(i).to_pylist()
-
-
-def _messages(parts: list[StagedPart]) -> Iterator[Message]:
-    """The staged rows of a plain append as messages, built column by column: a row dict per message
-    (``to_pylist``) costs about as much again as the put itself."""
-    for p in parts:
-        with pa.memory_map(p.path) as src:
-            reader = pa.ipc.open_file(src)
-            for i in range(reader.num_record_batches):
-                b = reader.get_batch(i)
-                cols = [b.column(name).to_pylist() for name in CONTENT]
-                for topic, body, qid, tags, keys, props, flag, born_ts, born_host, reconsume in zip(*cols):
-                    yield Message(topic=topic, body=body, queue_id=qid or 0, tags=tags, keys=keys,
-                                  properties=dict(props) if props else {}, flag=flag or 0, born_timestamp=born_ts,
-                                  born_host=born_host, reconsume_times=reconsume or 0)
-
-
-def _merged_rows(parts: list[StagedPart]) -> Iterator[dict[str, Any]]:
-    """Staged rows in commitLogOffset order across parts (each part is sorted); rows without one go last."""
-    def keyed(p: StagedPart) -> Iterator[tuple[int, int, int, dict[str, Any]]]:
-        for j, r in enumerate(_rows([p])):
-            off = r["commitLogOffset"]
+            offsets = [o for i in range(reader.num_record_batches)
+                       for o in reader.get_batch(i).column("commitLogOffset").to_pylist()]
+        for j, (off, r) in enumerate(zip(offsets, _part_rows(p, False))):
             yield (off if off is not None else 2 ** 63, p.partition, j, r)
     for *_k, row in heapq.merge(*(keyed(p) for p in parts)):
         yield row
 
 
-# A put_batch holds at most this many messages and body bytes (a batch must fit one commitlog segment).
+# A put holds at most this many records and bytes (a batch must fit one commitlog segment).
 BATCH_MESSAGES = 512
 BATCH_BYTES = 1 << 20
 
 
-def batches(messages: Iterable[Message], replay: bool, segment_size: int) -> Iterator[list[Message]]:
-    """The staged messages as put_batch units of one topic and queue.
-
-    A plain append groups rows by queue within a window of rows (each queue keeps the rows' order;
-    only the interleaving of queues in the commitlog changes, which no consumer sees).  A replay
-    keeps the commitlog order exactly, so it batches only consecutive rows of one queue with the
-    same store time, and puts transaction records alone (a batch cannot hold them).
-    """
+def batches(rows: Iterable[StagedRow], segment_size: int) -> Iterator[list[StagedRow]]:
+    """Consecutive staged rows of one topic, queue and store time (None but in a replay) as put units;
+    transaction records go alone (a batch cannot hold them)."""
     limit = min(BATCH_BYTES, segment_size // 4)
-    if replay:
-        run: list[Message] = []
-        size = 0
-        for m in messages:
-            alone = m.sys_flag & codec.TRANSACTION_MASK
-            if run and (alone or size + len(m.body) > limit or len(run) >= BATCH_MESSAGES or
-                        (m.topic, m.queue_id, m.store_timestamp) != (run[0].topic, run[0].queue_id,
-                                                                      run[0].store_timestamp)):
-                yield run
-                run, size = [], 0
-            if alone:
-                yield [m]
-                continue
-            run.append(m)
-            size += len(m.body)
-        if run:
+    run: list[StagedRow] = []
+    key = None
+    size = 0
+    for r in rows:
+        rec = r[2]
+        alone = rec[6] & codec.TRANSACTION_MASK
+        if run and (alone or size + rec[1] > limit or len(run) >= BATCH_MESSAGES or
+                    (r[0], r[1], r[3]) != key):
             yield run
-        return
-    queues: dict[tuple[str, int], tuple[list[Message], int]] = {}
-    pending = 0
-    for m in messages:
-        key = (m.topic, m.queue_id)
-        run, size = queues.get(key, ([], 0))
-        if run and (size + len(m.body) > limit or len(run) >= BATCH_MESSAGES):
-            yield run
-            pending -= len(run)
             run, size = [], 0
-        run.append(m)
-        queues[key] = (run, size + len(m.body))
-        pending += 1
-        if pending >= 8 * BATCH_MESSAGES:  # bound the window: flush every queue's run
-            for run, _ in queues.values():
-                if run:
-                    yield run
-            queues.clear()
-            pending = 0
-    for run, _ in queues.values():
-        if run:
-            yield run
+        if alone:
+            yield [r]
+            continue
+        if not run:
+            key = (r[0], r[1], r[3])
+        run.append(r)
+        size += rec[1]
+    if run:
+        yield run
 
 
 def commit(root: str, parts: list[StagedPart], opts: WriteOptions) -> dict[str, Any]:
-    """Append the staged rows in put_batch units; return a summary.
+    """Append the staged rows in put units; return a summary.
 
-    Raises StoreError naming what was written if a put fails (a refused batch writes nothing of itself).
+    Raises StoreError naming what was written if a put fails (a refused put writes nothing of itself).
     """
     parts = sorted(parts, key=lambda p: p.partition)
     total = sum(p.rows for p in parts)
@@ -374,22 +436,26 @@ def commit(root: str, parts: list[StagedPart], opts: WriteOptions) -> dict[str, 
     t0 = time.monotonic()
     store = open_for_append(root, opts)
     try:
-        messages = (to_message(r, True) for r in _merged_rows(parts)) if opts.replay else _messages(parts)
-        for batch in batches(messages, opts.replay, store.config.mappedFileSizeCommitLog):
-            r = store.put(batch[0]) if len(batch) == 1 else store.put_batch(batch)
-            if not r.ok:
-                m = batch[0]
-                where = (f"wrote {written} of {total} messages" +
-                         (f" (commitlog offsets {first}..{last})" if written else "") +
-                         f"; message {written + 1}" + (f"..{written + len(batch)}" if len(batch) > 1 else "") +
-                         f" (topic {m.topic!r}, queue {m.queue_id}) was refused: {r.status.value}: {r.error}")
-                log.error("%s: %s", root, where)
-                raise StoreError(f"{root}: {where}")
-            if first is None or r.commit_log_offset < first:
-                first = r.commit_log_offset
-            end = r.offsets[-1]
-            last = end if last is None else max(last, end)
-            written += len(batch)
+        with gc_paused():
+            for run in batches(_staged_rows(parts, opts.replay), store.config.mappedFileSizeCommitLog):
+                topic, qid, _rec, store_ts, *_ = run[0]
+                codes = [r[4] for r in run]
+                hashes = [r[5] for r in run]
+                dispatch = None if any(r[6] for r in run) else (
+                    codes if any(codes) else None, None if hashes.count(None) == len(hashes) else hashes)
+                r = store.put_encoded(topic, qid, [r[2] for r in run], dispatch, store_ts)
+                if not r.ok:
+                    where = (f"wrote {written} of {total} messages" +
+                             (f" (commitlog offsets {first}..{last})" if written else "") +
+                             f"; message {written + 1}" + (f"..{written + len(run)}" if len(run) > 1 else "") +
+                             f" (topic {topic!r}, queue {qid}) was refused: {r.status.value}: {r.error}")
+                    log.error("%s: %s", root, where)
+                    raise StoreError(f"{root}: {where}")
+                if first is None or r.commit_log_offset < first:
+                    first = r.commit_log_offset
+                end = r.offsets[-1]
+                last = end if last is None else max(last, end)
+                written += len(run)
         store.wait_dispatched()
     finally:
         store.close()

@@ -1,0 +1,121 @@
+"""MessageEncoder: a message as a record ready for the put lock, and what the dispatcher needs of it.
+
+RocketMQ's MessageExtEncoder serialises a message on the send path before the
+put lock is taken; the fields only known under the lock (queue offset,
+physical offset, store time) are stamped when the record is written.  The store
+encodes each put with one of these, and a Spark append's tasks encode their
+rows with one too, so that the driver's commit only stamps and writes.
+"""
+
+from __future__ import annotations
+
+from . import codec
+from .config import StoreConfig
+from .message import DEFAULT_STORE_HOST, LOCALHOST, Message, host_tuple, illegal_topic
+
+# (tagsCode, KEYS, UNIQ_KEY) of a message with no properties: nothing for the dispatcher to parse.
+PLAIN_DISPATCH = (0, None, None)
+# Per-put dispatch columns (tagsCodes, KEYS, UNIQ_KEYs, index key hashes), each None when all are 0 or absent.
+PLAIN_COLUMNS = (None, None, None, None)
+
+_CACHE_TOPICS = 10000
+_CACHE_TAGS = 100000
+
+
+class MessageEncoder:
+    """Encodes messages for one store's limits (maxMessageSize, autoMessageVersionOnTopicLen), caching the
+    per-topic record tail and the per-tags hash code (a writer sees few of either)."""
+
+    def __init__(self, max_message_size: int = StoreConfig.maxMessageSize, auto_v2: bool = True) -> None:
+        self.max_message_size = max_message_size
+        self.auto_v2 = auto_v2
+        self._topics: dict[str, tuple[bytes, int, bytes]] = {}  # codec.topic_tail per topic
+        self._tags_codes: dict[str, int] = {}
+
+    @classmethod
+    def for_config(cls, cfg: StoreConfig) -> MessageEncoder:
+        return cls(cfg.maxMessageSize, cfg.autoMessageVersionOnTopicLen)
+
+    def topic(self, name: str) -> tuple[bytes, int, bytes]:
+        """The topic's record tail (:func:`codec.topic_tail`); raises codec.RecordError for an illegal topic."""
+        t = self._topics.get(name)
+        if t is None:
+            err = illegal_topic(name)
+            if err:
+                raise codec.RecordError(err)
+            t = codec.topic_tail(name, self.auto_v2)
+            if len(self._topics) > _CACHE_TOPICS:
+                self._topics.clear()
+            self._topics[name] = t
+        return t
+
+    def encode(self, m: Message, now_ms: int) -> codec.EncodedRecord:
+        """Validate and encode one message (raises codec.RecordError subclasses or ValueError)."""
+        topic = self._topics.get(m.topic) or self.topic(m.topic)
+        body = m.body
+        if type(body) is not bytes:
+            if not isinstance(body, (bytearray, memoryview)):
+                raise codec.RecordError(f"body must be bytes, not {type(body).__name__}")
+            body = bytes(body)
+        if not 0 <= m.queue_id < 2 ** 31:
+            raise codec.RecordError(f"queue id {m.queue_id} out of range")
+        if m.properties_string is not None:
+            props = m.properties_string.encode("utf-8")
+        elif m.tags is None and m.keys is None and not m.properties:
+            props = b""  # the common message: no properties to serialise
+        else:
+            props = m.build_properties().encode("utf-8")
+        born_addr, born_port = LOCALHOST if m.born_host is None else host_tuple(m.born_host)
+        store_addr, store_port = DEFAULT_STORE_HOST if m.store_host is None else host_tuple(m.store_host)
+        sys_flag = m.sys_flag
+        if sys_flag & 0x30 or len(born_addr) != 4 or len(store_addr) != 4:
+            sys_flag = codec.with_host_flags(sys_flag, born_addr, store_addr)
+        return codec.encode_with_tail(topic, body, props, m.queue_id, m.flag, sys_flag,
+                                      now_ms if m.born_timestamp is None else m.born_timestamp, born_addr, born_port,
+                                      store_addr, store_port, m.reconsume_times, m.prepared_transaction_offset,
+                                      self.max_message_size)
+
+    def tags_code(self, tags: str) -> int:
+        """ConsumeQueue tagsCode of a message's TAGS (Java's hashCode), cached per tags string."""
+        code = self._tags_codes.get(tags)
+        if code is None:
+            if len(self._tags_codes) > _CACHE_TAGS:
+                self._tags_codes.clear()
+            code = self._tags_codes[tags] = codec.java_hash(tags)
+        return code
+
+    def dispatch_info(self, m: Message) -> tuple[int, str | None, str | None] | None:
+        """(tagsCode, KEYS, UNIQ_KEY) as dispatch would parse them from the stored properties, or None when
+        only the stored record can tell (a verbatim properties string, the delay topic, separator characters)."""
+        if m.properties_string is not None or m.topic == codec.SCHEDULE_TOPIC:
+            return None
+        props = m.properties
+        if not props and m.tags is None and m.keys is None:
+            return PLAIN_DISPATCH  # the common message: no tags, no keys
+        tags = m.tags if m.tags is not None else props.get("TAGS")
+        keys = m.keys if m.keys is None or isinstance(m.keys, str) else " ".join(m.keys)
+        if keys is None:
+            keys = props.get("KEYS")
+        uniq = props.get("UNIQ_KEY")
+        for v in (tags, keys, uniq):
+            if v is not None and ("\x01" in v or "\x02" in v):
+                return None
+        return (self.tags_code(tags) if tags else 0), keys or None, uniq or None
+
+    def dispatch_columns(self, messages: list[Message]) -> tuple | None:
+        """The dispatch columns of a put's messages (see PLAIN_COLUMNS), or None when the log must tell."""
+        if len(messages) == 1:
+            info = self.dispatch_info(messages[0])
+            if info is None or info is PLAIN_DISPATCH:
+                return None if info is None else PLAIN_COLUMNS
+            code, keys, uniq = info
+            return (None if not code else [code], None if keys is None else [keys],
+                    None if uniq is None else [uniq], None)
+        infos = [self.dispatch_info(m) for m in messages]
+        if infos.count(PLAIN_DISPATCH) == len(infos):
+            return PLAIN_COLUMNS
+        if None in infos:
+            return None
+        codes, keys, uniqs = zip(*infos)
+        return (list(codes) if any(codes) else None, None if keys.count(None) == len(keys) else list(keys),
+                None if uniqs.count(None) == len(uniqs) else list(uniqs), None)
