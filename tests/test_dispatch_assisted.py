@@ -176,3 +176,32 @@ def test_dispatch_ready_without_an_index(tmp_path):
         assert [m.body for m in store.get("T", 0, 0, 8).messages] == [b"a", b"b"]
         assert not store.index_service.files
         _service_resumed(store)
+
+
+def test_hand_over_is_bounded_and_the_rest_is_decoded_from_the_log(tmp_path, monkeypatch):
+    """While the dispatcher is stalled, at most HAND_OVER_LIMIT puts wait in memory; the later ones are
+    dispatched from the log once it resumes, each exactly once, keys and tags included."""
+    import rocketstore.store
+    monkeypatch.setattr(rocketstore.store, "HAND_OVER_LIMIT", 50)
+    with MessageStore.open(str(tmp_path / "s")) as store:
+        assert store.put(Message("T", b"first", queue_id=0)).ok
+        assert store.wait_dispatched(10)
+        _service_paused(store)
+        results = [store.put(Message("T", b"m%d" % i, queue_id=i % 2, tags=f"t{i % 3}", keys=f"k{i}"))
+                   for i in range(300)]
+        assert all(r.ok for r in results)
+        assert len(store.reput.handed_over) == 50
+        _service_resumed(store)
+        store.reput.wakeup()
+        assert store.wait_dispatched(10)
+        for q in range(2):
+            got, offset = [], 0
+            while offset < store.max_offset_in_queue("T", q):
+                r = store.get("T", q, offset)
+                got += [m.body for m in r.messages]
+                offset = r.next_begin_offset
+            assert got == ([b"first"] if q == 0 else []) + [b"m%d" % i for i in range(q, 300, 2)]
+        assert [m.body for m in store.get("T", 1, 0, 32, tag_filter="t1").messages] == \
+            [b"m%d" % i for i in range(1, 300, 2) if i % 3 == 1][:32]
+        for i in (0, 49, 50, 51, 299):
+            assert store.query("T", f"k{i}").phy_offsets == [results[i].commit_log_offset]

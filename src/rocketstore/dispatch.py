@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 
 INDEX_RETRY_S = 1.0  # how often a failed index is tried again
 CATCH_UP_SLICE_S = 0.2  # index catch-up work per dispatch round, so the consume queues keep up meanwhile
+# Puts handed over and not yet dispatched, at most; later ones are decoded from the log (see MessageStore._append).
+HAND_OVER_LIMIT = 16384
 ASSISTED_INTERVAL = 0.05  # the service's own rounds while an assistant dispatches the puts (see dispatch_ready)
 
 

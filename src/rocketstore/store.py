@@ -24,7 +24,7 @@ from .codec import MessageExt
 from .commitlog import CommitLog
 from .config import SYNC_FLUSH, StoreConfig, total_memory_bytes
 from .consume_queue import CQ_STORE_UNIT_SIZE, LOWER, ConsumeQueue
-from .dispatch import ReputMessageService
+from .dispatch import HAND_OVER_LIMIT, ReputMessageService
 from .encoder import MessageEncoder
 from .errors import CommitLogWriteError, CorruptRecordError, ReadOnlyStoreError, StoreClosedError, StoreLoadError
 from .flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeService, GroupCommitService
@@ -541,7 +541,9 @@ class MessageStore:
                                         error=f"cannot create commitlog segment {where}: {e.strerror or e}")
             if assigns:
                 self.topic_queue_table[key] = qoff + len(records)
-            if dispatch is not None:  # else the dispatcher decodes these records from the log
+            # Else the dispatcher decodes these records from the log: so too past HAND_OVER_LIMIT puts not yet
+            # dispatched (a stalled flush under SYNC_FLUSH), which bounds what the hand-over holds in memory.
+            if dispatch is not None and len(self.reput.handed_over) < HAND_OVER_LIMIT:
                 self.reput.hand_over((wrote_offset, wrote_offset + wrote_bytes, topic, queue_id,
                                       qoff if assigns else -1, store_ts, records[0][6] & codec.TRANSACTION_MASK,
                                       offsets, (wrote_bytes,) if len(records) == 1 else [r[1] for r in records],
