@@ -342,6 +342,27 @@ def test_append_with_keys_list_string_body_and_default_queue(spark, tmp_path):
         assert store.query("W", "k2").phy_offsets == [rows[0].commitLogOffset]
 
 
+def test_append_with_the_topic_option(spark, tmp_path):
+    """``.option("topic", T)`` gives every row of a DataFrame without a topic column that topic; with a topic
+    column as well, or an illegal topic, the write is refused before anything is staged."""
+    from pyspark.sql import Row
+    df = spark.createDataFrame([Row(body=f"m{i}", keys=f"k{i}") for i in range(5)])
+    df.write.format("rocketstore").mode("append").option("topic", "Orders").save(str(tmp_path / "s"))
+    rows = rs(spark, str(tmp_path / "s")).orderBy("commitLogOffset").collect()
+    assert [(r.topic, bytes(r.body).decode()) for r in rows] == [("Orders", f"m{i}") for i in range(5)]
+    with MessageStore.open(str(tmp_path / "s"), read_only=True) as store:
+        assert store.query("Orders", "k3").phy_offsets == [rows[3].commitLogOffset]
+    with pytest.raises(Exception, match="has a topic column and the topic option"):
+        spark.createDataFrame([Row(topic="T", body=b"x")]).write.format("rocketstore").mode("append") \
+            .option("topic", "Orders").save(str(tmp_path / "s"))
+    with pytest.raises(Exception, match="option topic: topic 'bad topic!' has illegal characters"):
+        df.write.format("rocketstore").mode("append").option("topic", "bad topic!").save(str(tmp_path / "s"))
+    with pytest.raises(Exception, match=r"needs the columns topic \(or the topic option\) and body; missing: topic"):
+        df.write.format("rocketstore").mode("append").save(str(tmp_path / "s"))
+    assert rs(spark, str(tmp_path / "s"), withBody="false").count() == 5
+    assert not os.path.exists(tmp_path / "s" / ".spark-staging")
+
+
 def test_failed_write_leaves_the_store_readable_and_unchanged(spark, tmp_path):
     from pyspark.sql import Row
     store = copy_store(golden_store("basic"), tmp_path / "s")

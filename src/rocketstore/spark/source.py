@@ -126,7 +126,7 @@ class Options:
         from ..config import StoreConfig
         names = {f.name.lower(): f.name for f in dc_fields(StoreConfig)}
         out = {names[k]: v for k, v in self.raw.items() if k in names}
-        for k in ("replay", "lockTimeoutMs", "config"):
+        for k in ("replay", "lockTimeoutMs", "config", "topic"):
             if self.get(k) is not None:
                 out[k] = self.get(k)
         return out
@@ -461,8 +461,8 @@ class RocketStoreWriter(DataSourceArrowWriter):
             raise StoreError(f"rocketstore write: {roots[0]} is a tier; a store uploads its own tier "
                              "(write to the store directory)")
         self.root = roots[0]
-        check_columns(schema.fieldNames())
         self.opts = WriteOptions.from_options(opts.config_options())
+        check_columns(schema.fieldNames(), self.opts.topic)
         cfg = self.opts.store_config()
         if os.path.isdir(os.path.join(self.root, "commitlog")):
             from ..store import infer_config

@@ -67,7 +67,7 @@ IGNORED = {"queueOffset", "commitLogOffset", "size", "bodyCrc", "msgId", "bodyLe
            "storeTimestamp", "storeHost", "sysFlag", "preparedTransactionOffset", "propertiesString", "date",
            "hour", "store"}
 
-STAGED_SCHEMA = pa.schema([
+NORMALIZED_SCHEMA = pa.schema([
     ("topic", pa.string()), ("body", pa.binary()), ("queueId", pa.int32()), ("tags", pa.string()),
     ("keys", pa.string()), ("properties", pa.map_(pa.string(), pa.string())), ("flag", pa.int32()),
     ("bornTimestamp", pa.int64()), ("bornHost", pa.string()), ("reconsumeTimes", pa.int32()),
@@ -82,15 +82,22 @@ class WriteOptions:
     lock_timeout_ms: int = 30000
     config: dict[str, str] | None = None  # StoreConfig fields for a new store (or overriding inference)
     config_file: str | None = None
+    topic: str | None = None  # every row's topic, for a DataFrame without a topic column
 
     @classmethod
     def from_options(cls, options: dict[str, str]) -> WriteOptions:
         from dataclasses import fields as dc_fields
         names = {f.name for f in dc_fields(StoreConfig)}
         cfg = {k: v for k, v in options.items() if k in names}
+        topic = options.get("topic")
+        if topic is not None:
+            from ..message import illegal_topic
+            why = illegal_topic(topic)
+            if why:
+                raise StoreError(f"rocketstore write: option topic: {why}")
         return cls(replay=str(options.get("replay", "false")).lower() == "true",
                    lock_timeout_ms=int(options.get("lockTimeoutMs", 30000)), config=cfg or None,
-                   config_file=options.get("config"))
+                   config_file=options.get("config"), topic=topic)
 
     def store_config(self) -> StoreConfig | None:
         base = StoreConfig.load(self.config_file) if self.config_file else None
@@ -100,12 +107,19 @@ class WriteOptions:
         return base
 
 
-def check_columns(names: Iterable[str]) -> None:
-    """Refuse a DataFrame without topic/body or with columns the writer does not know (typos show)."""
+def check_columns(names: Iterable[str], topic_option: str | None = None) -> None:
+    """Refuse a DataFrame without topic/body or with columns the writer does not know (typos show).
+
+    With the ``topic`` option the DataFrame must not have a topic column: which of the two was meant
+    cannot be told, and a guess would put messages in the wrong topic."""
     names = list(names)
-    missing = [c for c in ("topic", "body") if c not in names]
+    if topic_option is not None and "topic" in names:
+        raise StoreError(f"rocketstore write: the DataFrame has a topic column and the topic option is set "
+                         f"({topic_option!r}); drop the column or the option")
+    missing = [c for c in ("topic", "body") if c not in names and not (c == "topic" and topic_option is not None)]
     if missing:
-        raise StoreError(f"rocketstore write needs the columns topic and body; missing: {', '.join(missing)}")
+        raise StoreError(f"rocketstore write needs the columns topic (or the topic option) and body; missing: "
+                         f"{', '.join(missing)}")
     unknown = [c for c in names if c not in CONTENT and c not in IGNORED]
     if unknown:
         raise StoreError(f"rocketstore write: unknown column(s) {', '.join(unknown)} (known: "
@@ -131,12 +145,12 @@ def _ms(arr: pa.Array | None, n: int) -> pa.Array:
     return arr.cast(pa.int64())
 
 
-def normalize(batch: pa.RecordBatch, replay: bool) -> pa.RecordBatch:
-    """One input batch in the staged schema (types converted, absent columns null)."""
+def normalize(batch: pa.RecordBatch, replay: bool, topic: str | None = None) -> pa.RecordBatch:
+    """One input batch in NORMALIZED_SCHEMA (types converted, absent columns null; ``topic``: every row's)."""
     n = batch.num_rows
     cols: dict[str, pa.Array] = {}
-    topic = _col(batch, "topic")
-    cols["topic"] = topic.cast(pa.string())
+    cols["topic"] = pa.repeat(pa.scalar(topic, pa.string()), n) if topic is not None else \
+        _col(batch, "topic").cast(pa.string())
     body = _col(batch, "body")
     cols["body"] = body.cast(pa.binary()) if not pa.types.is_binary(body.type) else body
     for name, typ in (("queueId", pa.int32()), ("flag", pa.int32()), ("reconsumeTimes", pa.int32())):
@@ -150,18 +164,18 @@ def normalize(batch: pa.RecordBatch, replay: bool) -> pa.RecordBatch:
         keys = pc.binary_join(keys.cast(pa.list_(pa.string())), " ")
     cols["keys"] = keys.cast(pa.string())
     props = _col(batch, "properties")
-    cols["properties"] = pa.nulls(n, STAGED_SCHEMA.field("properties").type) if props is None else props.cast(
-        STAGED_SCHEMA.field("properties").type)
+    cols["properties"] = pa.nulls(n, NORMALIZED_SCHEMA.field("properties").type) if props is None else props.cast(
+        NORMALIZED_SCHEMA.field("properties").type)
     cols["bornTimestamp"] = _ms(_col(batch, "bornTimestamp"), n)
     cols["bornHost"] = _col_or_nulls(batch, "bornHost", pa.string())
     for name in REPLAY:
-        typ = STAGED_SCHEMA.field(name).type
+        typ = NORMALIZED_SCHEMA.field(name).type
         a = _col(batch, name) if replay else None
         if name == "storeTimestamp":
             cols[name] = _ms(a, n)
         else:
             cols[name] = pa.nulls(n, typ) if a is None else a.cast(typ)
-    return pa.RecordBatch.from_arrays([cols[f.name] for f in STAGED_SCHEMA], schema=STAGED_SCHEMA)
+    return pa.RecordBatch.from_arrays([cols[f.name] for f in NORMALIZED_SCHEMA], schema=NORMALIZED_SCHEMA)
 
 
 # ---------------------------------------------------------------- executor side
@@ -313,8 +327,8 @@ def stage(batches: Iterator[pa.RecordBatch], staging_dir: str, partition: int, a
         for batch in batches:
             if batch.num_rows == 0:
                 continue
-            check_columns(batch.schema.names)
-            pending.append(enc.encode(normalize(batch, opts.replay), f"partition {partition}", rows))
+            check_columns(batch.schema.names, opts.topic)
+            pending.append(enc.encode(normalize(batch, opts.replay, opts.topic), f"partition {partition}", rows))
             rows += batch.num_rows
             staged += batch.num_rows
             if not opts.replay and staged >= STAGED_BATCH_ROWS:
