@@ -39,6 +39,8 @@ _HEADER = struct.Struct(">qqqqii")
 _ENTRY = struct.Struct(">iqii")
 _SLOT = struct.Struct(">i")
 INT_MAX = 2 ** 31 - 1
+_ENTRY_DTYPE = [("hash", ">i4"), ("phy", ">i8"), ("diff", ">i4"), ("prev", ">i4")]  # _ENTRY as numpy's
+VECTOR_MIN_KEYS = 64  # fewer keys in a put are written one by one (numpy's fixed cost is tens of microseconds)
 _ZERO_ENTRY = bytes(ENTRY_SIZE)
 
 
@@ -127,6 +129,7 @@ def key_hashes_many(messages: Sequence[tuple[str, str | None, str | None]]) -> l
         at_key += n
     return out
 
+
 class IndexFile:
     def __init__(self, path: str, slots: int, entries: int, *, read_only: bool = False, create: bool = False,
                  prev_end: tuple[int, int] = (0, 0)) -> None:
@@ -168,29 +171,78 @@ class IndexFile:
     def is_full(self) -> bool:
         return self.index_count >= self.entries
 
-    def put_key(self, h: int, phy_offset: int, store_ts: int) -> bool:
-        """Add one entry for the key hash ``h`` (:func:`codec.index_key_hash`); False when the file is full."""
-        if self.index_count >= self.entries:
-            return False
-        slot_pos = HEADER_SIZE + (h % self.slots) * SLOT_SIZE
-        head = _SLOT.unpack_from(self.mm, slot_pos)[0]
-        if head <= 0 or head > self.index_count:
-            head = 0
-        diff = 0
-        if self.begin_timestamp > 0:
-            diff = min(max((store_ts - self.begin_timestamp) // 1000, 0), INT_MAX)
+    def put_keys(self, entries: Sequence[tuple[int, int]], start: int, store_ts: int) -> int:
+        """Add the (key hash, commitlog offset) ``entries`` from ``start`` on, all stored at ``store_ts``, until
+        the file is full; return where it stopped (``len(entries)`` when all went in).
+
+        Many entries at once (a Spark append's put of hundreds of messages) are
+        written with numpy (:meth:`_put_keys_vectorised`); the bytes are those
+        the one-by-one loop writes.
+        """
         n = self.index_count
-        _ENTRY.pack_into(self.mm, self._entries_base + n * ENTRY_SIZE, h, phy_offset, diff, head)
-        _SLOT.pack_into(self.mm, slot_pos, n)
+        stop = min(len(entries), start + self.entries - n)
+        if stop <= start:
+            return start
+        begin_ts = self.begin_timestamp
+        # Every entry of the call has the same time offset: the file's first entry starts the file's clock.
+        diff = min(max((store_ts - begin_ts) // 1000, 0), INT_MAX) if begin_ts > 0 else 0
         if n <= 1:
-            self.begin_phy_offset = phy_offset
+            self.begin_phy_offset = entries[start][1]
             self.begin_timestamp = store_ts
-        if head == 0:
-            self.hash_slot_count += 1
-        self.index_count = n + 1
-        self.end_phy_offset = phy_offset
+        if stop - start >= VECTOR_MIN_KEYS:
+            self.hash_slot_count += self._put_keys_vectorised(entries[start:stop], n, diff)
+        else:
+            mm, slots, base = self.mm, self.slots, self._entries_base
+            slot_at, slot_put, entry_put = _SLOT.unpack_from, _SLOT.pack_into, _ENTRY.pack_into
+            new_slots = 0
+            cur = n
+            for i in range(start, stop):
+                h, phy = entries[i]
+                slot_pos = HEADER_SIZE + (h % slots) * SLOT_SIZE
+                head = slot_at(mm, slot_pos)[0]
+                if head <= 0 or head > cur:  # empty, or left by a crash past the entry count
+                    head = 0
+                    new_slots += 1
+                entry_put(mm, base + cur * ENTRY_SIZE, h, phy, diff, head)
+                slot_put(mm, slot_pos, cur)
+                cur += 1
+            self.hash_slot_count += new_slots
+        self.index_count = n + stop - start
+        self.end_phy_offset = entries[stop - 1][1]
         self.end_timestamp = store_ts
-        return True
+        return stop
+
+    def _put_keys_vectorised(self, entries: Sequence[tuple[int, int]], n: int, diff: int) -> int:
+        """Write ``entries`` as entries ``n``, ``n + 1``, ... with their hash chains; return how many started a
+        chain (found their slot empty).  Each entry's previous one is the last earlier entry of the call in
+        its slot, else the slot's head if that is a valid entry below it (as the one-by-one loop reads it)."""
+        import numpy as np
+        k = len(entries)
+        pairs = np.array(entries, dtype=np.int64).reshape(k, 2)
+        hashes, phys = pairs[:, 0], pairs[:, 1]
+        idx = np.arange(n, n + k, dtype=np.int64)
+        slot = hashes % self.slots
+        order = np.argsort(slot, kind="stable")
+        by_slot = slot[order]
+        follows = np.zeros(k, dtype=bool)
+        follows[1:] = by_slot[1:] == by_slot[:-1]  # an earlier entry of this call has the same slot
+        slots_view = np.frombuffer(self.mm, dtype=">i4", count=self.slots, offset=HEADER_SIZE)
+        prev = np.empty(k, dtype=np.int64)
+        prev_sorted = slots_view[by_slot].astype(np.int64)
+        prev_sorted[follows] = idx[order][:-1][follows[1:]]
+        prev[order] = prev_sorted
+        stale = ~((prev > 0) & (prev <= idx))
+        prev[stale] = 0
+        out = np.frombuffer(self.mm, dtype=_ENTRY_DTYPE, count=k, offset=self._entries_base + n * ENTRY_SIZE)
+        out["hash"] = hashes
+        out["phy"] = phys
+        out["diff"] = diff
+        out["prev"] = prev
+        last = np.ones(k, dtype=bool)
+        last[:-1] = by_slot[1:] != by_slot[:-1]  # the last entry of the call in each slot becomes its head
+        slots_view[by_slot[last]] = idx[order][last]
+        del slots_view, out
+        return int(stale.sum())
 
     def time_matched(self, begin: int, end: int) -> bool:
         fb, fe = self.begin_timestamp, self.end_timestamp
@@ -499,17 +551,19 @@ class IndexService:
             f = self._writable_file()
             if sys_flag_txn == 0xC or hashes is None:
                 return
+            end = f.end_phy_offset
+            entries: list[tuple[int, int]] = []
             for phy_offset, hs in zip(offsets, hashes):
-                if not hs or phy_offset < f.end_phy_offset:
+                if not hs or phy_offset < end:
                     continue
-                # The record of the last entry, offered again by recovery: only the keys it lacks are added.
-                again = phy_offset == f.end_phy_offset
-                for h in hs:
-                    if again and self._holds(h, phy_offset):
-                        continue
-                    while not f.put_key(h, phy_offset, store_ts):
-                        f._write_header()
-                        f = self._writable_file()
+                if phy_offset == end:  # the record of the last entry, offered again by recovery: the keys it lacks
+                    hs = [h for h in hs if not self._holds(h, phy_offset)]
+                entries += [(h, phy_offset) for h in hs]
+            at = f.put_keys(entries, 0, store_ts)
+            while at < len(entries):
+                f._write_header()
+                f = self._writable_file()
+                at = f.put_keys(entries, at, store_ts)
             f._write_header()
 
     # ------------------------------------------------------------ querying
