@@ -42,8 +42,10 @@ def golden_tier(tmp_path_factory, s3_server):
     store = copy_store(golden_store("basic"), tmp_path_factory.mktemp("golden_tier") / "store")
     uri = f"s3://{s3_server.new_bucket()}/stores/basic"
     conf = s3_server.conf(uri)
+    # (tieredStoreFileReservedTime=0: RocketMQ wrote these records on 2026-11-22, and the 72-hour default would
+    # expire them from the tier; test_tier.py tests that retention)
     (store / "broker.conf").write_text(GOLDEN_CONF + "".join(f"{k}={v}\n" for k, v in conf.items())
-                                       + "fileReservedTime=0\n")
+                                       + "fileReservedTime=0\ntieredStoreFileReservedTime=0\n")
     with MessageStore.open(str(store), start_services=False) as st:
         assert upload_round(st)["segments"] == 3
         _free_local(st)

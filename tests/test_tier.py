@@ -99,7 +99,7 @@ def test_retention_keeps_what_the_tier_does_not_hold(tmp_path, s3_server):
     store_path, bucket, conf = _golden_tiered(tmp_path, s3_server)
     down = dict(conf, objectStoreEndpoint="http://127.0.0.1:9")  # nothing listens on the discard port
     (store_path / "broker.conf").write_text(GOLDEN_CONF + "".join(f"{k}={v}\n" for k, v in down.items())
-                                            + "fileReservedTime=0\n")
+                                            + "fileReservedTime=0\ntieredStoreFileReservedTime=0\n")
     with MessageStore.open(str(store_path), start_services=False) as store:
         assert store.tier.error is not None and "127.0.0.1:9" in store.tier.error
         _free_local(store)
@@ -109,7 +109,7 @@ def test_retention_keeps_what_the_tier_does_not_hold(tmp_path, s3_server):
 
     # Reachable, but only the first segment uploaded: only it may go.
     (store_path / "broker.conf").write_text(GOLDEN_CONF + "".join(f"{k}={v}\n" for k, v in conf.items())
-                                            + "fileReservedTime=0\n")
+                                            + "fileReservedTime=0\ntieredStoreFileReservedTime=0\n")
     with MessageStore.open(str(store_path), start_services=False) as store:
         from rocketstore.tier import upload
         store.commitlog.flush(0)
