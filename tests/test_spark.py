@@ -363,6 +363,19 @@ def test_append_with_the_topic_option(spark, tmp_path):
     assert not os.path.exists(tmp_path / "s" / ".spark-staging")
 
 
+def test_append_takes_the_limits_of_the_stores_own_broker_conf(spark, tmp_path):
+    """A store made by ``rocketstore init`` (a broker.conf, no files yet): the tasks encode for its
+    maxMessageSize, so a row over it fails the job before anything is written (not half-way through the commit)."""
+    from pyspark.sql import Row
+    store = tmp_path / "s"
+    store.mkdir()
+    (store / "broker.conf").write_text("maxMessageSize=1000\nmappedFileSizeCommitLog=1048576\n")
+    df = spark.createDataFrame([Row(topic="T", body=b"a" * 10), Row(topic="T", body=b"b" * 5000)]).coalesce(1)
+    with pytest.raises(Exception, match="body is 5000 bytes, more than maxMessageSize 1000"):
+        df.write.format("rocketstore").mode("append").save(str(store))
+    assert sorted(os.listdir(store)) == ["broker.conf"]
+
+
 def test_failed_write_leaves_the_store_readable_and_unchanged(spark, tmp_path):
     from pyspark.sql import Row
     store = copy_store(golden_store("basic"), tmp_path / "s")

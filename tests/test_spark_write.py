@@ -137,14 +137,18 @@ def test_commit_refuses_records_over_the_stores_limit(tmp_path):
 
 
 def test_put_encoded_checks_what_the_writer_vouches_for(tmp_path):
-    """put_encoded refuses a batch mixing queues or holding a transaction record among others, and a read-only
-    store; nothing is written."""
+    """put_encoded refuses a batch mixing queues or topics or holding a transaction record among others, and a
+    read-only store; nothing is written."""
     enc = write.MessageEncoder(CFG.maxMessageSize)
     with MessageStore.open(str(tmp_path / "s"), CFG) as store:
         recs = [enc.encode(Message("T", b"x", 0), 0), enc.encode(Message("T", b"y", 1), 0)]
         assert store.put_encoded("T", 0, recs, None).status.value == "MESSAGE_ILLEGAL"
         txn = [enc.encode(Message("T", b"x", 0), 0), enc.encode(Message("T", b"y", 0, sys_flag=4), 0)]
         assert store.put_encoded("T", 0, txn, None).status.value == "MESSAGE_ILLEGAL"
+        other = [enc.encode(Message("T", b"x", 0), 0), enc.encode(Message("Tx", b"y", 0), 0)]
+        wrong = store.put_encoded("T", 0, other, None)  # a record of topic Tx must not land in T's queue
+        assert wrong.status.value == "MESSAGE_ILLEGAL" and "not of topic 'T'" in wrong.error
+        assert store.put_encoded("bad topic", 0, recs[:1], None).status.value == "MESSAGE_ILLEGAL"
         assert store.max_phy_offset() == 0
         ok = store.put_encoded("T", 0, [enc.encode(Message("T", b"x", 0, keys="k1"), 0)], ([0], [key_hashes("T", None, "k1")]))
         assert ok.ok

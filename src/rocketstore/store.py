@@ -470,19 +470,27 @@ class MessageStore:
         """Append records a :class:`MessageEncoder` made elsewhere (a Spark append's tasks) as one unit of one
         topic/queue.  ``dispatch`` is what the dispatcher needs of them: their tagsCodes and index key hashes
         (:func:`index.key_hashes`), each None when all are 0 or absent; None when it must decode them from
-        the log (the records' properties say more than the writer parsed, as a replay's do).  The writer
-        vouches that the records are of ``topic``; this re-checks what the store's config limits (record
-        sizes against maxMessageSize, queue id, one transaction record alone), so a writer with other limits
-        cannot slip a record past them."""
+        the log (the records' properties say more than the writer parsed, as a replay's do).  This re-checks
+        what a record must agree on with the store and the put: its topic and queue (a record whose own
+        topic bytes are another topic's would sit in this topic's queue), sizes against the store's
+        maxMessageSize, one transaction record alone; a writer with other limits cannot slip a record past."""
         if self.closed or self.read_only or not self.running_flags.is_writeable():
             return PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=self._check_writable())
         if not records:
             return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error="empty batch")
+        try:
+            head, magic, _ = self.encoder.topic(topic)
+        except codec.RecordError as e:
+            return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error=str(e))
         limit = self.config.maxMessageSize
         for r in records:
             if r[4] != queue_id or (r[6] & codec.TRANSACTION_MASK and len(records) > 1):
                 return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL,
                                         error="a batch holds one queue and no transaction messages")
+            if r[2] != magic or not r[15].startswith(head):
+                return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL,
+                                        error=f"a record of the batch is not of topic {topic!r} (or was encoded "
+                                              "with another autoMessageVersionOnTopicLen)")
             if len(r[14]) > limit or r[1] > limit + 65536:
                 return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL,
                                         error=f"a {r[1]}-byte record is over maxMessageSize {limit}")

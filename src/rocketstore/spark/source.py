@@ -464,9 +464,9 @@ class RocketStoreWriter(DataSourceArrowWriter):
         self.opts = WriteOptions.from_options(opts.config_options())
         check_columns(schema.fieldNames(), self.opts.topic)
         cfg = self.opts.store_config()
-        if os.path.isdir(os.path.join(self.root, "commitlog")):
+        if os.path.isdir(self.root):
             from ..store import infer_config
-            cfg = infer_config(self.root, cfg)  # an existing store's geometry, measured from its files
+            cfg = infer_config(self.root, cfg)  # the store's broker.conf, and an existing store's measured geometry
         cfg = cfg or StoreConfig()
         self.max_message_size = cfg.maxMessageSize
         self.segment_size = cfg.mappedFileSizeCommitLog
