@@ -73,13 +73,18 @@ def walk_chain(entry: Callable[[int], tuple[int, int, int, int]], cur: int, coun
         cur = prev
 
 
-def key_hashes(topic: str, uniq_key: str | None, keys: str | None) -> list[int]:
-    """The index key hashes of one message: ``topic#UNIQ_KEY``, then ``topic#key`` for each of the
-    space-separated KEYS (RocketMQ's buildKey), in the order entries are written."""
-    out = [index_key_hash(f"{topic}#{uniq_key}")] if uniq_key else []
+def index_keys(topic: str, uniq_key: str | None, keys: str | None) -> list[str]:
+    """The index keys of one message: ``topic#UNIQ_KEY``, then ``topic#key`` for each of the space-separated
+    KEYS (RocketMQ's buildKey), in the order entries are written."""
+    out = [f"{topic}#{uniq_key}"] if uniq_key else []
     if keys:
-        out += [index_key_hash(f"{topic}#{k}") for k in keys.split(" ") if k]
+        out += [f"{topic}#{k}" for k in keys.split(" ") if k]
     return out
+
+
+def key_hashes(topic: str, uniq_key: str | None, keys: str | None) -> list[int]:
+    """The hashes of a message's :func:`index_keys`, as its index entries hold them."""
+    return [index_key_hash(k) for k in index_keys(topic, uniq_key, keys)]
 
 
 def key_hashes_many(messages: Sequence[tuple[str, str | None, str | None]]) -> list[list[int] | None]:
@@ -94,15 +99,15 @@ def key_hashes_many(messages: Sequence[tuple[str, str | None, str | None]]) -> l
     counts: list[int] = []
     for topic, uniq, keys in messages:
         n = len(full)
-        if uniq:
-            full.append(f"{topic}#{uniq}")
-        if keys:
-            full += [f"{topic}#{k}" for k in keys.split(" ") if k]
+        full += index_keys(topic, uniq, keys)
         counts.append(len(full) - n)
     hashes: list[int] = [0] * len(full)
-    fast = [i for i, k in enumerate(full) if len(k) <= 256 and k.isascii()]
-    for i in set(range(len(full))).difference(fast) if len(fast) < len(full) else ():
-        hashes[i] = index_key_hash(full[i])
+    fast: list[int] = []  # short ASCII keys, hashed together below; the others one by one here
+    for i, k in enumerate(full):
+        if len(k) <= 256 and k.isascii():
+            fast.append(i)
+        else:
+            hashes[i] = index_key_hash(k)
     if fast:
         sel = [full[i] for i in fast]
         lens = np.fromiter(map(len, sel), np.int64, len(sel))

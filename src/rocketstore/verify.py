@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator
 
 from . import codec
 from .consume_queue import CQ_STORE_UNIT_SIZE
-from .index import IndexFile
+from .index import IndexFile, key_hashes
 from .store import MessageStore
 
 
@@ -59,13 +59,9 @@ class SegmentResult:
 
 def summarize(msg: codec.MessageExt) -> RecordSummary:
     props = msg.properties
-    keys = []
-    if props.get("UNIQ_KEY"):
-        keys.append(f"{msg.topic}#{props['UNIQ_KEY']}")
-    keys += [f"{msg.topic}#{k}" for k in (props.get("KEYS") or "").split(" ") if k]
     return RecordSummary(msg.commit_log_offset, msg.size, msg.topic, msg.queue_id, msg.queue_offset, msg.sys_flag,
                          codec.dispatch_tags_code(msg.topic, props, msg.store_timestamp),
-                         tuple(codec.index_key_hash(k) for k in keys))
+                         tuple(key_hashes(msg.topic, props.get("UNIQ_KEY"), props.get("KEYS"))))
 
 
 def check_segment(buf: Any, path: str, base: int, limit: int, file_size: int, is_last: bool) -> SegmentResult:
