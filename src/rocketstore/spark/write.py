@@ -278,17 +278,13 @@ class RowEncoder:
                                                 "commitlog segments (mappedFileSizeCommitLog)")
             except (codec.RecordError, ValueError) as e:
                 raise StoreError(f"{where} row {first_row + i}: {e}") from None
-            info = dispatch_info(m)
-            # (header, total, magic, crc, qid, flag, sysFlag, bornTs, bornAddr, bornPort, storeAddr, storePort, ...)
-            if info is None:  # the dispatcher parses the stored properties itself
-                computed.append((rec[1], rec[2], rec[3], rec[6], rec[7], rec[8], rec[9], rec[10], rec[11], rec[15],
-                                 0, True))
-                continue
-            if info[1] or info[2]:
+            info = dispatch_info(m)  # None: the dispatcher parses the stored properties itself (fromLog)
+            if info is not None and (info[1] or info[2]):
                 keyed.append(i)
                 keys_of.append((m.topic, info[2], info[1]))
+            # (header, total, magic, crc, qid, flag, sysFlag, bornTs, bornAddr, bornPort, storeAddr, storePort, ...)
             computed.append((rec[1], rec[2], rec[3], rec[6], rec[7], rec[8], rec[9], rec[10], rec[11], rec[15],
-                             info[0], False))
+                             0 if info is None else info[0], info is None))
         n = nb.num_rows
         hashes: list[list[int] | None] = [None] * n
         for i, h in zip(keyed, key_hashes_many(keys_of)):
@@ -457,17 +453,17 @@ def commit(root: str, parts: list[StagedPart], opts: WriteOptions) -> dict[str, 
                 hashes = [r[5] for r in run]
                 dispatch = None if any(r[6] for r in run) else (
                     codes if any(codes) else None, None if hashes.count(None) == len(hashes) else hashes)
-                r = store.put_encoded(topic, qid, [r[2] for r in run], dispatch, store_ts)
-                if not r.ok:
+                res = store.put_encoded(topic, qid, [r[2] for r in run], dispatch, store_ts)
+                if not res.ok:
                     where = (f"wrote {written} of {total} messages" +
                              (f" (commitlog offsets {first}..{last})" if written else "") +
                              f"; message {written + 1}" + (f"..{written + len(run)}" if len(run) > 1 else "") +
-                             f" (topic {topic!r}, queue {qid}) was refused: {r.status.value}: {r.error}")
+                             f" (topic {topic!r}, queue {qid}) was refused: {res.status.value}: {res.error}")
                     log.error("%s: %s", root, where)
                     raise StoreError(f"{root}: {where}")
-                if first is None or r.commit_log_offset < first:
-                    first = r.commit_log_offset
-                end = r.offsets[-1]
+                if first is None or res.commit_log_offset < first:
+                    first = res.commit_log_offset
+                end = res.offsets[-1]
                 last = end if last is None else max(last, end)
                 written += len(run)
         store.wait_dispatched()
