@@ -149,6 +149,7 @@ def test_put_encoded_checks_what_the_writer_vouches_for(tmp_path):
         wrong = store.put_encoded("T", 0, other, None)  # a record of topic Tx must not land in T's queue
         assert wrong.status.value == "MESSAGE_ILLEGAL" and "not of topic 'T'" in wrong.error
         assert store.put_encoded("bad topic", 0, recs[:1], None).status.value == "MESSAGE_ILLEGAL"
+        assert store.put_encoded("T", 0, [], None).error == "empty batch"
         assert store.max_phy_offset() == 0
         ok = store.put_encoded("T", 0, [enc.encode(Message("T", b"x", 0, keys="k1"), 0)], ([0], [key_hashes("T", None, "k1")]))
         assert ok.ok
