@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -96,13 +97,17 @@ def test_check_crc_on_recover_false_reads_headers_only(basic_copy, monkeypatch):
 
 
 def test_stale_checkpoint_does_not_restart_from_file_zero(basic_copy):
+    """After a crash of the process alone (same boot: every unit it wrote is intact) the queues and the index
+    say how far dispatch got.  After a reboot they do not (a quiet queue's file may be zeros): see
+    test_data_safety_powerloss.py, where the same checkpoint re-dispatches from the first segment."""
     cp = bytearray((basic_copy / "checkpoint").read_bytes())
     cp[0:16] = bytes(16)  # physicMsgTimestamp and logicsMsgTimestamp lost; indexMsgTimestamp kept
     (basic_copy / "checkpoint").write_bytes(bytes(cp))
     (basic_copy / "abort").write_text("1")
+    (basic_copy / "abort.bootid").write_text(Path("/proc/sys/kernel/random/boot_id").read_text())
     with MessageStore.open(str(basic_copy), start_services=False) as store:
         rep = store.recovery_report
-        assert rep.abnormal and rep.start_offset == 1048576  # not 0: the queues and index say how far it got
+        assert rep.abnormal and rep.start_offset > 0  # not 0: the queues and index say how far it got
         assert store.max_phy_offset() == 3711299
         assert len(store.query("TopicA", "hot-key", 64).messages) == 64
     assert run_cli("verify", basic_copy).returncode == 0

@@ -16,6 +16,7 @@ import struct
 from dataclasses import dataclass, field
 
 from .errors import StoreLoadError
+from .jsonfile import fsync_dir
 
 CHECKPOINT_SIZE = 4096
 _LAYOUT = struct.Struct(">qqqqq")
@@ -77,9 +78,12 @@ class StoreCheckpoint:
         page = bytearray(CHECKPOINT_SIZE)
         _LAYOUT.pack_into(page, 0, self.physicMsgTimestamp, self.logicsMsgTimestamp, self.indexMsgTimestamp,
                           self.masterFlushedOffset, self.confirmPhyOffset)
+        created = not os.path.exists(self.path)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             os.pwrite(fd, page, 0)
             os.fdatasync(fd)
         finally:
             os.close(fd)
+        if created:  # a new file's name is durable only once its directory is synced
+            fsync_dir(os.path.dirname(os.path.abspath(self.path)))

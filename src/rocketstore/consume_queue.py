@@ -129,7 +129,8 @@ class ConsumeQueue:
         self.queue_id = queue_id
         self.file_size = file_size
         self.directory = os.path.join(root, topic, str(queue_id))
-        self.queue = MappedFileQueue(self.directory, file_size, read_only=read_only)
+        # consumequeue/TOPIC/QUEUEID: the names of the two directories and of consumequeue/ must be durable
+        self.queue = MappedFileQueue(self.directory, file_size, read_only=read_only, durable_parents=3)
         self.min_logic_offset = 0
         self.retention_min_offset = 0  # per-topic logical retention, in units (rocketstore extension)
         self.max_physic_offset = -1

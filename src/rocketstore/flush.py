@@ -157,7 +157,9 @@ class FlushConsumeQueueService(ServiceThread):
     """Flush consume queues every flushIntervalConsumeQueue; thoroughly (and the checkpoint) every 60 s.
 
     Only a thorough round advances the checkpoint's logicsMsgTimestamp, to the store time dispatched
-    before the round began: what the rounds in between flush is partial."""
+    before the round began: what the rounds in between flush is partial (a quiet queue's file may never
+    reach ``flushConsumeQueueLeastPages``).  Recovery after a power loss re-dispatches from that time, so
+    it must hold for every queue: see data-safety rule 3."""
 
     name = "FlushConsumeQueueService"
 
@@ -179,6 +181,8 @@ class FlushConsumeQueueService(ServiceThread):
             dispatched = min(dispatched, index.missed_ts)
         for cq in self.store.consume_queues():
             cq.flush(0 if thorough else cfg.flushConsumeQueueLeastPages)
+            if thorough:
+                cq.flush_dirty()  # every file with unsynced units, wherever the queue's flush point is
         if thorough:  # every queue is flushed whole: the checkpoint may say so
             if dispatched > checkpoint.logicsMsgTimestamp:
                 checkpoint.logicsMsgTimestamp = dispatched

@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 from .codec import index_key_hash
 from .errors import StoreLoadError
+from .jsonfile import fsync_dir
 from .mapped_file import allocate
 
 log = logging.getLogger(__name__)
@@ -511,7 +512,9 @@ class IndexService:
         last = self.files[-1] if self.files else None
         if last is not None and not last.is_full():
             return last
-        os.makedirs(self.directory, exist_ok=True)
+        if not os.path.isdir(self.directory):
+            os.makedirs(self.directory, exist_ok=True)
+            fsync_dir(os.path.dirname(os.path.abspath(self.directory)))  # index/ itself survives a power cut
         now = int(self.clock() * 1000)
         name = index_file_name(now)
         while any(os.path.basename(f.path) == name for f in self.files) or os.path.exists(
@@ -524,6 +527,7 @@ class IndexService:
         try:
             IndexFile(tmp, self.slots, self.entries, create=True, prev_end=prev).close()
             os.replace(tmp, path)  # a crash never leaves a half-created index file under a real name
+            fsync_dir(self.directory)  # and a power cut never loses the name of one the checkpoint counts on
         except BaseException:
             with contextlib.suppress(OSError):
                 os.remove(tmp)  # a full disk must not leave a file the next open stumbles on

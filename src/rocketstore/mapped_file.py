@@ -2,7 +2,10 @@
 
 The CommitLog and every ConsumeQueue are a MappedFileQueue: a sorted list of
 files of one size, each named by its first byte's logical offset, zero-padded
-to 20 digits.  A file is created at full size (sparse) before it is written.
+to 20 digits.  A file is created at full size (sparse) before it is written,
+and its name is made durable (the directory fsynced) before anything is
+written to it: a file whose data was synced but whose directory entry was
+not would vanish in a power cut, and the checkpoint may already count on it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 from typing import Callable, Iterator
 
 from .errors import StoreLoadError
+from .jsonfile import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +92,15 @@ class MappedFile:
             if created:
                 os.unlink(path)  # never leave a half-made segment behind
             raise
+        self.created = created
+        if created:
+            try:
+                fsync_dir(os.path.dirname(path) or ".")  # the new name survives a power cut
+            except BaseException:
+                self.mm.close()
+                os.close(self.fd)
+                os.unlink(path)
+                raise
         self.wrote_position = 0
         self.flushed_position = 0
         self.store_timestamp = 0
@@ -269,8 +282,12 @@ class MappedFileQueue:
     """The sorted segments of one directory, all ``file_size`` bytes long."""
 
     def __init__(self, directory: str, file_size: int, *, read_only: bool = False,
-                 preallocate: bool = False, warm: bool = False) -> None:
+                 preallocate: bool = False, warm: bool = False, durable_parents: int = 1) -> None:
         self.directory = directory
+        # How many directories above ``directory`` were made with it (a consume queue's topic and queue-id
+        # directories, consumequeue/ itself): their entries are fsynced once, with the first file made here.
+        self.durable_parents = durable_parents
+        self._parents_synced = False
         self.file_size = file_size
         self.read_only = read_only
         self.files: list[MappedFile] = []
@@ -395,6 +412,7 @@ class MappedFileQueue:
             if nxt is not None:
                 nxt.destroy()
             mf = MappedFile(os.path.join(self.directory, file_name(offset)), self.file_size, create=True)
+            self._sync_parents(mf)
         self.files.append(mf)
         if self._preallocate:
             self.start_preallocation(offset + self.file_size)
@@ -407,6 +425,7 @@ class MappedFileQueue:
         def run() -> None:
             try:
                 mf = MappedFile(os.path.join(self.directory, file_name(offset)), self.file_size, create=True)
+                self._sync_parents(mf)
                 if self._warm:
                     warm(mf)
                 with self._lock:
@@ -418,6 +437,17 @@ class MappedFileQueue:
         with self._lock:
             self._next_done = done
         threading.Thread(target=run, name="AllocateMappedFileService", daemon=True).start()
+
+    def _sync_parents(self, mf: MappedFile) -> None:
+        """Once per queue, with its first new file: fsync the directories above this one, so the names
+        leading to the file (made by ``os.makedirs``, which syncs nothing) survive a power cut too."""
+        if self._parents_synced or not mf.created:
+            return
+        d = self.directory
+        for _ in range(self.durable_parents):
+            d = os.path.dirname(os.path.abspath(d))
+            fsync_dir(d)
+        self._parents_synced = True
 
     def next_file_reserved(self) -> bool:
         """Whether the next file is made ahead (or being made), so its space is already taken from the disk."""

@@ -41,11 +41,12 @@ the index may still lack; the first record it does not accept goes through
 from __future__ import annotations
 
 import logging
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import codec
+from . import codec, mapped_file
 from .consume_queue import CQ_STORE_UNIT_SIZE
 from .dispatch import CommitLogDispatcher
 from .errors import CommitLogDamagedError
@@ -105,10 +106,16 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     max_cq = min_cq = -1  # the highest and the lowest end of a queue
     rebuild_from = None
     full_tail = None  # the lowest end of a queue whose last file is full: a file after it may be lost
+    tail_cut: dict = {}  # queue -> (whether a hole was cut first, commitlog offsets of the tail units cut)
     for cq in store.consume_queues():
         report.deleted_files += cq.recover(check_from)
-        if cq.rebuild_from is not None and writable:
-            _drop_mismatched_tail(store, cq)
+        if writable and (report.abnormal or cq.rebuild_from is not None):
+            # After every unclean start (and at a hole) the queue's last units are checked against their
+            # records: a torn page can leave a unit that looks valid with a wrong size or tagsCode.
+            holed = cq.rebuild_from is not None
+            cut = _drop_mismatched_tail(store, cq)
+            if cut:
+                tail_cut[cq] = (holed, cut)
         max_cq = max(max_cq, cq.max_physic_offset)
         if cq.max_physic_offset >= 0:
             min_cq = cq.max_physic_offset if min_cq < 0 else min(min_cq, cq.max_physic_offset)
@@ -145,6 +152,9 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     file_size = commitlog.file_size
     topics: dict[bytes, str] = {}
     deltas: dict = {}  # for _queue_needs
+    # The highest queue offset of each queue's records the scan offered (data-safety rule 2): a new put takes
+    # the next offset after it even where the queue's units end lower, so no queue offset is given twice.
+    seen_qoff: dict[tuple[str, int], int] = {}
     # What the scan may skip: records their consume queue already holds, and records below where the index
     # must resume.  Both bounds only grow while recovery dispatches, so these snapshots never skip a record
     # the exact per-record rules below would dispatch; those rules still decide for every record offered.
@@ -165,6 +175,10 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
         to_index = (report.abnormal or phy > max_cq) and index_enabled and \
             h[7] & codec.TRANSACTION_MASK != codec.TRANSACTION_ROLLBACK and phy >= index.resume_offset()
         to_queue = _queue_needs(store, mm, parsed, size, topics, deltas)
+        if to_queue:
+            key = (topics[mm[parsed[1]:parsed[1] + parsed[2]]], h[3])
+            if h[5] > seen_qoff.get(key, -1):
+                seen_qoff[key] = h[5]
         if to_index or to_queue:
             dispatcher.dispatch(codec.decode(mm, pos, pos + size, read_body=False), index=to_index, queue=to_queue)
 
@@ -276,11 +290,20 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     if dispatcher is not None:  # what was rebuilt is durable before the checkpoint can say so
         for cq in store.consume_queues():
             cq.flush_dirty()
+        if report.abnormal:
+            _sync_written_before_crash(store, report.start_offset)
     if max_cq >= process:
         for cq in store.consume_queues():
             n = cq.truncate_dirty_logic(process)
             if n:
                 report.queues_truncated[f"{cq.topic}-{cq.queue_id}"] = n
+    for cq, (holed, cut) in tail_cut.items():  # tail units whose records lay past the recovered end: truncated
+        name = f"{cq.topic}-{cq.queue_id}"
+        past = sum(1 for off in cut if off >= process)
+        if past:
+            report.queues_truncated[name] = report.queues_truncated.get(name, 0) + past
+        if past == len(cut) and not holed:
+            report.queues_rebuilt.pop(name, None)
     commitlog.queue.flushed_where = process
     report.deleted_files += commitlog.queue.truncate_dirty(process)
     if writable and (report.stopped_because or check_from is not None):  # after a power loss, pages past a
@@ -293,10 +316,48 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
         for cq in store.consume_queues():
             _check_rebuilt(cq, process, commitlog.min_offset(), report)
     store.recover_topic_queue_table()
+    if writable:
+        _next_offsets_past_records(store, seen_qoff)
     report.seconds = time.monotonic() - t0
     if report.stopped_because and report.abnormal:
         log.warning("recovery truncated the commitlog at %d: %s", process, report.stopped_because)
     return report
+
+
+def _sync_written_before_crash(store: "MessageStore", start: int) -> None:
+    """After an unclean stop, fdatasync what the crashed process may have left in the page cache only.
+
+    Recovery takes the files it loads as flushed, so the flush services would never sync the bytes a
+    crashed process wrote (a crash of the process alone keeps them in the page cache) while the checkpoint
+    goes on to count on them: the commitlog segments from where recovery started, and every consume-queue
+    file with units pointing there.  After a reboot the files are already what the disk holds: cheap.
+    """
+    for f in store.commitlog.queue.files:
+        if f.end_offset > start:
+            mapped_file.fdatasync(f.fd)
+    for cq in store.consume_queues():
+        for f in reversed(cq.queue.files):
+            if f.wrote_position >= CQ_STORE_UNIT_SIZE:
+                off = struct.unpack_from(">q", f.mm, f.wrote_position - CQ_STORE_UNIT_SIZE)[0]
+                if off < start and f is not cq.queue.files[-1]:
+                    break
+            mapped_file.fdatasync(f.fd)
+
+
+def _next_offsets_past_records(store: "MessageStore", seen_qoff: dict[tuple[str, int], int]) -> None:
+    """The next queue offset of a put is past the highest one a record of that queue holds, not only past the
+    queue's last unit (data-safety rule 2): a queue whose units end lower lost them, and reusing those
+    offsets would give one queue offset to two messages.  Dispatch then places the next units at their own
+    offsets (blank units in between, which reads report), never appended at the queue's end."""
+    for key, qoff in seen_qoff.items():
+        cq = store._cq_table.get(key)
+        have = store.topic_queue_table.get(key)
+        if cq is None or have is None or qoff < have:
+            continue
+        log.error("%s-%d: its units end at queue offset %d, but the commitlog holds its record of queue offset %d; "
+                  "new messages take queue offsets from %d", key[0], key[1], have, qoff, qoff + 1)
+        store.topic_queue_table[key] = qoff + 1
+        cq.pad_gaps = True
 
 
 def _refuse_to_cut_intact_records(store: "MessageStore", process: int, max_cq: int, report: RecoveryReport) -> None:
@@ -403,40 +464,85 @@ def queues_with_records_before(store: "MessageStore", firsts: dict[tuple[str, in
     return found
 
 
-def _drop_mismatched_tail(store: "MessageStore", cq) -> None:
-    """A queue cut at a hole: the damage may have reached the units just before the cut while leaving them
-    valid-looking (a size or an offset overwritten).  Units at its end that do not match their record in the
-    commitlog (size, queue, queue offset) are cut too, so the rebuild starts after the last sound unit."""
+def _drop_mismatched_tail(store: "MessageStore", cq) -> list[int]:
+    """Cut the units at the end of ``cq`` that are not valid units of their records; return the commitlog
+    offsets they pointed at.
+
+    After an unclean start (and at a hole) the last units may have reached the disk torn: a unit that
+    straddles a page boundary keeps its offset and size with a zeroed tagsCode, or points at a record past
+    the torn end of the commitlog.  Each unit from the end back to the first valid one (data-safety rule 1:
+    a trusted record whose topic, queue id, queue offset, size and tagsCode agree) is zeroed and cut, and
+    the queue is rebuilt from the end of the last valid unit: recovery offers every record from there and
+    places each at its own queue offset (blank units for any really lost, never an append that shifts).
+    """
     min_phy = store.commitlog.min_offset()
-    while (unit := cq.last_unit()) is not None:
-        off, size, _tags = unit
-        f = cq.queue.last()
-        p = f.wrote_position - CQ_STORE_UNIT_SIZE
-        idx = (f.file_from_offset + p) // CQ_STORE_UNIT_SIZE
-        if off < min_phy or _unit_matches(store, cq, idx, off, size):
+    cut: list[int] = []
+    while True:
+        end = cq.queue.max_offset()  # past the last written unit (an empty last file: where it starts)
+        if end < CQ_STORE_UNIT_SIZE or end <= cq.min_logic_offset:
             break
-        log.warning("%s-%d: unit %d (%d, %d) does not match its record in the commitlog; cut with the hole",
-                    cq.topic, cq.queue_id, idx, off, size)
+        idx = end // CQ_STORE_UNIT_SIZE - 1
+        unit = cq.get_unit(idx)
+        if unit is None:
+            break
+        off, size, tags = unit
+        if size == _BLANK_SIZE or 0 <= off < min_phy:
+            break  # a blank unit, or a record retention removed: nothing left to check it against
+        why = unit_mismatch(store, cq, idx, off, size, tags)
+        if why is None:
+            break
+        log.warning("%s-%d: unit %d (%d, %d, tagsCode %d) %s; cut, and rebuilt from the commitlog",
+                    cq.topic, cq.queue_id, idx, off, size, tags, why)
+        pos = idx * CQ_STORE_UNIT_SIZE
+        f = cq.queue.find(pos)
+        p = pos - f.file_from_offset
         f.zero_from(p, p + CQ_STORE_UNIT_SIZE)
-        f.set_positions(p)
-        cq.hole_at = idx
-        prev = cq.last_unit()
-        cq.max_physic_offset = prev[0] + prev[1] if prev is not None else -1
-        cq.rebuild_from = max(cq.max_physic_offset, 0)
+        cq.queue.truncate_dirty(pos)  # and any (empty) file after it
+        cut.append(off)
+    if cut:
+        end = cq.queue.max_offset()
+        prev = cq.get_unit(end // CQ_STORE_UNIT_SIZE - 1) if end >= CQ_STORE_UNIT_SIZE else None
+        cq.max_physic_offset = prev[0] + prev[1] if prev is not None and 0 < prev[1] < _BLANK_SIZE else -1
+        cq.hole_at = end // CQ_STORE_UNIT_SIZE if cq.rebuild_from is None else min(cq.hole_at, end // CQ_STORE_UNIT_SIZE)
+        cq.rebuild_from = max(cq.max_physic_offset, 0) if cq.rebuild_from is None else \
+            min(cq.rebuild_from, max(cq.max_physic_offset, 0))
+        cq.pad_gaps = True  # every later record is placed at its own queue offset
+    return cut
 
 
-def _unit_matches(store: "MessageStore", cq, idx: int, off: int, size: int) -> bool:
-    """Whether the record at commitlog offset ``off`` is unit ``idx`` of ``cq`` with size ``size``."""
-    seg = store.commitlog.queue.find(off)
+_BLANK_SIZE = 0x7FFFFFFF  # the size of a blank unit (PRE_BLANK_UNIT, or one standing for a lost record)
+
+
+def unit_mismatch(store: "MessageStore", cq, idx: int, off: int, size: int, tags: int) -> str | None:
+    """Why (``off``, ``size``, ``tags``) is not a valid unit ``idx`` of ``cq``, or None when it is.
+
+    Valid (data-safety rule 1): it points at a trusted record (magic, size in bounds, PHYSICALOFFSET equal to
+    its position, BODYCRC) whose topic, queue id, queue offset and size agree with it, that a consume queue
+    holds (NOT_TYPE or COMMIT), and whose tagsCode, derived from its TAGS as dispatch derives it, is ``tags``.
+    """
+    seg = store.commitlog.queue.find(off) if off >= 0 else None
     if seg is None:
-        return False
+        return f"points at commitlog offset {off}, in no segment"
     pos = off - seg.file_from_offset
+    if not 0 < size <= store.commitlog.file_size - pos:
+        return f"has size {size}, which runs past its segment"
     try:
-        h, tp, tl, _ = codec.parse(seg.mm, pos, store.commitlog.file_size)
-    except codec.RecordError:
-        return False
-    return (h[0], h[3], h[5], h[6]) == (size, cq.queue_id, idx, off) and \
-        bytes(seg.mm[tp:tp + tl]).decode("utf-8", "replace") == cq.topic
+        msg = codec.decode(seg.mm, pos, pos + size, check_crc=True, read_body=False)
+    except codec.RecordError as e:
+        return f"points at no intact record of that size ({e})"
+    if msg.commit_log_offset != off:
+        return f"points at a stale copy of the record at {msg.commit_log_offset}"
+    if msg.size != size:
+        return f"has size {size}, its record {msg.size}"
+    if (msg.topic, msg.queue_id, msg.queue_offset) != (cq.topic, cq.queue_id, idx):
+        return f"points at the record of {msg.topic}-{msg.queue_id} offset {msg.queue_offset}"
+    txn = msg.sys_flag & codec.TRANSACTION_MASK
+    if txn != codec.TRANSACTION_NOT_TYPE and txn != codec.TRANSACTION_COMMIT:
+        return "points at a prepared or rolled-back transaction record"
+    code = codec.dispatch_tags_code(msg.topic, msg.properties, msg.store_timestamp)
+    if code != tags:
+        return f"has tagsCode {tags}, its record's TAGS give {code}"
+    return None
 
 
 def _held_by_queues(store: "MessageStore") -> dict[tuple[bytes, int], int]:
@@ -501,10 +607,16 @@ def _start_file(store: "MessageStore", last_exit_ok: bool, max_cq: int, min_cq: 
         return 0
     if cp_start is not None:
         return cp_start
-    # RocketMQ falls back to the first file here and may re-check the whole log.  The consume queues
-    # know how far dispatch got, and the index how far it was built: start one segment before the
-    # earliest (the segment before covers a loss that spans a segment boundary).  The lowest queue end
-    # counts, not the highest: a queue whose last units a power loss took has records to get back there.
+    if not getattr(store, "process_crash_only", False):
+        # No point durable for every queue (logicsMsgTimestamp is 0 until a thorough flush of every consume
+        # queue; the checkpoint may be lost): after a reboot or power loss a quiet queue's file may be zeros
+        # whatever the busier queues reached.  Re-dispatch from the first segment, as RocketMQ does.
+        if files:
+            log.info("checkpoint times give no start segment; re-checking the commitlog from %s", files[0].path)
+        return 0
+    # After a crash of the process alone every unit written survives in the page cache, and dispatch runs in
+    # commitlog order: a record no queue holds lies past every queue's end.  Start one segment before the
+    # lowest queue end (the segment before covers a loss that spans a segment boundary).
     start = max(0, _file_index(files, min_cq) - 1) if min_cq >= 0 else 0
     if store.config.messageIndexEnable:
         start = min(start, _file_index(files, store.index_service.resume_offset()))
