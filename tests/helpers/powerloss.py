@@ -10,10 +10,14 @@ may or may not be, and the model takes the pessimistic answer.
 
 ``crash_image`` builds the directory a power cut would leave: every file the store
 had, with its shadow bytes if it was ever synced, else zeros of its current length.
+With ``dir_entries=True`` a name survives only if its directory was fsynced while
+it held that name (each directory fsync under the root records the directory's
+listing): a file whose data was synced but whose name never was is lost.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -25,6 +29,7 @@ from rocketstore import StoreConfig
 import rocketstore.mapped_file as mapped_file_mod
 
 SHADOW_TMP = ".shadow-tmp"
+DIR_ENTRIES = ".dir-entries.json"  # in the shadow: directory (relative, "." the root) -> names its last fsync saw
 
 
 def writer_config(seed: int) -> StoreConfig:
@@ -85,6 +90,8 @@ class SyncShadow:
         rel = self._relative(path)
         if rel is None:
             real()
+            if self._is_store_dir(path):
+                self._record_entries(path)
             return
         with self._lock:
             src = f"/proc/self/fd/{fd}" if fd is not None else path
@@ -99,6 +106,24 @@ class SyncShadow:
             os.replace(tmp, dest)
             self.synced[rel] = self.synced.get(rel, 0) + 1
 
+    def _is_store_dir(self, path: str) -> bool:
+        return (path == self.root or path.startswith(self.root + os.sep)) and os.path.isdir(path)
+
+    def _record_entries(self, path: str) -> None:
+        """A directory fsync made its current names durable: record them (read after the real call)."""
+        with self._lock:
+            rel = os.path.relpath(path, self.root)
+            dest = os.path.join(self.shadow, DIR_ENTRIES)
+            entries = {}
+            if os.path.exists(dest):
+                with open(dest, encoding="utf-8") as fh:
+                    entries = json.load(fh)
+            entries[rel] = sorted(os.listdir(path))
+            os.makedirs(self.shadow, exist_ok=True)
+            with open(dest + SHADOW_TMP, "w", encoding="utf-8") as fh:
+                json.dump(entries, fh)
+            os.replace(dest + SHADOW_TMP, dest)
+
     def _relative(self, path: str) -> str | None:
         """The path under the store root of a regular file, or None (directories, other files)."""
         if not path.startswith(self.root + os.sep) or path.endswith(" (deleted)") or not os.path.isfile(path):
@@ -106,14 +131,21 @@ class SyncShadow:
         return os.path.relpath(path, self.root)
 
 
-def crash_image(live: str | Path, shadow: str | Path, dest: str | Path) -> dict[str, str]:
-    """Build the post-power-loss copy of ``live`` in ``dest``; returns each file's fate ("synced"/"zeroed")."""
+def crash_image(live: str | Path, shadow: str | Path, dest: str | Path, *, dir_entries: bool = False) -> dict[str, str]:
+    """Build the post-power-loss copy of ``live`` in ``dest``; returns each file's fate ("synced"/"zeroed", and
+    with ``dir_entries`` "name lost" for a file whose name, or a directory's on its path, was never synced)."""
     live, shadow, dest = Path(live), Path(shadow), Path(dest)
     fate = {}
+    durable: dict[str, list[str]] = {}
+    if dir_entries and (shadow / DIR_ENTRIES).is_file():
+        durable = json.loads((shadow / DIR_ENTRIES).read_text(encoding="utf-8"))
     for d, _dirs, files in os.walk(live):
         for name in files:
             src = Path(d) / name
             rel = src.relative_to(live)
+            if dir_entries and not _name_durable(rel, durable):
+                fate[str(rel)] = "name lost"
+                continue
             out = dest / rel
             out.parent.mkdir(parents=True, exist_ok=True)
             synced = shadow / rel
@@ -129,3 +161,13 @@ def crash_image(live: str | Path, shadow: str | Path, dest: str | Path) -> dict[
                     fh.truncate(size)
                 fate[str(rel)] = "zeroed"
     return fate
+
+
+def _name_durable(rel: Path, durable: dict[str, list[str]]) -> bool:
+    """Whether every name on the path ``rel`` was in its directory's listing at that directory's last fsync."""
+    parent = "."
+    for part in rel.parts:
+        if part not in durable.get(parent, ()):
+            return False
+        parent = part if parent == "." else os.path.join(parent, part)
+    return True

@@ -1,0 +1,258 @@
+"""Issue 24 items 1 and 4, data-safety rule 3: recovery after a power loss starts from a point durable for every
+queue, new files' names are durable, and every queue's tail is checked against the commitlog.
+
+The power-loss model is tests/helpers/powerloss.py: each file as of its last sync (never-synced files as
+zeros), and with ``dir_entries=True`` each name only if its directory was synced while it held it.  A reboot
+is simulated by an ``abort`` file whose ``abort.bootid`` names another boot; a crash of the process alone
+by one naming this boot (see MessageStore.process_crash_only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from pathlib import Path
+
+from conftest import GOLDEN_CONF, run_cli
+from helpers.powerloss import SyncShadow, crash_image
+from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig
+from rocketstore.flush import FlushConsumeQueueService
+from rocketstore.verify import verify_store
+
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+UNIT = struct.Struct(">qiq")
+
+
+def _rebooted(image: Path) -> None:
+    """The power came back: the abort file says unclean, from another boot."""
+    (image / "abort").write_text("4242")
+    (image / "abort.bootid").write_text("boot-before-the-power-cut")
+
+
+def _process_crashed(store: Path) -> None:
+    """The process died, the machine did not: the abort file is from this boot."""
+    (store / "abort").write_text("4242")
+    (store / "abort.bootid").write_text(Path(BOOT_ID).read_text())
+
+
+def _cfg(**kw) -> StoreConfig:
+    base = dict(mappedFileSizeCommitLog=64 * 1024, mappedFileSizeConsumeQueue=6000, maxHashSlotNum=64,
+                maxIndexNum=256, flushDiskType="SYNC_FLUSH", flushIntervalConsumeQueue=20, warmAheadBytes=0)
+    base.update(kw)
+    return StoreConfig(**base)
+
+
+def _golden_basic(tmp_path: Path) -> tuple[Path, Path]:
+    from conftest import copy_store, golden_store
+    store = copy_store(golden_store("basic"), tmp_path / "store")
+    conf = tmp_path / "broker.conf"
+    conf.write_text(GOLDEN_CONF)
+    return store, conf
+
+
+# ---------------------------------------------------------------- item 1: the quiet queue
+
+def _quiet_and_busy(live: Path, shadow: Path, image: Path, cfg: StoreConfig) -> list[tuple[int, int]]:
+    """A quiet queue gets three messages first, a busy one enough to fill several segments and to have its
+    consume-queue file synced by flushConsumeQueueLeastPages; the power is cut before a thorough flush
+    (logicsMsgTimestamp never advanced), so the quiet queue's file is zeros in the image."""
+    quiet = []
+    with SyncShadow(live, shadow):
+        store = MessageStore.open(str(live), cfg)
+        try:
+            for i in range(3):
+                r = store.put(Message("Quiet", f"quiet-{i}".encode(), tags="TagQ", keys=f"quiet-{i}"))
+                assert r.ok and r.queue_offset == i
+                quiet.append((r.queue_offset, r.commit_log_offset))
+            for i in range(1200):
+                assert store.put(Message("Busy", b"b" * 200, tags="TagB", keys=f"busy-{i}")).ok
+            assert store.wait_dispatched()
+            deadline = time.monotonic() + 10
+            busy_cq = Path(store.find_consume_queue("Busy", 0).queue.files[0].path).relative_to(live)
+            while time.monotonic() < deadline and not (shadow / busy_cq).exists():
+                time.sleep(0.02)  # the busy queue's file reaches flushConsumeQueueLeastPages and is synced
+            assert (shadow / busy_cq).exists()
+            assert store.checkpoint.logicsMsgTimestamp == 0  # no thorough round since the first, empty one
+            fate = crash_image(live, shadow, image)
+        finally:
+            store.close()
+    quiet_cq = str(Path("consumequeue") / "Quiet" / "0" / f"{0:020d}")
+    assert fate[quiet_cq] == "zeroed"
+    assert len(list((image / "commitlog").iterdir())) > 3
+    _rebooted(image)
+    return quiet
+
+
+def test_quiet_queue_is_rebuilt_after_a_power_loss(tmp_path):
+    """Issue 24 item 1: recovery re-dispatched from where the busier queues got, so the quiet queue stayed
+    empty (get NO_MESSAGE_IN_QUEUE) and the next put reused queue offset 0."""
+    image = tmp_path / "image"
+    cfg = _cfg(messageIndexEnable=False)  # the index's own resume point would pull the start back to 0
+    quiet = _quiet_and_busy(tmp_path / "live", tmp_path / "shadow", image, cfg)
+    with MessageStore.open(str(image), cfg, start_services=False) as store:
+        for qoff, phy in quiet:
+            r = store.get("Quiet", 0, qoff, 1)
+            assert r.status is GetMessageStatus.FOUND, (qoff, r.status)
+            m = r.messages[0]
+            assert (m.queue_offset, m.commit_log_offset, m.body) == (qoff, phy, f"quiet-{qoff}".encode())
+    with MessageStore.open(str(image), cfg) as store:
+        r = store.put(Message("Quiet", b"after"))
+        assert r.ok and r.queue_offset == 3  # never a queue offset given twice
+    with MessageStore.open(str(image), cfg, read_only=True) as ro:
+        assert verify_store(ro)["ok"]
+
+
+def test_quiet_queue_with_the_index_found_by_key_and_offset(tmp_path):
+    """The same with the index on (its files roll and are flushed, so it resumes late too)."""
+    image = tmp_path / "image"
+    cfg = _cfg()
+    quiet = _quiet_and_busy(tmp_path / "live", tmp_path / "shadow", image, cfg)
+    with MessageStore.open(str(image), cfg) as store:
+        for qoff, phy in quiet:
+            r = store.get("Quiet", 0, qoff, 1)
+            assert r.status is GetMessageStatus.FOUND and r.messages[0].commit_log_offset == phy
+            assert phy in store.query("Quiet", f"quiet-{qoff}", 8).phy_offsets
+        assert store.put(Message("Quiet", b"after")).queue_offset == 3
+
+
+def test_recovery_without_a_durable_point_starts_at_the_first_segment(tmp_path):
+    """No logicsMsgTimestamp (lost checkpoint) after a reboot: the queues' ends say nothing about a quiet
+    queue, so re-dispatch starts at the first segment (RocketMQ's fallback)."""
+    store, conf = _golden_basic(tmp_path)
+    cp = bytearray((store / "checkpoint").read_bytes())
+    cp[0:16] = bytes(16)
+    (store / "checkpoint").write_bytes(bytes(cp))
+    _rebooted(store)
+    with MessageStore.open(str(store), str(conf), start_services=False) as s:
+        assert s.recovery_report.abnormal and s.recovery_report.start_offset == 0
+
+
+def test_thorough_flush_syncs_every_queue_before_logics_timestamp_advances(tmp_path):
+    """logicsMsgTimestamp advances only in a thorough round, and only after every queue's unsynced units
+    (a quiet queue's too) were synced: the image then holds them."""
+    live, shadow = tmp_path / "live", tmp_path / "shadow"
+    with SyncShadow(live, shadow) as sh:
+        store = MessageStore.open(str(live), _cfg())
+        try:
+            r = store.put(Message("Quiet", b"q", tags="TagQ"))
+            assert store.wait_dispatched()
+            service = next(s for s in store._services if isinstance(s, FlushConsumeQueueService))
+            service.run_once()  # a partial round: the quiet queue has fewer than flushConsumeQueueLeastPages
+            assert store.checkpoint.logicsMsgTimestamp == 0
+            service.run_once(force=True)
+            assert store.checkpoint.logicsMsgTimestamp == r.store_timestamp
+            rel = str(Path("consumequeue") / "Quiet" / "0" / f"{0:020d}")
+            assert sh.synced.get(rel)
+            data = (shadow / rel).read_bytes()
+            assert UNIT.unpack_from(data, 0)[:2] == (r.commit_log_offset, r.wrote_bytes)
+        finally:
+            store.close()
+
+
+# ---------------------------------------------------------------- rule 3: names of new files are durable
+
+def test_new_files_names_are_durable_before_the_checkpoint_counts_on_them(tmp_path):
+    """A segment, a consume-queue file (and its directories) or an index file whose data was synced but whose
+    directory was not would vanish in a power cut, though the checkpoint already counts on it."""
+    live, shadow, image = tmp_path / "live", tmp_path / "shadow", tmp_path / "image"
+    cfg = _cfg()
+    with SyncShadow(live, shadow) as sh:
+        store = MessageStore.open(str(live), cfg)
+        try:
+            acked = []
+            for i in range(40):
+                r = store.put(Message(f"Topic{i % 3}", b"x" * 100, queue_id=i % 2, keys=f"k{i}"))
+                assert r.ok
+                acked.append((f"Topic{i % 3}", i % 2, r.queue_offset, r.commit_log_offset))
+            assert store.wait_dispatched()
+            next(s for s in store._services if isinstance(s, FlushConsumeQueueService)).run_once(force=True)
+            assert store.checkpoint.logicsMsgTimestamp > 0
+            for f in store.index_service.files:
+                f.flush()
+            fate = crash_image(live, shadow, image, dir_entries=True)
+        finally:
+            store.close()
+    lost = sorted(rel for rel in sh.synced if fate.get(rel) == "name lost")
+    assert not lost, f"synced files whose names were never made durable: {lost}"
+    _rebooted(image)
+    with MessageStore.open(str(image), cfg, start_services=False) as s:
+        for topic, qid, qoff, phy in acked:
+            r = s.get(topic, qid, qoff, 1)
+            assert r.status is GetMessageStatus.FOUND and r.messages[0].commit_log_offset == phy
+
+
+# ---------------------------------------------------------------- item 4 and the tail check
+
+def _zero(path: Path, start: int, end: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(start)
+        fh.write(bytes(end - start))
+
+
+def test_torn_unit_is_rebuilt_with_its_tags_code(tmp_path):
+    """Issue 24 item 4: the second 4 KiB page of a 6000-byte queue file lost in a power cut leaves unit 204
+    with its offset and size but tagsCode 0; recovery kept it and `get --tags TagE` skipped the message."""
+    store, conf = _golden_basic(tmp_path)
+    cq = store / "consumequeue" / "TopicA" / "0" / f"{0:020d}"
+    before = UNIT.unpack_from(cq.read_bytes(), 204 * 20)
+    _zero(cq, 4096, 6000)
+    assert UNIT.unpack_from(cq.read_bytes(), 204 * 20) == (before[0], before[1], 0)
+    _rebooted(store)
+    r = run_cli("recover", store, "--config", conf)
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)["recovery"]
+    assert rec["queuesRebuilt"] == {"TopicA-0": 204} and not rec["notRebuilt"]
+    assert UNIT.unpack_from(cq.read_bytes(), 204 * 20) == before
+    r = run_cli("get", store, "--topic", "TopicA", "--queue-id", "0", "--offset", "204", "--max", "1",
+                "--tags", "TagE", "--no-body", "--config", conf)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)["messages"]
+    assert [(m["queueOffset"], m["commitLogOffset"]) for m in got] == [(204, before[0])]
+    assert run_cli("verify", store, "--config", conf).returncode == 0
+
+
+def test_tail_units_checked_after_a_crash_of_the_process_alone(tmp_path):
+    """After every unclean start, not only after a reboot: a last unit whose tagsCode or size disagrees
+    with its record is cut and re-placed from the record, at its own queue offset."""
+    store, conf = _golden_basic(tmp_path)
+    changed = {}
+    for topic, qid, field in (("TopicA", 1, "tags"), ("TopicB", 0, "size")):
+        qdir = store / "consumequeue" / topic / str(qid)
+        last = sorted(qdir.iterdir())[-1]
+        data = bytearray(last.read_bytes())
+        end = len(data.rstrip(b"\0"))
+        end += -end % 20
+        pos = end - 20
+        off, size, tags = UNIT.unpack_from(data, pos)
+        bad = (off, size, 0) if field == "tags" else (off, size + 8, tags)
+        UNIT.pack_into(data, pos, *bad)
+        last.write_bytes(bytes(data))
+        changed[(topic, qid)] = (last, pos, (off, size, tags), (int(last.name) + pos) // 20)
+    _process_crashed(store)
+    with MessageStore.open(str(store), str(conf), start_services=False) as s:
+        assert s.process_crash_only
+        for (topic, qid), (path, pos, good, qoff) in changed.items():
+            assert UNIT.unpack_from(path.read_bytes(), pos) == good, topic
+            r = s.get(topic, qid, qoff, 1, tag_filter="*")
+            assert r.status is GetMessageStatus.FOUND and r.messages[0].queue_offset == qoff
+        assert s.max_offset_in_queue("TopicA", 1) == changed[("TopicA", 1)][3] + 1
+    with MessageStore.open(str(store), str(conf), read_only=True) as ro:
+        assert verify_store(ro)["ok"]
+
+
+def test_unclean_start_syncs_what_the_crashed_process_left_in_the_page_cache(tmp_path):
+    """A crash of the process alone leaves its writes in the page cache; recovery takes the files as
+    flushed, so no flush service would sync them while the checkpoint goes on to count on them."""
+    store, conf = _golden_basic(tmp_path)
+    _process_crashed(store)
+    shadow = tmp_path / "shadow"
+    with SyncShadow(store, shadow) as sh:
+        with MessageStore.open(str(store), str(conf), start_services=False) as s:
+            start = s.recovery_report.start_offset
+            tails = {os.path.relpath(cq.queue.files[-1].path, store) for cq in s.consume_queues()}
+            segments = {os.path.relpath(f.path, store) for f in s.commitlog.queue.files if f.end_offset > start}
+    assert segments and tails
+    missing = sorted(rel for rel in segments | tails if not sh.synced.get(rel))
+    assert not missing, f"not synced after a process crash: {missing}"
