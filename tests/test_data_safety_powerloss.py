@@ -200,16 +200,16 @@ def test_torn_unit_is_rebuilt_with_its_tags_code(tmp_path):
     _zero(cq, 4096, 6000)
     assert UNIT.unpack_from(cq.read_bytes(), 204 * 20) == (before[0], before[1], 0)
     _rebooted(store)
-    r = run_cli("recover", store, "--config", conf)
-    assert r.returncode == 0, r.stderr
-    rec = json.loads(r.stdout)["recovery"]
-    assert rec["queuesRebuilt"] == {"TopicA-0": 204} and not rec["notRebuilt"]
-    assert UNIT.unpack_from(cq.read_bytes(), 204 * 20) == before
+    rec = run_cli("recover", store, "--config", conf)
+    assert rec.returncode == 0, rec.stderr
     r = run_cli("get", store, "--topic", "TopicA", "--queue-id", "0", "--offset", "204", "--max", "1",
                 "--tags", "TagE", "--no-body", "--config", conf)
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)["messages"]
     assert [(m["queueOffset"], m["commitLogOffset"]) for m in got] == [(204, before[0])]
+    assert UNIT.unpack_from(cq.read_bytes(), 204 * 20) == before
+    report = json.loads(rec.stdout)["recovery"]
+    assert report["queuesRebuilt"] == {"TopicA-0": 204} and not report["notRebuilt"]  # from unit 204 on
     assert run_cli("verify", store, "--config", conf).returncode == 0
 
 
