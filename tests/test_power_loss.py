@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from helpers.powerloss import SyncShadow, crash_image, writer_config
+from helpers.powerloss import SyncShadow, crash_image, mark_names_durable, writer_config
 from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig
 from rocketstore.verify import verify_store
 
@@ -141,9 +141,10 @@ def _run_writer(live: Path, shadow: Path, acks: Path, seed: int) -> str | None:
     return None
 
 
-def run_round(tmp: Path, seed: int) -> tuple[int, list[str]]:
+def run_round(tmp: Path, seed: int, dir_entries: bool = False) -> tuple[int, list[str]]:
     """GENERATIONS writers, each killed and its disk cut to the power-loss image, the next writing on that
-    image (its recovery runs shadowed too); the acknowledged messages and the problems of the last image."""
+    image (its recovery runs shadowed too); the acknowledged messages and the problems of the last image.
+    ``dir_entries``: a name survives only if its directory was synced while it held it."""
     where = f"round seed={seed}"
     acked: list[dict] = []
     image = None
@@ -152,12 +153,14 @@ def run_round(tmp: Path, seed: int) -> tuple[int, list[str]]:
         if image is not None:
             shutil.copytree(image, live)  # after the reboot the disk holds the image, all of it durable
             shutil.copytree(image, shadow)
+            if dir_entries:
+                mark_names_durable(live, shadow)
         why = _run_writer(live, shadow, acks, seed * 10 + gen)
         if why:
             return len(acked), [f"{where} generation {gen}: {why}"]
         acked += _read_acks(acks)
         image = tmp / f"image{gen}"
-        fate = crash_image(live, shadow, image)
+        fate = crash_image(live, shadow, image, dir_entries=dir_entries)
         if (fate.get("abort"), fate.get("abort.bootid")) != ("synced", "synced"):
             return len(acked), [f"{where} generation {gen}: abort and abort.bootid must be durable before the "
                                 f"store takes a put (fsynced at open), got {fate}"]

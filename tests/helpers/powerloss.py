@@ -131,6 +131,15 @@ class SyncShadow:
         return os.path.relpath(path, self.root)
 
 
+def mark_names_durable(root: str | Path, shadow: str | Path) -> None:
+    """Record every name under ``root`` as durable (a disk restored from an image after a reboot)."""
+    root = Path(root)
+    entries = {os.path.relpath(d, root): sorted(dirs + files) for d, dirs, files in os.walk(root)}
+    os.makedirs(shadow, exist_ok=True)
+    with open(Path(shadow) / DIR_ENTRIES, "w", encoding="utf-8") as fh:
+        json.dump(entries, fh)
+
+
 def crash_image(live: str | Path, shadow: str | Path, dest: str | Path, *, dir_entries: bool = False) -> dict[str, str]:
     """Build the post-power-loss copy of ``live`` in ``dest``; returns each file's fate ("synced"/"zeroed", and
     with ``dir_entries`` "name lost" for a file whose name, or a directory's on its path, was never synced)."""
