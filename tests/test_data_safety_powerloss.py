@@ -276,3 +276,21 @@ def test_power_loss_rounds_where_unsynced_names_are_lost(tmp_path):
         problems += ps
     assert acked > 5 * DIR_ROUNDS
     assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems[:10])
+
+
+def test_power_loss_rounds_with_a_quiet_queue(tmp_path, monkeypatch):
+    """The rounds again with a queue that gets a message now and then and consume queues flushed only when two
+    pages are dirty: its file reaches the disk only in a thorough round, and every acknowledged message
+    of it must still be readable after the power cut (issue 24 item 1, found by the rounds)."""
+    from helpers.powerloss import QUIET_ENV
+    from test_power_loss import BASE_SEED, run_round
+    monkeypatch.setenv(QUIET_ENV, "1")
+    problems, acked = [], 0
+    for i in range(DIR_ROUNDS):
+        tmp = tmp_path / f"round{i}"
+        tmp.mkdir()
+        n, ps = run_round(tmp, BASE_SEED * 1000 + 700 + i)
+        acked += n
+        problems += ps
+    assert acked > 5 * DIR_ROUNDS
+    assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems[:10])

@@ -109,7 +109,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     tail_cut: dict = {}  # queue -> (whether a hole was cut first, commitlog offsets of the tail units cut)
     for cq in store.consume_queues():
         report.deleted_files += cq.recover(check_from)
-        if writable and (report.abnormal or cq.rebuild_from is not None):
+        if writable and files and (report.abnormal or cq.rebuild_from is not None):  # (no segment: nothing to check)
             # After every unclean start (and at a hole) the queue's last units are checked against their
             # records: a torn page can leave a unit that looks valid with a wrong size or tagsCode.
             holed = cq.rebuild_from is not None

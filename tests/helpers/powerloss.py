@@ -32,9 +32,22 @@ SHADOW_TMP = ".shadow-tmp"
 DIR_ENTRIES = ".dir-entries.json"  # in the shadow: directory (relative, "." the root) -> names its last fsync saw
 
 
+QUIET_ENV = "ROCKETSTORE_POWERLOSS_QUIET"  # set: a quiet queue, and consume queues flushed by least pages
+
+
+def quiet_mode() -> bool:
+    return bool(os.environ.get(QUIET_ENV))
+
+
 def writer_config(seed: int) -> StoreConfig:
     """SYNC_FLUSH with a geometry small enough that commitlog segments, queue files and index files roll
-    within a round; how often the consume queues are flushed varies with the round."""
+    within a round; how often the consume queues are flushed varies with the round.  In quiet mode the
+    queue files are larger and flushed only when two pages are dirty (RocketMQ's default), so a quiet
+    queue's file is synced only by a thorough round."""
+    if quiet_mode():
+        return StoreConfig(mappedFileSizeCommitLog=32 * 1024, mappedFileSizeConsumeQueue=600 * 20, maxHashSlotNum=32,
+                           maxIndexNum=128, flushDiskType="SYNC_FLUSH", warmAheadBytes=0,
+                           flushIntervalConsumeQueue=(5, 50)[seed % 2], flushConsumeQueueLeastPages=2)
     return StoreConfig(mappedFileSizeCommitLog=32 * 1024, mappedFileSizeConsumeQueue=10 * 20, maxHashSlotNum=32,
                        maxIndexNum=128, flushDiskType="SYNC_FLUSH", warmAheadBytes=0,
                        flushIntervalConsumeQueue=(5, 50, 300, 1000)[seed % 4], flushConsumeQueueLeastPages=0)

@@ -13,7 +13,7 @@ import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from helpers.powerloss import SyncShadow, writer_config  # noqa: E402
+from helpers.powerloss import SyncShadow, quiet_mode, writer_config  # noqa: E402
 from rocketstore import Message, MessageStore, PutMessageStatus  # noqa: E402
 
 
@@ -28,6 +28,8 @@ def main() -> None:
     while True:
         topic = rng.choice(["PowerA", "PowerB"])
         qid = rng.randrange(3)
+        if quiet_mode() and rng.random() < 0.02:
+            topic, qid = "PowerQuiet", 0  # a queue that gets a message now and then
         n = rng.randint(2, 4) if rng.random() < 0.2 else 1  # some puts are batches (one record run, one sync)
         msgs = []
         for j in range(n):
