@@ -14,7 +14,16 @@ records; ``verify --repair`` keeps them.
 
 Unclean (``abort`` present): the CommitLog is CRC-checked from the newest
 segment whose first record is older than the checkpoint's minimum time (3 s of
-slack), or from the first segment; every record is re-dispatched (duplicates
+slack), or from the first segment.  That point is durable for every queue
+(data-safety rule 3): logicsMsgTimestamp advances only after a thorough flush
+of every consume queue, so a quiet queue whose file never reached
+flushConsumeQueueLeastPages is rebuilt by the re-dispatch.  With no such point
+after a reboot (the checkpoint never had one, or was lost) the check starts at
+the first segment: the busier queues' ends say nothing about a quiet queue.
+Each queue's last units are checked against their records first (topic, queue
+id, queue offset, size, tagsCode: a torn page keeps a unit's offset and size
+with a zeroed tagsCode) and cut back to the last valid one, to be re-placed
+from the records.  Every record is re-dispatched (duplicates
 are skipped), and everything past the last valid record is truncated: the
 torn tail of the CommitLog, consume-queue units pointing past it (zeroed, so
 they never come back), index entries for records past it, and whole files
