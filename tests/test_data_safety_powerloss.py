@@ -294,3 +294,29 @@ def test_power_loss_rounds_with_a_quiet_queue(tmp_path, monkeypatch):
         problems += ps
     assert acked > 5 * DIR_ROUNDS
     assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems[:10])
+
+
+# ---------------------------------------------------------------- rule 2: the next queue offset
+
+def test_next_queue_offset_is_past_every_record_the_walk_saw(tmp_path, monkeypatch):
+    """A queue whose units end below queue offsets its records in the commitlog hold (here: units the
+    rebuild could not place) must never hand those offsets out again: the next put takes the one after
+    the highest record of that queue the recovery walk saw, not the one after its last unit."""
+    from rocketstore.consume_queue import ConsumeQueue
+    store, conf = _golden_basic(tmp_path)
+    qdir = store / "consumequeue" / "TopicC" / "0"
+    _zero(qdir / f"{6000:020d}", (500 - 300) * 20, 6000)  # units 500.. lost in the power cut
+    _zero(qdir / f"{12000:020d}", 0, 6000)
+    _rebooted(store)
+    real = ConsumeQueue.put_unit
+
+    def put_unit(self, offset, size, tags_code, cq_offset):
+        if (self.topic, self.queue_id) == ("TopicC", 0) and cq_offset >= 500:
+            return True  # this rebuild cannot place them
+        return real(self, offset, size, tags_code, cq_offset)
+    monkeypatch.setattr(ConsumeQueue, "put_unit", put_unit)
+    with MessageStore.open(str(store), str(conf), start_services=False) as s:
+        assert s.max_offset_in_queue("TopicC", 0) == 500
+        monkeypatch.setattr(ConsumeQueue, "put_unit", real)
+        r = s.put(Message("TopicC", b"after", queue_id=0))
+        assert r.ok and r.queue_offset == 604  # 500 would give a queue offset to two messages
