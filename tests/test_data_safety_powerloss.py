@@ -62,6 +62,11 @@ def _quiet_and_busy(live: Path, shadow: Path, image: Path, cfg: StoreConfig) -> 
     with SyncShadow(live, shadow):
         store = MessageStore.open(str(live), cfg)
         try:
+            service = next(s for s in store._services if isinstance(s, FlushConsumeQueueService))
+            deadline = time.monotonic() + 10
+            while service.last_thorough == 0.0 and time.monotonic() < deadline:
+                time.sleep(0.005)  # its first round is thorough: let it pass before the first put
+            assert service.last_thorough
             for i in range(3):
                 r = store.put(Message("Quiet", f"quiet-{i}".encode(), tags="TagQ", keys=f"quiet-{i}"))
                 assert r.ok and r.queue_offset == i
@@ -260,7 +265,7 @@ def test_unclean_start_syncs_what_the_crashed_process_left_in_the_page_cache(tmp
 
 # ---------------------------------------------------------------- the power-loss rounds, names included
 
-DIR_ROUNDS = int(os.environ.get("ROCKETSTORE_POWERLOSS_DIR_ROUNDS", "6"))
+DIR_ROUNDS = int(os.environ.get("ROCKETSTORE_POWERLOSS_DIR_ROUNDS", "4"))
 
 
 def test_power_loss_rounds_where_unsynced_names_are_lost(tmp_path):
@@ -281,7 +286,9 @@ def test_power_loss_rounds_where_unsynced_names_are_lost(tmp_path):
 def test_power_loss_rounds_with_a_quiet_queue(tmp_path, monkeypatch):
     """The rounds again with a queue that gets a message now and then and consume queues flushed only when two
     pages are dirty: its file reaches the disk only in a thorough round, and every acknowledged message
-    of it must still be readable after the power cut (issue 24 item 1, found by the rounds)."""
+    of it must still be readable after the power cut.  A guard more than a reproduction: in rounds this
+    small the index's own resume point pulled the old recovery back to the first segment as well (the
+    quiet-queue tests above fail on it)."""
     from helpers.powerloss import QUIET_ENV
     from test_power_loss import BASE_SEED, run_round
     monkeypatch.setenv(QUIET_ENV, "1")
