@@ -121,3 +121,77 @@ def test_import_refuses_an_edited_body_naming_the_line(tmp_path, basic_copy, edi
     assert {p: p.read_bytes() for p in (basic_copy / "commitlog").iterdir()} == before  # nothing written
     ok = run_cli("import", basic_copy, "--from", dump, "--continue-on-error")
     assert ok.returncode == 0 and json.loads(ok.stdout) == {**json.loads(ok.stdout), "imported": 5, "skipped": 1}
+
+
+# ---------------------------------------------------------------- item 13: offline tools take the directory lock
+
+def test_reset_offset_refuses_a_live_writer_whose_lock_file_was_deleted(basic_copy):
+    from rocketstore.config import golden_config
+    (basic_copy / "config").mkdir(exist_ok=True)
+    offsets = basic_copy / "config" / "consumerOffset.json"
+    offsets.write_text(json.dumps({"offsetTable": {"TopicA@billing": {"0": 7}}}))
+    before = offsets.read_bytes()
+    with MessageStore.open(str(basic_copy), golden_config()):
+        os.unlink(basic_copy / "lock")  # an operator's `rm STORE/lock` under the live writer
+        r = run_cli("reset-offset", basic_copy, "--group", "billing", "--topic", "TopicA", "--to-earliest")
+        err = r.stderr.decode()
+        assert r.returncode == 2 and "open by a running process" in err and "Traceback" not in err, err
+        assert offsets.read_bytes() == before
+    r = run_cli("reset-offset", basic_copy, "--group", "billing", "--topic", "TopicA", "--to-earliest")
+    assert r.returncode == 0, r.stderr  # the writer is gone: the reset goes through
+    assert set(json.loads(offsets.read_text())["offsetTable"]["TopicA@billing"].values()) == {0}
+
+
+# ---------------------------------------------------------------- item 15: errors that name what is wrong
+
+def test_a_store_without_write_permission_is_not_reported_as_locked(basic_copy, monkeypatch):
+    """Root ignores file modes, so the kernel's EACCES on the lock file is injected."""
+    from rocketstore import store_lock
+    from rocketstore.errors import StoreError, StoreLockedError
+    real_open = os.open
+    lock_path = str(basic_copy / "lock")
+
+    def no_write(path, flags, *a):
+        if str(path) == lock_path and flags & (os.O_RDWR | os.O_WRONLY):
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(store_lock.os, "open", no_write)
+    with pytest.raises(StoreError) as e:
+        store_lock.StoreLock(str(basic_copy)).acquire()
+    assert not isinstance(e.value, StoreLockedError)
+    assert "no write permission" in str(e.value) and "locked by another process" not in str(e.value)
+    monkeypatch.setattr(store_lock.os, "open", real_open)
+    with MessageStore.open(str(basic_copy)) as store:  # the failed attempt left nothing held
+        assert not store.read_only
+
+
+def test_msg_id_of_a_crc_damaged_record_names_the_damage(basic_copy):
+    from conftest import flip_body_bit
+    e = golden_expected("basic")[17]
+    flip_body_bit(basic_copy, e["commitLogOffset"])
+    r = run_cli("msg", basic_copy, "--id", e["msgId"])
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "no message" not in err and "damaged" in err, err
+    assert str(e["commitLogOffset"]) in err and "CRC" in err and "Traceback" not in err
+    other = golden_expected("basic")[18]  # its neighbour still reads
+    assert json.loads(run_cli("msg", basic_copy, "--id", other["msgId"]).stdout)["messages"][0]["msgId"] == \
+        other["msgId"]
+
+
+def test_dump_follow_to_time_returns_on_an_idle_store(tmp_path):
+    import subprocess
+    import sys
+    import time
+    from rocketstore import Message
+    from rocketstore.config import golden_config
+    root = tmp_path / "s"
+    with MessageStore.open(str(root), golden_config()) as store:
+        store.put(Message("T", b"only"))
+        store.wait_dispatched()
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, "-m", "rocketstore", "dump", str(root), "--follow", "--to-time", "+1s",
+                            "--interval", "0.05"], capture_output=True, timeout=30)
+        assert p.returncode == 0, p.stderr
+        assert [json.loads(x)["topic"] for x in p.stdout.decode().splitlines()] == ["T"]
+        assert time.monotonic() - t0 < 15

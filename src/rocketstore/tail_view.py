@@ -47,16 +47,29 @@ def extend_view(store: MessageStore, topics: Iterable[str] | None = None) -> boo
     return grew
 
 
-def follower(store: MessageStore, interval: float, on_idle: Callable[[], None] | None = None
-             ) -> Callable[[], bool]:
+# How long past ``until`` a follower keeps looking: a put stamps its store time under the put lock a moment
+# before its record is complete in the file, so a record stamped just before ``until`` may appear just after it.
+FOLLOW_GRACE_MS = 1000
+
+
+def follower(store: MessageStore, interval: float, on_idle: Callable[[], None] | None = None,
+             until: int | None = None, clock: Callable[[], float] = time.time) -> Callable[[], bool]:
     """For ``Selection.scan(more=...)`` (``dump --follow``): at the end of the view, call ``on_idle`` (flush the
-    output), then look every ``interval`` seconds until the writer has appended a record."""
+    output), then look every ``interval`` seconds until the writer has appended a record.
+
+    ``until`` (a store time, epoch ms: ``--to-time``): once the clock is past it (plus
+    :data:`FOLLOW_GRACE_MS`), no record still to come can be inside the window, so after one last look
+    the follower answers False and the scan ends, on an idle store too."""
     def more() -> bool:
         if on_idle is not None:
             on_idle()
-        while not extend_view(store, topics=()):
+        while True:
+            done = until is not None and clock() * 1000 > until + FOLLOW_GRACE_MS
+            if extend_view(store, topics=()):
+                return True
+            if done:
+                return False
             time.sleep(interval)
-        return True
     return more
 
 
