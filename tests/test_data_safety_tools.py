@@ -195,3 +195,69 @@ def test_dump_follow_to_time_returns_on_an_idle_store(tmp_path):
         assert p.returncode == 0, p.stderr
         assert [json.loads(x)["topic"] for x in p.stdout.decode().splitlines()] == ["T"]
         assert time.monotonic() - t0 < 15
+
+
+# ---------------------------------------------------------------- item 12: a consumer overtaken by retention
+
+def _age_all_but_last_segment(root: Path) -> None:
+    import time
+    old = time.time() - 100 * 3600
+    for d in ("commitlog", "consumequeue"):
+        for dirpath, _dirs, files in os.walk(root / d):
+            for f in files:
+                os.utime(os.path.join(dirpath, f), (old, old))
+    last = sorted((root / "commitlog").iterdir())[-1]
+    os.utime(last)
+
+
+@pytest.mark.parametrize("follow", [True, False], ids=["read-only-follower", "same-process-writer"])
+def test_consumer_overtaken_by_retention_skips_ahead_with_a_warning(tmp_path, caplog, follow):
+    import logging
+    from rocketstore import Message
+    from rocketstore.config import golden_config
+    from rocketstore.consumer import Consumer
+    root = tmp_path / "s"
+    body = b"x" * 1000
+    with MessageStore.open(str(root), golden_config()) as writer:
+        for _ in range(2000):
+            assert writer.put(Message("T", body)).ok
+        writer.wait_dispatched()
+        c = Consumer(str(root) if follow else writer, "G", "T", max_messages=100)
+        got: list[int] = []
+        while len(got) < 1000:
+            got += [m.queue_offset for m in c.poll(1)]
+        for _ in range(2000):  # the writer goes on, and its retention removes what the consumer has not read
+            assert writer.put(Message("T", body)).ok
+        writer.wait_dispatched()
+        _age_all_but_last_segment(root)
+        assert writer.delete_expired_commit_log()
+        lo, hi = writer.min_offset_in_queue("T", 0), writer.max_offset_in_queue("T", 0)
+        assert 2000 < lo < hi == 4000
+        with caplog.at_level(logging.WARNING, logger="rocketstore"):
+            for _ in range(200):
+                got += [m.queue_offset for m in c.poll(0.05)]
+                if got[-1] == hi - 1:
+                    break
+        c.close()
+    assert got[-1] == hi - 1, f"stalled at {got[-1] + 1} of {hi}"
+    assert got == sorted(set(got))  # queue order, none twice
+    assert lo in got and all(o < 2000 or o >= lo for o in got)  # what retention removed is skipped, not invented
+    assert any("skipping ahead" in r.getMessage() for r in caplog.records)
+
+
+def test_a_read_only_load_meeting_a_file_retention_just_deleted_starts_after_it(tmp_path, monkeypatch):
+    from rocketstore import mapped_file
+    from rocketstore.errors import StoreLoadError
+    d = tmp_path / "cq"
+    d.mkdir()
+    for name in ("00000000000000000000", "00000000000000012000"):
+        (d / name).write_bytes(bytes(6000))
+    listed = ["00000000000000000000", "00000000000000006000", "00000000000000012000"]  # 6000 gone since listed
+    real = os.listdir
+    monkeypatch.setattr(mapped_file.os, "listdir", lambda p: list(listed) if str(p) == str(d) else real(p))
+    q = mapped_file.MappedFileQueue(str(d), 6000, read_only=True)
+    q.load()
+    assert [f.file_from_offset for f in q.files] == [12000]
+    q.close()
+    with pytest.raises(StoreLoadError):  # a writer still refuses a listing that does not add up
+        mapped_file.MappedFileQueue(str(d), 6000).load()
