@@ -80,6 +80,10 @@ def test_messages_api_names_the_stale_copy(basic_copy):
         assert [off for off, _ in bad] == [STALE_TO] and "stale record copy" in bad[0][1]
         seen = [m.commit_log_offset for _o, _s, m, _p in store.messages(0, read_body=False, skip_damaged=True) if m]
         assert STALE_FROM in seen and seen.count(STALE_FROM) == 1 and len(seen) == 2998
+        from rocketstore.errors import CorruptRecordError
+        with pytest.raises(CorruptRecordError, match="stale record copy"):  # a lookup by offset: the same check
+            store.look(STALE_TO)
+        assert store.look(STALE_FROM).commit_log_offset == STALE_FROM
 
 
 # ---------------------------------------------------------------- item 9: import refuses bodies that are not the record's

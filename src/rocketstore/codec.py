@@ -423,6 +423,16 @@ def decode(buf: Any, pos: int, limit: int, *, check_crc: bool = False, read_body
     return MessageExt(h, topic, props, body)
 
 
+def decode_at(buf: Any, pos: int, limit: int, offset: int, *, check_crc: bool = False,
+              read_body: bool = True) -> MessageExt:
+    """:func:`decode` of the record that must sit at commitlog ``offset`` (``buf[pos]``): a trusted record
+    only, so a lookup by offset never returns a stale copy of another record (see :func:`check`)."""
+    m = decode(buf, pos, limit, check_crc=check_crc, read_body=read_body)
+    if m.commit_log_offset != offset:
+        raise RecordError(stale_copy_reason(m.commit_log_offset, offset))
+    return m
+
+
 HEADER_BY_HOST_FLAGS = _HEADERS  # an EncodedRecord's header struct by sysFlag & 0x30 (staged records)
 _V4_HEADER = _HEADERS[0]
 _V4_UNPACK = _V4_HEADER.unpack_from

@@ -108,7 +108,7 @@ class TierReader:
     def read_message(self, offset: int, *, read_body: bool = True, check_crc: bool = False) -> MessageExt:
         buf, key = self.record_bytes(offset)
         try:
-            return codec.decode(buf, 0, len(buf), check_crc=check_crc, read_body=read_body)
+            return codec.decode_at(buf, 0, len(buf), offset, check_crc=check_crc, read_body=read_body)
         except codec.RecordError as e:
             seg = self._segment(offset)
             raise CorruptRecordError(f"{self.where(key)} at offset {offset} (file position {offset - seg.base}): "
