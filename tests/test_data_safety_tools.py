@@ -265,3 +265,38 @@ def test_a_read_only_load_meeting_a_file_retention_just_deleted_starts_after_it(
     q.close()
     with pytest.raises(StoreLoadError):  # a writer still refuses a listing that does not add up
         mapped_file.MappedFileQueue(str(d), 6000).load()
+
+
+def test_dump_follow_overtaken_by_retention_goes_on_from_the_new_minimum(tmp_path, caplog):
+    import logging
+    import time
+    from rocketstore import Message
+    from rocketstore.config import golden_config
+    from rocketstore.selection import Selection
+    from rocketstore.tail_view import follower
+    root = tmp_path / "s"
+    body = b"y" * 1000
+    with MessageStore.open(str(root), golden_config()) as writer:
+        for _ in range(1500):
+            assert writer.put(Message("T", body)).ok
+        writer.wait_dispatched()
+        ran = []
+
+        def overtake() -> None:  # at the end of what the follower saw: the writer goes on and cleans
+            if ran:
+                return
+            ran.append(True)
+            for _ in range(2500):
+                assert writer.put(Message("T", body)).ok
+            writer.wait_dispatched()
+            _age_all_but_last_segment(root)
+            assert writer.delete_expired_commit_log()
+
+        with MessageStore.open(str(root), read_only=True) as view, caplog.at_level(logging.WARNING, "rocketstore"):
+            more = follower(view, 0.01, overtake, until=int(time.time() * 1000) + 1000)
+            got = [m.commit_log_offset for m in Selection().scan(view, read_body=False, more=more)]
+        left = [m.commit_log_offset for _o, _s, m, _p in writer.messages(writer.min_phy_offset(), read_body=False)]
+    assert len(got) == len(set(got)) and got == sorted(got)
+    assert got[-len(left):] == left  # every record still there, after the 1500 read before the cleaning
+    assert len(got) == 1500 + len(left)
+    assert any("removed (retention)" in r.getMessage() for r in caplog.records)
