@@ -354,8 +354,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="default: RocketMQ's (1 GiB segments, 420 MB index files); small: 64 MiB segments, "
                    "600 KB consume-queue files, 4.2 MB index files")
 
-    p = add("dump", cmd_dump, "every message in commitlog order, one JSON object per line (bodies are checked "
-            "against their CRC; a damaged record stops the dump with exit status 2)")
+    p = add("dump", cmd_dump, "every message in commitlog order, one JSON object per line (each record is checked: "
+            "body CRC, and its PHYSICALOFFSET against its position; a damaged record or a stale copy of another "
+            "stops the dump with exit status 2)")
     p.add_argument("--no-body", action="store_true", help="omit bodies (they are still checked against their CRC)")
     p.add_argument("--skip-damaged", action="store_true", help="report each damaged record on stderr, resume at "
                    "the next intact record, and exit 1 if any was skipped")
