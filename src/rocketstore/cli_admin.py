@@ -10,7 +10,6 @@ while a broker or any writer has the store open, and writes
 from __future__ import annotations
 
 import argparse
-import fcntl
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ from .consume_queue import LOWER
 from .errors import CliError, CorruptRecordError, StoreLockedError
 from .group_offsets import read_offsets, updating_offsets
 from .store import MessageStore, StorePaths
+from .store_lock import StoreLock
 from .timeparse import time_arg
 
 
@@ -117,21 +117,22 @@ def cmd_groups(args: argparse.Namespace) -> int:
 
 @contextmanager
 def store_locked_offline(root: str) -> Iterator[None]:
-    """Hold the store's lock (as a writer would) so no writer starts while offline tools change files;
-    StoreLockedError when a writer has it."""
+    """Hold the store's locks as a writer does (:class:`StoreLock`: the ``flock`` on the directory and the
+    record lock on ``lock``) so no writer starts while offline tools change files; StoreLockedError when a
+    writer has them.  The directory lock is what a live writer still holds after someone deleted ``lock``."""
     paths = StorePaths(root)
     if not os.path.isdir(paths.commitlog):
         raise CliError(f"{root}: not a message store (no commitlog directory)")
-    fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = StoreLock(root)
     try:
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
-        except OSError:
-            raise StoreLockedError(f"{paths.lock}: store is open by a running process (broker or writer); "
-                                   "stop it first, reset-offset works offline") from None
+        lock.acquire()
+    except StoreLockedError:
+        raise StoreLockedError(f"{paths.lock}: store is open by a running process (broker or writer); "
+                               "stop it first, reset-offset works offline") from None
+    try:
         yield
     finally:
-        os.close(fd)
+        lock.release()
 
 
 def cmd_reset_offset(args: argparse.Namespace) -> int:
@@ -172,13 +173,18 @@ def find_by_id(store: MessageStore, msg_id: str, topic: str | None = None) -> tu
     """Messages with this id: an offset msgId of this store (decoded to its commitlog offset and checked),
     else a UNIQ_KEY (client message id) looked up through the index in ``topic`` or every topic."""
     decoded = codec.decode_offset_msg_id(msg_id)
+    damage: CorruptRecordError | None = None
     if decoded is not None:
         offset = decoded[2]
         if store.min_readable_offset() <= offset < store.max_phy_offset():
             try:
                 m = store.look(offset)
-            except CorruptRecordError:
+            except CorruptRecordError as e:
                 m = None
+                damage = e
+                if _header_names(store, offset, msg_id, topic):  # the record of this id, with its body damaged
+                    raise CorruptRecordError(f"message {msg_id} (commitlog offset {offset}) is damaged: {e}",
+                                             path=e.path, offset=e.offset) from None
             if m is not None and m.msg_id == msg_id.upper() and (topic is None or m.topic == topic):
                 return "offsetMsgId", [m]
     topics = [topic] if topic is not None else sorted({t for t, _ in store.queue_keys()})
@@ -187,7 +193,20 @@ def find_by_id(store: MessageStore, msg_id: str, topic: str | None = None) -> tu
         for m in store.query(t, msg_id, max_num=store.config.maxMsgsNumBatch).messages:
             if m.uniq_key == msg_id:
                 hits.append(m)
+    if not hits and damage is not None:  # the id may name that record: say what is there, not "no message"
+        raise CorruptRecordError(f"no intact message with id {msg_id}: commitlog offset {decoded[2]}, which an "
+                                 f"offset msgId of that value names, holds a damaged record: {damage}",
+                                 path=damage.path, offset=damage.offset)
     return "uniqKey", sorted(hits, key=lambda m: m.commit_log_offset)
+
+
+def _header_names(store: MessageStore, offset: int, msg_id: str, topic: str | None) -> bool:
+    """Whether the record header at ``offset`` (read without its body) carries this offset msgId and topic."""
+    try:
+        m = store.look(offset, read_body=False)
+    except CorruptRecordError:
+        return False
+    return m.msg_id == msg_id.upper() and (topic is None or m.topic == topic)
 
 
 def cmd_msg(args: argparse.Namespace) -> int:

@@ -70,7 +70,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
         more = None
         if args.follow:
             from .tail_view import follower
-            more = follower(store, args.interval, out.flush)
+            more = follower(store, args.interval, out.flush, until=args.to_time)
         try:
             for msg in sel.scan(store, read_body=not args.no_body, more=more,
                                 on_damaged=skip if args.skip_damaged else None):
@@ -354,9 +354,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="default: RocketMQ's (1 GiB segments, 420 MB index files); small: 64 MiB segments, "
                    "600 KB consume-queue files, 4.2 MB index files")
 
-    p = add("dump", cmd_dump, "every message in commitlog order, one JSON object per line (bodies are checked "
-            "against their CRC; a damaged record stops the dump with exit status 2)")
-    p.add_argument("--no-body", action="store_true", help="omit bodies (and their CRC check)")
+    p = add("dump", cmd_dump, "every message in commitlog order, one JSON object per line (each record is checked: "
+            "body CRC, and its PHYSICALOFFSET against its position; a damaged record or a stale copy of another "
+            "stops the dump with exit status 2)")
+    p.add_argument("--no-body", action="store_true", help="omit bodies (they are still checked against their CRC)")
     p.add_argument("--skip-damaged", action="store_true", help="report each damaged record on stderr, resume at "
                    "the next intact record, and exit 1 if any was skipped")
     add_selection_flags(p)

@@ -423,6 +423,16 @@ def decode(buf: Any, pos: int, limit: int, *, check_crc: bool = False, read_body
     return MessageExt(h, topic, props, body)
 
 
+def decode_at(buf: Any, pos: int, limit: int, offset: int, *, check_crc: bool = False,
+              read_body: bool = True) -> MessageExt:
+    """:func:`decode` of the record that must sit at commitlog ``offset`` (``buf[pos]``): a trusted record
+    only, so a lookup by offset never returns a stale copy of another record (see :func:`check`)."""
+    m = decode(buf, pos, limit, check_crc=check_crc, read_body=read_body)
+    if m.commit_log_offset != offset:
+        raise RecordError(stale_copy_reason(m.commit_log_offset, offset))
+    return m
+
+
 HEADER_BY_HOST_FLAGS = _HEADERS  # an EncodedRecord's header struct by sysFlag & 0x30 (staged records)
 _V4_HEADER = _HEADERS[0]
 _V4_UNPACK = _V4_HEADER.unpack_from
@@ -484,13 +494,20 @@ def decode_unit(buf: Any, pos: int, size: int, read_body: bool, topic: str, topi
 
 
 def check(buf: Any, pos: int, limit: int, *, check_crc: bool, read_body: bool = False,
-          parsed: bool = False) -> tuple[int, Any, str | None]:
+          parsed: bool = False, base: int | None = None) -> tuple[int, Any, str | None]:
     """RocketMQ's checkMessageAndReturnSize as ``(size, message, reason)``.
 
     ``size > 0`` with a message: a valid record.  ``size == 0``: a blank record
     (end of file).  ``size == -1``: not a record (``reason`` says why).  A
     positive size with no message: the size field disagrees with the fields.
     ``parsed=True`` gives :func:`parse`'s tuple in place of the message.
+
+    Given ``base`` (the commitlog offset of ``buf[0]``), the record must also be
+    a *trusted record* (data-safety rule 1): its PHYSICALOFFSET must equal
+    ``base + pos``.  Bytes that decode (CRC included) at another position are a
+    stale copy of the record that was written there (a torn or misdirected
+    write), not a message: ``(-1, None, reason)``.  Every walk that hands out
+    messages passes ``base``.
     """
     if limit - pos <= 4:
         return -1, None, "no record header before the readable end"
@@ -511,20 +528,34 @@ def check(buf: Any, pos: int, limit: int, *, check_crc: bool, read_body: bool = 
         if reason.startswith("record size") and "disagrees" in reason:
             return total, None, reason
         return -1, None, reason
+    if base is not None:
+        phy = msg[0][6] if parsed else msg.commit_log_offset
+        if phy != base + pos:
+            return -1, None, stale_copy_reason(phy, base + pos)
     return total, msg, None
 
 
+def stale_copy_reason(phy: int, offset: int) -> str:
+    """Why a record that decodes is still not a message: its PHYSICALOFFSET names another position."""
+    return (f"stale record copy: PHYSICALOFFSET field says {phy}, not its position {offset} "
+            f"(bytes of another record, not a message)")
+
+
 def walk(buf: Any, pos: int, limit: int, *, check_crc: bool, read_body: bool = False,
-         parsed: bool = False) -> Iterator[tuple[int, int, Any, str | None]]:
+         parsed: bool = False, base: int | None = None) -> Iterator[tuple[int, int, Any, str | None]]:
     """Records of one segment from ``pos`` as (position, size, message, problem), per :func:`check`.
 
     Ends after a blank record (size 0), or after the first record that is not
     valid (message None, with the reason); all-zero bytes end it silently, as
     the normal end of written data.  ``parsed=True`` yields :func:`parse`'s
     tuple instead of a message, for walks that decode only what they need.
+    ``base`` (the commitlog offset of ``buf[0]``): accept only trusted records,
+    whose PHYSICALOFFSET is their position (see :func:`check`); a walk that hands
+    out messages must pass it, or a stale copy of a record reads as a second message.
     """
     while pos < limit:
-        size, msg, reason = check(buf, pos, limit, check_crc=check_crc, read_body=read_body, parsed=parsed)
+        size, msg, reason = check(buf, pos, limit, check_crc=check_crc, read_body=read_body, parsed=parsed,
+                                  base=base)
         if msg is None and size != 0 and buf[pos:pos + 8] == _ZERO8:
             return
         yield pos, size, msg, reason
@@ -557,7 +588,7 @@ def find_record(buf: Any, pos: int, limit: int, base: int, *, check_crc: bool) -
             if _INT.unpack_from(buf, p)[0] == len(buf) - p:
                 return p
         elif p + 36 <= limit and _LONG.unpack_from(buf, p + 28)[0] == base + p and \
-                check(buf, p, limit, check_crc=check_crc, parsed=True)[1] is not None:
+                check(buf, p, limit, check_crc=check_crc, parsed=True, base=base)[1] is not None:
             return p
         nexts[which] = buf.find(_MAGIC_BYTES[which], h + 1, limit)
 

@@ -143,7 +143,7 @@ class CommitLog:
         try:
             pos = offset - f.file_from_offset
             try:
-                return codec.decode(f.mm, pos, f.wrote_position, check_crc=check_crc, read_body=read_body)
+                return codec.decode_at(f.mm, pos, f.wrote_position, offset, check_crc=check_crc, read_body=read_body)
             except codec.RecordError as e:
                 raise CorruptRecordError(f"{f.path} at offset {offset} (file position {pos}): {e}") from None
         finally:
@@ -216,7 +216,7 @@ class CommitLog:
             start_pos = end = offset - f.file_from_offset
             try:
                 for pos, size, msg, reason in codec.walk(f.mm, start_pos, f.wrote_position, check_crc=check_crc,
-                                                         read_body=read_body):
+                                                         read_body=read_body, base=f.file_from_offset):
                     if f.file_from_offset + pos >= stop:
                         break
                     if size == 0:

@@ -184,7 +184,11 @@ class Consumer:
             q = order[(self._rr + i) % n]
             while True:
                 offset = self._next[q]
-                r = self._store.get(self.topic, q, offset, max_messages, self.tag_filter)
+                try:
+                    r = self._store.get(self.topic, q, offset, max_messages, self.tag_filter)
+                except OSError as e:  # never a raw OSError out of poll: name the queue and offset
+                    raise StoreError(f"{self.root}: {self.topic}@{self.group} queue {q} at offset {offset}: "
+                                     f"read failed: {e}") from e
                 if r.status in _IDLE:
                     break
                 if r.status is GetMessageStatus.OFFSET_TOO_SMALL:
@@ -215,11 +219,16 @@ class Consumer:
             with reput.caught_up:
                 reput.caught_up.wait_for(lambda: reput.reput_from_offset != mark or reput.stopped, slice_s)
             return
-        # Another process writes: extend the read-only view to what it has appended since.
+        # Another process writes: extend the read-only view to what it has appended since (and past what its
+        # retention removed: the queue's minimum moves up and _read_once skips ahead with a warning).
         time.sleep(self.poll_interval if remaining is None else min(remaining, self.poll_interval))
         with self._lock:
             if not self._closed and self._store.read_only:
-                extend_view(self._store, [self.topic])
+                try:
+                    extend_view(self._store, [self.topic])
+                except OSError as e:  # a file the writer removed between two looks: the next look sees it gone
+                    log.warning("%s: %s@%s: extending the view failed (%s); looking again", self.root, self.topic,
+                                self.group, e)
 
     # ------------------------------------------------------------ committing
     def commit(self) -> dict[int, int]:

@@ -17,6 +17,7 @@ import logging
 import time
 from typing import Any, Iterator, NamedTuple
 
+from . import codec
 from .errors import StoreError
 from .message import Message
 from .store import MessageStore, batch_problem
@@ -54,10 +55,33 @@ def read_lines(path: str) -> Iterator[Line]:
             except (KeyError, ValueError, TypeError, AttributeError) as e:
                 yield Line(number, len(raw), None, f"not a message: {type(e).__name__}: {e}", None)
                 continue
+            why = body_problem(d, msg.body)
+            if why:
+                yield Line(number, len(raw), None, why, None)
+                continue
             pr = d.get("putResult") or {}
             batch = (pr.get("wroteOffset"), pr.get("msgNum")) if isinstance(pr, dict) and \
                 isinstance(pr.get("msgNum"), int) and pr["msgNum"] > 1 else None
             yield Line(number, len(raw), msg, None, batch)
+
+
+def body_problem(d: dict[str, Any], body: bytes) -> str | None:
+    """Why the line's body is not the body the dumped record held, else None.
+
+    A dump line carries the record's ``bodyLength`` and ``bodyCrc``; the body
+    put must match both.  Without this a ``dump --no-body`` line (no ``body``)
+    would be imported as an empty message, and an edited body as if it were
+    the stored one.  A hand-written line without those fields is taken as it is.
+    """
+    length, crc = d.get("bodyLength"), d.get("bodyCrc")
+    if "body" not in d and isinstance(length, int) and length > 0:
+        return (f"no body, but the record's bodyLength is {length} (a dump --no-body line?); "
+                "import needs dump output with bodies")
+    if length is not None and length != len(body):
+        return f"body is {len(body)} bytes, but the line's bodyLength says {length}"
+    if crc is not None and length != 0 and crc != codec.body_crc(body):
+        return f"body CRC is {codec.body_crc(body)}, but the line's bodyCrc says {crc} (body edited or damaged)"
+    return None
 
 
 def _groups(lines: Iterator[Line]) -> Iterator[list[Line]]:

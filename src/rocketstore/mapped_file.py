@@ -322,9 +322,18 @@ class MappedFileQueue:
             path = os.path.join(self.directory, name)
             reason = None
             if not os.path.isfile(path):
+                if self.read_only and not os.path.lexists(path):
+                    self._retention_ran(path, i == len(names) - 1)
+                    continue
                 reason = "not a regular file"
             else:
-                size = os.path.getsize(path)
+                try:
+                    size = os.path.getsize(path)
+                except FileNotFoundError:
+                    if not self.read_only:
+                        raise
+                    self._retention_ran(path, i == len(names) - 1)
+                    continue
                 if size == 0 and i == len(names) - 1:
                     log.warning("%s: empty last file skipped", path)
                     if not self.read_only:
@@ -341,9 +350,26 @@ class MappedFileQueue:
                     raise StoreLoadError(f"{path}: {reason}")
                 on_bad_file(path, reason)
                 continue
-            mf = MappedFile(path, self.file_size, read_only=self.read_only)
+            try:
+                mf = MappedFile(path, self.file_size, read_only=self.read_only)
+            except FileNotFoundError:
+                if not self.read_only:
+                    raise
+                self._retention_ran(path, i == len(names) - 1)
+                continue
             mf.set_positions(self.file_size)
             self.files.append(mf)
+
+    def _retention_ran(self, path: str, last: bool) -> None:
+        """A read-only load met a file that was listed and is gone: a writer's retention deletes the oldest
+        files first, so the files loaded before it are going too.  Start the view after it, as a load a
+        moment later would.  (The last name gone is a made-ahead file the writer dropped: just skipped.)"""
+        log.info("%s: deleted while loading (the writer's retention); the view starts after it", path)
+        if last:
+            return
+        for f in self.files:
+            f.close()
+        self.files.clear()
 
     # ------------------------------------------------------------ lookup
     def first(self) -> MappedFile | None:

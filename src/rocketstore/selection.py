@@ -9,6 +9,7 @@ segments from the page cache.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -18,6 +19,8 @@ from .errors import StoreError
 if TYPE_CHECKING:
     from .codec import MessageExt
     from .store import MessageStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,11 @@ class Selection:
                     return
             if more is None or not more():
                 return
+            first = store.min_readable_offset()
+            if offset < first:  # the writer's retention removed records the scan had not reached
+                log.warning("%s: records from commitlog offset %d to %d were removed (retention) before they were "
+                            "read; going on from %d", store.root, offset, first, first)
+                offset = first
 
     def reached(self, messages: int, size: int) -> bool:
         """Whether ``messages`` taken totalling ``size`` bytes fill the limits."""

@@ -1024,15 +1024,17 @@ class MessageStore:
     def messages(self, from_offset: int = -1, *, read_body: bool = True, check_crc: bool | None = None,
                  drop_cache: bool = False, skip_damaged: bool = False
                  ) -> Iterator[tuple[int, int, MessageExt | None, str | None]]:
-        """Every record in commitlog order (including ones in no consume queue); see CommitLog.scan.
+        """Every trusted record in commitlog order (including ones in no consume queue); see CommitLog.scan.
 
-        Bodies read are checked against BODYCRC (``check_crc`` defaults to
-        ``read_body``).  A damaged record is yielded once as (offset, size,
-        None, problem naming file and position) and ends the walk, unless
-        ``skip_damaged``: then the walk resumes at the next intact record
-        after it (:func:`codec.find_record`).
+        Only trusted records are messages (data-safety rule 1): magic, sizes,
+        PHYSICALOFFSET equal to the position, and BODYCRC (``check_crc``
+        defaults to True, bodies read or not: a walk hands its messages to
+        ``import``, which would replay a damaged one).  A damaged record or a
+        stale copy of one is yielded once as (offset, size, None, problem naming
+        file and position) and ends the walk, unless ``skip_damaged``: then the
+        walk resumes at the next trusted record after it (:func:`codec.find_record`).
         """
-        check = read_body if check_crc is None else check_crc
+        check = True if check_crc is None else check_crc
         if not skip_damaged:
             return self.commitlog.scan(from_offset, read_body=read_body, check_crc=check, drop_cache=drop_cache)
         return self._messages_resync(from_offset, read_body, check, drop_cache)

@@ -13,11 +13,12 @@ registry of the directories it holds.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import threading
 
-from .errors import StoreLockedError
+from .errors import StoreError, StoreLockedError
 
 _HELD: set[str] = set()  # real paths of the store directories this process holds
 _HELD_LOCK = threading.Lock()
@@ -31,28 +32,53 @@ class StoreLock:
         self._fds: tuple[int, int] | None = None  # the lock file's and the directory's
 
     def acquire(self) -> None:
-        """Take both locks and write "lock" into the file (as RocketMQ does); StoreLockedError if held."""
+        """Take both locks and write "lock" into the file (as RocketMQ does).
+
+        StoreLockedError only when another holder has a lock; a store this process may not write (no
+        permission, read-only file system) is a StoreError saying so, not "locked by another process".
+        """
         with _HELD_LOCK:
             if self._real_root in _HELD:
                 raise StoreLockedError(f"{self.path}: store already open in this process")
-            dir_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                dir_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError as e:
+                raise StoreError(f"{self.root}: cannot open the store directory: {e.strerror}") from None
             fd = -1
             try:
-                fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
-                os.pwrite(fd, b"lock", 0)
-                os.fsync(fd)
-            except BaseException as e:
+                try:
+                    fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise self._held() from None
+                try:
+                    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                except OSError as e:
+                    raise self._not_writable(e) from None
+                try:
+                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+                except (BlockingIOError, PermissionError):  # held (EAGAIN, or EACCES on some systems)
+                    raise self._held() from None
+                try:
+                    os.pwrite(fd, b"lock", 0)
+                    os.fsync(fd)
+                except OSError as e:
+                    raise self._not_writable(e) from None
+            except BaseException:
                 if fd >= 0:
                     os.close(fd)
                 os.close(dir_fd)
-                if isinstance(e, (BlockingIOError, PermissionError)):  # held (EAGAIN, or EACCES on some systems)
-                    raise StoreLockedError(f"{self.path}: store is locked by another process "
-                                           "(Lock failed, MQ already started)") from None
                 raise
             self._fds = (fd, dir_fd)
             _HELD.add(self._real_root)
+
+    def _held(self) -> StoreLockedError:
+        return StoreLockedError(f"{self.path}: store is locked by another process (Lock failed, MQ already started)")
+
+    def _not_writable(self, e: OSError) -> StoreError:
+        why = "no write permission" if e.errno in (errno.EACCES, errno.EPERM) else \
+            "read-only file system" if e.errno == errno.EROFS else e.strerror
+        return StoreError(f"{self.path}: cannot write the store's lock file ({why}); open the store read-only "
+                          "or as a user who may write it")
 
     def release(self) -> None:
         if self._fds is None:

@@ -37,26 +37,57 @@ _UNIT = struct.Struct(">qiq")
 
 def extend_view(store: MessageStore, topics: Iterable[str] | None = None) -> bool:
     """Extend the read-only ``store``'s commitlog and the consume queues of ``topics`` (None: all) to what
-    is complete on disk now; True when either grew."""
+    is complete on disk now; True when either grew.
+
+    When the writer's retention has overtaken the view (the file after the view's last one is gone while
+    later ones exist), the view moves on to the files that are left, as a fresh open would see them: the
+    queues' minimums move up, so a read below them answers OFFSET_TOO_SMALL and a consumer skips ahead
+    with a warning, instead of waiting for a file that will never come.
+    """
     if not store.read_only:
         raise ValueError(f"{store.root}: extend_view is for read-only stores (a writer sees its own puts)")
-    grew = _extend_commitlog(store.commitlog.queue)
+    log_queue = store.commitlog.queue
+    log_min = log_queue.min_offset()
+    grew = _extend_commitlog(log_queue)
     end = store.commitlog.max_offset()
+    new_min = log_queue.min_offset()
+    moved = new_min != log_min
     for cq in _queues(store, topics):
-        grew |= _extend_consume_queue(store, cq, end)
+        first = cq.queue.first()
+        grew |= _extend_consume_queue(store, cq, end, new_min)
+        if cq.queue.first() is not first and not moved:
+            cq.correct_min_offset(new_min)
+            grew = True
+    if moved:  # records below the new minimum are gone: so are the units pointing at them
+        for cq in store.consume_queues():
+            cq.correct_min_offset(new_min)
+        grew = True
     return grew
 
 
-def follower(store: MessageStore, interval: float, on_idle: Callable[[], None] | None = None
-             ) -> Callable[[], bool]:
+# How long past ``until`` a follower keeps looking: a put stamps its store time under the put lock a moment
+# before its record is complete in the file, so a record stamped just before ``until`` may appear just after it.
+FOLLOW_GRACE_MS = 1000
+
+
+def follower(store: MessageStore, interval: float, on_idle: Callable[[], None] | None = None,
+             until: int | None = None, clock: Callable[[], float] = time.time) -> Callable[[], bool]:
     """For ``Selection.scan(more=...)`` (``dump --follow``): at the end of the view, call ``on_idle`` (flush the
-    output), then look every ``interval`` seconds until the writer has appended a record."""
+    output), then look every ``interval`` seconds until the writer has appended a record.
+
+    ``until`` (a store time, epoch ms: ``--to-time``): once the clock is past it (plus
+    :data:`FOLLOW_GRACE_MS`), no record still to come can be inside the window, so after one last look
+    the follower answers False and the scan ends, on an idle store too."""
     def more() -> bool:
         if on_idle is not None:
             on_idle()
-        while not extend_view(store, topics=()):
+        while True:
+            done = until is not None and clock() * 1000 > until + FOLLOW_GRACE_MS
+            if extend_view(store, topics=()):
+                return True
+            if done:
+                return False
             time.sleep(interval)
-        return True
     return more
 
 
@@ -77,17 +108,54 @@ def _next_file(queue: MappedFileQueue) -> MappedFile | None:
     return f
 
 
+def _overtaken(queue: MappedFileQueue) -> MappedFile | None:
+    """When the writer's retention deleted the file the view needs next (later files exist, that one does
+    not): drop the view's files that are gone from disk and map the first file left past the view, with
+    nothing counted as written (the caller checks it from its start).  None when the view is not overtaken.
+    """
+    last = queue.last()
+    start = 0 if last is None else last.end_offset
+    try:
+        later = sorted(int(n) for n in os.listdir(queue.directory)
+                       if len(n) == 20 and n.isdigit() and int(n) > start and int(n) % queue.file_size == 0)
+    except OSError:
+        return None
+    if not later or os.path.exists(os.path.join(queue.directory, file_name(start))):
+        return None
+    for f in list(queue.files):  # gone from disk: retention removed them (their records are no more)
+        if not os.path.exists(f.path):
+            queue.files.remove(f)
+            f.close()
+    if queue.files:  # the view's own files are still there: a hole, not retention; leave the view as it is
+        return None
+    for first in later:
+        path = os.path.join(queue.directory, file_name(first))
+        try:
+            if os.path.getsize(path) != queue.file_size:
+                return None
+            f = MappedFile(path, queue.file_size, read_only=True)
+        except (OSError, ValueError):  # removed meanwhile too: try the next one
+            continue
+        log.warning("%s: the writer's retention removed the files after %d; the view goes on from %s",
+                    queue.directory, start, path)
+        f.set_positions(0)
+        queue.files.append(f)
+        return f
+    return None
+
+
 def _extend_commitlog(queue: MappedFileQueue) -> bool:
-    f = queue.last() or _next_file(queue)
+    f = queue.last() or _next_file(queue) or _overtaken(queue)
     grew = False
     while f is not None:
         pos = f.wrote_position
         while pos < f.file_size:
-            size, msg, _reason = codec.check(f.mm, pos, f.file_size, check_crc=True)
+            size, msg, _reason = codec.check(f.mm, pos, f.file_size, check_crc=True, parsed=True,
+                                             base=f.file_from_offset)  # a trusted record only
             if size == 0:  # blank: the rest of the segment is unused
                 pos = f.file_size
                 break
-            if msg is None or msg.commit_log_offset != f.file_from_offset + pos:
+            if msg is None:
                 break  # not (yet) a whole record: the writer may be copying it
             pos += size
         if pos != f.wrote_position:
@@ -95,7 +163,7 @@ def _extend_commitlog(queue: MappedFileQueue) -> bool:
             grew = True
         if pos < f.file_size:
             break
-        f = _next_file(queue)
+        f = _next_file(queue) or _overtaken(queue)
     return grew
 
 
@@ -117,16 +185,19 @@ def _queues(store: MessageStore, topics: Iterable[str] | None) -> list[ConsumeQu
     return out
 
 
-def _extend_consume_queue(store: MessageStore, cq: ConsumeQueue, log_end: int) -> bool:
+def _extend_consume_queue(store: MessageStore, cq: ConsumeQueue, log_end: int, log_min: int) -> bool:
     queue = cq.queue
-    f = queue.last() or _next_file(queue)
+    f = queue.last() or _next_file(queue) or _rebased(cq)
     grew = False
     while f is not None:
         pos = f.wrote_position
         while pos + CQ_STORE_UNIT_SIZE <= f.file_size:
             phy, size, tags = _UNIT.unpack_from(f.mm, pos)
             index = (f.file_from_offset + pos) // CQ_STORE_UNIT_SIZE
-            if not _unit_agrees(store, cq, index, phy, size, tags, log_end):
+            # a unit whose record retention removed cannot be checked, and is never read: the queue's
+            # minimum moves past it (extend_view)
+            gone = 0 <= phy and 0 < size and phy + size <= log_min
+            if not gone and not _unit_agrees(store, cq, index, phy, size, tags, log_end):
                 break
             pos += CQ_STORE_UNIT_SIZE
         if pos != f.wrote_position:
@@ -134,8 +205,16 @@ def _extend_consume_queue(store: MessageStore, cq: ConsumeQueue, log_end: int) -
             grew = True
         if pos + CQ_STORE_UNIT_SIZE <= f.file_size:
             break
-        f = _next_file(queue)
+        f = _next_file(queue) or _rebased(cq)
     return grew
+
+
+def _rebased(cq: ConsumeQueue) -> MappedFile | None:
+    """:func:`_overtaken` for a consume queue: its minimum moves to the first file left."""
+    f = _overtaken(cq.queue)
+    if f is not None and cq.min_logic_offset < f.file_from_offset:
+        cq.min_logic_offset = f.file_from_offset
+    return f
 
 
 def _unit_agrees(store: MessageStore, cq: ConsumeQueue, index: int, phy: int, size: int, tags: int,

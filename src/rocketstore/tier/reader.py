@@ -108,7 +108,7 @@ class TierReader:
     def read_message(self, offset: int, *, read_body: bool = True, check_crc: bool = False) -> MessageExt:
         buf, key = self.record_bytes(offset)
         try:
-            return codec.decode(buf, 0, len(buf), check_crc=check_crc, read_body=read_body)
+            return codec.decode_at(buf, 0, len(buf), offset, check_crc=check_crc, read_body=read_body)
         except codec.RecordError as e:
             seg = self._segment(offset)
             raise CorruptRecordError(f"{self.where(key)} at offset {offset} (file position {offset - seg.base}): "
@@ -133,7 +133,8 @@ class TierReader:
             while pos < limit:
                 buf = self.objects.read(key, pos, min(window, seg.size - pos))
                 nxt, finished = pos, False
-                for p, size, msg, reason in codec.walk(buf, 0, len(buf), check_crc=check_crc, read_body=read_body):
+                for p, size, msg, reason in codec.walk(buf, 0, len(buf), check_crc=check_crc, read_body=read_body,
+                                                       base=seg.base + pos):
                     if pos + p >= limit or size == 0:  # the range's end, or the blank record that ends a segment
                         finished = True
                         break
