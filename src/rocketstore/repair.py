@@ -80,6 +80,7 @@ from . import codec
 from .config import StoreConfig
 from .consume_queue import CQ_STORE_UNIT_SIZE
 from .errors import StoreError, StoreLoadError, StoreLockedError
+from .quarantine import extend_torn_last_segment, trusted_record_in
 from .store import MessageStore, StorePaths, infer_config
 from .verify import finding, resync, verify_store
 
@@ -469,11 +470,12 @@ def plan(path: str, file_size: int) -> list[DamagedSpan]:
         size = os.path.getsize(p)
         if size == 0 and i == len(names) - 1:
             continue
-        if size != file_size:
+        last = i == len(names) - 1
+        if size != file_size and not (last and size < file_size and trusted_record_in(p, int(name)) is not None):
             raise StoreLoadError(f"{p}: {size} bytes, expected {file_size}; repair refuses to guess its records "
                                  "(set mappedFileSizeCommitLog or move the file aside)")
         with open(p, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            found, last_ts = scan_segment(mm, p, int(name), size, i == len(names) - 1, last_ts)
+            found, last_ts = scan_segment(mm, p, int(name), size, last, last_ts)  # a torn last one: as far as it goes
             spans += found
     return spans
 
@@ -568,6 +570,8 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
         raise StoreLoadError(f"{path}: no commitlog directory; not a store")
     cfg = infer_config(path, config)  # by majority, before the files it is measured from are moved aside
     with _store_lock(paths, dry_run):
+        if not dry_run:  # a torn last segment is extended, as an open would, before its records are walked
+            extend_torn_last_segment(paths.commitlog, cfg.mappedFileSizeCommitLog, False)
         spans = plan(path, cfg.mappedFileSizeCommitLog)
         _lost_messages(paths.consumequeue, spans)
         held = _held_queue_offsets(spans, cfg.mappedFileSizeCommitLog)

@@ -34,7 +34,7 @@ from .jsonfile import write_file_durably
 from .message import (DEFAULT_STORE_HOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
                       PutMessageStatus, QueryMessageResult, host_tuple, parse_tag_filter)
 from .metrics import SAMPLE_EVERY, MetricsService, StoreMetrics
-from .quarantine import QuarantinePlan, file_kind
+from .quarantine import QuarantinePlan, extend_torn_last_segment, file_kind
 from .recovery import RecoveryReport, queues_with_records_before, recover
 from .running_flags import RunningFlags
 from .store_lock import StoreLock
@@ -193,6 +193,7 @@ class MessageStore:
                 raise StoreLoadError(f"{self.paths.cq_rebuild}: the rebuild of consume queues {unfinished.split()} "
                                      "has not finished; a writable open (rocketstore recover) finishes it")
             self.queues_to_rebuild += unfinished.split()
+        self._extend_torn_last_segment()
         self.commitlog.load(on_bad_file=self._on_bad_file)
         if cfg.tieredStoreUri:
             self.tier = TieredStorage(self.root, cfg, read_only=ro)
@@ -220,6 +221,11 @@ class MessageStore:
         if self.read_only:
             raise StoreLoadError(f"{path}: {reason}")
         self._quarantine.moves.append((path, reason))
+
+    def _extend_torn_last_segment(self) -> None:
+        """A short last segment holding records is torn, not a stray: extended (writable) or refused (read-only)
+        before it loads, never moved to quarantine/ (see quarantine.extend_torn_last_segment)."""
+        extend_torn_last_segment(self.paths.commitlog, self.config.mappedFileSizeCommitLog, self.read_only)
 
     def _check_quarantine(self) -> None:
         self._quarantine.check(self.commitlog.queue.files, self.commitlog.file_size)
