@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import copy_store, golden_expected, golden_store, run_cli
+from conftest import GOLDEN_CONF, copy_store, golden_expected, golden_store, run_cli
 from rocketstore.config import StoreConfig, golden_config
 from rocketstore.errors import StoreLoadError
 from rocketstore.message import Message
@@ -38,7 +38,7 @@ def assert_every_golden_message_readable(path: Path, name: str = "basic", config
     with MessageStore.open(str(path), config or golden_config(), read_only=True) as store:
         for key in sorted({(e["topic"], e["queueId"]) for e in expected}):
             want = sorted((e["queueOffset"], e["commitLogOffset"], e["bodyCrc"]) for e in expected
-                          if (e["topic"], e["queueId"]) == key and e.get("transactionType", "NOT_TYPE") != "ROLLBACK")
+                          if (e["topic"], e["queueId"]) == key and e["sysFlag"] & 0xC in (0, 8))
             assert read_queue(store, *key)[:len(want)] == want, key
 
 
@@ -124,3 +124,85 @@ def test_verify_repair_extends_a_torn_last_segment(basic_copy):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert os.path.getsize(basic_copy / "commitlog" / LAST) == SEG
     assert_every_golden_message_readable(basic_copy)
+
+
+# ---------------------------------------------------------------- item 6: place, never shift; never rewrite a record
+
+def _txn_units(path: Path) -> bytearray:
+    return bytearray((path / "consumequeue" / "TopicTxn" / "0" / f"{0:020d}").read_bytes())
+
+
+def _txn_queue() -> list[dict]:
+    return sorted((e for e in golden_expected("txn") if e["topic"] == "TopicTxn" and e["sysFlag"] & 0xC in (0, 8)),
+                  key=lambda e: e["queueOffset"])
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_swapped_units_are_rebuilt_from_the_records_and_no_record_is_rewritten(tmp_path):
+    """Units 6 and 8 swapped: repair wrote the units' queue offsets into the two intact records, after which
+    verify said cq-gap/cq-missing and get @6 failed."""
+    path = copy_store(golden_store("txn"), tmp_path / "s")
+    data = _txn_units(path)
+    data[120:140], data[160:180] = data[160:180], data[120:140]
+    (path / "consumequeue" / "TopicTxn" / "0" / f"{0:020d}").write_bytes(bytes(data))
+    r = run_cli("verify", path, "--repair", "--json")
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["ok"] and out["problems"] == [], out
+    assert out["gaps"] == [] and out["unplaced"] == [] and len(out["suspect"]) == 2
+    assert _tree(path / "commitlog") == _tree(golden_store("txn") / "commitlog")
+    assert _tree(path / "consumequeue") == _tree(golden_store("txn") / "consumequeue")
+    assert json.loads(run_cli("verify", path, "--json").stdout)["problems"] == []
+    with MessageStore.open(str(path), golden_config(), read_only=True) as store:
+        for e in _txn_queue():
+            [m] = store.get("TopicTxn", 0, e["queueOffset"], 1).messages
+            assert (m.queue_offset, m.commit_log_offset) == (e["queueOffset"], e["commitLogOffset"])
+
+
+def test_a_lost_queue_file_and_a_damaged_record_leave_a_gap_not_a_shift(tmp_path):
+    """The queue's file lost and the record of queue offset 4 damaged: the rebuild appended record 5 at unit 4
+    and every later one an offset down, so every get from offset 4 raised CorruptRecordError."""
+    from conftest import flip_body_bit
+    path = copy_store(golden_store("txn"), tmp_path / "s")
+    queue = _txn_queue()
+    lost = queue[4]
+    flip_body_bit(path, lost["commitLogOffset"])
+    os.unlink(path / "consumequeue" / "TopicTxn" / "0" / f"{0:020d}")
+    conf = tmp_path / "golden.conf"
+    conf.write_text(GOLDEN_CONF)  # no queue file is left to measure the queue file size from
+    out = json.loads(run_cli("verify", path, "--repair", "--json", "--config", conf).stdout)
+    with MessageStore.open(str(path), golden_config(), read_only=True) as store:
+        for e in queue:
+            if e["queueOffset"] != 4:
+                [m] = store.get("TopicTxn", 0, e["queueOffset"], 1).messages
+                assert (m.queue_offset, m.commit_log_offset, m.body_crc) == (
+                    e["queueOffset"], e["commitLogOffset"], e["bodyCrc"])
+        got = store.get("TopicTxn", 0, 4, 1).messages
+        assert all(m.commit_log_offset != lost["commitLogOffset"] for m in got)  # never the damaged bytes
+        assert store.max_offset_in_queue("TopicTxn", 0) == len(queue)  # the next put takes a new offset
+    assert out["gaps"] == [{"topic": "TopicTxn", "queueId": 0, "from": 4, "to": 4}]
+    assert not [p for p in out["problems"] if p["kind"] in ("cq-gap", "cq-missing", "cq-mismatch")], out["problems"]
+
+
+# ---------------------------------------------------------------- item 15: kept originals are not problems
+
+def test_verify_after_a_repair_that_lost_a_record_lists_the_kept_originals_and_is_ok(basic_copy):
+    """verify said INCONSISTENT ("quarantined") after every repair that lost a record, until the operator
+    deleted quarantine/repair-* by hand, though the store the repair left was whole."""
+    from conftest import flip_body_bit
+    bad = golden_expected("basic")[1500]
+    flip_body_bit(basic_copy, bad["commitLogOffset"], f"commitlog/{bad['commitLogOffset'] // SEG * SEG:020d}")
+    assert run_cli("verify", basic_copy, "--repair").returncode == 1  # the repair itself reports the loss
+    r = run_cli("verify", basic_copy, "--json")
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["ok"] and out["problems"] == [], out["problems"]
+    [kept] = out["kept"]
+    assert os.path.basename(kept["file"]).startswith("repair-") and "1 damaged span" in kept["detail"]
+    table = run_cli("verify", basic_copy)
+    assert table.returncode == 0 and b"originals kept by verify --repair" in table.stdout
+    assert table.stdout.rstrip().endswith(b"OK")
+    # A stray file moved aside at open is still a problem: it may hold what the operator must look at.
+    (basic_copy / "quarantine" / "commitlog__junk").write_bytes(b"x")
+    assert run_cli("verify", basic_copy).returncode == 1

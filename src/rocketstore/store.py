@@ -64,6 +64,7 @@ class StorePaths:
         self.config = os.path.join(root, "config")
         self.quarantine = os.path.join(root, "quarantine")
         self.cq_rebuild = os.path.join(root, "consumequeue.rebuild")  # rocketstore: queues being rebuilt
+        self.repair_marker = os.path.join(root, "repair.json")  # rocketstore: a repair under way (repair.py)
 
 
 def infer_config(root: str, base: StoreConfig | None = None) -> StoreConfig:
@@ -77,7 +78,7 @@ class MessageStore:
     def __init__(self, root: str, config: StoreConfig, *, read_only: bool = False,
                  clock: Callable[[], float] = time.time, start_services: bool = True,
                  disk_usage: Callable[[str], float] | None = None, sleep: Callable[[float], None] = time.sleep,
-                 allow_quarantine: bool = False) -> None:
+                 allow_quarantine: bool = False, repairing: bool = False) -> None:
         self.paths = StorePaths(root)
         self.sleep = sleep
         self.root = root
@@ -113,6 +114,8 @@ class MessageStore:
             self._refuse_non_store()
         else:
             self._refuse_foreign_directory()
+        if not repairing:
+            self._check_repair_marker()
         if not read_only:
             self._acquire_lock()
         try:
@@ -150,7 +153,7 @@ class MessageStore:
 
     def _refuse_foreign_directory(self) -> None:
         known = {"commitlog", "consumequeue", "index", "checkpoint", "lock", "abort", "abort.bak", "config",
-                 "abort.bootid", "metrics.json", "consumequeue.rebuild",
+                 "abort.bootid", "metrics.json", "consumequeue.rebuild", "repair.json",
                  "quarantine", "compaction", "timerwheel", "timerlog", "timercheck", "timermetrics"}
         entries = [e for e in os.listdir(self.root) if not e.startswith(".")]
         # A broker.conf alone marks a store made by init; beside other files it may be a RocketMQ conf/ directory.
@@ -221,6 +224,20 @@ class MessageStore:
         if self.read_only:
             raise StoreLoadError(f"{path}: {reason}")
         self._quarantine.moves.append((path, reason))
+
+    def _check_repair_marker(self) -> None:
+        """A store under repair is half rewritten: a reader refuses it; a writer first finishes the repair (or
+        rolls it back, if it was still rewriting segments), so it sees the old state or the new, never a half."""
+        if not os.path.exists(self.paths.repair_marker):
+            return
+        from .repair import describe_marker, finish_interrupted_repair, read_marker
+        if self.read_only:
+            marker = read_marker(self.root)
+            if marker is not None:
+                raise StoreLoadError(f"{describe_marker(self.root, marker)}; a writable open (rocketstore recover) "
+                                     "finishes or rolls it back; nothing was read")
+            return
+        finish_interrupted_repair(self.root, self.config)
 
     def _extend_torn_last_segment(self) -> None:
         """A short last segment holding records is torn, not a stray: extended (writable) or refused (read-only)
