@@ -5,19 +5,22 @@ problems."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conftest import GOLDEN_CONF, copy_store, golden_expected, golden_store, run_cli
 from rocketstore.config import StoreConfig, golden_config
-from rocketstore.errors import StoreLoadError
+from rocketstore.errors import StoreError, StoreLoadError
 from rocketstore.message import Message
 from rocketstore.store import MessageStore
 
 SEG = 1048576
+log = logging.getLogger(__name__)
 LAST = f"{3 * SEG:020d}"
 
 
@@ -206,3 +209,204 @@ def test_verify_after_a_repair_that_lost_a_record_lists_the_kept_originals_and_i
     # A stray file moved aside at open is still a problem: it may hold what the operator must look at.
     (basic_copy / "quarantine" / "commitlog__junk").write_bytes(b"x")
     assert run_cli("verify", basic_copy).returncode == 1
+
+
+# ---------------------------------------------------------------- item 7: a marker, then the old state or the new
+
+STEPS = ["marked", "kept", "written", "replaced", "segments done", "built", "queues swapped", "swapped", "rebuilt"]
+
+
+def _interrupt_at(monkeypatch, step: str) -> None:
+    from rocketstore import repair
+
+    def stop(name: str) -> None:
+        if name.split(" ")[0] == step.split(" ")[0] and name.startswith(step):
+            raise KeyboardInterrupt(f"interrupted at {name}")
+    monkeypatch.setattr(repair, "_step", stop)
+
+
+def _readable_except(path: Path, lost_offset: int, name: str = "basic") -> None:
+    """Every golden message but the damaged one reads back at its queue offset with its body; the damaged
+    one's offset answers its tombstone, the old damaged record refused, or nothing, never another message."""
+    expected = [e for e in golden_expected(name) if e["sysFlag"] & 0xC in (0, 8)]
+    with MessageStore.open(str(path), golden_config(), read_only=True) as store:
+        for key in sorted({(e["topic"], e["queueId"]) for e in expected}):
+            want = {e["queueOffset"]: (e["commitLogOffset"], e["bodyCrc"]) for e in expected
+                    if (e["topic"], e["queueId"]) == key}
+            got, off = {}, 0
+            while off <= max(want):
+                try:
+                    r = store.get(*key, off, 32)
+                except StoreError:
+                    off += 1  # the damaged record, named
+                    continue
+                if not r.messages:
+                    break
+                got.update({m.queue_offset: (m.commit_log_offset, m.body_crc) for m in r.messages})
+                off = r.next_begin_offset
+            for q, w in want.items():
+                if w[0] != lost_offset:
+                    assert got.get(q) == w, (key, q)
+                elif q in got:
+                    assert got[q][0] == lost_offset  # the tombstone where the record was
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_repair_interrupted_at_any_step_is_rolled_back_or_finished_by_the_next_writable_open(basic_copy,
+                                                                                                monkeypatch, step):
+    """Ctrl-C during verify --repair left the store truncated with no marker and no report.  Now a marker is
+    durable before anything changes: readers refuse the store naming it, and the next writable open rolls the
+    repair back (while segments were being rewritten) or finishes it."""
+    from conftest import flip_body_bit
+    from rocketstore.repair import repair_store
+    from rocketstore.verify import verify_store
+    bad = golden_expected("basic")[1500]
+    seg = f"commitlog/{bad['commitLogOffset'] // SEG * SEG:020d}"
+    flip_body_bit(basic_copy, bad["commitLogOffset"], seg)
+    damaged = _tree(basic_copy / "commitlog")
+    _interrupt_at(monkeypatch, step)
+    with pytest.raises(KeyboardInterrupt):
+        repair_store(str(basic_copy), golden_config())
+    monkeypatch.undo()
+    marker = json.loads((basic_copy / "repair.json").read_text())
+    assert marker["operation"] == "verify --repair" and marker["segments"] == [seg.split("/")[1]]
+    with pytest.raises(StoreLoadError, match=r"repair\.json: verify --repair of this store was interrupted"):
+        MessageStore.open(str(basic_copy), golden_config(), read_only=True)
+    r = run_cli("verify", basic_copy)
+    assert r.returncode == 2 and r.stderr.count(b"\n") == 1 and b"repair.json" in r.stderr
+    MessageStore.open(str(basic_copy)).close()  # the next writable open (what recover does)
+    assert not (basic_copy / "repair.json").exists()
+    rolled_back = STEPS.index(step) < STEPS.index("segments done")
+    if rolled_back:
+        assert _tree(basic_copy / "commitlog") == damaged and not (basic_copy / "quarantine").exists()
+        repair_store(str(basic_copy), golden_config())  # and a repair run again completes
+    else:
+        assert _tree(basic_copy / "commitlog") != damaged
+    with MessageStore.open(str(basic_copy), read_only=True) as store:
+        assert verify_store(store)["problems"] == []
+    _readable_except(basic_copy, bad["commitLogOffset"])
+
+
+KILL_CONF = "mappedFileSizeCommitLog=1048576\nmappedFileSizeConsumeQueue=6000\nmaxHashSlotNum=1000\nmaxIndexNum=4000\n"
+KILLS = int(os.environ.get("ROCKETSTORE_REPAIR_KILLS", "4"))  # more: a longer search
+
+
+@pytest.fixture(scope="module")
+def kill_store(tmp_path_factory) -> tuple[Path, dict, int]:
+    """A store of 12,000 messages (4 topics x queues, keys), one record's body damaged: (path, what each queue
+    held before the damage, the damaged record's offset)."""
+    root = tmp_path_factory.mktemp("kill")
+    path = root / "s"
+    conf = root / "broker.conf"
+    conf.write_text(KILL_CONF)
+    cfg = StoreConfig.load(str(conf))
+    with MessageStore.open(str(path), cfg) as store:
+        for i in range(12000):
+            assert store.put(Message(f"T{i % 3}", b"body-%06d-" % i + b"x" * (i % 50), queue_id=i % 4,
+                                     keys=f"k{i}", tags=f"tag{i % 5}")).ok
+        store.wait_dispatched()
+    with MessageStore.open(str(path), cfg, read_only=True) as store:
+        before = {key: read_queue(store, *key) for key in store.queue_keys()}
+    victim = before[("T1", 2)][300]
+    seg = victim[1] // SEG * SEG
+    from conftest import flip_body_bit
+    flip_body_bit(path, victim[1], f"commitlog/{seg:020d}")
+    return path, before, victim[1]
+
+
+def _check_after_kill(path: Path, before: dict, lost: int, conf: Path) -> None:
+    cfg = StoreConfig.load(str(conf))
+    with MessageStore.open(str(path), cfg, read_only=True) as store:
+        for key, want in before.items():
+            got, off = {}, 0
+            while off < len(want):
+                try:
+                    r = store.get(*key, off, 32)
+                except StoreError:  # the damaged record, named
+                    off += 1
+                    continue
+                ms = [m for m in r.messages if m.queue_offset >= off]
+                if not ms or ms[0].queue_offset != off:
+                    # Not the message of this offset: the lost one's gap.  How a read answers a gap (a blank
+                    # unit) is the read path's business (issue 24 item 5); the next offsets must be there.
+                    off += 1
+                    continue
+                got.update({m.queue_offset: (m.queue_offset, m.commit_log_offset, m.body_crc) for m in ms})
+                off = ms[-1].queue_offset + 1
+            for w in want:
+                if w[1] != lost:
+                    assert got.get(w[0]) == w, (key, w)
+        for i in (0, 4321, 9999, 11999):
+            assert len(store.query(f"T{i % 3}", f"k{i}").messages) == 1
+    v = json.loads(run_cli("verify", path, "--json", "--config", conf).stdout)
+    lost_q = next(w[0] for want in before.values() for w in want if w[1] == lost)
+    # The damaged record itself and what points at it (not repaired, or rolled back), or the gap a repair left
+    # for it (too small for a tombstone); nothing else.
+    assert all(p["kind"] == "bad-record" and p["offset"] == lost or
+               p["kind"] in ("cq-dangling", "index-dangling") and p["detail"].endswith(f"no record at {lost}") or
+               p["kind"] == "cq-dangling" and p["detail"].endswith(f"commitlog offset {lost}") or
+               p["kind"] == "cq-hole" and f" unit {lost_q} below" in p["detail"] for p in v["problems"]), v["problems"]
+
+
+def _start_repair(path: Path, conf: Path) -> Any:
+    import subprocess
+    import sys
+    with open(path.parent / (path.name + ".stderr"), "wb") as err:  # a pipe nobody reads could fill and block
+        return subprocess.Popen([sys.executable, "-m", "rocketstore", "verify", str(path), "--repair", "--config",
+                                 str(conf)], stdout=subprocess.DEVNULL, stderr=err)
+
+
+def _wait_for(cond: Any, p: Any, timeout: float = 60) -> float:
+    """Poll ``cond()`` every millisecond until it holds or the process ends; the time it took."""
+    import time
+    t0 = time.monotonic()
+    while not cond() and p.poll() is None and time.monotonic() - t0 < timeout:
+        time.sleep(0.001)
+    return time.monotonic() - t0
+
+
+def test_killing_a_repair_at_random_points_leaves_every_message_readable(kill_store, tmp_path):
+    """SIGINT or SIGKILL at a random moment of verify --repair (half of them while its marker exists), then
+    recover: every message but the damaged one reads back at its queue offset with its body, keys are found,
+    and verify finds nothing else."""
+    import random
+    import signal
+    import time
+    src, before, lost = kill_store
+    conf = tmp_path / "broker.conf"
+    conf.write_text(KILL_CONF)
+    rnd = random.Random(int(os.environ.get("ROCKETSTORE_REPAIR_KILL_SEED", "24")))
+    probe = copy_store(src, tmp_path / "probe")
+    marker = probe / "repair.json"
+    p = _start_repair(probe, conf)
+    to_marker = _wait_for(marker.exists, p)
+    marked = _wait_for(lambda: not marker.exists(), p)
+    assert p.wait(timeout=120) == 1  # it lost the damaged record
+    _check_after_kill(probe, before, lost, conf)
+    outcomes = []
+    for n in range(KILLS):
+        path = copy_store(src, tmp_path / f"k{n}")
+        sig = rnd.choice([signal.SIGINT, signal.SIGKILL])
+        p = _start_repair(path, conf)
+        if n % 2 == 0:
+            _wait_for((path / "repair.json").exists, p)
+            delay = rnd.uniform(0, marked)
+        else:
+            delay = rnd.uniform(0, to_marker + marked)
+        time.sleep(delay)
+        p.send_signal(sig)
+        p.wait(timeout=120)
+        left = (path / "repair.json").exists()
+        phase = json.loads((path / "repair.json").read_text())["phase"] if left else None
+        outcomes.append((sig.name, n % 2 == 0, round(delay, 3), p.returncode, phase, left))
+        r = run_cli("recover", path, "--config", conf)
+        if r.returncode == 2 and b"--repair" in r.stderr and not left:  # killed before it began: still damaged
+            r = run_cli("verify", path, "--repair", "--config", conf)
+            assert r.returncode == 1, (outcomes[-1], r.stderr[-2000:])
+        else:
+            assert r.returncode == 0, (outcomes[-1], r.stderr[-2000:])
+        assert not (path / "repair.json").exists()
+        _check_after_kill(path, before, lost, conf)
+    # Some kills hit a repair under way (the marker was left for recover).
+    assert any(left for *_rest, left in outcomes) or KILLS < 4, (to_marker, marked, outcomes)
+    log.info("repair kills: %s", outcomes)

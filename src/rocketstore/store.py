@@ -142,6 +142,8 @@ class MessageStore:
         """
         if isinstance(config, str):
             config = StoreConfig.load(config)
+        if not kw.get("repairing") and os.path.exists(StorePaths(path).repair_marker):
+            _repair_marker_gate(path, config, read_only)  # before the geometry is measured from half-swapped files
         config = store_config(path, config, allow_quarantine=allow_quarantine)
         return cls(path, config, read_only=read_only, allow_quarantine=allow_quarantine, **kw)
 
@@ -226,18 +228,8 @@ class MessageStore:
         self._quarantine.moves.append((path, reason))
 
     def _check_repair_marker(self) -> None:
-        """A store under repair is half rewritten: a reader refuses it; a writer first finishes the repair (or
-        rolls it back, if it was still rewriting segments), so it sees the old state or the new, never a half."""
-        if not os.path.exists(self.paths.repair_marker):
-            return
-        from .repair import describe_marker, finish_interrupted_repair, read_marker
-        if self.read_only:
-            marker = read_marker(self.root)
-            if marker is not None:
-                raise StoreLoadError(f"{describe_marker(self.root, marker)}; a writable open (rocketstore recover) "
-                                     "finishes or rolls it back; nothing was read")
-            return
-        finish_interrupted_repair(self.root, self.config)
+        if os.path.exists(self.paths.repair_marker):
+            _repair_marker_gate(self.root, self.config, self.read_only)
 
     def _extend_torn_last_segment(self) -> None:
         """A short last segment holding records is torn, not a stray: extended (writable) or refused (read-only)
@@ -1181,6 +1173,19 @@ class MessageStore:
                 obj.close()
         for cq in self._cq_table.values():
             cq.close()
+
+
+def _repair_marker_gate(root: str, config: StoreConfig | None, read_only: bool) -> None:
+    """A store under repair is half rewritten: a reader refuses it, naming the marker; a writer first finishes
+    the repair (or rolls it back, if it was still rewriting segments), so it sees the old state or the new."""
+    from .repair import describe_marker, finish_interrupted_repair, read_marker
+    if read_only:
+        marker = read_marker(root)
+        if marker is not None:
+            raise StoreLoadError(f"{describe_marker(root, marker)}; a writable open (rocketstore recover) finishes "
+                                 "or rolls it back; nothing was read")
+        return
+    finish_interrupted_repair(root, config)
 
 
 def _boot_id() -> str | None:
