@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -410,3 +409,21 @@ def test_killing_a_repair_at_random_points_leaves_every_message_readable(kill_st
     # Some kills hit a repair under way (the marker was left for recover).
     assert any(left for *_rest, left in outcomes) or KILLS < 4, (to_marker, marked, outcomes)
     log.info("repair kills: %s", outcomes)
+
+
+def test_a_writer_meeting_a_repair_still_running_is_refused_naming_the_marker(basic_copy):
+    """The repair holds the store's lock while it works: a writable open neither waits nor touches a file."""
+    import fcntl
+    marker = {"operation": "verify --repair", "phase": "rebuild", "quarantine": "repair-1", "segments": [],
+              "geometry": {}, "report": {"lost": [], "suspect": []}}
+    (basic_copy / "repair.json").write_text(json.dumps(marker))
+    before = _tree(basic_copy)
+    fd = os.open(basic_copy / "lock", os.O_RDWR)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+        r = run_cli("recover", basic_copy)
+    finally:
+        os.close(fd)
+    assert r.returncode == 2 and r.stderr.count(b"\n") == 1, r.stderr
+    assert b"repair.json: verify --repair of this store was interrupted" in r.stderr and b"locked" in r.stderr
+    assert _tree(basic_copy) == before

@@ -1,4 +1,4 @@
-"""Offline repair: keep every CRC-valid CommitLog record, then rebuild the consume queues, index and checkpoint.
+"""Offline repair: keep every trusted CommitLog record as it is, then rebuild the consume queues, index and checkpoint.
 
 The CommitLog is the source of truth and repair never deletes or zeroes bytes
 that hold a valid record.  It walks every segment with the full checks (magic,
@@ -36,30 +36,46 @@ their TOTALSIZE:
   the rebuild's recovery ends the log there, as RocketMQ would.
 
 Without consume-queue knowledge (queue files lost, or a PREPARED/ROLLBACK
-record) the span gets only fillers or a blank; later messages of that queue
-then move down an offset, which ``verify`` reports as a ``cq-gap``.  New
-records take the next valid record's store time, so RocketMQ's abnormal
-recovery never starts later because of them.  They carry no ``__CRC32#``
-property: a broker run with ``forceVerifyPropCRC=true`` (off by default) would
-refuse them, as it refuses every record written without ``enabledAppendPropCRC``.
+record) the span gets only fillers or a blank; the lost message's queue offset
+is then a gap in the rebuilt queue (see below).  New records take the next
+valid record's store time, so RocketMQ's abnormal recovery never starts later
+because of them.  They carry no ``__CRC32#`` property: a broker run with
+``forceVerifyPropCRC=true`` (off by default) would refuse them, as it refuses
+every record written without ``enabledAppendPropCRC``.
 
-A record whose routing fields (topic, queue id, queue offset: no CRC covers
-them) contradict the one old consume-queue unit that points at it, while its
-size and tagsCode match that unit and no other unit claims it, had its header
-damaged: dispatching it as it reads would put the message in another queue
-(or at another offset) than the one its producer was acknowledged for.  Repair
-writes the unit's values back into those fields (a **restored** header, the
-body untouched); when the evidence is not that clear it leaves the record as
-it is and the rebuild dispatches it as it reads.
+**An intact record is never rewritten.**  A trusted record (magic, size,
+PHYSICALOFFSET equal to its position, body CRC) keeps every byte, even when the
+old consume-queue unit pointing at it names another topic, queue or queue
+offset (no CRC covers those fields): the old unit is a cache and may be the
+damaged one (two swapped units made an earlier version rewrite two intact
+records).  Such records are reported as ``suspect``.
 
-Before any byte changes, the original segment is copied to
-``quarantine/repair-<ms>/commitlog/``; the consume queues, the index, the
-checkpoint and an ``abort`` file are moved there too and the rebuilt ones take
-their place (old files that come out identical are not kept).  ``report.json``
-in that directory lists every damaged span; ``verify`` reports such a directory
-until the operator removes it.  Records in a damaged span are lost: each is
-reported with its file, offset and reason (and its queue and queue offset when
-the old consume queues knew it), and repair's result is then not OK.
+**Place, never append.**  The consume queues and the index are rebuilt from
+one walk over the trusted records: each record's unit goes to its own queue
+offset.  A queue offset no trusted record holds stays a gap (a blank unit,
+reported under ``gaps``), so no later message moves to another offset.  A
+record that cannot be placed without moving others (out of commitlog order
+with its queue: two records claiming one offset, or a flipped offset field) or
+whose offset lies further past the one before than the bytes between could
+hold records is left out and reported under ``unplaced``; it stays in the
+commitlog as it reads.
+
+**A marker, then the old state or the new.**  Before anything changes,
+``STORE/repair.json`` names the operation, its quarantine directory and the
+segments it rewrites (written beside, fsynced, renamed, directory fsynced).
+Each touched segment's original is kept in ``quarantine/repair-<ms>/commitlog/``
+(a hard link) and its new content is written in ``quarantine/repair-<ms>/new/``
+and renamed over it.  The queues and the index are built in that directory and
+swapped in; the old ones, the checkpoint and an ``abort`` file are kept there
+(old files that come out identical are dropped).  While the marker exists,
+readers refuse the store and the next writable open (``rocketstore recover``,
+or ``verify --repair``) rolls the repair back if it was still rewriting
+segments, or finishes it: Ctrl-C or SIGKILL at any point leaves the old state
+or the new.  ``report.json`` in the quarantine directory lists every damaged
+span; ``verify`` lists such directories as ``kept``, not as problems.  Records
+in a damaged span are lost: each is reported with its file, offset and reason
+(and its queue and queue offset when the old consume queues knew it), and
+repair's result is then not OK.
 """
 
 from __future__ import annotations
@@ -127,12 +143,12 @@ class DamagedSpan:
 
 @dataclass
 class HeaderFix:
-    """A record whose routing fields a bit flip changed, and the values its consume-queue unit says they had."""
+    """A record whose routing fields disagree with its old consume-queue unit: reported, never written."""
 
     file: str
     offset: int  # commitlog offset of the record
-    fields: dict[str, tuple[Any, Any]]  # field name -> (value read, value restored)
-    writes: list[tuple[int, bytes]]  # (position in the file, bytes written there)
+    fields: dict[str, tuple[Any, Any]]  # field name -> (value read, value the old unit says)
+    writes: list[tuple[int, bytes]]  # (position in the file, bytes the unit's values would be): never written
 
     def to_json(self) -> dict[str, Any]:
         return {"file": self.file, "offset": self.offset,
@@ -352,14 +368,15 @@ def header_fixes(cq_root: str, cdir: str, file_size: int, spans: list[DamagedSpa
     between two units of its queue that agree with their records in every field (after one, for the queue's
     first unit).
 
-    Dispatch writes a unit from the record's fields, so a record that agrees
-    with its unit on size and tagsCode but names another queue or offset was
-    changed afterwards; a bit flip in a unit could not make it point exactly
-    at another record of the same size and tags.  The sound neighbours rule out
+    Reported (``suspect``), never written back: two swapped units look just the
+    same, and the old unit is a cache that may be the damaged one.  Dispatch
+    writes a unit from the record's fields, so a record that agrees with its
+    unit on size and tagsCode but names another queue or offset may have been
+    changed afterwards.  The sound neighbours rule out
     the one way dispatch itself writes units at other offsets than their
     records': a queue that lost units and was refilled from later records
     (RocketMQ's gap handling shifts every unit after the gap, not one).  A
-    V1/V2 topic is restored only at the same byte length, and only for records
+    V1/V2 topic is named only at the same byte length, and only for records
     dispatch puts in a queue (not PREPARED or ROLLBACK: which of the two it was
     is unknown).
     """
