@@ -909,7 +909,9 @@ def _rebuild(paths: StorePaths, cfg: StoreConfig, marker: dict[str, Any], lock_f
     _swap_in(paths, qdir, "consumequeue")
     _step("queues swapped")
     _swap_in(paths, qdir, "index")
-    for name in ("abort", "abort.bootid"):  # the rebuilt files are whole: the next start is a normal one
+    # The rebuilt files are whole: the next start is a normal one, and a queue refill the store had left
+    # unfinished (consumequeue.rebuild) concerned the old queues.
+    for name in ("abort", "abort.bootid", os.path.basename(paths.cq_rebuild)):
         src = os.path.join(paths.root, name)
         if os.path.exists(src):
             os.replace(src, os.path.join(qdir, name))
