@@ -427,3 +427,26 @@ def test_a_writer_meeting_a_repair_still_running_is_refused_naming_the_marker(ba
     assert r.returncode == 2 and r.stderr.count(b"\n") == 1, r.stderr
     assert b"repair.json: verify --repair of this store was interrupted" in r.stderr and b"locked" in r.stderr
     assert _tree(basic_copy) == before
+
+
+def test_a_lost_small_last_message_keeps_its_queue_offset(tmp_path):
+    """A lost record too small for a tombstone with its note was rewritten as a filler: its queue offset was
+    left to the next put when it was the queue's last.  A tombstone tagged only takes its place now."""
+    from conftest import flip_body_bit
+    from rocketstore.repair import LOST_TAG, repair_store
+    cfg = golden_config()
+    path = tmp_path / "s"
+    with MessageStore.open(str(path), cfg) as store:
+        for i in range(10):
+            store.put(Message("Q", b"m%03d-payload" % i, tags="t", keys=f"key-{i:04d}"))
+        store.put(Message("Other", b"after"))  # a record after it: the span is a filler span, not the log's end
+    with MessageStore.open(str(path), cfg, read_only=True) as store:
+        [last] = store.get("Q", 0, 9, 1).messages
+    assert 114 <= last.size < 150  # room for a tombstone tagged only, not for its note too
+    flip_body_bit(path, last.commit_log_offset)
+    result = repair_store(str(path), cfg)
+    assert [m["tombstone"] for s in result["lost"] for m in s["messages"]] == [True]
+    with MessageStore.open(str(path), cfg) as store:
+        [t] = store.get("Q", 0, 9, 1).messages
+        assert (t.queue_offset, t.commit_log_offset, t.tags, set(t.body)) == (9, last.commit_log_offset, LOST_TAG, {0})
+        assert store.put(Message("Q", b"new")).queue_offset == 10  # offset 9 is never given to another message

@@ -233,22 +233,25 @@ def filler_record(size: int, physical_offset: int, store_timestamp: int) -> byte
 def tombstone_record(size: int, msg: dict[str, Any], physical_offset: int, store_timestamp: int,
                      note: str) -> bytes | None:
     """A record of the lost message's topic, queue and queue offset, exactly ``size`` bytes (zero body), tagged
-    ``LOST_TAG`` and carrying ``LOST_PROPERTY`` = ``note``; None when ``size`` is too small for one."""
-    props = f"TAGS\x01{LOST_TAG}\x02{LOST_PROPERTY}\x01{note}\x02"
-    try:
-        head = codec.encode(msg["topic"], b"", queue_id=msg["queueId"], properties=props)[1]
-    except codec.RecordError:
-        return None
-    if size < head:
-        return None
-    out = codec.encode_bytes(msg["topic"], bytes(size - head), queue_id=msg["queueId"], properties=props,
-                             born_timestamp=store_timestamp, queue_offset=msg["queueOffset"],
-                             physical_offset=physical_offset, store_timestamp=store_timestamp,
-                             max_message_size=max(size, 4194304))
-    return bytes(out) if len(out) == size else None
+    ``LOST_TAG`` and carrying ``LOST_PROPERTY`` = ``note``; when that does not fit (a lost record smaller than
+    about 150 bytes) tagged only; None when ``size`` is too small even for that."""
+    for props in (f"TAGS\x01{LOST_TAG}\x02{LOST_PROPERTY}\x01{note}\x02", f"TAGS\x01{LOST_TAG}\x02"):
+        try:
+            head = codec.encode(msg["topic"], b"", queue_id=msg["queueId"], properties=props)[1]
+        except codec.RecordError:
+            return None
+        if size < head:
+            continue
+        out = codec.encode_bytes(msg["topic"], bytes(size - head), queue_id=msg["queueId"], properties=props,
+                                 born_timestamp=store_timestamp, queue_offset=msg["queueOffset"],
+                                 physical_offset=physical_offset, store_timestamp=store_timestamp,
+                                 max_message_size=max(size, 4194304))
+        return bytes(out) if len(out) == size else None
+    return None
 
 
-def layout(span: DamagedSpan, held: set[tuple[str, int, int]]) -> list[tuple[int, int, str, dict[str, Any] | None]]:
+def layout(span: DamagedSpan, held: set[tuple[str, int, int]],
+           note: str = "x" * MAX_NOTE) -> list[tuple[int, int, str, dict[str, Any] | None]]:
     """How a span is rewritten: a tombstone of each lost message's size at its start (as the old consume
     queues place it, and only for a queue offset no surviving record holds), fillers between them, and for a
     blank span a blank after the last; plain fillers (or one blank) when that does not fit."""
@@ -278,7 +281,7 @@ def layout(span: DamagedSpan, held: set[tuple[str, int, int]]) -> list[tuple[int
             pieces.append((stop, nxt - stop, rest, None))
     for off, n, kind, m in pieces:
         if kind == "filler" and not filler_pieces(n) or kind == "tombstone" and (
-                n > MAX_TOMBSTONE_BYTES or tombstone_record(n, m, off, 0, "x" * MAX_NOTE) is None):
+                n > MAX_TOMBSTONE_BYTES or tombstone_record(n, m, off, 0, note) is None):
             return plain
     return pieces
 
@@ -1061,8 +1064,9 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
         # Records whose routing fields contradict the old unit pointing at them: reported, never rewritten
         # (no CRC covers those fields, and the old unit is a cache: it may be the damaged one).
         suspects = header_fixes(paths.consumequeue, paths.commitlog, cfg.mappedFileSizeCommitLog, spans)
+        qname = f"repair-{int(time.time() * 1000)}"  # the tombstones' note: decided before they are laid out
         for s in spans:
-            s.pieces = layout(s, held)
+            s.pieces = layout(s, held, qname)
             kept_as = {id(m) for _o, _n, kind, m in s.pieces if kind == "tombstone"}
             for m in s.messages:
                 m["tombstone"] = id(m) in kept_as
@@ -1089,7 +1093,6 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
             result["suspect"] = [f.to_json() for f in suspects]
             result["ok"] = result["ok"] and not spans
             return result
-        qname = f"repair-{int(time.time() * 1000)}"
         qdir = os.path.join(paths.quarantine, qname)
         touched = sorted({os.path.basename(s.file) for s in spans if s.pieces})
         marker = {"operation": "verify --repair", "phase": "commitlog", "quarantine": qname, "segments": touched,
