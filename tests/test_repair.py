@@ -115,9 +115,11 @@ def test_a_flipped_body_bit_loses_only_its_record(basic_copy):
         assert store.query(bad["topic"], bad["properties"]["UNIQ_KEY"]).messages == []
     # Every consume-queue file keeps the configured size.
     assert {f.stat().st_size for f in (basic_copy / "consumequeue").rglob("0*") if f.is_file()} == {6000}
-    # verify keeps reporting the repair until the operator deals with it; the queues are consistent.
-    v = json.loads(run_cli("verify", basic_copy, "--json").stdout)
-    assert [p["kind"] for p in v["problems"]] == ["quarantined"], v["problems"]
+    # verify lists the kept originals (not a problem: issue 24 item 15); the queues are consistent.
+    r = run_cli("verify", basic_copy, "--json")
+    v = json.loads(r.stdout)
+    assert r.returncode == 0 and v["problems"] == [], v["problems"]
+    assert [(k["kind"], k["file"]) for k in v["kept"]] == [("kept", str(q))] and "1 damaged span" in v["kept"][0]["detail"]
 
 
 def test_dry_run_reports_and_writes_nothing(basic_copy):
@@ -164,12 +166,13 @@ def test_damaged_last_record_of_a_segment_becomes_a_tombstone_and_a_blank(basic_
     seg0 = (basic_copy / "commitlog" / f"{0:020d}").read_bytes()
     assert seg0[end:end + 8] == codec.blank_record(SEG - end)
     assert sorted(walk_like_rocketmq(basic_copy)) == golden_offsets()  # the tombstone stands where it was
-    assert [p["kind"] for p in json.loads(run_cli("verify", basic_copy, "--json").stdout)["problems"]] == \
-        ["quarantined"]
+    v = json.loads(run_cli("verify", basic_copy, "--json").stdout)
+    assert v["problems"] == [] and [k["kind"] for k in v["kept"]] == ["kept"]
 
 
 def test_a_span_without_consume_queue_knowledge_becomes_a_blank(basic_copy):
-    """With the consume queues gone, nothing says which message was lost: a blank (the queue then has a gap)."""
+    """With the consume queues gone, nothing says which message was lost: a blank.  The rebuilt queue places
+    every other record at its own queue offset and leaves the lost one a gap (it used to shift them down)."""
     import shutil
     last = max((e for e in golden_expected("basic") if e["commitLogOffset"] < SEG), key=lambda e: e["commitLogOffset"])
     flip_body_bit(basic_copy, last)
@@ -181,8 +184,17 @@ def test_a_span_without_consume_queue_knowledge_becomes_a_blank(basic_copy):
     seg0 = (basic_copy / "commitlog" / f"{0:020d}").read_bytes()
     assert seg0[off:off + 8] == codec.blank_record(SEG - off)
     assert sorted(walk_like_rocketmq(basic_copy)) == sorted(set(golden_offsets()) - {off})
-    gap = [p for p in out["problems"] if p["kind"] == "cq-gap"]
-    assert len(gap) == 1 and f"{last['topic']}-{last['queueId']} units {last['queueOffset']}.." in gap[0]["detail"]
+    assert out["gaps"] == [{"topic": last["topic"], "queueId": last["queueId"], "from": last["queueOffset"],
+                            "to": last["queueOffset"]}]
+    assert [p["kind"] for p in out["problems"]] == ["cq-hole"], out["problems"]
+    assert not [p for p in out["problems"] if p["kind"] in ("cq-gap", "cq-missing")]
+    queue = sorted((e for e in golden_expected("basic") if (e["topic"], e["queueId"]) == (last["topic"], last["queueId"])
+                    and e["commitLogOffset"] != last["commitLogOffset"]), key=lambda e: e["queueOffset"])
+    with MessageStore.open(str(basic_copy), read_only=True) as store:
+        for e in queue:
+            if e["queueOffset"] > last["queueOffset"] - 3:
+                [m] = store.get(e["topic"], e["queueId"], e["queueOffset"], 1).messages
+                assert (m.queue_offset, m.commit_log_offset) == (e["queueOffset"], e["commitLogOffset"])
 
 
 def test_a_truncated_consume_queue_file_keeps_every_queue_file_size(basic_copy):
@@ -304,9 +316,11 @@ def _flip_header(store: Path, e: dict, at: int, mask: int) -> None:
     ("queueOffset", 27, 0x04),    # another offset of the same queue
     ("topic", None, 0x02),        # TopicA -> TopicC: another topic's queue
 ])
-def test_a_flipped_routing_field_is_restored_from_the_consume_queue(basic_copy, field, at, mask):
-    """A bit flip in a record's topic, queue id or queue offset (no CRC covers them) used to be dispatched as
-    it read when repair rebuilt the queues: the message moved to another queue, or left a gap in its own."""
+def test_a_flipped_routing_field_is_reported_never_rewritten(basic_copy, field, at, mask):
+    """A bit flip in a record's topic, queue id or queue offset (no CRC covers them).  Repair used to write the
+    old unit's values into the record; the old unit is a cache (swapped units made it rewrite two intact
+    records, issue 24 item 6), so the record stays as it reads and is reported.  Its own queue offset is
+    left a gap, never given to another record, and no other message moves."""
     from rocketstore.config import golden_config
     from rocketstore.repair import repair_store
     e = next(x for x in golden_expected("basic") if x["topic"] == "TopicA" and x["queueId"] == 3
@@ -314,20 +328,19 @@ def test_a_flipped_routing_field_is_restored_from_the_consume_queue(basic_copy, 
     if at is None:
         at = e["size"] - len(e["propertiesString"].encode()) - 2 - 1  # the last topic character ("A")
     _flip_header(basic_copy, e, at, mask)
+    flipped = tree_digest(basic_copy / "commitlog")
     result = repair_store(str(basic_copy), golden_config())
-    assert result["ok"] and not result["problems"] and result["lost"] == [], result
-    [fix] = result["restored"]
+    assert result["lost"] == []
+    [fix] = result["suspect"]
     assert fix["offset"] == e["commitLogOffset"] and list(fix["fields"]) == [field]
-    restored = {"topic": "TopicA", "queueId": 3, "queueOffset": 204}[field]
-    assert fix["fields"][field]["restored"] == restored
-    # The record is the golden one again, byte for byte; its original is kept in quarantine.
-    seg = f"{e['commitLogOffset'] // SEG * SEG:020d}"
-    assert (basic_copy / "commitlog" / seg).read_bytes() == (golden_store("basic") / "commitlog" / seg).read_bytes()
-    assert (Path(result["quarantine"]) / "commitlog" / seg).exists()
+    assert fix["fields"][field]["unitSays"] == {"topic": "TopicA", "queueId": 3, "queueOffset": 204}[field]
+    assert tree_digest(basic_copy / "commitlog") == flipped  # not one commitlog byte changed
+    assert {"topic": "TopicA", "queueId": 3, "from": 204, "to": 204} in result["gaps"]
     with MessageStore.open(str(basic_copy), read_only=True) as store:
-        [m] = store.get("TopicA", 3, 204, 1).messages
-        assert (m.commit_log_offset, m.queue_offset, m.body_crc) == (e["commitLogOffset"], 204, e["bodyCrc"])
-        assert sorted(store.queue_keys()) == sorted({(x["topic"], x["queueId"]) for x in golden_expected("basic")})
+        for x in golden_expected("basic"):
+            if x["commitLogOffset"] != e["commitLogOffset"] and (x["topic"], x["queueId"]) in (("TopicA", 3), ("TopicA", 2), ("TopicC", 3)):
+                [m] = store.get(x["topic"], x["queueId"], x["queueOffset"], 1, read_body=False).messages
+                assert (m.commit_log_offset, m.queue_offset) == (x["commitLogOffset"], x["queueOffset"])
 
 
 def test_a_routing_field_two_units_claim_is_left_as_it_reads(basic_copy):
@@ -358,7 +371,7 @@ def test_units_shifted_by_a_gap_are_not_taken_for_flipped_queue_offsets(basic_co
     data = cq.read_bytes()
     cq.write_bytes(data[:100 * 20] + data[103 * 20:] + bytes(3 * 20))  # units 100..102 lost, the rest moved down
     result = repair_store(str(basic_copy), golden_config())
-    assert result["restored"] == [] and result["lost"] == []
+    assert result["lost"] == [] and result["gaps"] == [] and result["unplaced"] == []
     assert tree_digest(basic_copy / "commitlog") == tree_digest(golden_store("basic") / "commitlog")
     queue = sorted((e for e in golden_expected("basic") if (e["topic"], e["queueId"]) == ("TopicA", 0)),
                    key=lambda e: e["queueOffset"])
@@ -389,12 +402,14 @@ def test_a_record_whose_queue_id_and_offset_flipped_is_neither_dispatched_nor_qu
                                                      r"consume queue TopicA/1 offset 0 points at it"):
             store.query("TopicA", uniq)
     result = repair_store(str(basic_copy), golden_config())
-    assert result["ok"] and [f["fields"] for f in result["restored"]] == [
-        {"queueId": {"read": 9, "restored": 1}, "queueOffset": {"read": 1 << 45, "restored": 0}}]
+    assert [f["fields"] for f in result["suspect"]] == [
+        {"queueId": {"read": 9, "unitSays": 1}, "queueOffset": {"read": 1 << 45, "unitSays": 0}}]
+    # Kept as it reads, and not placed at queue offset 2**45 (no queue of blank units up to there): a gap at 0.
+    assert [(u["topic"], u["queueId"], u["commitLogOffset"]) for u in result["unplaced"]] == [("TopicA", 9, 0)]
     with MessageStore.open(str(basic_copy), read_only=True) as store:
-        [m] = store.query("TopicA", uniq).messages
-        assert (m.queue_id, m.queue_offset, m.commit_log_offset) == (1, 0, 0)
         assert sorted(store.queue_keys()) == sorted({(x["topic"], x["queueId"]) for x in golden_expected("basic")})
+        [m] = store.query("TopicA", uniq).messages  # still found by its key, body intact, fields as they read
+        assert (m.commit_log_offset, m.body_crc, m.queue_id) == (0, e["bodyCrc"], 9)
 
 
 def test_recovery_does_not_open_a_queue_for_a_record_another_queue_s_unit_points_at(tmp_path):
@@ -426,5 +441,7 @@ def test_query_refuses_a_record_whose_queue_offset_flipped_within_its_own_queue(
     with MessageStore.open(str(basic_copy), read_only=True) as store:
         with pytest.raises(CorruptRecordError, match="consume queue TopicA/1 offset 0 points at it"):
             store.query("TopicA", e["properties"]["UNIQ_KEY"])
-    assert [f["fields"] for f in repair_store(str(basic_copy), golden_config())["restored"]] == [
-        {"queueOffset": {"read": 1 << 57, "restored": 0}}]
+    result = repair_store(str(basic_copy), golden_config())
+    assert [f["fields"] for f in result["suspect"]] == [{"queueOffset": {"read": 1 << 57, "unitSays": 0}}]
+    assert [u["queueOffset"] for u in result["unplaced"]] == [1 << 57]  # kept as it reads, placed nowhere
+    assert tree_digest(basic_copy / "commitlog") != tree_digest(golden_store("basic") / "commitlog")

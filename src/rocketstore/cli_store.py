@@ -190,6 +190,15 @@ def print_verify_table(result: dict[str, Any]) -> None:
     for s in result.get("lost", []):
         sys.stdout.write(f"  {'not kept':<15} {s['file']} @ {s['offset']} ({s['length']} bytes, {s['action']}): "
                          f"{s['reason']}\n")
+    for g in result.get("gaps", []):
+        sys.stdout.write(f"  {'gap':<15} {g['topic']}-{g['queueId']} queue offsets {g['from']}..{g['to']}: no record "
+                         "left in the commitlog\n")
+    for u in result.get("unplaced", []) + result.get("suspect", []):
+        why = u.get("reason") or ", ".join(f"{k} reads {v['read']!r}, old unit says {v['unitSays']!r}"
+                                           for k, v in u["fields"].items())
+        sys.stdout.write(f"  {'kept as it reads':<15} record @ {u.get('commitLogOffset', u.get('offset'))}: {why}\n")
+    for k in result.get("kept", []):
+        sys.stdout.write(f"  {'kept':<15} {k['file']}: {k['detail']}\n")
     for p in result["problems"]:
         sys.stdout.write(f"  {p['kind']:<15} {p['file']} @ {p['offset']}: {p['detail']}\n")
     sys.stdout.write("OK\n" if result["ok"] else "INCONSISTENT\n")

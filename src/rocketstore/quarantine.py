@@ -5,15 +5,25 @@ offset that does not follow) and moves them to ``quarantine/`` only after all
 of them are known.  Without ``allow_quarantine`` it refuses, before any file has
 moved, when more than one file of a kind would go (a wrong config or a damaged
 store, not a stray file) or when a commitlog segment that may hold messages
-would: moving it would hide them.
+would: moving it would hide them.  A segment holds messages when it is full
+size, lies before the last segment that loaded, or holds a trusted record
+(magic, size, PHYSICALOFFSET equal to its position, body CRC).
+
+A last segment shorter than the segment size whose records are trusted is a
+torn file (a copy or a file system that lost its tail), not a stray: a writable
+open extends it with zeros to its size (:func:`extend_torn_last_segment`) and
+recovery then ends the log after its last intact record, as for any torn tail.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 
+from . import codec
 from .errors import StoreLoadError
+from .mapped_file import allocate
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +37,71 @@ def file_kind(root: str, path: str) -> str | None:
     if kind in KINDS and len(name) == KINDS[kind] and name.isdigit():
         return kind
     return None
+
+
+def trusted_record_in(path: str, base: int) -> int | None:
+    """Commitlog offset of the first trusted record of the segment file at ``path`` (named ``base``), or None.
+
+    Trusted: magic, size, PHYSICALOFFSET equal to ``base`` plus its position and
+    body CRC all hold, so a copy of a record elsewhere in the log never counts.
+    """
+    try:
+        size = os.path.getsize(path)
+        if size < 8:
+            return None
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            n, parsed, _reason = codec.check(mm, 0, size, check_crc=True, parsed=True)
+            if parsed is not None and n > 0 and parsed[0][6] == base:
+                return base
+            pos = 0
+            while (p := codec.find_record(mm, pos, size, base, check_crc=True)) is not None:
+                if int.from_bytes(mm[p + 4:p + 8], "big") != codec.BLANK_MAGIC:
+                    return base + p
+                pos = p + 1
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def extend_torn_last_segment(directory: str, file_size: int, read_only: bool) -> str | None:
+    """Extend a torn last commitlog segment (shorter than ``file_size``, holding a trusted record) with zeros.
+
+    Moving it to quarantine would hide its messages and hand their queue offsets
+    to the next puts; extended, it loads, and recovery keeps every intact record
+    and ends the log at the first torn one.  A read-only open refuses with an
+    error that says so.  Returns the path extended, or None.
+    """
+    try:
+        names = sorted(n for n in os.listdir(directory) if len(n) == 20 and n.isdigit())
+    except OSError:
+        return None
+    if not names:
+        return None
+    path = os.path.join(directory, names[-1])
+    base = int(names[-1])
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return None
+    if not 0 < size < file_size or base % file_size or not os.path.isfile(path) or \
+            (len(names) > 1 and int(names[-2]) + file_size != base):
+        return None
+    first = trusted_record_in(path, base)
+    if first is None:
+        return None  # no message in it: an ordinary bad file (quarantine rules apply)
+    if read_only:
+        raise StoreLoadError(f"{path}: a torn last segment ({size} of {file_size} bytes) holding records from "
+                             f"commitlog offset {first}; a writable open (rocketstore recover) extends it with zeros "
+                             "and keeps its intact records")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        allocate(fd, file_size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    log.warning("%s: torn last segment of %d bytes (expected %d) holding records; extended with zeros, recovery "
+                "keeps its intact records", path, size, file_size)
+    return path
 
 
 class QuarantinePlan:
@@ -46,7 +121,8 @@ class QuarantinePlan:
         for path, reason in self.moves:
             kind = file_kind(self.root, path)
             if kind == "commitlog" and (os.path.getsize(path) == segment_size or
-                                        (segments and int(os.path.basename(path)) < segments[-1].file_from_offset)):
+                                        (segments and int(os.path.basename(path)) < segments[-1].file_from_offset)
+                                        or trusted_record_in(path, int(os.path.basename(path))) is not None):
                 raise StoreLoadError(f"{path}: {reason}; it may hold messages that moving it to quarantine/ would "
                                      "hide; refusing to open, nothing was moved (pass --allow-quarantine to move it)")
             if kind is not None:

@@ -1,4 +1,4 @@
-"""Offline repair: keep every CRC-valid CommitLog record, then rebuild the consume queues, index and checkpoint.
+"""Offline repair: keep every trusted CommitLog record as it is, then rebuild the consume queues, index and checkpoint.
 
 The CommitLog is the source of truth and repair never deletes or zeroes bytes
 that hold a valid record.  It walks every segment with the full checks (magic,
@@ -36,30 +36,46 @@ their TOTALSIZE:
   the rebuild's recovery ends the log there, as RocketMQ would.
 
 Without consume-queue knowledge (queue files lost, or a PREPARED/ROLLBACK
-record) the span gets only fillers or a blank; later messages of that queue
-then move down an offset, which ``verify`` reports as a ``cq-gap``.  New
-records take the next valid record's store time, so RocketMQ's abnormal
-recovery never starts later because of them.  They carry no ``__CRC32#``
-property: a broker run with ``forceVerifyPropCRC=true`` (off by default) would
-refuse them, as it refuses every record written without ``enabledAppendPropCRC``.
+record) the span gets only fillers or a blank; the lost message's queue offset
+is then a gap in the rebuilt queue (see below).  New records take the next
+valid record's store time, so RocketMQ's abnormal recovery never starts later
+because of them.  They carry no ``__CRC32#`` property: a broker run with
+``forceVerifyPropCRC=true`` (off by default) would refuse them, as it refuses
+every record written without ``enabledAppendPropCRC``.
 
-A record whose routing fields (topic, queue id, queue offset: no CRC covers
-them) contradict the one old consume-queue unit that points at it, while its
-size and tagsCode match that unit and no other unit claims it, had its header
-damaged: dispatching it as it reads would put the message in another queue
-(or at another offset) than the one its producer was acknowledged for.  Repair
-writes the unit's values back into those fields (a **restored** header, the
-body untouched); when the evidence is not that clear it leaves the record as
-it is and the rebuild dispatches it as it reads.
+**An intact record is never rewritten.**  A trusted record (magic, size,
+PHYSICALOFFSET equal to its position, body CRC) keeps every byte, even when the
+old consume-queue unit pointing at it names another topic, queue or queue
+offset (no CRC covers those fields): the old unit is a cache and may be the
+damaged one (two swapped units made an earlier version rewrite two intact
+records).  Such records are reported as ``suspect``.
 
-Before any byte changes, the original segment is copied to
-``quarantine/repair-<ms>/commitlog/``; the consume queues, the index, the
-checkpoint and an ``abort`` file are moved there too and the rebuilt ones take
-their place (old files that come out identical are not kept).  ``report.json``
-in that directory lists every damaged span; ``verify`` reports such a directory
-until the operator removes it.  Records in a damaged span are lost: each is
-reported with its file, offset and reason (and its queue and queue offset when
-the old consume queues knew it), and repair's result is then not OK.
+**Place, never append.**  The consume queues and the index are rebuilt from
+one walk over the trusted records: each record's unit goes to its own queue
+offset.  A queue offset no trusted record holds stays a gap (a blank unit,
+reported under ``gaps``), so no later message moves to another offset.  A
+record that cannot be placed without moving others (out of commitlog order
+with its queue: two records claiming one offset, or a flipped offset field) or
+whose offset lies further past the one before than the bytes between could
+hold records is left out and reported under ``unplaced``; it stays in the
+commitlog as it reads.
+
+**A marker, then the old state or the new.**  Before anything changes,
+``STORE/repair.json`` names the operation, its quarantine directory and the
+segments it rewrites (written beside, fsynced, renamed, directory fsynced).
+Each touched segment's original is kept in ``quarantine/repair-<ms>/commitlog/``
+(a hard link) and its new content is written in ``quarantine/repair-<ms>/new/``
+and renamed over it.  The queues and the index are built in that directory and
+swapped in; the old ones, the checkpoint and an ``abort`` file are kept there
+(old files that come out identical are dropped).  While the marker exists,
+readers refuse the store and the next writable open (``rocketstore recover``,
+or ``verify --repair``) rolls the repair back if it was still rewriting
+segments, or finishes it: Ctrl-C or SIGKILL at any point leaves the old state
+or the new.  ``report.json`` in the quarantine directory lists every damaged
+span; ``verify`` lists such directories as ``kept``, not as problems.  Records
+in a damaged span are lost: each is reported with its file, offset and reason
+(and its queue and queue offset when the old consume queues knew it), and
+repair's result is then not OK.
 """
 
 from __future__ import annotations
@@ -80,6 +96,9 @@ from . import codec
 from .config import StoreConfig
 from .consume_queue import CQ_STORE_UNIT_SIZE
 from .errors import StoreError, StoreLoadError, StoreLockedError
+from .quarantine import extend_torn_last_segment, trusted_record_in
+from .index import IndexService
+from .message import illegal_topic
 from .store import MessageStore, StorePaths, infer_config
 from .verify import finding, resync, verify_store
 
@@ -89,6 +108,10 @@ FILLER_TOPIC = "ROCKETSTORE_REPAIR_FILLER"
 FILLER_SYS_FLAG = codec.TRANSACTION_ROLLBACK
 MAX_FILLER_BYTES = 1 << 20  # well under maxMessageSize, so any reader takes a filler as an ordinary record
 REPORT_NAME = "report.json"
+# Phases of a repair, as its marker (StorePaths.repair_marker) names them: while "commitlog", an interrupted repair
+# is rolled back (every segment's original is kept); from "rebuild" on it is finished (the rebuild is idempotent).
+PHASES = ("commitlog", "rebuild", "finish")
+GEOMETRY_KEYS = ("mappedFileSizeCommitLog", "mappedFileSizeConsumeQueue", "maxHashSlotNum", "maxIndexNum")
 LOST_TAG = "ROCKETSTORE_LOST"  # TAGS of a tombstone: tag subscriptions never match it
 LOST_PROPERTY = "ROCKETSTORE_LOST"  # its value names the quarantine directory holding the original bytes
 MAX_NOTE = 40  # the longest such value ("repair-" and the time in ms)
@@ -120,16 +143,16 @@ class DamagedSpan:
 
 @dataclass
 class HeaderFix:
-    """A record whose routing fields a bit flip changed, and the values its consume-queue unit says they had."""
+    """A record whose routing fields disagree with its old consume-queue unit: reported, never written."""
 
     file: str
     offset: int  # commitlog offset of the record
-    fields: dict[str, tuple[Any, Any]]  # field name -> (value read, value restored)
-    writes: list[tuple[int, bytes]]  # (position in the file, bytes written there)
+    fields: dict[str, tuple[Any, Any]]  # field name -> (value read, value the old unit says)
+    writes: list[tuple[int, bytes]]  # (position in the file, bytes the unit's values would be): never written
 
     def to_json(self) -> dict[str, Any]:
         return {"file": self.file, "offset": self.offset,
-                "fields": {k: {"read": a, "restored": b} for k, (a, b) in self.fields.items()}}
+                "fields": {k: {"read": a, "unitSays": b} for k, (a, b) in self.fields.items()}}
 
 
 def _is_zero(buf: Any, start: int, end: int) -> bool:
@@ -210,22 +233,25 @@ def filler_record(size: int, physical_offset: int, store_timestamp: int) -> byte
 def tombstone_record(size: int, msg: dict[str, Any], physical_offset: int, store_timestamp: int,
                      note: str) -> bytes | None:
     """A record of the lost message's topic, queue and queue offset, exactly ``size`` bytes (zero body), tagged
-    ``LOST_TAG`` and carrying ``LOST_PROPERTY`` = ``note``; None when ``size`` is too small for one."""
-    props = f"TAGS\x01{LOST_TAG}\x02{LOST_PROPERTY}\x01{note}\x02"
-    try:
-        head = codec.encode(msg["topic"], b"", queue_id=msg["queueId"], properties=props)[1]
-    except codec.RecordError:
-        return None
-    if size < head:
-        return None
-    out = codec.encode_bytes(msg["topic"], bytes(size - head), queue_id=msg["queueId"], properties=props,
-                             born_timestamp=store_timestamp, queue_offset=msg["queueOffset"],
-                             physical_offset=physical_offset, store_timestamp=store_timestamp,
-                             max_message_size=max(size, 4194304))
-    return bytes(out) if len(out) == size else None
+    ``LOST_TAG`` and carrying ``LOST_PROPERTY`` = ``note``; when that does not fit (a lost record smaller than
+    about 150 bytes) tagged only; None when ``size`` is too small even for that."""
+    for props in (f"TAGS\x01{LOST_TAG}\x02{LOST_PROPERTY}\x01{note}\x02", f"TAGS\x01{LOST_TAG}\x02"):
+        try:
+            head = codec.encode(msg["topic"], b"", queue_id=msg["queueId"], properties=props)[1]
+        except codec.RecordError:
+            return None
+        if size < head:
+            continue
+        out = codec.encode_bytes(msg["topic"], bytes(size - head), queue_id=msg["queueId"], properties=props,
+                                 born_timestamp=store_timestamp, queue_offset=msg["queueOffset"],
+                                 physical_offset=physical_offset, store_timestamp=store_timestamp,
+                                 max_message_size=max(size, 4194304))
+        return bytes(out) if len(out) == size else None
+    return None
 
 
-def layout(span: DamagedSpan, held: set[tuple[str, int, int]]) -> list[tuple[int, int, str, dict[str, Any] | None]]:
+def layout(span: DamagedSpan, held: set[tuple[str, int, int]],
+           note: str = "x" * MAX_NOTE) -> list[tuple[int, int, str, dict[str, Any] | None]]:
     """How a span is rewritten: a tombstone of each lost message's size at its start (as the old consume
     queues place it, and only for a queue offset no surviving record holds), fillers between them, and for a
     blank span a blank after the last; plain fillers (or one blank) when that does not fit."""
@@ -255,7 +281,7 @@ def layout(span: DamagedSpan, held: set[tuple[str, int, int]]) -> list[tuple[int
             pieces.append((stop, nxt - stop, rest, None))
     for off, n, kind, m in pieces:
         if kind == "filler" and not filler_pieces(n) or kind == "tombstone" and (
-                n > MAX_TOMBSTONE_BYTES or tombstone_record(n, m, off, 0, "x" * MAX_NOTE) is None):
+                n > MAX_TOMBSTONE_BYTES or tombstone_record(n, m, off, 0, note) is None):
             return plain
     return pieces
 
@@ -345,14 +371,15 @@ def header_fixes(cq_root: str, cdir: str, file_size: int, spans: list[DamagedSpa
     between two units of its queue that agree with their records in every field (after one, for the queue's
     first unit).
 
-    Dispatch writes a unit from the record's fields, so a record that agrees
-    with its unit on size and tagsCode but names another queue or offset was
-    changed afterwards; a bit flip in a unit could not make it point exactly
-    at another record of the same size and tags.  The sound neighbours rule out
+    Reported (``suspect``), never written back: two swapped units look just the
+    same, and the old unit is a cache that may be the damaged one.  Dispatch
+    writes a unit from the record's fields, so a record that agrees with its
+    unit on size and tagsCode but names another queue or offset may have been
+    changed afterwards.  The sound neighbours rule out
     the one way dispatch itself writes units at other offsets than their
     records': a queue that lost units and was refilled from later records
     (RocketMQ's gap handling shifts every unit after the gap, not one).  A
-    V1/V2 topic is restored only at the same byte length, and only for records
+    V1/V2 topic is named only at the same byte length, and only for records
     dispatch puts in a queue (not PREPARED or ROLLBACK: which of the two it was
     is unknown).
     """
@@ -433,15 +460,12 @@ def header_fixes(cq_root: str, cdir: str, file_size: int, spans: list[DamagedSpa
                 mm.close()
 
 
-def _fields(fix: HeaderFix) -> str:
-    return ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in fix.fields.items())
-
-
 @contextmanager
-def _store_lock(paths: StorePaths, dry_run: bool) -> Iterator[None]:
-    """Hold the store's lock (RocketMQ's, on byte 0 of ``lock``) so no broker runs while repair works."""
+def _store_lock(paths: StorePaths, dry_run: bool) -> Iterator[int | None]:
+    """Hold the store's lock (RocketMQ's, on byte 0 of ``lock``) so no broker runs while repair works; yields
+    its descriptor (None for a dry run of a store without a lock file)."""
     if not os.path.exists(paths.lock) and dry_run:
-        yield
+        yield None
         return
     fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -451,10 +475,10 @@ def _store_lock(paths: StorePaths, dry_run: bool) -> Iterator[None]:
         except OSError:
             raise StoreLockedError(f"{paths.lock}: store is locked by another process; stop it before repair") \
                 from None
-        yield
+        yield fd
     finally:
         # POSIX record locks belong to the process: the store opened inside takes the same lock without
-        # waiting, and its close drops it; by then every write is done (only the read-only verify follows).
+        # waiting, and its close drops it (the rebuild takes it again after).
         os.close(fd)
 
 
@@ -469,32 +493,113 @@ def plan(path: str, file_size: int) -> list[DamagedSpan]:
         size = os.path.getsize(p)
         if size == 0 and i == len(names) - 1:
             continue
-        if size != file_size:
+        last = i == len(names) - 1
+        if size != file_size and not (last and size < file_size and trusted_record_in(p, int(name)) is not None):
             raise StoreLoadError(f"{p}: {size} bytes, expected {file_size}; repair refuses to guess its records "
                                  "(set mappedFileSizeCommitLog or move the file aside)")
         with open(p, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            found, last_ts = scan_segment(mm, p, int(name), size, i == len(names) - 1, last_ts)
+            found, last_ts = scan_segment(mm, p, int(name), size, last, last_ts)  # a torn last one: as far as it goes
             spans += found
     return spans
 
 
-def _apply(spans: list[DamagedSpan], fixes: list[HeaderFix], qdir: str, file_size: int) -> list[DamagedSpan]:
-    """Copy each touched segment to ``qdir/commitlog``, rewrite its damaged spans and restore the headers of
-    ``fixes``; the spans not rewritten."""
+# ---------------------------------------------------------------- durable steps
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: str, data: bytes) -> None:
+    """Write ``data`` beside ``path``, fsync, rename over it, fsync the directory: old bytes or new, never half."""
+    d, name = os.path.split(path)
+    tmp = os.path.join(d, f".{name}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(d)
+
+
+def _keep_original(src: str, dest: str, link: bool = True) -> None:
+    """Keep the file at ``src`` as ``dest``: a hard link where the file system allows and ``link`` (for a file
+    that is replaced by a rename, never written in place), else a durable copy."""
+    if os.path.exists(dest):
+        return  # kept by an earlier, interrupted run of the same repair
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    tmp = dest + ".tmp"
+    if os.path.exists(tmp):
+        os.unlink(tmp)
+    try:
+        if not link:
+            raise OSError("copy")
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+    os.replace(tmp, dest)
+    _fsync_dir(os.path.dirname(dest))
+
+
+def _step(name: str) -> None:
+    """A point between two durable steps of a repair (tests interrupt the repair here)."""
+
+
+def read_marker(root: str) -> dict[str, Any] | None:
+    """The marker of a repair that has not finished (None when there is none); an unreadable one is an error."""
+    path = StorePaths(root).repair_marker
+    try:
+        with open(path, encoding="utf-8") as fh:
+            marker = json.load(fh)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise StoreLoadError(f"{path}: marker of an interrupted repair cannot be read ({e}); the store is in the "
+                             "middle of a rewrite, nothing was changed (restore the originals kept in "
+                             "quarantine/ by hand)") from None
+    if not isinstance(marker, dict) or marker.get("phase") not in PHASES:
+        raise StoreLoadError(f"{path}: not a repair marker this version knows ({str(marker)[:80]}); nothing was "
+                             "changed")
+    return marker
+
+
+def describe_marker(root: str, marker: dict[str, Any]) -> str:
+    """One line for errors: what is under way, and what finishes it."""
+    return (f"{StorePaths(root).repair_marker}: {marker.get('operation', 'a repair')} of this store was interrupted "
+            f"(phase {marker['phase']}, originals in {marker.get('quarantine')})")
+
+
+def _write_marker(paths: StorePaths, marker: dict[str, Any]) -> None:
+    _write_durably(paths.repair_marker, json.dumps(marker, indent=1).encode())
+
+
+# ---------------------------------------------------------------- commitlog phase
+
+def _apply(spans: list[DamagedSpan], qdir: str, file_size: int) -> list[DamagedSpan]:
+    """Rewrite the damaged spans: each touched segment's original is kept in ``qdir/commitlog`` and its new
+    content is written in ``qdir/new`` and renamed over it (a segment is always whole, old or new); the
+    spans not rewritten are returned."""
     unfixed = []
     by_file: dict[str, list[DamagedSpan]] = {}
     for s in spans:
         by_file.setdefault(s.file, []).append(s)
-    for fix in fixes:
-        by_file.setdefault(fix.file, [])
+    cdir = None
     for p, file_spans in by_file.items():
-        keep = os.path.join(qdir, "commitlog", os.path.basename(p))
-        os.makedirs(os.path.dirname(keep), exist_ok=True)
-        shutil.copyfile(p, keep)
-        with open(keep, "rb") as fh:
-            os.fsync(fh.fileno())
-        base = int(os.path.basename(p))
-        with open(p, "r+b") as fh:
+        cdir = os.path.dirname(p)
+        name = os.path.basename(p)
+        keep = os.path.join(qdir, "commitlog", name)
+        _keep_original(p, keep)
+        _step("kept " + name)
+        new = os.path.join(qdir, "new", name)
+        os.makedirs(os.path.dirname(new), exist_ok=True)
+        shutil.copyfile(keep, new)
+        base = int(name)
+        with open(new, "r+b") as fh:
             for s in file_spans:
                 log.warning("%s: %d bytes at commitlog offset %d (%s): %s; original kept in %s", p, s.length,
                             s.offset, s.reason, "left to recovery" if not s.pieces else
@@ -512,24 +617,390 @@ def _apply(spans: list[DamagedSpan], fixes: list[HeaderFix], qdir: str, file_siz
                         for n in filler_pieces(length):
                             os.pwrite(fh.fileno(), filler_record(n, base + at, s.resume_store_timestamp), at)
                             at += n
-            for fix in fixes:
-                if fix.file == p:
-                    log.warning("%s: record at commitlog offset %d: %s restored from its consume-queue unit; "
-                                "original kept in %s", p, fix.offset, _fields(fix), keep)
-                    for at, data in fix.writes:
-                        os.pwrite(fh.fileno(), data, at)
             os.fsync(fh.fileno())
+        _step("written " + name)
+        os.replace(new, p)
+        _fsync_dir(cdir)
+        _step("replaced " + name)
     return unfixed
 
 
-def _files(root: str) -> dict[str, str]:
-    out = {}
-    if os.path.isdir(root):
-        for d, _dirs, names in os.walk(root):
-            for name in names:
-                p = os.path.join(d, name)
-                out[os.path.relpath(p, root)] = p
-    return out
+def _roll_back(paths: StorePaths, marker: dict[str, Any]) -> None:
+    """Undo a repair interrupted while it rewrote segments: put every kept original back, drop the rest."""
+    qdir = os.path.join(paths.quarantine, marker["quarantine"])
+    for name in marker.get("segments", []):
+        kept = os.path.join(qdir, "commitlog", name)
+        if os.path.exists(kept):  # the segment is only replaced after its original is kept
+            os.replace(kept, os.path.join(paths.commitlog, name))
+    if os.path.isdir(paths.commitlog):
+        _fsync_dir(paths.commitlog)
+    shutil.rmtree(qdir, ignore_errors=True)
+    if os.path.isdir(paths.quarantine) and not os.listdir(paths.quarantine):
+        os.rmdir(paths.quarantine)
+    os.unlink(paths.repair_marker)
+    _fsync_dir(paths.root)
+    log.warning("%s: an interrupted %s was rolled back before any segment stayed rewritten; the store is as it "
+                "was before it", paths.root, marker.get("operation", "repair"))
+
+
+# ---------------------------------------------------------------- rebuild phase: place, never append
+
+_UNIT = struct.Struct(">qiq")
+MIN_RECORD_SIZE = codec.record_length(0, 1, 0, 0, False)  # no record is shorter: bounds how many fit in a span
+
+
+@dataclass
+class _Placed:
+    phy: int
+    size: int
+    queue_offset: int
+    tags_code: int
+
+
+def trusted_records(cdir: str, file_size: int) -> Iterator[codec.MessageExt]:
+    """Every trusted record (magic, size, PHYSICALOFFSET equal to its position, body CRC) in commitlog order.
+
+    A record that fails is skipped to the next trusted one (verify's resync) in
+    every segment but the last, where recovery ends the log at it.
+    """
+    names = sorted(n for n in os.listdir(cdir) if len(n) == 20 and n.isdigit())
+    for i, name in enumerate(names):
+        path = os.path.join(cdir, name)
+        size = os.path.getsize(path)
+        if size == 0:
+            continue
+        base, last = int(name), i == len(names) - 1
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            pos = 0
+            while pos < size:
+                stopped = None
+                for p, n, msg, _reason in codec.walk(mm, pos, size, check_crc=True):
+                    if n == 0:
+                        stopped = size  # a blank record ends the file
+                        break
+                    if msg is None or msg.commit_log_offset != base + p:
+                        stopped = p
+                        break
+                    yield msg
+                    pos = p + n
+                else:
+                    break  # zeros: the written end
+                if stopped >= size or last:
+                    break
+                nxt = resync(mm, stopped, size, base)
+                if nxt is None:
+                    break
+                pos = nxt[0]
+
+
+def _longest_ordered(recs: list[_Placed], prefer: Any = None) -> list[_Placed]:
+    """The longest run of records (in commitlog order) whose queue offsets strictly grow: dispatch writes a
+    queue in commitlog order, so a record out of that order cannot be placed without moving its neighbours.
+    Of two records claiming one queue offset the first is kept (as dispatch skips the later one) unless
+    ``prefer(record)`` says the later one is what the old consume queue pointed at."""
+    tails: list[int] = []  # tails[k]: index of the record ending the best ordered run of length k+1
+    prev = [-1] * len(recs)
+    for i, r in enumerate(recs):
+        lo, hi = 0, len(tails)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if recs[tails[mid]].queue_offset < r.queue_offset:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < len(tails) and recs[tails[lo]].queue_offset == r.queue_offset and not (prefer and prefer(r)):
+            continue
+        prev[i] = tails[lo - 1] if lo else -1
+        if lo == len(tails):
+            tails.append(i)
+        else:
+            tails[lo] = i
+    out: list[_Placed] = []
+    i = tails[-1] if tails else -1
+    while i >= 0:
+        out.append(recs[i])
+        i = prev[i]
+    return out[::-1]
+
+
+def _old_unit_reader(cq_root: str, file_size: int) -> Any:
+    """(topic, queue id, queue offset) -> the commitlog offset the old consume queue's unit there points at."""
+    def phy_at(topic: str, qid: int, qoff: int) -> int | None:
+        at = qoff * CQ_STORE_UNIT_SIZE
+        path = os.path.join(cq_root, topic, str(qid), f"{at - at % file_size:020d}")
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(at % file_size)
+                raw = fh.read(CQ_STORE_UNIT_SIZE)
+        except OSError:
+            return None
+        return _UNIT.unpack(raw)[0] if len(raw) == CQ_STORE_UNIT_SIZE else None
+    return phy_at
+
+
+def place_queues(records: Iterator[codec.MessageExt], on_record: Any = None, old_unit: Any = None) -> tuple[
+        dict[tuple[str, int], list[_Placed]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """Each trusted record's unit at its own queue offset: (queue -> placed records, gaps, records not placed).
+
+    A record is left out (reported, never moved to another offset) when it is
+    out of commitlog order with its queue's others (two records claiming one
+    offset, or an offset field a bit flip changed), or when its queue offset
+    lies further past the one before it than the bytes between them could hold
+    records (a flipped high bit: placing it would write a queue of blank units
+    up to there).  A queue offset no placed record holds is a gap: a blank unit.
+    ``old_unit(topic, queue id, queue offset)``: where the old consume queue
+    pointed, to choose between two records claiming one offset.
+    """
+    queues: dict[tuple[str, int], list[_Placed]] = {}
+    legal: dict[str, bool] = {}
+    for msg in records:
+        if on_record is not None:
+            on_record(msg)
+        if msg.sys_flag & codec.TRANSACTION_MASK not in (codec.TRANSACTION_NOT_TYPE, codec.TRANSACTION_COMMIT):
+            continue
+        ok = legal.get(msg.topic)
+        if ok is None:
+            ok = legal[msg.topic] = illegal_topic(msg.topic) is None
+        if not ok:
+            continue
+        code = codec.dispatch_tags_code(msg.topic, msg.properties, msg.store_timestamp)
+        queues.setdefault((msg.topic, msg.queue_id), []).append(
+            _Placed(msg.commit_log_offset, msg.size, msg.queue_offset, code))
+    placed: dict[tuple[str, int], list[_Placed]] = {}
+    gaps: list[dict[str, Any]] = []
+    unplaced: list[dict[str, Any]] = []
+    for (topic, qid), recs in sorted(queues.items()):
+        prefer = None
+        if old_unit is not None:
+            def prefer(r: _Placed, topic: str = topic, qid: int = qid) -> bool:
+                return old_unit(topic, qid, r.queue_offset) == r.phy
+        ordered = _longest_ordered(recs, prefer)
+        chosen: list[_Placed] = []
+        for r in ordered:
+            before = chosen[-1] if chosen else None
+            room = r.phy - (before.phy + before.size if before else 0)
+            missing = r.queue_offset - (before.queue_offset + 1 if before else 0)
+            if missing * MIN_RECORD_SIZE > room:
+                unplaced.append({"topic": topic, "queueId": qid, "queueOffset": r.queue_offset,
+                                 "commitLogOffset": r.phy, "reason": f"{missing} record(s) of the queue would have to "
+                                 f"lie in the {room} bytes before it"})
+                continue
+            if before is not None and missing:
+                gaps.append({"topic": topic, "queueId": qid, "from": before.queue_offset + 1,
+                             "to": r.queue_offset - 1})
+            chosen.append(r)
+        in_order = {id(r) for r in ordered}
+        at = {r.queue_offset: r for r in chosen}
+        for r in recs:
+            if id(r) not in in_order:  # (those in order but not chosen are reported above)
+                other = at.get(r.queue_offset)
+                unplaced.append({"topic": topic, "queueId": qid, "queueOffset": r.queue_offset,
+                                 "commitLogOffset": r.phy, "reason": (
+                                     f"the record at {other.phy} holds that queue offset" if other is not None
+                                     else "out of commitlog order with the queue's other records")})
+        placed[(topic, qid)] = chosen
+    return placed, gaps, unplaced
+
+
+_BLANK_UNIT = _UNIT.pack(0, 0x7FFFFFFF, 0)
+
+
+def write_queue(root: str, topic: str, queue_id: int, units: list[_Placed], file_size: int) -> None:
+    """Write one queue's files under ``root``: each unit at its queue offset, blank units for gaps and below
+    the first (as dispatch pads a queue that starts past 0), zeros after the last; fsynced."""
+    if not units:
+        return
+    d = os.path.join(root, topic, str(queue_id))
+    os.makedirs(d, exist_ok=True)
+    per_file = file_size // CQ_STORE_UNIT_SIZE
+    first_file = units[0].queue_offset // per_file
+    i = 0
+    for k in range(first_file, units[-1].queue_offset // per_file + 1):
+        lo = k * per_file
+        buf = bytearray(file_size)
+        filled = 0  # units of this file written so far
+        while i < len(units) and units[i].queue_offset < lo + per_file:
+            u = units[i]
+            slot = u.queue_offset - lo
+            if slot > filled:
+                buf[filled * CQ_STORE_UNIT_SIZE:slot * CQ_STORE_UNIT_SIZE] = _BLANK_UNIT * (slot - filled)
+            _UNIT.pack_into(buf, slot * CQ_STORE_UNIT_SIZE, u.phy, u.size, u.tags_code)
+            filled = slot + 1
+            i += 1
+        if i < len(units) and filled < per_file:  # the gap runs on into the next file
+            buf[filled * CQ_STORE_UNIT_SIZE:] = _BLANK_UNIT * (per_file - filled)
+        with open(os.path.join(d, f"{lo * CQ_STORE_UNIT_SIZE:020d}"), "wb") as fh:
+            fh.write(buf)
+            fh.flush()
+            os.fsync(fh.fileno())
+    _fsync_dir(d)
+    _fsync_dir(os.path.dirname(d))
+
+
+def _build(paths: StorePaths, cfg: StoreConfig, qdir: str) -> dict[str, Any]:
+    """Walk the commitlog once and write the consume queues (placed) and the index into ``qdir/*.new``."""
+    cq_new = os.path.join(qdir, "consumequeue.new")
+    ix_new = os.path.join(qdir, "index.new")
+    for d in (cq_new, ix_new):
+        shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(cq_new)
+    index = None
+    last_ts = 0
+    if cfg.messageIndexEnable:
+        index = IndexService(ix_new, cfg.maxHashSlotNum, cfg.maxIndexNum)
+        index.load(True, 0)
+
+    def on_record(msg: codec.MessageExt) -> None:
+        nonlocal last_ts
+        last_ts = msg.store_timestamp
+        if index is not None:
+            props = msg.properties
+            index.build_index(msg.topic, msg.commit_log_offset, msg.store_timestamp,
+                              msg.sys_flag & codec.TRANSACTION_MASK, props.get("UNIQ_KEY"), props.get("KEYS"))
+
+    try:
+        old = os.path.join(qdir, "consumequeue")  # the old queues, once an interrupted run moved them here
+        old_unit = _old_unit_reader(old if os.path.isdir(old) else paths.consumequeue, cfg.mappedFileSizeConsumeQueue)
+        placed, gaps, unplaced = place_queues(trusted_records(paths.commitlog, cfg.mappedFileSizeCommitLog),
+                                              on_record, old_unit)
+        full_ts = 0
+        if index is not None:
+            index.flush()
+            full = [f for f in index.files if f.is_full()]
+            full_ts = full[-1].end_timestamp if full else 0
+    finally:
+        if index is not None:
+            index.close()
+    for (topic, qid), units in placed.items():
+        write_queue(cq_new, topic, qid, units, cfg.mappedFileSizeConsumeQueue)
+    _fsync_dir(cq_new)
+    if os.path.isdir(ix_new):
+        _fsync_dir(ix_new)
+    for g in gaps:
+        log.error("%s-%d: queue offsets %d..%d have no trusted record in the commitlog: left as a gap (blank units)",
+                  g["topic"], g["queueId"], g["from"], g["to"])
+    for u in unplaced:
+        log.error("record at commitlog offset %d (%s-%d queue offset %d) not placed in its queue: %s; it stays in "
+                  "the commitlog as it is", u["commitLogOffset"], u["topic"], u["queueId"], u["queueOffset"],
+                  u["reason"])
+    return {"gaps": gaps, "unplaced": unplaced, "indexMsgTimestamp": full_ts}
+
+
+def _swap_in(paths: StorePaths, qdir: str, name: str) -> None:
+    """Move the store's ``name`` to ``qdir`` (once: a later run finds it there) and ``qdir/name.new`` in."""
+    live, old, new = os.path.join(paths.root, name), os.path.join(qdir, name), os.path.join(qdir, name + ".new")
+    if not os.path.exists(new):
+        return
+    if os.path.lexists(live):
+        if os.path.exists(old):  # what an interrupted run of this repair swapped in: rebuilt again
+            shutil.rmtree(live) if os.path.isdir(live) else os.unlink(live)
+        else:
+            os.replace(live, old)
+    os.replace(new, live)
+    _fsync_dir(paths.root)
+
+
+def _rebuild(paths: StorePaths, cfg: StoreConfig, marker: dict[str, Any], lock_fd: int | None) -> list[str]:
+    """Rebuild consume queues, index and checkpoint from the (rewritten) commitlog; idempotent, so an
+    interrupted run is finished by running it again.  Returns what changed."""
+    qdir = os.path.join(paths.quarantine, marker["quarantine"])
+    os.makedirs(qdir, exist_ok=True)
+    if os.path.exists(paths.checkpoint):
+        _keep_original(paths.checkpoint, os.path.join(qdir, "checkpoint"), link=False)  # the rebuild keeps its times
+    built = _build(paths, cfg, qdir)
+    _step("built")
+    _swap_in(paths, qdir, "consumequeue")
+    _step("queues swapped")
+    _swap_in(paths, qdir, "index")
+    # The rebuilt files are whole: the next start is a normal one, and a queue refill the store had left
+    # unfinished (consumequeue.rebuild) concerned the old queues.
+    for name in ("abort", "abort.bootid", os.path.basename(paths.cq_rebuild)):
+        src = os.path.join(paths.root, name)
+        if os.path.exists(src):
+            os.replace(src, os.path.join(qdir, name))
+    _fsync_dir(paths.root)
+    _step("swapped")
+    store = MessageStore.open(paths.root, cfg, start_services=False, repairing=True)
+    try:
+        for cq in store.consume_queues():
+            cq.flush(0)
+        store.index_service.flush()
+        report = store.recovery_report
+        store.checkpoint.confirmPhyOffset = report.confirm_offset if report else 0
+        if built["indexMsgTimestamp"]:
+            store.checkpoint.indexMsgTimestamp = built["indexMsgTimestamp"]
+        store.flush_checkpoint()
+        store.recover_topic_queue_table()
+    finally:
+        store.close()
+        if lock_fd is not None:  # the store's close dropped this process's record lock: hold it again
+            import fcntl
+            fcntl.lockf(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+    marker["phase"] = "finish"
+    marker["report"]["gaps"] = built["gaps"]
+    marker["report"]["unplaced"] = built["unplaced"]
+    _write_marker(paths, marker)
+    _step("rebuilt")
+    return _finish(paths, marker)
+
+
+def _finish(paths: StorePaths, marker: dict[str, Any]) -> list[str]:
+    """Drop kept files the rebuild reproduced, write the report (or drop the quarantine directory when
+    nothing was kept), and remove the marker last."""
+    qdir = os.path.join(paths.quarantine, marker["quarantine"])
+    report = marker["report"]
+    repaired = list(report.get("repaired", []))
+    for name in ("consumequeue", "index"):
+        change = _drop_identical(os.path.join(qdir, name), os.path.join(paths.root, name), name)
+        if change:
+            repaired.append(change)
+    shutil.rmtree(os.path.join(qdir, "new"), ignore_errors=True)
+    kept = report["lost"] or report.get("suspect") or any(
+        os.path.exists(os.path.join(qdir, n)) for n in ("commitlog", "consumequeue", "index", "abort"))
+    if not kept:
+        shutil.rmtree(qdir, ignore_errors=True)
+        if os.path.isdir(paths.quarantine) and not os.listdir(paths.quarantine):
+            os.rmdir(paths.quarantine)
+    else:
+        _write_durably(os.path.join(qdir, REPORT_NAME), json.dumps(
+            {**report, "repaired": repaired}, ensure_ascii=False, indent=1).encode())
+    os.unlink(paths.repair_marker)
+    _fsync_dir(paths.root)
+    report["repaired"] = repaired
+    report["kept"] = bool(kept)
+    return repaired
+
+
+def finish_interrupted_repair(root: str, config: StoreConfig | None = None) -> dict[str, Any] | None:
+    """Finish (or, if it was still rewriting segments, roll back) a repair that did not complete: the next
+    writable open runs this before anything else, so an interrupted repair leaves the old state or the new.
+    Returns the marker it found (None when there was none)."""
+    paths = StorePaths(root)
+    if not os.path.exists(paths.repair_marker):
+        return None
+    try:
+        with _store_lock(paths, False) as fd:
+            marker = read_marker(root)
+            if marker is not None:
+                _resume(paths, marker, config, fd)
+            return marker
+    except StoreLockedError:
+        marker = read_marker(root)
+        raise StoreLockedError(f"{describe_marker(root, marker) if marker else paths.repair_marker}; the store is "
+                               "locked by another process (a repair still running?)") from None
+
+
+def _resume(paths: StorePaths, marker: dict[str, Any], config: StoreConfig | None, fd: int | None) -> None:
+    log.warning("%s; %s", describe_marker(paths.root, marker),
+                "rolling it back" if marker["phase"] == "commitlog" else "finishing it")
+    if marker["phase"] == "commitlog":
+        _roll_back(paths, marker)
+        return
+    cfg = infer_config(paths.root, config).inferred(**marker["geometry"])
+    if marker["phase"] == "rebuild":
+        _rebuild(paths, cfg, marker, fd)
+    else:
+        _finish(paths, marker)
 
 
 def _drop_identical(old_root: str, new_root: str, kind: str) -> str | None:
@@ -556,24 +1027,46 @@ def _drop_identical(old_root: str, new_root: str, kind: str) -> str | None:
     return None
 
 
+def _files(root: str) -> dict[str, str]:
+    out = {}
+    if os.path.isdir(root):
+        for d, _dirs, names in os.walk(root):
+            for name in names:
+                p = os.path.join(d, name)
+                out[os.path.relpath(p, root)] = p
+    return out
+
+
 def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool = False) -> dict[str, Any]:
     """Repair the store at ``path`` (see the module docstring); return verify's result plus what was done.
 
     ``lost`` lists every damaged span (with the messages the old consume queues
-    placed there); ``ok`` is false whenever it is not empty.  With ``dry_run``
-    nothing is written: the result says what repair would do.
+    placed there); ``ok`` is false whenever it is not empty.  ``gaps`` and
+    ``unplaced`` say which queue offsets the rebuilt queues could not fill.
+    With ``dry_run`` nothing is written: the result says what repair would do.
     """
     paths = StorePaths(path)
     if not os.path.isdir(paths.commitlog):
         raise StoreLoadError(f"{path}: no commitlog directory; not a store")
-    cfg = infer_config(path, config)  # by majority, before the files it is measured from are moved aside
-    with _store_lock(paths, dry_run):
+    marker = read_marker(path)
+    if marker is not None and dry_run:
+        raise StoreLoadError(f"{describe_marker(path, marker)}; a dry run changes nothing: run verify --repair or "
+                             "rocketstore recover to finish it")
+    with _store_lock(paths, dry_run) as fd:
+        if marker is not None:
+            _resume(paths, marker, config, fd)
+        cfg = infer_config(path, config)  # by majority, before the files it is measured from are moved aside
+        if not dry_run:  # a torn last segment is extended, as an open would, before its records are walked
+            extend_torn_last_segment(paths.commitlog, cfg.mappedFileSizeCommitLog, False)
         spans = plan(path, cfg.mappedFileSizeCommitLog)
         _lost_messages(paths.consumequeue, spans)
         held = _held_queue_offsets(spans, cfg.mappedFileSizeCommitLog)
-        fixes = header_fixes(paths.consumequeue, paths.commitlog, cfg.mappedFileSizeCommitLog, spans)
+        # Records whose routing fields contradict the old unit pointing at them: reported, never rewritten
+        # (no CRC covers those fields, and the old unit is a cache: it may be the damaged one).
+        suspects = header_fixes(paths.consumequeue, paths.commitlog, cfg.mappedFileSizeCommitLog, spans)
+        qname = f"repair-{int(time.time() * 1000)}"  # the tombstones' note: decided before they are laid out
         for s in spans:
-            s.pieces = layout(s, held)
+            s.pieces = layout(s, held, qname)
             kept_as = {id(m) for _o, _n, kind, m in s.pieces if kind == "tombstone"}
             for m in s.messages:
                 m["tombstone"] = id(m) in kept_as
@@ -581,6 +1074,10 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
                 # Left in place it would stop recovery and cost every record after it: touch nothing.
                 raise StoreError(f"{s.file}: damaged span of {s.length} bytes at commitlog offset {s.offset} "
                                  f"({s.reason}) is too short for a filler record; nothing was written")
+        for f in suspects:
+            log.warning("%s: record at commitlog offset %d: %s; kept as it "
+                        "reads (an intact record is never rewritten)", f.file, f.offset,
+                        ", ".join(f"{k} reads {a!r}, its old consume-queue unit says {b!r}" for k, (a, b) in f.fields.items()))
         if dry_run:
             try:
                 with MessageStore.open(path, cfg, read_only=True) as store:
@@ -593,53 +1090,35 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
             result["lost"] = [s.to_json() for s in spans]
             result["repaired"] = [f"commitlog: would rewrite {s.length} bytes at {s.offset} as "
                                   + ", ".join(kind for _o, _n, kind, _m in s.pieces) for s in spans if s.pieces]
-            result["repaired"] += [f"commitlog: would restore {_fields(f)} of the record at {f.offset}" for f in fixes]
-            result["restored"] = [f.to_json() for f in fixes]
+            result["suspect"] = [f.to_json() for f in suspects]
             result["ok"] = result["ok"] and not spans
             return result
-        qdir = os.path.join(paths.quarantine, f"repair-{int(time.time() * 1000)}")
-        os.makedirs(qdir)
-        unfixed = _apply(spans, fixes, qdir, cfg.mappedFileSizeCommitLog)
-        if os.path.exists(paths.checkpoint):
-            shutil.copyfile(paths.checkpoint, os.path.join(qdir, "checkpoint"))  # the rebuild keeps its times
-        for name in ("consumequeue", "index", "abort"):
-            src = os.path.join(path, name)
-            if os.path.exists(src):  # gone: recovery re-dispatches every record from the first segment
-                os.replace(src, os.path.join(qdir, name))
-        store = MessageStore.open(path, cfg, start_services=False)
-        try:
-            for cq in store.consume_queues():
-                cq.flush(0)
-            store.index_service.flush()
-            report = store.recovery_report
-            store.checkpoint.confirmPhyOffset = report.confirm_offset if report else 0
-            store.flush_checkpoint()
-            store.recover_topic_queue_table()
-        finally:
-            store.close()
-        repaired = [f"commitlog: {s.length} bytes at {s.offset} rewritten as "
-                    + ", ".join(kind for _o, _n, kind, _m in s.pieces) for s in spans if s not in unfixed]
-        repaired += [f"commitlog: {_fields(f)} of the record at {f.offset} restored from its consume-queue unit"
-                     for f in fixes]
-        for name in ("consumequeue", "index"):
-            change = _drop_identical(os.path.join(qdir, name), os.path.join(path, name), name)
-            if change:
-                repaired.append(change)
-        kept = spans or fixes or any(os.path.exists(os.path.join(qdir, n)) for n in ("consumequeue", "index", "abort"))
-        if not kept:
-            shutil.rmtree(qdir)
-            if not os.listdir(paths.quarantine):
-                os.rmdir(paths.quarantine)
-        else:
-            with open(os.path.join(qdir, REPORT_NAME), "w", encoding="utf-8") as fh:
-                json.dump({"lost": [s.to_json() for s in spans], "restored": [f.to_json() for f in fixes],
-                           "repaired": repaired}, fh, ensure_ascii=False, indent=1)
+        qdir = os.path.join(paths.quarantine, qname)
+        touched = sorted({os.path.basename(s.file) for s in spans if s.pieces})
+        marker = {"operation": "verify --repair", "phase": "commitlog", "quarantine": qname, "segments": touched,
+                  "pid": os.getpid(), "geometry": {k: getattr(cfg, k) for k in GEOMETRY_KEYS},
+                  "report": {"lost": [s.to_json() for s in spans], "suspect": [f.to_json() for f in suspects]}}
+        _write_marker(paths, marker)  # before anything changes: the next open rolls back or finishes
+        _step("marked")
+        os.makedirs(qdir, exist_ok=True)
+        unfixed = _apply([s for s in spans if s.pieces], qdir, cfg.mappedFileSizeCommitLog)
+        unfixed += [s for s in spans if not s.pieces]
+        marker["phase"] = "rebuild"
+        marker["report"]["repaired"] = [f"commitlog: {s.length} bytes at {s.offset} rewritten as "
+                                        + ", ".join(kind for _o, _n, kind, _m in s.pieces)
+                                        for s in spans if s not in unfixed]
+        _write_marker(paths, marker)  # the segments are new from here: an interruption is finished, not undone
+        _step("segments done")
+        _rebuild(paths, cfg, marker, fd)
         with MessageStore.open(path, cfg, read_only=True) as store:
             result = verify_store(store)
-    result["lost"] = [s.to_json() for s in spans]
-    result["restored"] = [f.to_json() for f in fixes]
-    result["repaired"] = repaired
-    if kept:
+    report = marker["report"]
+    result["lost"] = report["lost"]
+    result["suspect"] = report["suspect"]
+    result["gaps"] = report.get("gaps", [])
+    result["unplaced"] = report.get("unplaced", [])
+    result["repaired"] = report["repaired"]
+    if report.get("kept"):
         result["quarantine"] = qdir
     result["ok"] = result["ok"] and not spans
     return result

@@ -34,7 +34,7 @@ from .jsonfile import write_file_durably
 from .message import (DEFAULT_STORE_HOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
                       PutMessageStatus, QueryMessageResult, host_tuple, parse_tag_filter)
 from .metrics import SAMPLE_EVERY, MetricsService, StoreMetrics
-from .quarantine import QuarantinePlan, file_kind
+from .quarantine import QuarantinePlan, extend_torn_last_segment, file_kind
 from .recovery import RecoveryReport, queues_with_records_before, recover
 from .running_flags import RunningFlags
 from .store_lock import StoreLock
@@ -64,6 +64,7 @@ class StorePaths:
         self.config = os.path.join(root, "config")
         self.quarantine = os.path.join(root, "quarantine")
         self.cq_rebuild = os.path.join(root, "consumequeue.rebuild")  # rocketstore: queues being rebuilt
+        self.repair_marker = os.path.join(root, "repair.json")  # rocketstore: a repair under way (repair.py)
 
 
 def infer_config(root: str, base: StoreConfig | None = None) -> StoreConfig:
@@ -77,7 +78,7 @@ class MessageStore:
     def __init__(self, root: str, config: StoreConfig, *, read_only: bool = False,
                  clock: Callable[[], float] = time.time, start_services: bool = True,
                  disk_usage: Callable[[str], float] | None = None, sleep: Callable[[float], None] = time.sleep,
-                 allow_quarantine: bool = False) -> None:
+                 allow_quarantine: bool = False, repairing: bool = False) -> None:
         self.paths = StorePaths(root)
         self.sleep = sleep
         self.root = root
@@ -113,6 +114,8 @@ class MessageStore:
             self._refuse_non_store()
         else:
             self._refuse_foreign_directory()
+        if not repairing:
+            self._check_repair_marker()
         if not read_only:
             self._acquire_lock()
         try:
@@ -139,6 +142,8 @@ class MessageStore:
         """
         if isinstance(config, str):
             config = StoreConfig.load(config)
+        if not kw.get("repairing") and os.path.exists(StorePaths(path).repair_marker):
+            _repair_marker_gate(path, config, read_only)  # before the geometry is measured from half-swapped files
         config = store_config(path, config, allow_quarantine=allow_quarantine)
         return cls(path, config, read_only=read_only, allow_quarantine=allow_quarantine, **kw)
 
@@ -150,7 +155,7 @@ class MessageStore:
 
     def _refuse_foreign_directory(self) -> None:
         known = {"commitlog", "consumequeue", "index", "checkpoint", "lock", "abort", "abort.bak", "config",
-                 "abort.bootid", "metrics.json", "consumequeue.rebuild",
+                 "abort.bootid", "metrics.json", "consumequeue.rebuild", "repair.json",
                  "quarantine", "compaction", "timerwheel", "timerlog", "timercheck", "timermetrics"}
         entries = [e for e in os.listdir(self.root) if not e.startswith(".")]
         # A broker.conf alone marks a store made by init; beside other files it may be a RocketMQ conf/ directory.
@@ -193,6 +198,7 @@ class MessageStore:
                 raise StoreLoadError(f"{self.paths.cq_rebuild}: the rebuild of consume queues {unfinished.split()} "
                                      "has not finished; a writable open (rocketstore recover) finishes it")
             self.queues_to_rebuild += unfinished.split()
+        self._extend_torn_last_segment()
         self.commitlog.load(on_bad_file=self._on_bad_file)
         if cfg.tieredStoreUri:
             self.tier = TieredStorage(self.root, cfg, read_only=ro)
@@ -220,6 +226,15 @@ class MessageStore:
         if self.read_only:
             raise StoreLoadError(f"{path}: {reason}")
         self._quarantine.moves.append((path, reason))
+
+    def _check_repair_marker(self) -> None:
+        if os.path.exists(self.paths.repair_marker):
+            _repair_marker_gate(self.root, self.config, self.read_only)
+
+    def _extend_torn_last_segment(self) -> None:
+        """A short last segment holding records is torn, not a stray: extended (writable) or refused (read-only)
+        before it loads, never moved to quarantine/ (see quarantine.extend_torn_last_segment)."""
+        extend_torn_last_segment(self.paths.commitlog, self.config.mappedFileSizeCommitLog, self.read_only)
 
     def _check_quarantine(self) -> None:
         self._quarantine.check(self.commitlog.queue.files, self.commitlog.file_size)
@@ -1160,6 +1175,19 @@ class MessageStore:
                 obj.close()
         for cq in self._cq_table.values():
             cq.close()
+
+
+def _repair_marker_gate(root: str, config: StoreConfig | None, read_only: bool) -> None:
+    """A store under repair is half rewritten: a reader refuses it, naming the marker; a writer first finishes
+    the repair (or rolls it back, if it was still rewriting segments), so it sees the old state or the new."""
+    from .repair import describe_marker, finish_interrupted_repair, read_marker
+    if read_only:
+        marker = read_marker(root)
+        if marker is not None:
+            raise StoreLoadError(f"{describe_marker(root, marker)}; a writable open (rocketstore recover) finishes "
+                                 "or rolls it back; nothing was read")
+        return
+    finish_interrupted_repair(root, config)
 
 
 def _boot_id() -> str | None:

@@ -8,7 +8,9 @@ no unit (``cq-missing``), index entries that point nowhere or at a record
 without that key (``index-dangling``, ``index-mismatch``), a key hash and
 offset indexed more often than the record has the key (``index-duplicate``),
 entries a query cannot reach from their key's hash slot (``index-unreachable``),
-and keys of indexed records with no entry (``index-missing``).
+and keys of indexed records with no entry (``index-missing``).  Files moved
+aside at open are ``quarantined`` problems; the originals a ``verify --repair``
+kept are listed under ``kept`` and are not problems.
 
 Findings are plain dicts ``{"kind", "file", "offset", "detail"}`` so that the
 single-machine check, the Spark job and the JSON output share one shape.
@@ -338,26 +340,30 @@ def _entries(f: IndexFile) -> Iterator[tuple[int, int, int, int]]:
     return f.entries_iter()
 
 
-def _quarantined(qroot: str) -> list[dict[str, Any]]:
-    """Files moved aside at open, and repairs that lost records (their originals are kept there).  A repair
-    that only rebuilt queues or the index keeps the old files too, but lost nothing: not a problem."""
-    out = []
+def _quarantined(qroot: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(problems, kept): files moved aside at open are problems (they may hold what the operator must look
+    at); the originals a finished ``verify --repair`` kept are not: the store it left is whole, and what it
+    could not keep it reported when it ran.  Each kept directory is listed with what its report says."""
+    problems, kept = [], []
     for q in sorted(os.listdir(qroot)) if os.path.isdir(qroot) else []:
         p = os.path.join(qroot, q)
         report = os.path.join(p, "report.json")
-        if q.startswith("repair-") and os.path.isfile(report):
+        if q.startswith("repair-") and os.path.isdir(p):
+            lost: list[Any] = []
             try:
                 with open(report, encoding="utf-8") as fh:
                     lost = json.load(fh).get("lost", [])
+                detail = (f"originals kept by verify --repair; {len(lost)} damaged span(s) it could not keep as "
+                          f"records (see {report})" if lost else "originals kept by verify --repair (nothing lost)")
+            except FileNotFoundError:
+                detail = "originals kept by verify --repair (no report)"
             except (OSError, ValueError) as e:
-                lost = [{"offset": 0, "reason": f"unreadable report: {e}"}]
-            if lost:
-                out.append(finding("quarantined", p, lost[0].get("offset", 0),
-                                   f"verify --repair could not keep {len(lost)} damaged span(s) (see {report}); "
-                                   "the original files are kept here"))
+                detail = f"originals kept by verify --repair; unreadable report: {e}"
+            kept.append(finding("kept", p, lost[0].get("offset", 0) if lost and isinstance(lost[0], dict) else 0,
+                                detail))
             continue
-        out.append(finding("quarantined", p, 0, "stray file moved aside at open"))
-    return out
+        problems.append(finding("quarantined", p, 0, "stray file moved aside at open"))
+    return problems, kept
 
 
 def verify_store(store: MessageStore, progress: Any = None) -> dict[str, Any]:
@@ -388,9 +394,10 @@ def verify_report(store: MessageStore, results: list[SegmentResult]) -> dict[str
                                 f"{report.stopped_because} (recovery ends the commitlog here)"))
     cross, counts = cross_check(store, records)
     findings += cross
-    findings += _quarantined(store.paths.quarantine)
+    stray, kept = _quarantined(store.paths.quarantine)
+    findings += stray
     findings.sort(key=lambda d: (d["kind"], d["file"], d["offset"]))
     return {"ok": not findings, "segments": len(results), "records": len(records), "bytesChecked": checked,
             "consumeQueues": len(store.consume_queues()), "consumeQueueUnits": counts["units"],
             "indexFiles": len(store.index_service.files), "indexEntries": counts["indexEntries"],
-            "problems": findings}
+            "problems": findings, "kept": kept}

@@ -279,9 +279,6 @@ def unexplained_findings(result: dict, golden: Golden, mutation: Mutation) -> li
         if f["kind"] == "quarantined" and os.path.basename(f["file"]) == quarantined_name:
             continue
         if floor is not None:
-            if f["kind"] == "quarantined" and os.path.basename(f["file"]).startswith("repair-") and \
-                    f["offset"] >= floor:
-                continue  # verify --repair kept the damaged bytes (its first damaged span is at f["offset"])
             if f["kind"] in ("bad-record", "torn-tail") and f["offset"] >= floor:
                 continue
             if f["kind"] in ("cq-dangling", "index-dangling"):
