@@ -1,0 +1,285 @@
+"""Issue 24 item 10 (and the pyarrow line of item 15): a tier is never read as empty.
+
+"Missing is not empty": the manifest carries a generation that only grows, the store keeps the highest it
+published and how far it deleted local segments on the manifest's word (config/tierStore.json).  An unmounted
+``file://`` directory, a lost ``tier.json``, an older one, or a lost local copy with the tier down make reads
+below the local disk fail with an error naming the manifest or object, never OFFSET_TOO_SMALL; a lost
+``tier.json`` whose objects are all there is republished by ``tier upload``.  Objects are fsynced and checked
+by CRC-32 read back before the manifest lists them (and so before retention may delete the local file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from rocketstore import GetMessageStatus, MessageStore
+from rocketstore.errors import ConfigError, StoreError
+from rocketstore.tier.manifest import MANIFEST
+from rocketstore.tier.upload import upload_round
+from conftest import GOLDEN_CONF, REPO, copy_store, golden_expected, golden_store, run_cli
+
+SEG = 1048576
+EXPECTED = golden_expected("basic")
+QUEUES = sorted({(e["topic"], e["queueId"]) for e in EXPECTED})
+
+
+def _free_local(store: MessageStore) -> None:
+    for _ in range(10):
+        store.clean_service.request_manual_delete()
+        store.clean_service.clean_commitlog()
+        store.clean_service.clean_consume_queues()
+
+
+def _tiered(tmp_path: Path, *, upload: bool = True) -> tuple[Path, Path]:
+    """Golden basic with a file:// tier: its 3 sealed segments uploaded and deleted locally."""
+    store = copy_store(golden_store("basic"), tmp_path / "store")
+    tier = tmp_path / "tier"
+    (store / "broker.conf").write_text(GOLDEN_CONF + f"tieredStoreUri=file://{tier}\nfileReservedTime=0\n"
+                                       "tieredStoreFileReservedTime=0\n")
+    if upload:
+        with MessageStore.open(str(store), start_services=False) as s:
+            done = upload_round(s)
+            assert done["segments"] == 3
+            _free_local(s)
+            assert s.min_phy_offset() == 3 * SEG
+    return store, tier
+
+
+def _read_all(store: MessageStore) -> list[tuple[str, int, int, int]]:
+    """Every message by get, from each queue's minimum: (topic, queue, queue offset, commitlog offset)."""
+    got = []
+    for topic, qid in QUEUES:
+        off = store.min_offset_in_queue(topic, qid)
+        while (r := store.get(topic, qid, off, 32)).messages:
+            got += [(topic, qid, m.queue_offset, m.commit_log_offset) for m in r.messages]
+            off = r.next_begin_offset
+    return sorted(got)
+
+
+ALL = sorted((e["topic"], e["queueId"], e["queueOffset"], e["commitLogOffset"]) for e in EXPECTED)
+
+
+def _reads_below_local_fail(store: MessageStore, match: str) -> None:
+    """Each queue still starts at 0, and reading there raises (naming ``match``), never OFFSET_TOO_SMALL."""
+    for topic, qid in QUEUES:
+        lo = store.min_offset_in_queue(topic, qid)
+        assert lo == 0, (topic, qid, lo)
+        with pytest.raises(StoreError, match=match):
+            r = store.get(topic, qid, 0, 32)
+            pytest.fail(f"{topic}-{qid} @0 answered {r.status} instead of raising")
+
+
+def test_unmounted_tier_directory_is_an_error_not_an_empty_tier(tmp_path):
+    store_path, tier = _tiered(tmp_path)
+    tier.rename(tmp_path / "tier.unmounted")
+    with MessageStore.open(str(store_path), read_only=True) as store:
+        _reads_below_local_fail(store, "does not exist")
+        assert "does not exist (not mounted?)" in store.tier.error
+        with pytest.raises(StoreError, match="commitlog/00000000000000000000"):
+            store.look(0)
+    r = run_cli("dump", store_path)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and b"does not exist" in r.stderr
+    # A writable open (its upload round) must not write into the empty mount point.
+    r = run_cli("tier", "upload", store_path)
+    assert r.returncode == 2 and b"does not exist" in r.stderr
+    with MessageStore.open(str(store_path), start_services=False) as store:
+        with pytest.raises(StoreError, match="does not exist"):
+            upload_round(store)
+        _free_local(store)
+        assert len(store.commitlog.queue.files) == 1
+    assert not tier.exists()
+    (tmp_path / "tier.unmounted").rename(tier)  # mounted again: everything reads
+    with MessageStore.open(str(store_path), read_only=True) as store:
+        assert store.tier.error is None
+        assert _read_all(store) == ALL
+
+
+def test_lost_tier_json_is_an_error_then_republished_from_the_local_copy(tmp_path):
+    store_path, tier = _tiered(tmp_path)
+    before = json.loads((tier / MANIFEST).read_bytes())
+    (tier / MANIFEST).unlink()
+    with MessageStore.open(str(store_path), read_only=True) as store:
+        _reads_below_local_fail(store, f"{MANIFEST} is missing")
+    r = run_cli("dump", store_path)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and b"tier.json is missing" in r.stderr
+    r = run_cli("tier", "upload", store_path)
+    assert r.returncode == 0, r.stderr
+    after = json.loads((tier / MANIFEST).read_bytes())
+    assert after["generation"] > before["generation"]
+    assert after["commitlog"] == before["commitlog"] and after["consumequeue"] == before["consumequeue"]
+    with MessageStore.open(str(store_path), read_only=True) as store:
+        assert store.tier.error is None
+        assert _read_all(store) == ALL
+    assert len([line for line in run_cli("dump", store_path).stdout.splitlines()]) == len(EXPECTED)
+
+
+def test_lost_tier_json_with_an_object_missing_is_not_republished(tmp_path):
+    store_path, tier = _tiered(tmp_path)
+    (tier / MANIFEST).unlink()
+    (tier / "commitlog" / "00000000000001048576").unlink()
+    r = run_cli("tier", "upload", store_path)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1
+    assert b"commitlog/00000000000001048576 is missing" in r.stderr
+    assert not (tier / MANIFEST).exists()
+    # An object altered in place (same size): its CRC-32 disagrees with the local copy's, not republished.
+    seg = tier / "commitlog" / "00000000000000000000"
+    data = bytearray(seg.read_bytes())
+    data[5000] ^= 1
+    seg.write_bytes(bytes(data))
+    (tier / "commitlog" / "00000000000001048576").write_bytes(b"\0" * SEG)
+    r = run_cli("tier", "upload", store_path)
+    assert r.returncode == 2 and b"CRC-32" in r.stderr and not (tier / MANIFEST).exists()
+
+
+def test_damaged_local_copy_with_the_tier_down_tries_the_bak_and_fails_reads(tmp_path):
+    store_path, tier = _tiered(tmp_path)
+    local = store_path / "config" / "tierManifest.json"
+    assert (store_path / "config" / "tierManifest.json.bak").exists()  # several publishes: a .bak is kept
+    local.write_text("not json")
+    tier.rename(tmp_path / "tier.down")
+    with MessageStore.open(str(store_path), read_only=True) as store:
+        assert store.tier.manifest is not None  # the .bak says what the tier holds: queue minimums stay at 0
+        _reads_below_local_fail(store, "does not exist|generation")
+    # The .bak lost too: nothing says what the tier holds, yet the store knows it published there.
+    (store_path / "config" / "tierManifest.json.bak").unlink()
+    with MessageStore.open(str(store_path), read_only=True) as store:
+        assert store.tier.manifest is None and store.tier.fault is not None
+        for topic, qid in QUEUES:
+            with pytest.raises(StoreError, match="tierManifest.json"):
+                r = store.get(topic, qid, 0, 32)
+                pytest.fail(f"{topic}-{qid} @0 answered {r.status} instead of raising")
+    (tmp_path / "tier.down").rename(tier)  # the tier is back: its tier.json is trusted again
+    with MessageStore.open(str(store_path), read_only=True) as store:
+        assert store.tier.error is None and _read_all(store) == ALL
+    with MessageStore.open(str(store_path), start_services=False):
+        pass  # a writable open puts the local copy back
+    assert json.loads(local.read_bytes()) == json.loads((tier / MANIFEST).read_bytes())
+
+
+def test_an_older_or_emptied_tier_json_is_damage(tmp_path):
+    """A tier.json of an earlier generation (a restored copy), or one not listing segments the store deleted
+    locally on the manifest's word, is refused: reads raise, `tier upload` republishes the store's own."""
+    store_path, tier = _tiered(tmp_path, upload=False)
+    with MessageStore.open(str(store_path), start_services=False) as store:
+        upload_round(store, max_segments=1)
+        old = (tier / MANIFEST).read_bytes()
+        upload_round(store)
+        _free_local(store)
+        assert store.min_phy_offset() == 3 * SEG
+    good = (tier / MANIFEST).read_bytes()
+    (tier / MANIFEST).write_bytes(old)
+    with MessageStore.open(str(store_path), read_only=True) as store:
+        _reads_below_local_fail(store, "an older manifest")
+    assert json.loads(old)["generation"] < json.loads(good)["generation"]
+    assert run_cli("tier", "upload", store_path).returncode == 0
+    with MessageStore.open(str(store_path), read_only=True) as store:
+        assert _read_all(store) == ALL
+
+    emptied = json.loads(good)
+    emptied.update(generation=10 ** 6, commitlog=[], consumequeue={}, index=[])
+    (tier / MANIFEST).write_text(json.dumps(emptied))
+    with MessageStore.open(str(store_path), read_only=True) as store:
+        _reads_below_local_fail(store, "deleted its local segments below 3145728")
+
+
+def test_file_tier_objects_and_manifest_are_fsynced(tmp_path, monkeypatch):
+    """Each object and tier.json is fsynced, and so is the directory that names it."""
+    store_path, tier = _tiered(tmp_path, upload=False)
+    synced: list[str] = []
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    with MessageStore.open(str(store_path), start_services=False) as store:
+        upload_round(store)
+    # A rename follows the fsync of a temp file: the object's name, or its .tmp, was synced, then its directory.
+    for rel in ("commitlog/00000000000000000000", "consumequeue/TopicA/0/00000000000000000000",
+                MANIFEST):
+        path = str(tier / rel)
+        assert path in synced or path + ".tmp" in synced, rel
+        assert os.path.dirname(path) in synced, rel
+    assert str(tier) in synced  # the new commitlog/ directory's entry
+
+
+class _CorruptingFs:
+    """A pyarrow filesystem whose uploads of segments arrive with one byte changed (same size)."""
+
+    def __init__(self, fs):
+        self._fs = fs
+
+    def __getattr__(self, name):
+        return getattr(self._fs, name)
+
+    def open_output_stream(self, path, *a, **kw):
+        out = self._fs.open_output_stream(path, *a, **kw)
+        if "/commitlog/" not in path:
+            return out
+
+        class Stream:
+            first = True
+
+            def write(self, data):
+                if Stream.first and len(data) > 100:
+                    data = bytearray(data)
+                    data[100] ^= 0xFF
+                    Stream.first = False
+                return out.write(bytes(data))
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                out.close()
+
+        return Stream()
+
+
+def test_an_upload_is_checked_by_checksum_before_local_deletion(tmp_path, s3_server):
+    store = copy_store(golden_store("basic"), tmp_path / "store")
+    bucket = s3_server.new_bucket()
+    conf = s3_server.conf(f"s3://{bucket}/x")
+    (store / "broker.conf").write_text(GOLDEN_CONF + "".join(f"{k}={v}\n" for k, v in conf.items())
+                                       + "fileReservedTime=0\ntieredStoreFileReservedTime=0\n")
+    with MessageStore.open(str(store), start_services=False) as s:
+        s.tier.objects.fs = _CorruptingFs(s.tier.objects.fs)
+        with pytest.raises(StoreError, match="CRC-32"):
+            upload_round(s)
+        assert s.tier.manifest is None or not s.tier.manifest.commitlog
+        _free_local(s)
+        assert len(s.commitlog.queue.files) == 4  # nothing deleted on the word of a damaged upload
+    assert len(run_cli("dump", store).stdout.splitlines()) == len(EXPECTED)
+
+
+def test_without_pyarrow_a_tiered_store_is_one_line_error(tmp_path):
+    """A plain `pip install .` has no pyarrow: a store with tieredStoreUri says to install the `tier` extra."""
+    store_path, _ = _tiered(tmp_path, upload=False)
+    fake = tmp_path / "nopyarrow" / "pyarrow"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'pyarrow'\", name='pyarrow')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake.parent), *filter(None, sys.path)]))
+    for cmd in (["state"], ["get", "--topic", "TopicA", "--queue-id", "0", "--offset", "0"]):
+        r = subprocess.run([sys.executable, "-m", "rocketstore", cmd[0], str(store_path), *cmd[1:]],
+                           capture_output=True, env=env, timeout=120)
+        assert r.returncode == 2, r.stderr.decode()[-2000:]
+        assert len(r.stderr.splitlines()) == 1 and b"rocketstore[tier]" in r.stderr, r.stderr
+    sys.modules.pop("pyarrow.fs", None)
+    saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "pyarrow" or k.startswith("pyarrow.")}
+    try:
+        sys.modules["pyarrow"] = None  # import pyarrow raises ImportError
+        with pytest.raises(ConfigError, match=r"rocketstore\[tier\]"):
+            MessageStore.open(str(store_path), read_only=True)
+    finally:
+        del sys.modules["pyarrow"]
+        sys.modules.update(saved)
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(d.startswith("pyarrow") for d in extras.get("tier", []))
