@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -283,3 +284,81 @@ def test_without_pyarrow_a_tiered_store_is_one_line_error(tmp_path):
         sys.modules.update(saved)
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any(d.startswith("pyarrow") for d in extras.get("tier", []))
+
+
+def test_a_running_store_republishes_a_lost_tier_json_and_reads_again(tmp_path):
+    """The upload service of a running store sees tier.json gone, fails reads meanwhile, and puts it back
+    (generation higher) once every object checks out; reads below the local disk then succeed."""
+    store_path, tier = _tiered(tmp_path)
+    with (store_path / "broker.conf").open("a") as fh:
+        fh.write("tieredStoreUploadInterval=200\n")
+    gen = json.loads((tier / MANIFEST).read_bytes())["generation"]
+    with MessageStore.open(str(store_path)) as store:
+        with store.tier.lock:  # the upload service waits: the fault is seen before it is repaired
+            (tier / MANIFEST).unlink()
+            store.tier.refresh(quiet=True)
+            with pytest.raises(StoreError, match=f"{MANIFEST} is missing"):
+                store.get("TopicA", 0, 0)
+        deadline = time.time() + 30
+        while not (tier / MANIFEST).exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert json.loads((tier / MANIFEST).read_bytes())["generation"] > gen
+        while store.tier.fault is not None and time.time() < deadline:
+            time.sleep(0.05)
+        assert _read_all(store) == ALL
+
+
+def test_tier_json_and_the_local_copy_lost_are_rebuilt_from_the_objects(tmp_path):
+    """tier.json, config/tierManifest.json and its .bak all lost: reads fail naming the loss, and `tier upload`
+    lists the tier's objects and publishes the same manifest again (generation higher)."""
+    store_path, tier = _tiered(tmp_path)
+    before = json.loads((tier / MANIFEST).read_bytes())
+    for p in (tier / MANIFEST, store_path / "config" / "tierManifest.json",
+              store_path / "config" / "tierManifest.json.bak"):
+        p.unlink()
+    with MessageStore.open(str(store_path), read_only=True) as store:
+        _reads_below_local_fail(store, f"{MANIFEST} is missing")
+    r = run_cli("tier", "upload", store_path)
+    assert r.returncode == 0, r.stderr
+    after = json.loads((tier / MANIFEST).read_bytes())
+    assert after["generation"] > before["generation"]
+    for k in ("commitlog", "consumequeue", "index", "storeId"):
+        assert after[k] == before[k], k
+    with MessageStore.open(str(store_path), read_only=True) as store:
+        assert store.tier.error is None and _read_all(store) == ALL
+
+
+def test_a_rebuild_refuses_a_tier_that_lacks_deleted_segments(tmp_path):
+    store_path, tier = _tiered(tmp_path)
+    for p in (tier / MANIFEST, store_path / "config" / "tierManifest.json",
+              store_path / "config" / "tierManifest.json.bak", tier / "commitlog" / "00000000000002097152"):
+        p.unlink()
+    r = run_cli("tier", "upload", store_path)
+    assert r.returncode == 2 and b"below 3145728" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert not (tier / MANIFEST).exists()
+
+
+def test_on_s3_a_lost_tier_json_is_an_error_then_rebuilt(tmp_path, s3_server):
+    store_path = copy_store(golden_store("basic"), tmp_path / "store")
+    bucket = s3_server.new_bucket()
+    conf = s3_server.conf(f"s3://{bucket}/p/q")
+    (store_path / "broker.conf").write_text(GOLDEN_CONF + "".join(f"{k}={v}\n" for k, v in conf.items())
+                                            + "fileReservedTime=0\ntieredStoreFileReservedTime=0\n")
+    with MessageStore.open(str(store_path), start_services=False) as s:
+        upload_round(s)
+        _free_local(s)
+    s3 = s3_server.client()
+    before = json.loads(s3.get_object(Bucket=bucket, Key=f"p/q/{MANIFEST}")["Body"].read())
+    s3.delete_object(Bucket=bucket, Key=f"p/q/{MANIFEST}")
+    with MessageStore.open(str(store_path), read_only=True) as store:
+        _reads_below_local_fail(store, f"{MANIFEST} is missing")
+    for p in ("tierManifest.json", "tierManifest.json.bak"):
+        (store_path / "config" / p).unlink()
+    r = run_cli("tier", "upload", store_path)
+    assert r.returncode == 0, r.stderr
+    after = json.loads(s3.get_object(Bucket=bucket, Key=f"p/q/{MANIFEST}")["Body"].read())
+    assert after["generation"] > before["generation"]
+    assert [after[k] for k in ("commitlog", "consumequeue", "index")] == \
+        [before[k] for k in ("commitlog", "consumequeue", "index")]
+    with MessageStore.open(str(store_path), read_only=True) as store:
+        assert _read_all(store) == ALL

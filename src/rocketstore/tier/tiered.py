@@ -18,13 +18,16 @@ import copy
 import json
 import logging
 import os
+import struct
 import threading
 import time
 import uuid
+import zlib
 from typing import TYPE_CHECKING, Any
 
+from .. import codec
 from ..errors import StoreLoadError
-from .manifest import GEOMETRY, MANIFEST, TierManifest
+from .manifest import GEOMETRY, MANIFEST, TierIndexFile, TierManifest, TierQueueFile, TierSegment
 from .objectstore import ObjectStore, TierError, TierLocation, require_pyarrow_fs
 from .reader import TierReader, index_key, queue_key, segment_key
 
@@ -35,6 +38,8 @@ log = logging.getLogger(__name__)
 
 STORE_ID_FILE = "tierStore.json"  # under the store's config/: which tier this store owns, by id
 LOCAL_MANIFEST = "tierManifest.json"  # under config/: the last manifest this store published, for opens
+_UNIT = struct.Struct(">qiq")  # a consume-queue unit
+_INDEX_HEADER = struct.Struct(">qqqqii")
 
 
 class TieredStorage:
@@ -55,6 +60,7 @@ class TieredStorage:
         self.republishable = False  # the fault is a lost or stale tier.json that the local copy may replace
         self.local_copy: TierManifest | None = None  # the last manifest this store published (config/)
         self._local_copy_seen = False  # config/tierManifest.json (or its .bak) exists, readable or not
+        self._local_copy_bad = False  # it (or its .bak) is damaged: rewritten from the next trusted manifest
         self.lock = threading.RLock()
         # tierStore.json: the store's tier identity, the highest manifest generation it published, and the
         # commitlog offset below which it may have deleted local segments because the manifest listed them.
@@ -111,6 +117,7 @@ class TieredStorage:
             break
         for p in problems:
             log.warning("tier: ignoring the local copy of the manifest: %s", p)
+        self._local_copy_bad = bool(problems) or (m is None and self._local_copy_seen)
         self.local_copy = m
         self._set(m)
         if m is None:
@@ -249,21 +256,14 @@ class TieredStorage:
             self.reader.fault = None
         if self.read_only:
             return
-        if self.local_copy is None or self.local_copy.generation < m.generation or self._local_copy_damaged():
+        if self.local_copy is None or self.local_copy.generation < m.generation or self._local_copy_bad:
             from ..jsonfile import write_bytes_atomic
             write_bytes_atomic(self.local_manifest_path, m.dumps())
+            self._local_copy_bad = False
         self.local_copy = m
         if m.generation > self.generation:
             self.generation = m.generation
             self._save_state()
-
-    def _local_copy_damaged(self) -> bool:
-        try:
-            with open(self.local_manifest_path, "rb") as fh:
-                TierManifest.loads(fh.read(), self.local_manifest_path)
-            return False
-        except (OSError, StoreLoadError):
-            return True
 
     def _check_ours(self, m: TierManifest) -> None:
         for k in GEOMETRY:
@@ -305,6 +305,7 @@ class TieredStorage:
             m.updated_at = int(time.time() * 1000)
             data = m.dumps()
             write_bytes_atomic(self.local_manifest_path, data)
+            self._local_copy_bad = False
             mine = copy.deepcopy(m)  # what readers and retention see: the caller may go on adding to ``m``
             self.local_copy = mine
             self.generation = m.generation
@@ -319,23 +320,100 @@ class TieredStorage:
 
     def republish(self) -> TierManifest:
         """Replace a lost or stale ``tier.json`` with the local copy, once every object it lists is in the
-        tier whole (segments by CRC-32, other files by size); else a TierError naming what is missing."""
+        tier whole (segments by CRC-32, other files by size); else a TierError naming what is missing.
+        With the local copy lost too, the manifest is rebuilt from the tier's objects."""
         with self.lock:
             src = self.local_copy
-            if src is None:
-                raise TierError(f"{self.fault}; and {self.local_manifest_path} is lost too: nothing to republish "
-                                f"from (restore {MANIFEST} or the local copy from a backup)")
-            if src.end_offset < self.deleted_end:
-                raise TierError(f"{self.fault}; and {self.local_manifest_path} lists segments only up to "
-                                f"{src.end_offset}, below {self.deleted_end} where this store deleted local "
-                                "segments: not republished (restore the manifest from a backup)")
-            self.verify_objects(src)
+            if src is None:  # tier.json and the local copy (and its .bak) all lost: list what the tier holds
+                src = self.rebuild_from_objects()
+            else:
+                if src.end_offset < self.deleted_end:
+                    raise TierError(f"{self.fault}; and {self.local_manifest_path} lists segments only up to "
+                                    f"{src.end_offset}, below {self.deleted_end} where this store deleted local "
+                                    "segments: not republished (restore the manifest from a backup)")
+                self.verify_objects(src)
             m = copy.deepcopy(src)
             was = self.fault
             self.publish(m)
             log.warning("tier %s: republished %s as generation %d from %s after checking its objects (%s)",
                         self.loc.uri, MANIFEST, m.generation, self.local_manifest_path, was)
             return m
+
+    def rebuild_from_objects(self) -> TierManifest:
+        """A manifest made from the objects in the tier, for when ``tier.json``, the local copy and its
+        ``.bak`` are all lost.  Segments must be whole and contiguous, and reach where this store deleted
+        local segments; one still on local disk must match it by CRC-32.  Queue files and index files are
+        described from their own bytes (units, header), as the uploader described them."""
+        if self.store_id is None:
+            raise TierError(f"{self.fault}; and {self.id_path} is lost: this store cannot claim the tier "
+                            f"(restore {MANIFEST} or {self.id_path} from a backup)")
+        pafs = require_pyarrow_fs(self.loc.uri)
+        obj, root = self.objects, self.loc.key()
+        try:
+            infos = obj.fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+        except Exception as e:  # noqa: BLE001
+            raise TierError(f"{self.loc.uri}: cannot list the tier to rebuild {MANIFEST}: {e}") from None
+        found = {i.path[len(root):].lstrip("/"): i.size for i in infos if i.type == pafs.FileType.File}
+        seg_size = self.config.mappedFileSizeCommitLog
+        cq_size = self.config.mappedFileSizeConsumeQueue
+        m = self.new_manifest()
+        for key in sorted(k for k in found if k.startswith("commitlog/") and k[10:].isdigit() and len(k) == 30):
+            name = key[10:]
+            if found[key] != seg_size:
+                raise TierError(f"{self.loc.uri}: {key} is {found[key]} bytes, not {seg_size}; {MANIFEST} not rebuilt")
+            if m.commitlog and int(name) != m.end_offset:
+                raise TierError(f"{self.loc.uri}: {key} does not follow {m.commitlog[-1].name}; "
+                                f"{MANIFEST} not rebuilt")
+            crc = obj.checksum(key)
+            local = os.path.join(self.root, "commitlog", name)
+            if os.path.exists(local):
+                with open(local, "rb") as fh:
+                    mine = 0
+                    while chunk := fh.read(8 * 1024 * 1024):
+                        mine = zlib.crc32(chunk, mine)
+                if mine != crc:
+                    raise TierError(f"{self.loc.uri}: {key} differs from {local} (CRC-32 {crc} vs {mine}); "
+                                    f"{MANIFEST} not rebuilt")
+            try:
+                first_ts = codec.read_store_timestamp(obj.read(key, 0, 128), 0)
+            except Exception:  # noqa: BLE001 - a segment that starts with a blank record has no store time
+                first_ts = 0
+            m.commitlog.append(TierSegment(name, seg_size, crc, max(first_ts, 0)))
+        if not m.commitlog or m.end_offset < self.deleted_end:
+            raise TierError(f"{self.fault}; and the tier's segments end at {m.end_offset}, below {self.deleted_end} "
+                            f"where this store deleted local segments: {MANIFEST} not rebuilt (restore it from a "
+                            "backup)")
+        for key in sorted(k for k in found if k.startswith("consumequeue/")):
+            parts = key.split("/")
+            if len(parts) != 4 or not parts[2].isdigit() or not parts[3].isdigit() or found[key] != cq_size:
+                log.warning("tier %s: %s is not a whole consume-queue file; left out of the rebuilt %s",
+                            self.loc.uri, key, MANIFEST)
+                continue
+            raw = obj.read(key, 0, cq_size)
+            units = [_UNIT.unpack_from(raw, i) for i in range(0, len(raw) - len(raw) % _UNIT.size, _UNIT.size)]
+            if len(units) * _UNIT.size != cq_size or any(size <= 0 for _, size, _ in units) or \
+                    units[-1][0] + units[-1][1] > m.end_offset:
+                log.warning("tier %s: %s has blank units or records past the tier; left out of the rebuilt %s",
+                            self.loc.uri, key, MANIFEST)
+                continue
+            first = next((i for i, (phy, _, _) in enumerate(units) if phy >= m.min_offset), None)
+            if first is None:
+                continue
+            m.consumequeue.setdefault(f"{parts[1]}/{parts[2]}", []).append(
+                TierQueueFile(parts[3], int(parts[3]) // _UNIT.size + first, len(units), units[-1][0]))
+        for files in m.consumequeue.values():
+            files.sort(key=lambda f: int(f.name))
+        for key in sorted(k for k in found if k.startswith("index/")):
+            name = key[6:]
+            head = obj.read(key, 0, _INDEX_HEADER.size)
+            if len(head) < _INDEX_HEADER.size:
+                continue
+            begin_ts, end_ts, begin_phy, end_phy, _, _ = _INDEX_HEADER.unpack_from(head, 0)
+            m.index.append(TierIndexFile(name, begin_ts, end_ts, begin_phy, end_phy))
+        log.warning("tier %s: rebuilt %s from the tier's objects: %d segments [%d, %d), %d queue files, "
+                    "%d index files", self.loc.uri, MANIFEST, len(m.commitlog), m.min_offset, m.end_offset,
+                    sum(len(v) for v in m.consumequeue.values()), len(m.index))
+        return m
 
     def verify_objects(self, m: TierManifest) -> None:
         """Every object ``m`` lists is in the tier: segments whole (size and CRC-32), queue files by size,
