@@ -151,11 +151,13 @@ def test_damaged_local_copy_with_the_tier_down_tries_the_bak_and_fails_reads(tmp
     # The .bak lost too: nothing says what the tier holds, yet the store knows it published there.
     (store_path / "config" / "tierManifest.json.bak").unlink()
     with MessageStore.open(str(store_path), read_only=True) as store:
-        assert store.tier.manifest is None and store.tier.fault is not None
-        for topic, qid in QUEUES:
-            with pytest.raises(StoreError, match="tierManifest.json"):
-                r = store.get(topic, qid, 0, 32)
-                pytest.fail(f"{topic}-{qid} @0 answered {r.status} instead of raising")
+        assert store.tier.fault is not None
+        _reads_below_local_fail(store, "tierManifest.json")
+        assert store.min_readable_offset() == 0
+        with pytest.raises(StoreError, match="tierManifest.json"):
+            store.look(0)
+    r = run_cli("dump", store_path)  # not a dump of the local segments alone, exit 0
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and b"tierManifest.json" in r.stderr
     (tmp_path / "tier.down").rename(tier)  # the tier is back: its tier.json is trusted again
     with MessageStore.open(str(store_path), read_only=True) as store:
         assert store.tier.error is None and _read_all(store) == ALL
@@ -362,3 +364,36 @@ def test_on_s3_a_lost_tier_json_is_an_error_then_rebuilt(tmp_path, s3_server):
         [before[k] for k in ("commitlog", "consumequeue", "index")]
     with MessageStore.open(str(store_path), read_only=True) as store:
         assert _read_all(store) == ALL
+
+
+def test_a_publish_cut_short_leaves_the_bucket_behind_and_nothing_deleted(tmp_path, monkeypatch):
+    """The local copy and tierStore.json are written before tier.json: a publish that fails at the bucket
+    leaves tier.json one generation behind, which is not trusted (nothing is deleted on it) until the next
+    round republishes."""
+    from rocketstore.tier.objectstore import ObjectStore, TierError
+    store_path, tier = _tiered(tmp_path, upload=False)
+    with MessageStore.open(str(store_path), start_services=False) as store:
+        upload_round(store, max_segments=1)
+        real = ObjectStore.put_bytes
+        calls = []
+
+        def flaky(self, key, data):
+            calls.append(key)
+            raise TierError(f"{self.loc.uri}: cannot write {key}: injected")
+
+        monkeypatch.setattr(ObjectStore, "put_bytes", flaky)
+        with pytest.raises(TierError, match="injected"):
+            upload_round(store, max_segments=1)
+        assert calls == [MANIFEST]
+        _free_local(store)
+        assert store.min_phy_offset() == 0  # while the bucket's manifest is in doubt, nothing is deleted
+        monkeypatch.setattr(ObjectStore, "put_bytes", real)
+    local = json.loads((store_path / "config" / "tierManifest.json").read_bytes())
+    assert local["generation"] == json.loads((tier / MANIFEST).read_bytes())["generation"] + 1
+    with MessageStore.open(str(store_path), read_only=True) as store:
+        assert "an older manifest" in store.tier.fault
+        assert _read_all(store) == ALL  # all still local: the tier's doubt blocks no local read
+    assert run_cli("tier", "upload", store_path).returncode == 0
+    with MessageStore.open(str(store_path), start_services=False) as store:
+        _free_local(store)
+        assert store.min_phy_offset() == 3 * SEG and _read_all(store) == ALL

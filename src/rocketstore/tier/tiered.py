@@ -115,8 +115,9 @@ class TieredStorage:
                 log.warning("tier: %s is missing or damaged; using %s (generation %d)", path, cand, got.generation)
             m = got
             break
-        for p in problems:
-            log.warning("tier: ignoring the local copy of the manifest: %s", p)
+        if m is not None:  # else the fault below says it all, once
+            for p in problems:
+                log.warning("tier: ignoring the local copy of the manifest: %s", p)
         self._local_copy_bad = bool(problems) or (m is None and self._local_copy_seen)
         self.local_copy = m
         self._set(m)
@@ -126,10 +127,21 @@ class TieredStorage:
                               f"published generation {self.generation} of {self.loc.uri}/{MANIFEST} "
                               f"({self.id_path}): what the tier holds is not known until that manifest is read",
                               republish=False, quiet=True)
+                if self.deleted_end > 0:
+                    self._set(self._placeholder())
             return
         doubt = self._doubt(m, f"{path}{'' if not problems else '.bak'}")
         if doubt is not None:
             self._damaged(doubt, republish=False, quiet=True)
+
+    def _placeholder(self) -> TierManifest:
+        """With no manifest at all: one saying the tier may hold every segment below ``localDeletedEnd`` (from
+        offset 0), so queue minimums, ``dump``'s start and ``look`` still lead reads there, where the reader
+        raises the fault.  Never published, never a reason to delete (``error`` is set while it stands)."""
+        m = TierManifest(store_id=self.store_id or "", geometry={k: int(getattr(self.config, k)) for k in GEOMETRY})
+        size = self.config.mappedFileSizeCommitLog
+        m.commitlog = [TierSegment(f"{base:020d}", size, 0) for base in range(0, self.deleted_end, size)]
+        return m
 
     def _doubt(self, m: TierManifest, where: str) -> str | None:
         """Why manifest ``m`` cannot be trusted as this store's latest, or None: older than the generation the
