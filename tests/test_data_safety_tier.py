@@ -129,14 +129,31 @@ def test_lost_tier_json_with_an_object_missing_is_not_republished(tmp_path):
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1
     assert b"commitlog/00000000000001048576 is missing" in r.stderr
     assert not (tier / MANIFEST).exists()
-    # An object altered in place (same size): its CRC-32 disagrees with the local copy's, not republished.
+
+
+def test_lost_tier_json_with_an_altered_object_still_local_is_not_republished(tmp_path):
+    """Republishing lets retention delete the local copies of what the manifest lists: a segment still on
+    local disk must match its object by CRC-32 (an object altered in place, same size, does not)."""
+    store_path, tier = _tiered(tmp_path, upload=False)
+    with MessageStore.open(str(store_path), start_services=False) as s:
+        upload_round(s)
+    (tier / MANIFEST).unlink()
     seg = tier / "commitlog" / "00000000000000000000"
     data = bytearray(seg.read_bytes())
     data[5000] ^= 1
     seg.write_bytes(bytes(data))
-    (tier / "commitlog" / "00000000000001048576").write_bytes(b"\0" * SEG)
     r = run_cli("tier", "upload", store_path)
     assert r.returncode == 2 and b"CRC-32" in r.stderr and not (tier / MANIFEST).exists()
+    with MessageStore.open(str(store_path), start_services=False) as s:
+        reads = []
+        real = s.tier.objects.checksum
+        s.tier.objects.checksum = lambda key: reads.append(key) or real(key)
+        for _ in range(3):  # the upload service's rounds: the tier is read back once, not every round
+            with pytest.raises(StoreError, match="CRC-32"):
+                upload_round(s)
+        assert reads == ["commitlog/00000000000000000000"]
+        _free_local(s)
+        assert len(s.commitlog.queue.files) == 4  # the good local copies stay
 
 
 def test_damaged_local_copy_with_the_tier_down_tries_the_bak_and_fails_reads(tmp_path):

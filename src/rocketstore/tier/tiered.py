@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 STORE_ID_FILE = "tierStore.json"  # under the store's config/: which tier this store owns, by id
 LOCAL_MANIFEST = "tierManifest.json"  # under config/: the last manifest this store published, for opens
+REPUBLISH_RETRY_SECONDS = 600  # a republish that failed on the same damage is tried again after this long
 _UNIT = struct.Struct(">qiq")  # a consume-queue unit
 _INDEX_HEADER = struct.Struct(">qqqqii")
 
@@ -61,6 +62,7 @@ class TieredStorage:
         self.local_copy: TierManifest | None = None  # the last manifest this store published (config/)
         self._local_copy_seen = False  # config/tierManifest.json (or its .bak) exists, readable or not
         self._local_copy_bad = False  # it (or its .bak) is damaged: rewritten from the next trusted manifest
+        self._republish_failed: tuple[str | None, float, str] | None = None  # (fault, when, why) of the last try
         self.lock = threading.RLock()
         # tierStore.json: the store's tier identity, the highest manifest generation it published, and the
         # commitlog offset below which it may have deleted local segments because the manifest listed them.
@@ -335,20 +337,29 @@ class TieredStorage:
         tier whole (segments by CRC-32, other files by size); else a TierError naming what is missing.
         With the local copy lost too, the manifest is rebuilt from the tier's objects."""
         with self.lock:
-            src = self.local_copy
-            if src is None:  # tier.json and the local copy (and its .bak) all lost: list what the tier holds
-                src = self.rebuild_from_objects()
-            else:
-                if src.end_offset < self.deleted_end:
-                    raise TierError(f"{self.fault}; and {self.local_manifest_path} lists segments only up to "
-                                    f"{src.end_offset}, below {self.deleted_end} where this store deleted local "
-                                    "segments: not republished (restore the manifest from a backup)")
-                self.verify_objects(src)
-            m = copy.deepcopy(src)
             was = self.fault
+            failed = self._republish_failed
+            if failed is not None and failed[0] == was and time.time() < failed[1] + REPUBLISH_RETRY_SECONDS:
+                raise TierError(failed[2])  # the same damage: not every upload round re-reads the tier
+            try:
+                src = self.local_copy
+                if src is None:  # tier.json and the local copy (and its .bak) all lost: list what the tier holds
+                    src, source = self.rebuild_from_objects(), "the tier's objects"
+                else:
+                    source = self.local_manifest_path
+                    if src.end_offset < self.deleted_end:
+                        raise TierError(f"{self.fault}; and {source} lists segments only up to {src.end_offset}, "
+                                        f"below {self.deleted_end} where this store deleted local segments: not "
+                                        "republished (restore the manifest from a backup)")
+                    self.verify_objects(src)
+            except TierError as e:
+                self._republish_failed = (was, time.time(), str(e))
+                raise
+            self._republish_failed = None
+            m = copy.deepcopy(src)
             self.publish(m)
             log.warning("tier %s: republished %s as generation %d from %s after checking its objects (%s)",
-                        self.loc.uri, MANIFEST, m.generation, self.local_manifest_path, was)
+                        self.loc.uri, MANIFEST, m.generation, source, was)
             return m
 
     def rebuild_from_objects(self) -> TierManifest:
@@ -428,8 +439,9 @@ class TieredStorage:
         return m
 
     def verify_objects(self, m: TierManifest) -> None:
-        """Every object ``m`` lists is in the tier: segments whole (size and CRC-32), queue files by size,
-        index files present; a TierError names the first that is not."""
+        """Every object ``m`` lists is in the tier: by size (each was read back and checked by CRC-32 when
+        uploaded), and a segment still on local disk also by CRC-32, since republishing lets retention delete
+        that local copy; queue files by size, index files present.  A TierError names the first that is not."""
         obj = self.objects
         cq_size = m.geometry["mappedFileSizeConsumeQueue"]
         for s in m.commitlog:
@@ -438,6 +450,8 @@ class TieredStorage:
             if got != s.size:
                 raise TierError(f"{self.loc.uri}: {key} is {'missing' if got is None else f'{got} bytes'}, but "
                                 f"{self.local_manifest_path} lists it with {s.size}; not republished")
+            if not os.path.exists(os.path.join(self.root, "commitlog", s.name)):
+                continue
             crc = obj.checksum(key)
             if crc != s.crc32:
                 raise TierError(f"{self.loc.uri}: {key} has CRC-32 {crc}, but {self.local_manifest_path} lists "
