@@ -414,3 +414,22 @@ def test_a_publish_cut_short_leaves_the_bucket_behind_and_nothing_deleted(tmp_pa
     with MessageStore.open(str(store_path), start_services=False) as store:
         _free_local(store)
         assert store.min_phy_offset() == 3 * SEG and _read_all(store) == ALL
+
+
+def test_a_new_store_makes_its_file_tier_directory_once(tmp_path):
+    """The first publish creates the tier's directory (even with nothing sealed yet); after that a missing
+    directory is an unmounted disk, never made again."""
+    from rocketstore.message import Message
+    tier = tmp_path / "archive" / "broker-a"
+    conf = tmp_path / "broker.conf"
+    conf.write_text(f"tieredStoreUri=file://{tier}\nmappedFileSizeCommitLog=65536\n")
+    with MessageStore.open(str(tmp_path / "store"), str(conf), start_services=False) as store:
+        store.put(Message(topic="T", body=b"x"))
+        upload_round(store)
+        assert json.loads((tier / MANIFEST).read_bytes())["generation"] == 1
+    (tier / MANIFEST).unlink()
+    tier.rmdir()
+    with MessageStore.open(str(tmp_path / "store"), str(conf), start_services=False) as store:
+        with pytest.raises(StoreError, match="does not exist"):
+            upload_round(store)
+    assert not tier.exists()

@@ -252,6 +252,12 @@ class ObjectStore:
         except Exception as e:  # noqa: BLE001
             raise self._err("cannot delete", key, e) from None
 
+    def make_root(self) -> None:
+        """Create a ``file://`` tier's directory (durably): the store's first publish, before anything says
+        the store published there (from then on ``create_root`` is off)."""
+        if self.loc.scheme == "file" and not os.path.isdir(self.loc.prefix):
+            self._ensure_parent(posixpath.join(self.loc.prefix, "x"))
+
     def _ensure_parent(self, path: str) -> None:
         """Make the object's directory, each new one durable in its parent (never the tier's root once the
         store published there: see ``create_root``)."""

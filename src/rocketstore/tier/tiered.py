@@ -315,6 +315,8 @@ class TieredStorage:
         knows."""
         from ..jsonfile import write_bytes_atomic
         with self.lock:
+            if not self.published:
+                self.objects.make_root()
             m.generation = max(self.known_generation, m.generation) + 1
             m.updated_at = int(time.time() * 1000)
             data = m.dumps()
