@@ -10,6 +10,16 @@ two questions the rest of the store asks:
   reached keeps every local file);
 * where is an old offset?  Reads below the local minimum go to
   :class:`~rocketstore.tier.reader.TierReader`.
+
+Missing is not empty.  ``config/tierStore.json`` keeps, besides the store's
+tier id, the highest manifest generation the store published and
+``localDeletedEnd``, the offset below which it deleted local segments on the
+manifest's word.  A ``tier.json`` that is missing, malformed, of a lower
+generation or not reaching ``localDeletedEnd``, and a local copy lost with
+its ``.bak``, are a :attr:`TieredStorage.fault`: reads below the local disk
+raise it (never OFFSET_TOO_SMALL) and nothing is deleted on such a manifest.
+A writable round republishes a lost or stale ``tier.json`` from the local
+copy (or rebuilds it from the tier's objects) once the objects check out.
 """
 
 from __future__ import annotations
@@ -64,6 +74,7 @@ class TieredStorage:
         self._local_copy_bad = False  # it (or its .bak) is damaged: rewritten from the next trusted manifest
         self._republish_failed: tuple[str | None, float, str] | None = None  # (fault, when, why) of the last try
         self.lock = threading.RLock()
+        self._state_lock = threading.RLock()  # tierStore.json's writers: publish, and retention's has_segment
         # tierStore.json: the store's tier identity, the highest manifest generation it published, and the
         # commitlog offset below which it may have deleted local segments because the manifest listed them.
         self.store_id: str | None = None
@@ -194,8 +205,9 @@ class TieredStorage:
 
     def _save_state(self) -> None:
         from ..jsonfile import write_json_atomic
-        write_json_atomic(self.id_path, {"storeId": self.store_id, "generation": self.generation,
-                                         "localDeletedEnd": self.deleted_end})
+        with self._state_lock:
+            write_json_atomic(self.id_path, {"storeId": self.store_id, "generation": self.generation,
+                                             "localDeletedEnd": self.deleted_end})
 
     def ensure_store_id(self) -> str:
         """This store's tier identity, made (durably) on first use."""
@@ -481,18 +493,18 @@ class TieredStorage:
         """Whether the local segment [base, base + length) may be deleted: the trusted manifest lists it (or
         it lies below the tier's start).  A yes is first written down (``localDeletedEnd`` in tierStore.json):
         a manifest that later fails to list it is recognised as damage, not read as "nothing there"."""
-        with self.lock:
-            m = self.manifest
-            if m is None or self.error is not None:
-                return False
-            ok = self._expired_below(m, base + length)
-            if not ok:
-                s = m.segment_for(base)
-                ok = s is not None and s.base == base and s.size >= length
-            if ok and not self.read_only and base + length > self.deleted_end:
-                self.deleted_end = base + length
+        m = self.manifest  # no self.lock: an upload round holds it for minutes, retention must not wait
+        if m is None or self.error is not None:
+            return False
+        ok = self._expired_below(m, base + length)
+        if not ok:
+            s = m.segment_for(base)
+            ok = s is not None and s.base == base and s.size >= length
+        if ok and not self.read_only and base + length > self.deleted_end:
+            with self._state_lock:
+                self.deleted_end = max(self.deleted_end, base + length)
                 self._save_state()
-            return ok
+        return ok
 
     def has_queue_file(self, topic: str, queue_id: int, name: str, last_phy: int | None = None) -> bool:
         m = self.manifest
