@@ -241,6 +241,7 @@ class TieredStorage:
                 data = self.objects.get_bytes(MANIFEST)
             except TierError as e:
                 self.error = str(e)
+                self.republishable = False  # only a tier just reached and seen damaged is republished
                 if not quiet:
                     log.error("tier %s: %s", self.loc.uri, e)
                 return self.manifest
