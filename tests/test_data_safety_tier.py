@@ -461,6 +461,7 @@ def test_seeded_tier_faults_never_skip_an_acknowledged_message(tmp_path):
     local = Path(root) / "config" / "tierManifest.json"
 
     seen = {"errors": 0, "fromTier": 0}
+    trail: list[str] = []  # the steps so far, for the failure message
 
     def check(store: MessageStore) -> None:
         local_min = store.min_phy_offset()
@@ -474,7 +475,9 @@ def test_seeded_tier_faults_never_skip_an_acknowledged_message(tmp_path):
                     off += 1  # named damage: allowed; the next offset must still be reachable
                     continue
                 seen["fromTier"] += sum(1 for m in r.messages if m.commit_log_offset < local_min)
-                assert r.status == GetMessageStatus.FOUND, (topic, qid, off, r.status, len(bodies))
+                assert r.status == GetMessageStatus.FOUND, (f"seed {seed} step {trail[-1:]}", topic, qid, off, r.status,
+                                                            len(bodies), store.min_phy_offset(), store.tier.error,
+                                                            store.min_offset_in_queue(topic, qid), trail)
                 for i, m in enumerate(r.messages):
                     assert (m.queue_offset, m.body) == (off + i, bodies[off + i])
                 assert r.next_begin_offset == off + len(r.messages)
@@ -495,6 +498,7 @@ def test_seeded_tier_faults_never_skip_an_acknowledged_message(tmp_path):
         for step in range(steps):
             op = rnd.choice(["put"] * 4 + ["upload"] * 4 + ["free"] * 2 + ["remount"] * 3 +
                             ["reopen", "unmount", "lose_tier_json", "old_tier_json", "damage_local", "lose_local"])
+            trail.append(op)
             if op == "put":
                 for _ in range(rnd.randint(100, 800)):
                     key = (f"T{rnd.randint(0, 2)}", rnd.randint(0, 1))
@@ -574,3 +578,22 @@ def test_no_republish_while_the_tier_cannot_be_reached(tmp_path):
         (tmp_path / "away").rename(tier)
         upload_round(store)
         assert store.tier.fault is None and _read_all(store) == ALL
+
+
+def test_a_stale_local_copy_is_not_republished_as_it_is(tmp_path):
+    """tier.json lost and the local copy damaged: its .bak is one generation old and lacks the queue files the
+    last round added (and retention deleted locally on that round's word).  Putting the .bak back would hide
+    them: the manifest is rebuilt from the tier's objects instead."""
+    store_path, tier = _tiered(tmp_path)
+    before = json.loads((tier / MANIFEST).read_bytes())
+    bak = json.loads((store_path / "config" / "tierManifest.json.bak").read_bytes())
+    assert bak["consumequeue"] != before["consumequeue"]
+    (tier / MANIFEST).unlink()
+    (store_path / "config" / "tierManifest.json").write_text("{")
+    r = run_cli("tier", "upload", store_path)
+    assert r.returncode == 0, r.stderr
+    after = json.loads((tier / MANIFEST).read_bytes())
+    assert [after[k] for k in ("commitlog", "consumequeue", "index")] == \
+        [before[k] for k in ("commitlog", "consumequeue", "index")]
+    with MessageStore.open(str(store_path), read_only=True) as store:
+        assert _read_all(store) == ALL

@@ -349,8 +349,8 @@ class TieredStorage:
 
     def republish(self) -> TierManifest:
         """Replace a lost or stale ``tier.json`` with the local copy, once every object it lists is in the
-        tier whole (segments by CRC-32, other files by size); else a TierError naming what is missing.
-        With the local copy lost too, the manifest is rebuilt from the tier's objects."""
+        tier (see verify_objects); else a TierError naming what is missing.  With the local copy lost too, or
+        older than the latest generation (its ``.bak``), the manifest is rebuilt from the tier's objects."""
         with self.lock:
             was = self.fault
             failed = self._republish_failed
@@ -358,7 +358,10 @@ class TieredStorage:
                 raise TierError(failed[2])  # the same damage: not every upload round re-reads the tier
             try:
                 src = self.local_copy
-                if src is None:  # tier.json and the local copy (and its .bak) all lost: list what the tier holds
+                # Only the latest manifest may be put back as it is: an older one (a .bak) lacks the queue and
+                # index files later rounds added, whose local copies retention may have deleted since.  Without
+                # it, the tier's objects say what it holds.
+                if src is None or src.generation < self.known_generation:
                     src, source = self.rebuild_from_objects(), "the tier's objects"
                 else:
                     source = self.local_manifest_path
@@ -378,8 +381,8 @@ class TieredStorage:
             return m
 
     def rebuild_from_objects(self) -> TierManifest:
-        """A manifest made from the objects in the tier, for when ``tier.json``, the local copy and its
-        ``.bak`` are all lost.  Segments must be whole and contiguous, and reach where this store deleted
+        """A manifest made from the objects in the tier, for when ``tier.json`` and the latest local copy are
+        both lost.  Segments must be whole and contiguous, and reach where this store deleted
         local segments; one still on local disk must match it by CRC-32.  Queue files and index files are
         described from their own bytes (units, header), as the uploader described them."""
         if self.store_id is None:
@@ -417,7 +420,7 @@ class TieredStorage:
             except Exception:  # noqa: BLE001 - a segment that starts with a blank record has no store time
                 first_ts = 0
             m.commitlog.append(TierSegment(name, seg_size, crc, max(first_ts, 0)))
-        if not m.commitlog or m.end_offset < self.deleted_end:
+        if self.deleted_end > 0 and m.end_offset < self.deleted_end:  # (with nothing deleted, empty is empty)
             raise TierError(f"{self.fault}; and the tier's segments end at {m.end_offset}, below {self.deleted_end} "
                             f"where this store deleted local segments: {MANIFEST} not rebuilt (restore it from a "
                             "backup)")
