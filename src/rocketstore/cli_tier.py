@@ -66,8 +66,8 @@ def cmd_upload(args: argparse.Namespace) -> int:
     with open_writable(args, start_services=False) as store:
         if store.tier is None:
             raise CliError(f"{store.root}: no tieredStoreUri in the store's config (STORE/broker.conf or --config)")
-        if store.tier.error is not None:
-            raise CliError(store.tier.error)
+        if store.tier.error is not None and not (store.tier.fault and store.tier.republishable):
+            raise CliError(store.tier.error)  # (a lost or stale tier.json: upload_round republishes it)
         store.commitlog.flush(0)
         done = upload_round(store)
         emit({"store": store.root, "uploaded": done, **store.tier.status()})

@@ -38,6 +38,7 @@ from .quarantine import QuarantinePlan, extend_torn_last_segment, file_kind
 from .recovery import RecoveryReport, queues_with_records_before, recover
 from .running_flags import RunningFlags
 from .store_lock import StoreLock
+from .tier.objectstore import TierError
 from .tier.tiered import TieredStorage
 from .tier.upload import TierUploadService
 from .warm_ahead import WarmAheadService
@@ -660,7 +661,7 @@ class MessageStore:
         if hi == 0:
             return GetMessageResult(GetMessageStatus.NO_MESSAGE_IN_QUEUE, 0, lo, hi)
         if offset < lo:
-            if self.tier is not None and self.tier.reader is not None:
+            if self.tier is not None:
                 return self._get_from_tier(topic, queue_id, offset, max_msgs, tag_filter, read_body, lo, hi)
             return GetMessageResult(GetMessageStatus.OFFSET_TOO_SMALL, lo, lo, hi)
         if offset == hi:
@@ -861,9 +862,17 @@ class MessageStore:
                                   path=where, offset=phy)
 
     def queue_min_with_tier(self, topic: str, queue_id: int, local_min: int) -> int:
-        """A queue's lowest readable offset: where its consume-queue files in the tier begin, when lower."""
+        """A queue's lowest readable offset: where its consume-queue files in the tier begin, when lower.
+
+        With no manifest to trust (see TieredStorage.fault) after the store deleted local segments on the
+        tier's word, the tier may hold any of the queue's older messages: 0, where a read then raises the
+        fault, rather than a local minimum that would have a consumer skip them unawares."""
         t = self.tier
-        rng = t.manifest.queue_range(topic, queue_id) if t is not None and t.manifest is not None else None
+        if t is None:
+            return local_min
+        if t.fault is not None and t.deleted_end > 0:
+            return 0
+        rng = t.manifest.queue_range(topic, queue_id) if t.manifest is not None else None
         return rng[0] if rng is not None and rng[0] < local_min else local_min
 
     def _get_from_tier(self, topic: str, queue_id: int, offset: int, max_msgs: int, tag_filter: set[int] | None,
@@ -871,8 +880,16 @@ class MessageStore:
         """get() below the local consume queue: units from the tier's queue files, records from wherever they are.
 
         Cold reads take RocketMQ's on-disk caps (maxTransferCountOnMessageInDisk / ...BytesOnMessageInDisk).
+        A tier whose manifest cannot be trusted (missing, stale, lost locally) raises, naming the manifest:
+        below the local disk is where the tier's messages are, not "too small".
         """
-        reader = self.tier.reader
+        t = self.tier
+        if t.fault is not None:
+            raise TierError(f"{topic}-{queue_id} offset {offset} lies below the local consume queue (from {lo}) and "
+                            f"is read from the tier, but {t.fault}")
+        reader = t.reader
+        if reader is None:  # this store never published a manifest: nothing was moved to the tier
+            return GetMessageResult(GetMessageStatus.OFFSET_TOO_SMALL, lo, lo, hi)
         rng = reader.manifest.queue_range(topic, queue_id)
         tier_lo = rng[0] if rng is not None and rng[0] < lo else lo
         if offset < tier_lo:

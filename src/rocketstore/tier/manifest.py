@@ -5,6 +5,12 @@ writes the object, checks its size, and only then rewrites the manifest (a
 whole-object PUT, so a reader sees the old or the new list, never half).
 Local retention deletes a file only when the manifest lists it.
 
+Every publish carries a ``generation`` one higher than the last this store
+published (the store keeps that number in ``config/tierStore.json``): a
+manifest that is missing, or older than what the store knows it published,
+is damage (an unmounted tier, a lost or restored ``tier.json``), never an
+empty tier.
+
 The manifest also pins the tier to one store (``storeId``) and one file
 geometry: a second store pointed at the same prefix, or a store whose
 segment size differs, is refused rather than mixed in.
@@ -61,6 +67,7 @@ class TierManifest:
     consumequeue: dict[str, list[TierQueueFile]] = field(default_factory=dict)  # "topic/queueId" -> files
     index: list[TierIndexFile] = field(default_factory=list)
     updated_at: int = 0
+    generation: int = 0  # grows by one with every publish; 0 in manifests written before it existed
 
     # ------------------------------------------------------------ ranges
     @property
@@ -96,7 +103,7 @@ class TierManifest:
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT, "version": VERSION, "storeId": self.store_id, **self.geometry,
-            "updatedAt": self.updated_at,
+            "updatedAt": self.updated_at, "generation": self.generation,
             "commitlog": [{"name": s.name, "size": s.size, "crc32": s.crc32, "firstStoreTime": s.first_store_time}
                           for s in self.commitlog],
             "consumequeue": {q: [{"name": f.name, "minIndex": f.min_index, "units": f.units, "lastPhy": f.last_phy}
@@ -118,7 +125,7 @@ class TierManifest:
                 raise ValueError(f"not a {FORMAT} v{VERSION} manifest (format={d.get('format')!r}, "
                                  f"version={d.get('version')!r})")
             m = cls(store_id=str(d["storeId"]), geometry={k: int(d[k]) for k in GEOMETRY},
-                    updated_at=int(d.get("updatedAt", 0)))
+                    updated_at=int(d.get("updatedAt", 0)), generation=int(d.get("generation", 0)))
             m.commitlog = [TierSegment(str(s["name"]), int(s["size"]), int(s["crc32"]), int(s.get("firstStoreTime", 0)))
                            for s in d["commitlog"]]
             m.consumequeue = {str(q): [TierQueueFile(str(f["name"]), int(f["minIndex"]), int(f["units"]),

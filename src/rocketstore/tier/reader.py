@@ -18,7 +18,7 @@ from ..consume_queue import CQ_STORE_UNIT_SIZE
 from ..errors import CorruptRecordError
 from ..index import ENTRY_SIZE, HEADER_SIZE, SLOT_SIZE, walk_chain
 from .manifest import TierManifest, TierSegment
-from .objectstore import ObjectStore
+from .objectstore import ObjectStore, TierError
 
 BLOCK = 256 * 1024
 CACHE_BLOCKS = 64  # 16 MiB
@@ -48,6 +48,13 @@ class TierReader:
         self._cache: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._cache_blocks = cache_blocks
         self._lock = threading.Lock()
+        # Set by TieredStorage when the manifest in hand is not one it can trust (tier.json missing, stale,
+        # malformed): every read raises it rather than answer from a list that may be wrong or empty.
+        self.fault: str | None = None
+
+    def _check(self) -> None:
+        if self.fault is not None:
+            raise TierError(self.fault)
 
     def where(self, key: str) -> str:
         return self.objects.loc.key(key) if self.objects.loc.scheme == "file" else \
@@ -69,6 +76,7 @@ class TierReader:
 
     def read(self, key: str, pos: int, length: int) -> bytes:
         """``length`` bytes at ``pos`` (fewer at the object's end); large reads bypass the cache."""
+        self._check()
         if length >= 4 * BLOCK:
             return self.objects.read(key, pos, length)
         parts = []
@@ -85,6 +93,7 @@ class TierReader:
 
     # ------------------------------------------------------------ commitlog
     def _segment(self, offset: int) -> TierSegment:
+        self._check()
         seg = self.manifest.segment_for(offset)
         if seg is None:
             raise CorruptRecordError(f"commitlog offset {offset} is not in the tier {self.objects.loc.uri} "
@@ -121,6 +130,7 @@ class TierReader:
     def scan(self, from_offset: int, end: int, *, check_crc: bool = False, read_body: bool = True
              ) -> Iterator[tuple[int, int, MessageExt | None, str | None]]:
         """CommitLog.scan's (offset, size, message, problem) over the tier's segments, ``from_offset`` to ``end``."""
+        self._check()
         offset = max(from_offset, self.manifest.min_offset)
         stop = min(end, self.manifest.end_offset)
         file_size = self.manifest.geometry["mappedFileSizeCommitLog"]
@@ -159,6 +169,7 @@ class TierReader:
     # ------------------------------------------------------------ consume queues
     def units(self, topic: str, queue_id: int, index: int, count: int) -> list[tuple[int, int, int]]:
         """Up to ``count`` (commitlog offset, size, tags code) units from queue offset ``index`` (one file)."""
+        self._check()
         files = self.manifest.queue_files(topic, queue_id)
         size = self.manifest.geometry["mappedFileSizeConsumeQueue"]
         per_file = size // CQ_STORE_UNIT_SIZE
@@ -179,6 +190,7 @@ class TierReader:
     def select(self, full_key: str, max_num: int, begin: int, end: int, skip: set[str]) -> list[int]:
         """Offsets of index entries for ``topic#key`` in the tier's index files (newest first), as
         IndexFile.select walks a local file; files named in ``skip`` (present locally) are not read."""
+        self._check()
         slots = self.manifest.geometry["maxHashSlotNum"]
         h = codec.index_key_hash(full_key)
         out: list[int] = []

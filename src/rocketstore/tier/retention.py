@@ -44,7 +44,7 @@ def expire_round(store: "MessageStore", now_ms: int) -> int:
         return 0
     gone_segments = m.commitlog[:n]
     new_min = m.commitlog[n].base
-    kept = TierManifest(m.store_id, dict(m.geometry), m.commitlog[n:], {}, [], m.updated_at)
+    kept = TierManifest(m.store_id, dict(m.geometry), m.commitlog[n:], {}, [], m.updated_at, m.generation)
     gone_objects = [segment_key(s.name) for s in gone_segments]
     reader = tier.reader
     for q, files in m.consumequeue.items():

@@ -5,13 +5,15 @@ passed its end (a torn, unflushed segment is never uploaded).  Segments go up
 in offset order with no gap, so the tier is one continuous offset range.  A
 consume-queue file goes up when it is full and its last unit's record is in
 the tier; an index file when it is no longer the one being written and its
-last entry's record is in the tier.  Each object is uploaded, its size
-checked, then the manifest rewritten: an interrupted round leaves at worst an
+last entry's record is in the tier.  Each object is uploaded (fsynced on a
+``file://`` tier), read back and its CRC-32 compared with the local bytes,
+then the manifest rewritten: an interrupted round leaves at worst an
 object the manifest does not list, which the next round uploads again.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import struct
@@ -61,9 +63,11 @@ def upload_round(store: "MessageStore", max_segments: int | None = None) -> dict
     with tier.lock:
         m = tier.refresh(quiet=True)
         if tier.error is not None:
-            raise TierError(tier.error)
-        if m is None:
-            m = tier.new_manifest()
+            if tier.fault is None or not tier.republishable:
+                raise TierError(tier.error)
+            m = tier.republish()  # tier.json lost or stale: put the local copy back once its objects check out
+        # A copy: segments are added to it before it is published, and readers must not see them until then.
+        m = tier.new_manifest() if m is None else copy.deepcopy(m)
         done = {"segments": 0, "queueFiles": 0, "indexFiles": 0, "expiredSegments": 0}
         done["segments"] = _upload_segments(store, m, max_segments)
         if done["segments"] or not m.updated_at:
