@@ -65,6 +65,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -80,8 +81,10 @@ from conftest import REPO
 from helpers.model import (QUEUES, TAGS, Model, Msg, Spec, body_of, conf_dict, crash_image_pages, gen_puts,
                            model_config, put_specs, seed_shadow, uid_of)
 from rocketstore import GetMessageStatus, MessageStore, StoreError
+from rocketstore.errors import CommitLogDamagedError
 from rocketstore.consumer import Consumer
 from rocketstore.message import parse_tag_filter
+from rocketstore.repair import FILLER_TOPIC, LOST_TAG
 
 CHILD = REPO / "tests" / "helpers" / "model.py"
 ALL_OPS = ["put", "kill", "powerloss", "powerloss_dirent", "recover", "retention", "repair_int", "tier_upload",
@@ -136,7 +139,9 @@ class Run:
         self.damaged = False  # a damage op is in force: reads may raise errors naming it
         self.tier_down = False
         self.quarantine_explained = False
-        self.excused: set[tuple[str, int, int]] = set()  # units damaged by hand: a tag filter cannot see it (no CRC)
+        self.excused: set[tuple[str, int, int]] = set()
+        self.damaged_phys: set[int] = set()  # records whose body was damaged by hand: legitimately lost
+        self.lost_slots: set[tuple[str, int, int]] = set()  # their queue offsets: a read there may name the damage  # units damaged by hand: a tag filter cannot see it (no CRC)
         self.pid_counter = 0
         self.path.mkdir(parents=True)
         self._write_conf()
@@ -210,9 +215,15 @@ class Run:
 
     def _child(self, power: bool, dirent: bool = False) -> None:
         flush = self.rng.choice(["SYNC_FLUSH", "ASYNC_FLUSH"])
-        puts = self.new_puts(self.rng.randint(10, 150))
+        puts = self.new_puts(self.rng.choice([self.rng.randint(10, 150), self.rng.randint(150, 500)]))
         cfg = self.cfg(flush)
         self.pid_counter += 1
+        if self.rng.random() < 0.5:  # a queue born in this writer, with one early message: its file is never full
+            uid = self.model.next_uid
+            self.model.next_uid += 1
+            at = self.rng.randrange(min(5, len(puts)))
+            puts.insert(at, [Spec(uid, f"Fresh{self.pid_counter}", self.rng.randrange(4), self.rng.randint(1, 100),
+                                  f"k{uid}", self.rng.choice(TAGS))])
         work = self.tmp / f"child{self.pid_counter}"
         work.mkdir()
         plan, acks, shadow = work / "plan.json", work / "acks.jsonl", work / "shadow"
@@ -317,7 +328,26 @@ class Run:
         self.model.drop_many([m for m in self.model.msgs.values() if m.phy is not None and m.phy < floor], "retention")
         self.model.removed_below = max(self.model.removed_below, floor)
 
+    def damage_record(self) -> None:
+        """Flip a bit of one record's body (a disk error): that message is lost, every other must stay."""
+        from conftest import flip_body_bit
+        cands = [m for m in self.model.msgs.values() if m.phy is not None and m.spec.size > 8]
+        segs = {int(s.name): s for s in self.segments()}
+        cands = [m for m in cands if m.phy - m.phy % (32 * 1024) in segs]
+        if not cands:
+            return
+        m = self.rng.choice(sorted(cands, key=lambda x: x.phy))
+        seg = segs[m.phy - m.phy % (32 * 1024)]
+        flip_body_bit(self.path, m.phy, f"commitlog/{seg.name}")
+        self.note(f"  damaged the body of uid {m.spec.uid} {m.slot} at {m.phy}")
+        self.damaged_phys.add(m.phy)
+        self.lost_slots.add(m.slot)
+        self.model.drop_many([m], "damage")
+        self.quarantine_explained = True
+
     def op_repair_int(self) -> None:
+        if self.rng.random() < 0.6:
+            self.damage_record()
         p = subprocess.Popen([sys.executable, "-m", "rocketstore", "verify", "--repair", str(self.path)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_cli_env(), cwd=REPO)
         how = self.rng.choice(["SIGINT", "SIGKILL", "finish"])
@@ -326,11 +356,12 @@ class Run:
             p.send_signal(getattr(signal, how))
         out, err = p.communicate(timeout=120)
         self.note(f"  verify --repair {how}: exit {p.returncode}")
-        if how == "finish" and p.returncode not in (0,) and not self.damaged:
+        if how == "finish" and p.returncode not in (0,) and not self.damaged and not self.damaged_phys:
             self.fail(f"verify --repair on an undamaged store exited {p.returncode}: {err.decode()[-2000:]}")
         if how == "SIGINT" and p.returncode not in (0, 1, 2, 130, -signal.SIGINT):
             self.fail(f"verify --repair after Ctrl-C exited {p.returncode}: {err.decode()[-2000:]}")
-        if b"Traceback" in err:
+        if b"Traceback" in err and not (b"KeyboardInterrupt" in err and b"repair.py" not in err
+                                        and b"cli_store.py" not in err):  # Ctrl-C while Python imports: not ours
             self.fail(f"verify --repair ({how}) printed a traceback: {err.decode()[-2000:]}")
 
     def op_tier_upload(self) -> None:
@@ -421,12 +452,18 @@ class Run:
 
     def op_reimport(self) -> None:
         dump = self.tmp / f"dump{self.gen}.jsonl"
-        r = cli("dump", self.path, timeout=300)
-        if r.returncode != 0:
+        r = cli("dump", self.path, *(["--skip-damaged"] if self.damaged_phys else []), timeout=300)
+        if r.returncode != 0 and not (self.damaged_phys and r.returncode == 1):
             self.fail(f"dump exited {r.returncode}: {r.stderr.decode()[-2000:]}")
         dump.write_bytes(r.stdout)
         lines = [json.loads(x) for x in r.stdout.splitlines() if x.strip()]
+        lines = [d for d in lines if d.get("topic") != FILLER_TOPIC and d.get("tags") != LOST_TAG]
         uids = [uid_of(_dump_body(d)) for d in lines]
+        strangers = [(d.get("topic"), d.get("queueId"), d.get("queueOffset"), d.get("commitLogOffset"))
+                     for d, u in zip(lines, uids) if u not in self.model.msgs and u not in self.model.pending]
+        if strangers:
+            self.fail(f"dump printed {len(strangers)} message(s) the model does not hold (stale copies or "
+                      f"removed ones): {strangers[:4]}")
         dup = sorted({u for u in uids if uids.count(u) > 1})
         if dup:
             self.fail(f"dump printed messages {dup[:5]} more than once")
@@ -454,6 +491,8 @@ class Run:
                 m.qoff, m.phy, m.rec_size = i, None, None
             self.model.next_off[key] = len(q)
         self.model.uncertain.clear()
+        self.damaged_phys.clear()
+        self.lost_slots.clear()
         self.model.removed_below = 0
         self.model.floor.clear()
         del old
@@ -497,13 +536,14 @@ class Run:
             (self.path / "abort.bootid").write_text(f"other-boot-{self.seed}")
             return
         self.damaged = True
+        earlier_quarantine = self.quarantine_explained or bool(self.damaged_phys)
         Checker(self, strict=False).check(f"damaged ({kind}), before repair")
         r = cli("verify", "--repair", self.path)
         self.note(f"  verify --repair exit {r.returncode}")
         self.damaged = False
         self.excused = set()
         self.quarantine_explained = True
-        if r.returncode != 0:
+        if r.returncode != 0 and not (r.returncode == 1 and earlier_quarantine):  # 1: an earlier repair's originals
             self.fail(f"verify --repair of a damaged consume queue ({kind}) exited {r.returncode}: "
                       f"{r.stdout.decode()[-1500:]} {r.stderr.decode()[-1500:]}")
 
@@ -529,6 +569,19 @@ class Checker:
     def check(self, where: str) -> None:
         try:
             store = self.run.open()
+        except CommitLogDamagedError as e:
+            if not self.run.damaged_phys:
+                self.fail(f"{where}: the writable open (recovery) refused: {type(e).__name__}: {e}")
+            # A record damaged by hand with intact ones after it, no finished repair: refusing is right; the
+            # operator runs verify --repair to its end.
+            r = cli("verify", "--repair", self.run.path)
+            self.run.note(f"  open refused (damaged record); verify --repair exit {r.returncode}")
+            if b"Traceback" in r.stderr:
+                self.fail(f"{where}: verify --repair printed a traceback: {r.stderr.decode()[-2000:]}")
+            try:
+                store = self.run.open()
+            except StoreError as e2:
+                self.fail(f"{where}: the open after a finished repair refused: {type(e2).__name__}: {e2}")
         except StoreError as e:
             if self.strict:
                 self.fail(f"{where}: the writable open (recovery) refused: {type(e).__name__}: {e}")
@@ -550,7 +603,18 @@ class Checker:
         try:
             for off, size, m, problem in store.messages(skip_damaged=True):
                 if m is None:
-                    damaged = damaged or problem
+                    if off not in self.run.damaged_phys:
+                        damaged = damaged or problem
+                    continue
+                if m.topic == FILLER_TOPIC:
+                    continue  # repair's filler over a damaged span: in no queue
+                slot = (m.topic, m.queue_id, m.queue_offset)
+                if m.tags == LOST_TAG:  # repair's tombstone of a lost message: only where one was lost
+                    if slot not in self.run.lost_slots:
+                        self.fail(f"{where}: a repair tombstone at {off} for {slot}, where no message was lost")
+                    if slot in slots:
+                        self.fail(f"{where}: queue offset {slot} given to two records (a tombstone at {off})")
+                    slots[slot] = -1
                     continue
                 uid = uid_of(m.body)
                 if uid is None or body_of(uid, len(m.body) - len(b"m%d|" % uid)) != m.body:
@@ -559,7 +623,6 @@ class Checker:
                 if uid in seen:
                     self.fail(f"{where}: the commitlog walk yields uid {uid} twice (at {seen[uid]} and {off})")
                 seen[uid] = off
-                slot = (m.topic, m.queue_id, m.queue_offset)
                 if slot in slots:
                     self.fail(f"{where}: queue offset {slot} given to two messages (uids {slots[slot]} and {uid})")
                 slots[slot] = uid
@@ -639,6 +702,9 @@ class Checker:
                 r = store.get(topic, qid, off, 32, tag_filter=codes)
             except StoreError as e:
                 m = wanted.get(off) or next((x for x in want if x.qoff >= off), want[-1])
+                if (topic, qid, off) in self.run.lost_slots or getattr(e, "offset", None) in self.run.damaged_phys:
+                    off += 1  # the damaged record's own offset: an error naming it is the right answer
+                    continue
                 if self._allowed_error(m, e):
                     off = (min((x.qoff for x in want if x.qoff > off), default=want[-1].qoff + 1))
                     continue
@@ -660,13 +726,19 @@ class Checker:
             for msg in r.messages:
                 uid = uid_of(msg.body)
                 exp = wanted.get(msg.queue_offset)
+                if msg.tags == LOST_TAG and (topic, qid, msg.queue_offset) in self.run.lost_slots:
+                    off = msg.queue_offset + 1  # the tombstone of the damaged record: names the loss
+                    continue
                 skipped = [x for x in want if off <= x.qoff < msg.queue_offset]
                 if skipped:
                     self.fail(f"{what} @{off}: returned {msg.queue_offset} first, skipping uid {skipped[0].spec.uid} "
                               f"at {skipped[0].slot} ({skipped[0].how}, commitlog {skipped[0].phy})")
                 if exp is None:
+                    other = self.model.msgs.get(uid)
+                    if other is not None and other.slot == (topic, qid, msg.queue_offset) and tag is not None:
+                        self.fail(f"{what} @{off}: returned uid {uid} at {other.slot} whose tags {other.spec.tags!r} "
+                                  f"the filter does not match (read through unit {off})")
                     if tag is None or uid in self.model.msgs:
-                        other = self.model.msgs.get(uid)
                         self.fail(f"{what} @{off}: returned uid {uid} at queue offset {msg.queue_offset}, "
                                   f"which the model does not hold there (model: {other.slot if other else None})")
                     off = msg.queue_offset + 1
@@ -717,8 +789,8 @@ class Checker:
                     for msg in batch:
                         got.setdefault(msg.queue_id, []).append(msg.queue_offset)
         except StoreError as e:
-            if not self.strict:
-                return
+            if not self.strict or getattr(e, "offset", None) in self.run.damaged_phys:
+                return  # a consumer stops at the damaged record (the operator skips it with seek)
             self.fail(f"{where}: Consumer {topic} tags={tag} raised {type(e).__name__}: {e}")
         for (t, q) in self.model.queue_keys():
             if t != topic:
@@ -745,8 +817,12 @@ class Checker:
             if self.strict:
                 self.fail(f"{where}: verify's read-only open refused: {type(e).__name__}: {e}")
             return
+        lost_dirs = {os.path.join("consumequeue", t, str(q)) for t, q, _ in self.run.lost_slots}
         unexplained = [p for p in result["problems"]
-                       if not (p["kind"] == "quarantined" and self.run.quarantine_explained)]
+                       if not (p["kind"] == "quarantined" and self.run.quarantine_explained)
+                       and not (p["kind"] == "bad-record" and p["offset"] in self.run.damaged_phys)
+                       and not (p["kind"] in ("cq-gap", "cq-hole") and any(d in p["file"] for d in lost_dirs))
+                       and not set(map(int, re.findall(r"\d+", p["detail"]))) & self.run.damaged_phys]
         if unexplained and self.strict:
             self.fail(f"{where}: verify found {len(unexplained)} problem(s): "
                       + "; ".join(f"{p['kind']} {os.path.basename(p['file'])}@{p['offset']}: {p['detail'][:150]}"
@@ -765,7 +841,7 @@ def run_seed(tmp: Path, seed: int, ops: list[str], steps: int) -> Run:
         run.run()
     except Exception as e:  # noqa: BLE001 - a violation or a crash of the store: both end the run with the replay
         detail = "" if isinstance(e, Violation) else "\n" + traceback.format_exc()
-        raise Violation(f"seed {seed} (replay: ROCKETSTORE_MODEL_SEED={seed} ROCKETSTORE_MODEL_OPS="
+        raise Violation(f"seed {seed} (store {run.path}; replay: ROCKETSTORE_MODEL_SEED={seed} ROCKETSTORE_MODEL_OPS="
                         f"{','.join(ops)} ROCKETSTORE_MODEL_STEPS={steps})\n{type(e).__name__}: {e}{detail}\n"
                         f"steps:\n  " + "\n  ".join(run.steps)) from None
     return run

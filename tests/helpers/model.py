@@ -190,6 +190,8 @@ def model_config(rng_or_seed: random.Random | int, flush: str, tier_uri: str = "
                               flushIntervalCommitLog=rng.choice([5, 50, 500]),
                               flushIntervalConsumeQueue=rng.choice([5, 50, 1000]),
                               flushConsumeQueueLeastPages=rng.choice([0, 2, 2]),
+                              flushConsumeQueueThoroughInterval=rng.choice([60000, 2000, 300]),
+                              flushCommitLogThoroughInterval=rng.choice([10000, 1000]),
                               fileReservedTime=72, tieredStoreFileReservedTime=0, tieredStoreUploadInterval=3600_000)
     if tier_uri:
         kw["tieredStoreUri"] = tier_uri
@@ -200,6 +202,7 @@ def model_config(rng_or_seed: random.Random | int, flush: str, tier_uri: str = "
 def conf_dict(cfg: StoreConfig) -> dict[str, Any]:
     keys = ("mappedFileSizeCommitLog", "mappedFileSizeConsumeQueue", "maxHashSlotNum", "maxIndexNum", "flushDiskType",
             "warmAheadBytes", "flushIntervalCommitLog", "flushIntervalConsumeQueue", "flushConsumeQueueLeastPages",
+            "flushConsumeQueueThoroughInterval", "flushCommitLogThoroughInterval",
             "fileReservedTime", "tieredStoreFileReservedTime", "tieredStoreUploadInterval", "tieredStoreUri")
     return {k: getattr(cfg, k) for k in keys}
 
