@@ -319,6 +319,8 @@ def child_main(argv: list[str]) -> None:
     fd = os.open(acks, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.write(fd, b'{"open": true}\n')
     for i, raw in enumerate(plan["puts"]):
+        if plan.get("stop_after") is not None and i >= plan["stop_after"]:
+            break  # wait to be killed after exactly this many puts (a kill that replays the same)
         batch = [Spec.from_json(v) for v in raw]
         r = put_specs(store, batch)
         line = {"i": i, "status": r.status.value, "q": r.queue_offset if r.status is PutMessageStatus.PUT_OK else None}
