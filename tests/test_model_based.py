@@ -77,8 +77,6 @@ Bugs it found on the code before issue 24's fixes (the reverted bugs it must cat
   already given to uid 10`` (an offset given twice).
 - item 4, a torn unit keeps tagsCode 0: ``cq_damage`` / 3 (torn-unit+reboot): verify ``cq-mismatch ... tagsCode
   0 != 2598921`` after recovery.
-- item 5/"never a FOUND with a later offset": ``cq_damage`` (blank or swapped unit, before repair): a
-  tag-filtered ``get`` @20 returns the message at offset 26 (what the test excuses is only the damaged units).
 - item 6, repair shifts and rewrites intact records: ``repair_int`` / 3, 5, 10: after ``verify --repair`` of a
   store with one damaged record, ``get Busy-2 @9: CorruptRecordError: the record there is Busy/2 offset 10``;
   ``cq_damage`` (swap + repair, seen with seed 12 before the torn-unit kind was added): ``uid 200 is
@@ -100,7 +98,8 @@ Bugs it found on the code before issue 24's fixes (the reverted bugs it must cat
   record is not the one Busy-0 unit 30 points at (2147483647 bytes)" (all ops / 1005): repair does not rebuild
   units of tier-held records.
 
-Not reached (the ops exist, the state did not occur in the runs above): item 8 (a stale record copy printed by
+Not reached (the ops exist, the state did not occur in the runs above): item 5 (``cq_damage`` blanks units; no
+MESSAGE_WAS_REMOVING seen), item 8 (a stale record copy printed by
 ``dump`` would fail ``reimport``'s check), item 12 (``retention`` runs an overtaken consumer, same store and
 read-only follower).  Not modelled: items 9, 11, 13, 14 (import of ``--no-body`` dumps, index header damage,
 ``reset-offset``, a store with one torn index file).
