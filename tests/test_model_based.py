@@ -85,7 +85,9 @@ Bugs it found on the code before issue 24's fixes (the reverted bugs it must cat
   open that put after the ``rm``; / 3, 8-10: the put after it ``acknowledged with queue offset Quiet-0@0,
   already given to uid 10`` (an offset given twice).
 - item 4, a torn unit keeps tagsCode 0: ``cq_damage`` / 3 (torn-unit+reboot): verify ``cq-mismatch ... tagsCode
-  0 != 2598921`` after recovery.
+  0 != 2598921`` after recovery; seen from a real power-loss image too (a 6000-byte queue file, unit at 4080
+  across the page boundary: ``kill,recover,retention,reimport,tier_upload,tier_fault,cq_damage,powerloss`` /
+  2004, timing-dependent), and as ``get Quiet-3 --tags TagA @1: NO_MATCHED_MESSAGE, next 3: skips uid 165``.
 - item 6, repair shifts and rewrites intact records: ``repair_int`` / 3, 5, 10: after ``verify --repair`` of a
   store with one damaged record, ``get Busy-2 @9: CorruptRecordError: the record there is Busy/2 offset 10``;
   ``cq_damage`` (swap + repair, seen with seed 12 before the torn-unit kind was added): ``uid 200 is
