@@ -49,6 +49,9 @@ cq_damage          a consume queue damaged by hand (two units swapped, a unit bl
                    succeed.  Or a queue file torn as a power cut tears it (zeros from a unit on, or from inside a
                    unit so that its offset and size survive and its tagsCode does not) plus ``abort`` of another
                    boot: recovery alone must make every read succeed.  Drops nothing.
+index_damage       an index file's indexCount set to 40000 or -5, an index file cut to at most 30 bytes, or a
+                   consume-queue file cut to a size that is no multiple of 20 (sometimes with ``abort`` of another
+                   boot): the next open must rebuild it (every key found, every offset read).  Drops nothing.
 =================  ==========================================================================================
 
 The check after each step (``Checker``): the commitlog walk (``store.messages()``) holds every required model
@@ -97,6 +100,10 @@ Bugs it found on the code before issue 24's fixes (the reverted bugs it must cat
   at open`` (no marker: the next open cannot finish or roll back); cq-dangling/index-dangling after SIGKILL.
 - item 10, tier: ``tier_upload,tier_fault,retention`` / 1 (unmounted) and / 3 (local manifest damaged, tier
   down): ``get Busy-0 @0: OFFSET_TOO_SMALL``; smoke: the same for a lost ``tier.json``.
+- item 11, index header damage: ``index_damage`` / 1 (indexCount 40000) and / 2 (indexCount -5): ``query Busy#k1
+  does not find uid 1`` after the next open (the file is quarantined or kept, its records never re-indexed).
+- item 14, one torn index file: ``index_damage`` / 3 (an index file cut to under 30 bytes): the open goes on, but
+  ``query Busy#k209 does not find uid 209`` (the keys of the torn file are not indexed again).
 - item 15: a finished repair leaves verify INCONSISTENT (``quarantined``); the test excuses it only after a
   repair of damage it made.
 - not listed: the commitlog directory is never fsynced after a segment is created: ``powerloss_dirent`` / 2
@@ -112,8 +119,7 @@ Bugs it found on the code before issue 24's fixes (the reverted bugs it must cat
 Not reached (the ops exist, the state did not occur in the runs above): item 5 (``cq_damage`` blanks units; no
 MESSAGE_WAS_REMOVING seen), item 8 (a stale record copy printed by
 ``dump`` would fail ``reimport``'s check), item 12 (``retention`` runs an overtaken consumer, same store and
-read-only follower).  Not modelled: items 9, 11, 13, 14 (import of ``--no-body`` dumps, index header damage,
-``reset-offset``, a store with one torn index file).
+read-only follower).  Not modelled: items 9 and 13 (import of ``--no-body`` dumps, ``reset-offset``).
 """
 
 from __future__ import annotations
@@ -142,10 +148,10 @@ from rocketstore.repair import FILLER_TOPIC, LOST_TAG
 
 CHILD = REPO / "tests" / "helpers" / "model.py"
 ALL_OPS = ["put", "kill", "powerloss", "powerloss_dirent", "recover", "retention", "repair_int", "tier_upload",
-           "tier_fault", "rm_cq", "truncate", "reimport", "cq_damage"]
+           "tier_fault", "rm_cq", "truncate", "reimport", "cq_damage", "index_damage"]
 WEIGHTS = {"put": 6, "kill": 3, "powerloss": 3, "powerloss_dirent": 1, "recover": 1, "retention": 2,
            "repair_int": 2, "tier_upload": 2, "tier_fault": 1, "rm_cq": 1, "truncate": 1, "reimport": 1,
-           "cq_damage": 1}
+           "cq_damage": 1, "index_damage": 1}
 SECONDS = float(os.environ.get("ROCKETSTORE_MODEL_SECONDS", "40"))
 STEPS = int(os.environ.get("ROCKETSTORE_MODEL_STEPS", "14"))
 CHECKS = {c.strip() for c in os.environ.get("ROCKETSTORE_MODEL_CHECKS", "walk,get,tags,query,consumer,verify"
@@ -635,6 +641,34 @@ class Run:
         if r.returncode != 0 and not (r.returncode == 1 and earlier_quarantine):  # 1: an earlier repair's originals
             self.fail(f"verify --repair of a damaged consume queue ({kind}) exited {r.returncode}: "
                       f"{r.stdout.decode()[-1500:]} {r.stderr.decode()[-1500:]}")
+
+
+    def op_index_damage(self) -> None:
+        """A derived file an operator or a disk damaged: an index header's indexCount out of range, an index file
+        or a consume-queue file cut short.  Each can be rebuilt from the commitlog: the next open must do it."""
+        kind = self.rng.choice(["indexCount-high", "indexCount-negative", "torn-index", "torn-cq"])
+        if kind == "torn-cq":
+            files = sorted(p for p in (self.path / "consumequeue").rglob("*") if p.is_file() and p.stat().st_size > 20)
+        else:
+            files = sorted(p for p in (self.path / "index").iterdir() if p.is_file()) \
+                if (self.path / "index").is_dir() else []
+        if not files:
+            return
+        f = self.rng.choice(files)
+        if kind.startswith("indexCount"):
+            with open(f, "r+b") as fh:
+                fh.seek(36)
+                fh.write((40000 if kind == "indexCount-high" else -5).to_bytes(4, "big", signed=True))
+        else:
+            cut = self.rng.randint(1, min(f.stat().st_size - 1, 30 if kind == "torn-index" else 200)) \
+                if kind == "torn-index" else self.rng.choice([n for n in range(1, f.stat().st_size) if n % 20])
+            with open(f, "r+b") as fh:
+                fh.truncate(cut)
+        if self.rng.random() < 0.5:  # found after an unclean stop of another boot
+            (self.path / "abort").write_text("")
+            (self.path / "abort.bootid").write_text(f"other-boot-{self.seed}-i")
+        self.note(f"  {kind} {f.relative_to(self.path)}")
+        self.quarantine_explained = True  # the damaged file may be kept in quarantine/ (not a loss)
 
 
 def _dump_body(d: dict) -> bytes:
