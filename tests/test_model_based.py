@@ -74,7 +74,8 @@ seed replays the operations and every random choice; half the kills land at an e
 random moment and the flush threads' timing vary, so a power-loss finding may need ROCKETSTORE_MODEL_REPEAT=5.
 
 Bugs it found on the code before issue 24's fixes (the reverted bugs it must catch), as ``ops`` (always with
-``put``) / seed: the check that failed.  Re-check this list when the test changes.
+``put``) / seed: the check that failed; "all ops" means ROCKETSTORE_MODEL_SKIP=index_damage (the list before
+index_damage was added).  Re-check this list when the test changes.
 
 - item 1, power loss and a quiet queue (recovery does not check queue tails against the commitlog):
   ``cq_damage`` / 2: a quiet queue's file torn to zeros + reboot, ``get Rare-1 @0: NO_MESSAGE_IN_QUEUE``;
