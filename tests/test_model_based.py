@@ -467,7 +467,8 @@ class Run:
         if how == "SIGINT" and p.returncode not in (0, 1, 2, 130, -signal.SIGINT):
             self.fail(f"verify --repair after Ctrl-C exited {p.returncode}: {err.decode()[-2000:]}")
         store_frames = re.findall(r'rocketstore/[\w/]+\.py", line \d+, in (\S+)', err.decode(errors="replace"))
-        importing = all(f in ("<module>", "main", "build_parser") or f[:1].isupper() for f in store_frames)
+        importing = "build_parser" in store_frames or all(f in ("<module>", "main") or f[:1].isupper()
+                                                          for f in store_frames)
         if b"Traceback" in err and not (b"KeyboardInterrupt" in err and importing):
             # (a Ctrl-C while Python still imports the modules, before the command runs, is not a repair's)
             self.fail(f"verify --repair ({how}) printed a traceback: {err.decode()[-2000:]}")
