@@ -79,7 +79,7 @@ index_damage was added).  Re-check this list when the test changes.
 
 - item 1, power loss and a quiet queue (recovery does not check queue tails against the commitlog):
   ``cq_damage`` / 2: a quiet queue's file torn to zeros + reboot, ``get Rare-1 @0: NO_MESSAGE_IN_QUEUE``;
-  ``powerloss`` / 4 (all ops / 1001, 1008): units left pointing past the recovered commitlog end, verify
+  ``powerloss`` / 4 (all ops / 1001): units left pointing past the recovered commitlog end, verify
   ``cq-dangling``; later puts reuse those commitlog offsets and ``get`` raises CorruptRecordError "the record
   there is Busy/0 offset 146, not the unit's Busy/1 offset 128" for an acknowledged message.
 - item 2, a short last segment quarantined: ``truncate`` / 1-4, 6-9: ``acknowledged uid ... is not in the
@@ -92,13 +92,17 @@ index_damage was added).  Re-check this list when the test changes.
   0 != 2598921`` after recovery; seen from a real power-loss image too (a 6000-byte queue file, unit at 4080
   across the page boundary: ``kill,recover,retention,reimport,tier_upload,tier_fault,cq_damage,powerloss`` /
   2004, timing-dependent), and as ``get Quiet-3 --tags TagA @1: NO_MATCHED_MESSAGE, next 3: skips uid 165``.
-- item 6, repair shifts and rewrites intact records: ``repair_int`` / 3, 5, 10: after ``verify --repair`` of a
-  store with one damaged record, ``get Busy-2 @9: CorruptRecordError: the record there is Busy/2 offset 10``;
-  ``cq_damage`` (swap + repair, seen with seed 12 before the torn-unit kind was added): ``uid 200 is
-  acknowledged at ('Busy', 0, 92) but its record says ('Busy', 0, 95)`` (a CRC-valid record's header rewritten).
-- item 7, repair interrupted: ``repair_int`` / 9 and all ops / 1002: ``query Busy#k193 does not find uid 193``
-  (an index hole after a killed repair); all ops / 1012: verify ``quarantined repair-...: stray file moved aside
-  at open`` (no marker: the next open cannot finish or roll back); cq-dangling/index-dangling after SIGKILL.
+- item 6, repair shifts and rewrites intact records: ``repair_int`` / 3, 10, 11, 12, 20, 22: after a repair of a
+  store with one damaged record, ``get Busy-2 @9: CorruptRecordError: the record there is Busy/2 offset 10`` (the
+  queue moved down one offset); ``cq_damage`` (swap + repair, seen with seed 12 before the torn-unit kind was
+  added): ``uid 200 is acknowledged at ('Busy', 0, 92) but its record says ('Busy', 0, 95)`` (a CRC-valid
+  record's header rewritten).
+- item 7, repair interrupted: ``repair_int`` / 8, 9, 13: ``query Busy#k23 does not find uid 23`` (an index hole
+  after a killed repair); all ops / 1018: verify ``quarantined repair-...: stray file moved aside at open`` (no
+  marker: the next open neither finishes nor rolls back).
+- item 8, a stale record copy read as a second message: ``repair_int`` / 1, 2, 7, 14, 17, 23: after a misdirected
+  write (a record's bytes over another's start), ``the commitlog walk yields uid 138 twice (at 37054 and 78999)``
+  (``store.messages(skip_damaged=True)``, the walk ``dump --skip-damaged`` uses, resyncs onto the copy).
 - item 10, tier: ``tier_upload,tier_fault,retention`` / 1 (unmounted) and / 3 (local manifest damaged, tier
   down): ``get Busy-0 @0: OFFSET_TOO_SMALL``; smoke: the same for a lost ``tier.json``.
 - item 11, index header damage: ``index_damage`` / 1 (indexCount 40000) and / 2 (indexCount -5): ``query Busy#k1
@@ -114,12 +118,11 @@ index_damage was added).  Re-check this list when the test changes.
   it: all ops / 1006 (``acknowledged uid 12 (inproc-SYNC_FLUSH) is not in the commitlog walk``, max 7283 = the
   damaged record) where a clean start refuses (CommitLogDamagedError).
 - not listed: after ``verify --repair`` of a blanked unit whose record is only in the tier, ``get`` raises "the
-  record is not the one Busy-0 unit 30 points at (2147483647 bytes)" (seen once with all ops / 1005; that seed's
-  kill timing varies, it fails at ``truncate`` too): repair does not rebuild units of tier-held records.
+  record is not the one Busy-0 unit 30 points at (2147483647 bytes)" (seen once in the all-ops runs, not
+  replayed): repair does not rebuild units of tier-held records.
 
 Not reached (the ops exist, the state did not occur in the runs above): item 5 (``cq_damage`` blanks units; no
-MESSAGE_WAS_REMOVING seen), item 8 (a stale record copy printed by
-``dump`` would fail ``reimport``'s check), item 12 (``retention`` runs an overtaken consumer, same store and
+MESSAGE_WAS_REMOVING seen), item 12 (``retention`` runs an overtaken consumer, same store and
 read-only follower).  Not modelled: items 9 and 13 (import of ``--no-body`` dumps, ``reset-offset``).
 """
 
