@@ -74,52 +74,56 @@ seed replays the operations and every random choice; half the kills land at an e
 random moment and the flush threads' timing vary, so a power-loss finding may need ROCKETSTORE_MODEL_REPEAT=5.
 
 Bugs it found on the code before issue 24's fixes (the reverted bugs it must catch), as ``ops`` (always with
-``put``) / seed: the check that failed; "all ops" means ROCKETSTORE_MODEL_SKIP=index_damage (the list before
-index_damage was added).  Re-check this list when the test changes.
+``put``) / seed: the check that failed; "all ops" is the default op list.  Seeds shift whenever the test's random
+choices change: re-check this list when the test changes.
 
 - item 1, power loss and a quiet queue (recovery does not check queue tails against the commitlog):
-  ``cq_damage`` / 2: a quiet queue's file torn to zeros + reboot, ``get Rare-1 @0: NO_MESSAGE_IN_QUEUE``;
-  ``powerloss`` / 4 (all ops / 1001): units left pointing past the recovered commitlog end, verify
-  ``cq-dangling``; later puts reuse those commitlog offsets and ``get`` raises CorruptRecordError "the record
-  there is Busy/0 offset 146, not the unit's Busy/1 offset 128" for an acknowledged message.
-- item 2, a short last segment quarantined: ``truncate`` / 1-4, 6-9: ``acknowledged uid ... is not in the
-  commitlog walk`` (cut past every record, the segment went to quarantine/); / 10: verify ``quarantined
-  commitlog__...: stray file moved aside at open``.
-- item 3, a lost consume-queue directory: ``rm_cq`` / 1, 2, 4, 6, 7: ``get Busy-0 @0: OFFSET_TOO_SMALL`` in the
-  open that put after the ``rm``; / 3, 8-10: the put after it ``acknowledged with queue offset Quiet-0@0,
-  already given to uid 10`` (an offset given twice).
-- item 4, a torn unit keeps tagsCode 0: ``cq_damage`` / 3 (torn-unit+reboot): verify ``cq-mismatch ... tagsCode
-  0 != 2598921`` after recovery; seen from a real power-loss image too (a 6000-byte queue file, unit at 4080
-  across the page boundary: ``kill,recover,retention,reimport,tier_upload,tier_fault,cq_damage,powerloss`` /
-  2004, timing-dependent), and as ``get Quiet-3 --tags TagA @1: NO_MATCHED_MESSAGE, next 3: skips uid 165``.
-- item 6, repair shifts and rewrites intact records: ``repair_int`` / 3, 10, 11, 12, 20, 22: after a repair of a
-  store with one damaged record, ``get Busy-2 @9: CorruptRecordError: the record there is Busy/2 offset 10`` (the
-  queue moved down one offset); ``cq_damage`` (swap + repair, seen with seed 12 before the torn-unit kind was
-  added): ``uid 200 is acknowledged at ('Busy', 0, 92) but its record says ('Busy', 0, 95)`` (a CRC-valid
-  record's header rewritten).
-- item 7, repair interrupted: ``repair_int`` / 8, 9, 13: ``query Busy#k23 does not find uid 23`` (an index hole
-  after a killed repair); all ops / 1018: verify ``quarantined repair-...: stray file moved aside at open`` (no
-  marker: the next open neither finishes nor rolls back).
-- item 8, a stale record copy read as a second message: ``repair_int`` / 1, 2, 7, 14, 17, 23: after a misdirected
-  write (a record's bytes over another's start), ``the commitlog walk yields uid 138 twice (at 37054 and 78999)``
-  (``store.messages(skip_damaged=True)``, the walk ``dump --skip-damaged`` uses, resyncs onto the copy).
-- item 10, tier: ``tier_upload,tier_fault,retention`` / 1 (unmounted) and / 3 (local manifest damaged, tier
-  down): ``get Busy-0 @0: OFFSET_TOO_SMALL``; smoke: the same for a lost ``tier.json``.
-- item 11, index header damage: ``index_damage`` / 1 (indexCount 40000) and / 2 (indexCount -5): ``query Busy#k1
-  does not find uid 1`` after the next open (the file is quarantined or kept, its records never re-indexed).
-- item 14, one torn index file: ``index_damage`` / 3 (an index file cut to under 30 bytes): the open goes on, but
-  ``query Busy#k209 does not find uid 209`` (the keys of the torn file are not indexed again).
+  ``powerloss`` / 1, 3, 4, 8, 9 (all ops / 1003, 1012): units left pointing past the recovered commitlog end,
+  verify ``cq-dangling``; later puts reuse those commitlog offsets and ``get`` raises CorruptRecordError "the
+  record there is Busy/0 offset 146, not the unit's Busy/1 offset 128" for an acknowledged message (seen with
+  ``ROCKETSTORE_MODEL_CHECKS=get``); earlier versions of this test also hit ``get Rare-1 @0: OFFSET_TOO_SMALL``
+  for a SYNC ack and, with a quiet queue's file torn to zeros + reboot (``cq_damage``), NO_MESSAGE_IN_QUEUE.
+- item 2, a short last segment quarantined: ``truncate`` / 1-3, 5-9, 11: ``acknowledged uid ... is not in the
+  commitlog walk`` (a cut past every record, yet the segment went to quarantine/ and its records with it).
+- item 3, a lost consume-queue directory: ``rm_cq`` / 5-7: ``get Busy-0 @0: OFFSET_TOO_SMALL`` in the open that put
+  after the ``rm``; / 8: ``NO_MESSAGE_IN_QUEUE``; / 1-3, 9, 11: the put after it ``acknowledged with queue offset
+  Quiet-3@0, already given to uid 76`` (an offset given twice).
+- item 4, a torn unit keeps tagsCode 0: ``cq_damage`` / 3, 5 (torn-unit+reboot): ``get Quiet-0 --tags TagC @3:
+  returned 4 first, skipping uid 176``; seen from a real power-loss image too (a 6000-byte queue file, the unit at
+  4080 across a page boundary: verify ``cq-mismatch ... tagsCode 0 != 2598921``, timing-dependent).
+- item 6, repair shifts and rewrites intact records: ``cq_damage`` / 7 (two units swapped, then ``verify
+  --repair``): "queueOffset 12 -> 19 of the record at 17240 restored from its consume-queue unit", then verify
+  ``cq-gap``/``cq-missing``; / 2: ``uid 135 is acknowledged at ('Busy', 2, 12) but its record says ('Busy', 2,
+  14)``; ``repair_int`` / 3, 5, 9: after a repair of a store with one damaged record, ``get Busy-1 @26:
+  CorruptRecordError: the record there is Busy/1 offset 27`` (the queue moved down one offset).
+- item 7, repair interrupted: ``repair_int`` / 1: ``query Busy#k290 does not find uid 290`` (an index hole after a
+  killed repair); all ops / 1006: verify ``quarantined repair-...: stray file moved aside at open`` (no marker:
+  the next open neither finishes nor rolls back).
+- item 8, a stale record copy read as a second message: all ops / 1001 (and ``repair_int`` with other seeds):
+  after a misdirected write (a record's bytes over another's start), ``the commitlog walk yields uid 174 twice
+  (at 20999 and 79086)`` (``store.messages(skip_damaged=True)``, the walk of ``dump --skip-damaged``, resyncs onto
+  the copy).
+- item 10, tier: ``tier_upload,tier_fault,retention`` / 10 (unmounted): ``get Busy-0 @0: OFFSET_TOO_SMALL``; smoke
+  (step 8): the same; other seeds: a lost ``tier.json``, a damaged local manifest with the tier down.
+- item 11, index header damage: ``index_damage`` / 1, 5, 6, 7, 9, 11 and all ops / 1004, 1013-1015 (indexCount
+  40000 or -5, or a torn index file): ``query Busy#k1 does not find uid 1`` after the next open.
+- item 14, one torn index file: all ops / 1000 (the default run's first seed), 1010: ``the writable open
+  (recovery) refused: ConfigError: maxHashSlotNum=32, maxIndexNum=128 (StoreConfig) contradicts the files:
+  index/...``.
 - item 15: a finished repair leaves verify INCONSISTENT (``quarantined``); the test excuses it only after a
   repair of damage it made.
-- not listed: the commitlog directory is never fsynced after a segment is created: ``powerloss_dirent`` / 2
-  (``acknowledged uid 190 (powerloss-SYNC_FLUSH) is not in the commitlog walk``), / 4, 7, 8, 10 (``the writable
-  open refused: start offset 98304 does not follow 32768``).
+- not listed: a record torn by a power cut is accepted when its body is intact: all ops / 1009 (replays): ``get
+  Busy-2 @6: returned uid 30 tags 'TagB\x00' ... body ok``: the topic and properties after the body are covered
+  by no CRC, so a zeroed last page of the record passes every check recovery makes.
+- not listed: the commitlog directory is never fsynced after a segment is created: ``powerloss_dirent`` / 1, 3
+  (``the writable open refused: start offset 131072 does not follow ...``); earlier versions also lost a
+  SYNC_FLUSH ack (``acknowledged uid 190 (powerloss-SYNC_FLUSH) is not in the commitlog walk``).
 - not listed: an unclean start truncates the commitlog at a damaged record with intact acknowledged ones after
-  it: all ops / 1006 (``acknowledged uid 12 (inproc-SYNC_FLUSH) is not in the commitlog walk``, max 7283 = the
-  damaged record) where a clean start refuses (CommitLogDamagedError).
+  it (a SYNC ack lost, ``max 7283`` = the damaged record), where a clean start refuses (CommitLogDamagedError);
+  seen with an earlier version of this test (damage, a killed repair, then a power-loss writer).
 - not listed: after ``verify --repair`` of a blanked unit whose record is only in the tier, ``get`` raises "the
-  record is not the one Busy-0 unit 30 points at (2147483647 bytes)" (seen once in the all-ops runs, not
-  replayed): repair does not rebuild units of tier-held records.
+  record is not the one Busy-0 unit 30 points at (2147483647 bytes)" (seen once, not replayed): repair does not
+  rebuild units of tier-held records.
 
 Not reached (the ops exist, the state did not occur in the runs above): item 5 (``cq_damage`` blanks units; no
 MESSAGE_WAS_REMOVING seen), item 12 (``retention`` runs an overtaken consumer, same store and
@@ -901,8 +905,10 @@ class Checker:
                     continue
                 if uid != exp.spec.uid or msg.body != body_of(exp.spec.uid, exp.spec.size) or \
                         (msg.topic, msg.queue_id) != key or msg.tags != exp.spec.tags or msg.keys != exp.spec.keys:
-                    self.fail(f"{what} @{msg.queue_offset}: returned uid {uid} tags {msg.tags} keys {msg.keys}, "
-                              f"want uid {exp.spec.uid} tags {exp.spec.tags} keys {exp.spec.keys}")
+                    self.fail(f"{what} @{msg.queue_offset}: returned uid {uid} {msg.topic}-{msg.queue_id} tags "
+                              f"{msg.tags!r} keys {msg.keys!r} body {'ok' if msg.body == body_of(uid, exp.spec.size) else 'differs'} "
+                              f"(commitlog {msg.commit_log_offset}), want uid {exp.spec.uid} tags {exp.spec.tags!r} keys "
+                              f"{exp.spec.keys!r}")
                 if msg.queue_offset in got:
                     self.fail(f"{what}: queue offset {msg.queue_offset} returned twice")
                 got[msg.queue_offset] = uid
