@@ -11,8 +11,9 @@ put                in-process open (SYNC_FLUSH or ASYNC_FLUSH), puts and batches
                    clean close.  Each ack's queue offset must be the next one of its queue.  Drops nothing.
 kill               a child writer (helpers/model.py) is SIGKILLed (idle after exactly N puts, or at a random
                    moment); acknowledged = the acks it wrote (fsynced) before.  Half the writers also put one
-                   message early to a queue born in that writer (a quiet queue whose file is never full).  Under SYNC and ASYNC alike nothing acknowledged may be lost (the
-                   page cache survives a process crash); the put in flight may or may not be there.
+                   message early to a queue born in that writer (a quiet queue whose file is never full).  Under
+                   SYNC and ASYNC alike nothing acknowledged may be lost (the page cache survives a process
+                   crash); the put in flight may or may not be there.
 powerloss          as kill, with the child's syncs shadowed; the store becomes the power-loss image: each file
                    as of its last sync plus a random subset of later 4 KiB pages, abort.bootid of another boot.
                    SYNC_FLUSH acks must survive; ASYNC_FLUSH acks of that child may be lost (dropped if the
@@ -828,7 +829,8 @@ class Checker:
                 self.by_key(store, m, where)
         topics = sorted({t for t, _ in self.model.queue_keys()})
         if topics and "consumer" in CHECKS:
-            self.consume(store, self.run.check_rng.choice(topics), self.run.check_rng.choice([None, "TagA", "TagB || TagC"]),
+            self.consume(store, self.run.check_rng.choice(topics),
+                         self.run.check_rng.choice([None, "TagA", "TagB || TagC"]),
                          where)
 
     def _allowed_error(self, m: Msg, e: Exception) -> bool:
@@ -906,9 +908,10 @@ class Checker:
                 if uid != exp.spec.uid or msg.body != body_of(exp.spec.uid, exp.spec.size) or \
                         (msg.topic, msg.queue_id) != key or msg.tags != exp.spec.tags or msg.keys != exp.spec.keys:
                     self.fail(f"{what} @{msg.queue_offset}: returned uid {uid} {msg.topic}-{msg.queue_id} tags "
-                              f"{msg.tags!r} keys {msg.keys!r} body {'ok' if msg.body == body_of(uid, exp.spec.size) else 'differs'} "
-                              f"(commitlog {msg.commit_log_offset}), want uid {exp.spec.uid} tags {exp.spec.tags!r} keys "
-                              f"{exp.spec.keys!r}")
+                              f"{msg.tags!r} keys {msg.keys!r} "
+                              f"body {'ok' if msg.body == body_of(uid, exp.spec.size) else 'differs'} "
+                              f"(commitlog {msg.commit_log_offset}), want uid {exp.spec.uid} tags "
+                              f"{exp.spec.tags!r} keys {exp.spec.keys!r}")
                 if msg.queue_offset in got:
                     self.fail(f"{what}: queue offset {msg.queue_offset} returned twice")
                 got[msg.queue_offset] = uid
