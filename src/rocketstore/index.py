@@ -135,6 +135,16 @@ def key_hashes_many(messages: Sequence[tuple[str, str | None, str | None]]) -> l
     return out
 
 
+def _header_damage(count: int, entries: int, begin_phy: int, end_phy: int) -> str | None:
+    """Why an index file's header cannot be believed, or None.  The entry count says which entries a query
+    walks: a count out of range would hide every key of the file, or walk entries never written."""
+    if count < 0 or count > entries:
+        return f"indexCount {count} outside 0..{entries} (maxIndexNum)"
+    if begin_phy < 0 or end_phy < begin_phy:
+        return f"beginPhyOffset {begin_phy} and endPhyOffset {end_phy} out of order"
+    return None
+
+
 class IndexFile:
     def __init__(self, path: str, slots: int, entries: int, *, read_only: bool = False, create: bool = False,
                  prev_end: tuple[int, int] = (0, 0)) -> None:
@@ -163,11 +173,11 @@ class IndexFile:
         else:
             (self.begin_timestamp, self.end_timestamp, self.begin_phy_offset, self.end_phy_offset,
              self.hash_slot_count, self.index_count) = _HEADER.unpack_from(self.mm, 0)
-            if self.index_count <= 0:
+            why = _header_damage(self.index_count, entries, self.begin_phy_offset, self.end_phy_offset)
+            if why is not None:
+                raise StoreLoadError(f"{path}: damaged header: {why}")
+            if self.index_count == 0:  # a zero header (never synced): no entry
                 self.index_count = 1
-            if self.index_count > entries:
-                raise StoreLoadError(f"{path}: header says {self.index_count} entries, more than maxIndexNum "
-                                     f"{entries}")
 
     def _write_header(self) -> None:
         _HEADER.pack_into(self.mm, 0, self.begin_timestamp, self.end_timestamp, self.begin_phy_offset,
@@ -393,6 +403,9 @@ class IndexService:
         self.build_error: str | None = None
         self.missed_from: int | None = None
         self.missed_ts = 0
+        # Set by load when a file was damaged (moved to quarantine) and the files after it dropped: their
+        # records are indexed again from where the files kept end (MessageStore._reindex_lost_entries).
+        self.damaged: list[str] = []
 
     def load(self, last_exit_ok: bool, index_msg_timestamp: int,
              on_bad_file: Callable[[str, str], None] | None = None) -> list[str]:
@@ -400,6 +413,7 @@ class IndexService:
         dropped: list[str] = []
         if not os.path.isdir(self.directory):
             return dropped
+        damaged_from: str | None = None  # the name of the first damaged file: it and the files after it go
         for name in sorted(os.listdir(self.directory)):
             path = os.path.join(self.directory, name)
             if name.endswith(".tmp") and len(name) == 21 and name[:17].isdigit():
@@ -417,6 +431,18 @@ class IndexService:
                 if on_bad_file is None:
                     raise
                 on_bad_file(path, str(e).split(": ", 1)[-1])
+                if len(name) == 17 and name.isdigit():  # a damaged index file, not a stray: its keys are lost
+                    self.damaged.append(path)
+                    damaged_from = damaged_from or name
+                continue
+            if damaged_from is not None:  # after a damaged file: dropped, indexed again after the files before
+                log.warning("%s: after the damaged %s; dropped, its records are indexed again", path,
+                            damaged_from)
+                dropped.append(path)
+                if self.read_only:
+                    f.close()
+                else:
+                    f.destroy()
                 continue
             if not last_exit_ok and f.end_timestamp > index_msg_timestamp:
                 dropped.append(path)
