@@ -77,6 +77,26 @@ def test_a_lost_queue_directory_is_rebuilt_by_the_first_open(basic_copy: Path, h
     assert r.returncode == 0, r.stdout[-2000:]
 
 
+def test_a_lost_queue_directory_is_rebuilt_with_a_gap_where_a_record_is_damaged(basic_copy: Path):
+    """Place, never append: a record of the lost queue that fails its CRC leaves its queue offset a gap (a
+    read of it names the damage), and every later message keeps its own queue offset."""
+    want = _golden("basic", "TopicC", 0)
+    lost = next(e for e in want if e["queueOffset"] >= 10 and e["commitLogOffset"] < 1048576)
+    k = lost["queueOffset"]
+    flip_body_bit(basic_copy, lost["commitLogOffset"])  # in a segment a clean open does not re-check
+    shutil.rmtree(basic_copy / "consumequeue" / "TopicC")
+    with MessageStore.open(str(basic_copy), golden_config()) as store:
+        assert "TopicC-0" in store.recovery_report.not_rebuilt
+        assert store.max_offset_in_queue("TopicC", 0) == len(want)
+        r = store.get("TopicC", 0, 0, k + 5)
+        assert [m.queue_offset for m in r.messages] == list(range(k)) and r.next_begin_offset == k
+        with pytest.raises(CorruptRecordError, match=f"TopicC/0 offset {k} .*blank unit"):
+            store.get("TopicC", 0, k, 1)
+        for e in want[k + 1::41]:
+            m = store.get("TopicC", 0, e["queueOffset"], 1).messages[0]
+            assert (m.queue_offset, m.commit_log_offset) == (e["queueOffset"], e["commitLogOffset"])
+
+
 def test_every_lost_queue_directory_is_rebuilt_at_its_own_offsets(basic_copy: Path):
     """The whole consumequeue/ directory lost: every queue is rebuilt from the commitlog on the first open."""
     shutil.rmtree(basic_copy / "consumequeue")

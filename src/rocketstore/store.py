@@ -298,11 +298,17 @@ class MessageStore:
         """Make the refilled queues durable, then drop the marker that made recovery start where they end."""
         if self.read_only or not self.queues_to_rebuild:
             return
+        report = self.recovery_report
         for name in self.queues_to_rebuild:
             topic, _, qid = name.rpartition("/")
             cq = self._cq_table.get((topic, int(qid)))
             if cq is not None:
                 cq.flush(0)
+                key = f"{cq.topic}-{cq.queue_id}"
+                if cq.blank_units and report is not None and key not in report.not_rebuilt:  # gaps, placed
+                    report.not_rebuilt[key] = "; ".join(f"units {a}..{b} have no record in the commitlog "
+                                                        "(written as blank units)" for a, b in cq.blank_units)
+                    log.error("rebuilding %s: %s", key, report.not_rebuilt[key])
         os.unlink(self.paths.cq_rebuild)
         log.warning("consume queues %s rebuilt from the commitlog", ", ".join(self.queues_to_rebuild))
 
@@ -412,10 +418,6 @@ class MessageStore:
         self.checkpoint.logics_dispatched = dispatched_before
         for cq in refilled:
             cq.pad_gaps = False
-            if cq.blank_units:
-                self.recovery_report.not_rebuilt[f"{cq.topic}-{cq.queue_id}"] = "; ".join(
-                    f"units {a}..{b} have no record in the commitlog (written as blank units)"
-                    for a, b in cq.blank_units)
         self.recover_topic_queue_table()
 
     def refill_from(self) -> int | None:
