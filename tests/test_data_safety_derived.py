@@ -176,8 +176,14 @@ def _set_index_count(path: Path, n: int) -> None:
 def test_an_index_file_with_a_damaged_count_is_rebuilt_from_the_commitlog(basic_copy: Path, count):
     first = sorted((basic_copy / "index").iterdir())[0]
     _set_index_count(first, count)
-    with pytest.raises(StoreLoadError, match="damaged header: indexCount"):  # a reader names it
-        MessageStore.open(str(basic_copy), read_only=True)
+    with MessageStore.open(str(basic_copy), read_only=True) as store:  # a reader reads on, and a query names it
+        assert store.get("TopicA", 0, 0, 1).status is GetMessageStatus.FOUND
+        with pytest.raises(StoreLoadError, match=f"{first.name}: damaged header: indexCount {count} .*recover"):
+            store.query("TopicA", "order-0")
+    r = run_cli("query", basic_copy, "--topic", "TopicA", "--key", "order-0")
+    assert r.returncode == 2 and r.stderr.count(b"\n") == 1 and b"damaged header" in r.stderr
+    r = run_cli("verify", basic_copy)
+    assert r.returncode == 1 and b"index-damaged" in r.stdout
     r = run_cli("recover", basic_copy)
     assert r.returncode == 0, r.stderr
     assert not (basic_copy / "index.rebuild").exists()
@@ -227,6 +233,14 @@ def test_the_one_torn_file_of_its_kind_is_rebuilt_not_refused(tmp_path, kind, to
     _one_queue_store(path)
     torn = next(p for p in (path / kind).rglob("*") if p.is_file())
     os.truncate(torn, 30)
+    if kind == "index":  # a reader reads on; a query names the damage
+        with MessageStore.open(str(path), read_only=True) as store:
+            assert len(store.get("T", 0, 0, 32).messages) == 5
+            with pytest.raises(StoreLoadError, match="30 bytes.*rocketstore recover"):
+                store.query("T", "k1")
+    else:  # a reader cannot read the queue: it names the file, and the way on
+        with pytest.raises(StoreLoadError, match="30 bytes.*rocketstore recover"):
+            MessageStore.open(str(path), read_only=True)
     r = run_cli(*tool.split(), path)
     assert r.returncode == 0, r.stderr
     assert b"does not fit" not in r.stderr

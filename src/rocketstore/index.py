@@ -405,7 +405,8 @@ class IndexService:
         self.missed_ts = 0
         # Set by load when a file was damaged (moved to quarantine) and the files after it dropped: their
         # records are indexed again from where the files kept end (MessageStore._reindex_lost_entries).
-        self.damaged: list[str] = []
+        # (A read-only open keeps the files after it and notes the damage: a query then raises, naming it.)
+        self.damaged: dict[str, str] = {}  # path -> why
 
     def load(self, last_exit_ok: bool, index_msg_timestamp: int,
              on_bad_file: Callable[[str, str], None] | None = None) -> list[str]:
@@ -430,19 +431,17 @@ class IndexService:
             except StoreLoadError as e:
                 if on_bad_file is None:
                     raise
-                on_bad_file(path, str(e).split(": ", 1)[-1])
+                why = str(e).split(": ", 1)[-1]
+                on_bad_file(path, why)
                 if len(name) == 17 and name.isdigit():  # a damaged index file, not a stray: its keys are lost
-                    self.damaged.append(path)
+                    self.damaged[path] = why
                     damaged_from = damaged_from or name
                 continue
-            if damaged_from is not None:  # after a damaged file: dropped, indexed again after the files before
+            if damaged_from is not None and not self.read_only:  # dropped, indexed again after the files before
                 log.warning("%s: after the damaged %s; dropped, its records are indexed again", path,
                             damaged_from)
                 dropped.append(path)
-                if self.read_only:
-                    f.close()
-                else:
-                    f.destroy()
+                f.destroy()
                 continue
             if not last_exit_ok and f.end_timestamp > index_msg_timestamp:
                 dropped.append(path)
@@ -600,6 +599,10 @@ class IndexService:
     # ------------------------------------------------------------ querying
     def query_offset(self, topic: str, key: str, max_num: int, begin: int, end: int) -> tuple[list[int], int, int]:
         """Raw index walk, newest file first: (offsets, lastUpdateTimestamp, lastUpdatePhyOffset)."""
+        if self.damaged:  # its keys cannot be found: an empty or short answer would be a wrong one
+            path, why = next(iter(self.damaged.items()))
+            raise StoreLoadError(f"{path}: {why}; the keys indexed there cannot be found until a writable open "
+                                 "(rocketstore recover) rebuilds the index from the commitlog")
         out: list[int] = []
         last_ts = last_phy = 0
         full_key = f"{topic}#{key}"

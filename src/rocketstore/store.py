@@ -210,7 +210,7 @@ class MessageStore:
                                           clock=self.clock, on_file_full=self._on_index_file_full)
         dropped = self.index_service.load(self.last_exit_ok or ro or self.process_crash_only,
                                           self.checkpoint.indexMsgTimestamp,
-                                          on_bad_file=self._on_bad_file)
+                                          on_bad_file=self._on_bad_index_file)
         reindex = self._plan_reindex()
         self._move_to_quarantine()
         reindex_from = self.index_service.resume_offset()
@@ -235,7 +235,9 @@ class MessageStore:
         unfinished = os.path.exists(self.paths.index_rebuild)
         if not (unfinished or self.index_service.damaged):
             return False
-        if self.read_only:  # (a damaged file already refused the open: _on_bad_file)
+        if self.read_only:
+            if not unfinished:
+                return False  # a query raises, naming the damaged file
             raise StoreLoadError(f"{self.paths.index_rebuild}: the rebuild of index entries has not finished; a "
                                  "writable open (rocketstore recover) finishes it")
         if self.index_service.damaged:
@@ -270,6 +272,7 @@ class MessageStore:
             index.flush()
             log.warning("index entries rebuilt from the commitlog for %d records from offset %d (damaged: %s)", n,
                         start, ", ".join(index.damaged) or "an unfinished rebuild")
+        index.damaged.clear()
         os.unlink(self.paths.index_rebuild)
 
     def _on_bad_file(self, path: str, reason: str) -> None:
@@ -278,6 +281,17 @@ class MessageStore:
         if self.read_only:
             raise StoreLoadError(f"{path}: {reason}")
         self._quarantine.moves.append((path, reason))
+
+    def _on_bad_index_file(self, path: str, reason: str) -> None:
+        """A damaged index file is a cache of the commitlog: a writable open moves it to quarantine/ and
+        rebuilds its entries (:meth:`_reindex_lost_entries`); a reader goes on without it (a query raises,
+        naming it) rather than refuse reads that need no index.  A stray file is refused as before."""
+        name = os.path.basename(path)
+        if self.read_only and len(name) == 17 and name.isdigit():
+            log.info("%s: %s; its keys cannot be found until a writable open (rocketstore recover) rebuilds "
+                     "the index", path, reason)  # (a query raises, and verify reports it, naming it)
+            return
+        self._on_bad_file(path, reason)
 
     def _check_quarantine(self) -> None:
         self._quarantine.check(self.commitlog.queue.files, self.commitlog.file_size)
