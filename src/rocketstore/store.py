@@ -32,7 +32,7 @@ from .geometry import STORE_CONF, reserved_bytes, store_config
 from .index import IndexService
 from .jsonfile import write_file_durably
 from .message import (DEFAULT_STORE_HOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
-                      PutMessageStatus, QueryMessageResult, host_tuple, parse_tag_filter)
+                      PutMessageStatus, QueryMessageResult, host_tuple, illegal_topic, parse_tag_filter)
 from .metrics import SAMPLE_EVERY, MetricsService, StoreMetrics
 from .quarantine import QuarantinePlan, file_kind
 from .recovery import RecoveryReport, queues_with_records_before, recover
@@ -329,7 +329,8 @@ class MessageStore:
     def _rebuild_queue(self, cq: ConsumeQueue, bad: list[tuple[str, str]]) -> None:
         """A queue with a file of the wrong size or a hole: the odd files go to quarantine, the files from the
         first bad one on are dropped, and recovery refills the queue from the commitlog where what is kept
-        ends (dispatch only appends to a queue, so a hole would never fill)."""
+        ends (dispatch only appends to a queue, so a hole would never fill), placing each unit at its
+        record's queue offset (``pad_gaps``: a record lost leaves a blank unit, not a shifted offset)."""
         if self.read_only:
             path, reason = bad[0]
             raise StoreLoadError(f"{path}: {reason}; a writable open (rocketstore recover) rebuilds "
@@ -420,6 +421,8 @@ class MessageStore:
             msg = codec.decode(mm, pos, pos + size, read_body=False)
             key = (msg.topic, msg.queue_id)
             if key not in self._cq_table:
+                if illegal_topic(msg.topic) is not None:
+                    continue  # (dispatch leaves such a record out of the queues, and says so)
                 if key not in lost:
                     lost.append(key)
                     log.warning("%s-%d: records in the commitlog but no consume queue (a lost directory); "
@@ -835,7 +838,7 @@ class MessageStore:
                         if not n:
                             status = GetMessageStatus.NO_MATCHED_MESSAGE
                         continue
-                    if skip_file_start <= phy < skip_file_end:  # a unit's segment that is gone
+                    if skip_file_start <= phy < skip_file_end and size != BLANK_UNIT_SIZE:  # its segment is gone
                         continue
                     if not (seg_start <= phy < seg_end):
                         if seg is not None:
