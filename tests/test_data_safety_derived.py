@@ -216,6 +216,20 @@ def test_an_unfinished_index_rebuild_is_finished_by_the_next_writable_open(basic
     assert not (basic_copy / "index.rebuild").exists()
 
 
+def test_a_lost_index_directory_is_rebuilt_by_the_first_open(basic_copy: Path):
+    """Missing is not empty: no index file beside records is a lost index, not an index without keys."""
+    shutil.rmtree(basic_copy / "index")
+    e = golden_expected("basic")[7]
+    with MessageStore.open(str(basic_copy), golden_config(), read_only=True) as store:
+        with pytest.raises(StoreLoadError, match="no index file, yet the commitlog holds records"):
+            store.query(e["topic"], e["properties"]["UNIQ_KEY"])
+    with MessageStore.open(str(basic_copy), golden_config()) as store:
+        assert store.query(e["topic"], e["properties"]["UNIQ_KEY"], 4, read_body=False).phy_offsets == \
+            [e["commitLogOffset"]]
+    r = run_cli("verify", basic_copy)
+    assert r.returncode == 0, r.stdout[-2000:]
+
+
 # ---------------------------------------------------------------- item 14: the one file of its kind torn
 
 def _one_queue_store(path: Path) -> None:

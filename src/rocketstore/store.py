@@ -233,7 +233,13 @@ class MessageStore:
         dropped) or by an unfinished rebuild: a marker that says so is made durable before any file moves,
         so a crash before the rebuild ends leaves it to the next writable open (missing is not empty)."""
         unfinished = os.path.exists(self.paths.index_rebuild)
-        if not (unfinished or self.index_service.damaged):
+        index = self.index_service
+        if not index.files and not index.damaged and self.config.messageIndexEnable and \
+                self.commitlog.max_offset() > self.commitlog.min_offset():
+            # Dispatch makes an index file for the first record, and retention never deletes the last one:
+            # no index file beside records means the index was lost, not that no record has a key.
+            index.damaged[self.paths.index] = "no index file, yet the commitlog holds records (a lost index)"
+        if not (unfinished or index.damaged):
             return False
         if self.read_only:
             if not unfinished:
