@@ -97,6 +97,26 @@ def test_a_lost_queue_directory_is_rebuilt_with_a_gap_where_a_record_is_damaged(
             assert (m.queue_offset, m.commit_log_offset) == (e["queueOffset"], e["commitLogOffset"])
 
 
+def test_a_rebuild_does_not_place_a_record_whose_queue_offset_is_damaged_far_ahead(basic_copy: Path):
+    """QUEUEOFFSET (no CRC covers it) of one record of the lost queue bit-flipped far ahead: the rebuild
+    cannot take it at its word (the bytes before it cannot hold the records it would leave missing), so it
+    pads no gap up to there and every later record keeps its own offset; the one unplaced names the damage."""
+    want = _golden("basic", "TopicC", 0)
+    bad = next(e for e in want if e["queueOffset"] >= 10 and e["commitLogOffset"] < 1048576)
+    k = bad["queueOffset"]
+    with open(basic_copy / "commitlog" / "00000000000000000000", "r+b") as fh:
+        fh.seek(bad["commitLogOffset"] + 20)  # QUEUEOFFSET
+        fh.write(struct.pack(">q", k + 100000))
+    shutil.rmtree(basic_copy / "consumequeue" / "TopicC")
+    with MessageStore.open(str(basic_copy), golden_config()) as store:
+        assert store.max_offset_in_queue("TopicC", 0) == len(want)
+        with pytest.raises(CorruptRecordError, match=f"TopicC/0 offset {k} .*blank unit"):
+            store.get("TopicC", 0, k, 1)
+        for e in want[k + 1::41]:
+            m = store.get("TopicC", 0, e["queueOffset"], 1).messages[0]
+            assert (m.queue_offset, m.commit_log_offset) == (e["queueOffset"], e["commitLogOffset"])
+
+
 def test_every_lost_queue_directory_is_rebuilt_at_its_own_offsets(basic_copy: Path):
     """The whole consumequeue/ directory lost: every queue is rebuilt from the commitlog on the first open."""
     shutil.rmtree(basic_copy / "consumequeue")
