@@ -27,6 +27,7 @@ _UNIT = struct.Struct(">qiq")
 PRE_BLANK_UNIT = _UNIT.pack(0, 0x7FFFFFFF, 0)
 
 _ZERO_UNIT = bytes(CQ_STORE_UNIT_SIZE)
+MIN_RECORD_BYTES = 88  # no commitlog record is shorter than its fixed fields (a rebuild's bound on a gap)
 
 LOWER = "lower"
 UPPER = "upper"
@@ -450,8 +451,19 @@ class ConsumeQueue:
         if cq_offset != 0:
             current = f.file_from_offset + f.wrote_position
             if expect < current:
+                if self.pad_gaps:  # a rebuild places: the slot is taken by the record before, in commitlog order
+                    log.error("%s-%d: record at commitlog offset %d says queue offset %d, a unit already placed; "
+                              "not placed again (two records claim one queue offset)", self.topic, self.queue_id,
+                              offset, cq_offset)
                 return True
             if expect != current and self.pad_gaps:
+                room = offset - max(self.max_physic_offset, 0)  # where the missing records would have lain
+                if (expect - current) // CQ_STORE_UNIT_SIZE * MIN_RECORD_BYTES > room:
+                    log.error("%s-%d: record at commitlog offset %d says queue offset %d, but the %d bytes after "
+                              "the previous unit's record cannot hold the %d records missing before it (its "
+                              "queue offset is damaged); not placed", self.topic, self.queue_id, offset, cq_offset,
+                              room, (expect - current) // CQ_STORE_UNIT_SIZE)
+                    return True
                 f = self._pad(current, expect)
             elif expect != current:
                 log.error("%s-%d: queue offset gap, expected unit %d, writing at %d",

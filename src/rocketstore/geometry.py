@@ -59,6 +59,15 @@ class Measured:
         """Whether ``size`` is a size at least as many files have as any other."""
         return self.count(size) == self.count(self.most_common())
 
+    def only(self, usable: Callable[[int], bool]) -> "Measured | None":
+        """The files of the sizes ``usable`` accepts (None when no file is): a derived file (consume queue,
+        index) of a size no geometry gives is torn, a file to rebuild from the commitlog, not a measure."""
+        kept = {size: paths for size, paths in self.paths.items() if usable(size)}
+        for size in set(self.paths) - set(kept):
+            log.warning("%s: %d bytes, a size no geometry gives (a torn file): not measured; the open rebuilds it "
+                        "from the commitlog", self.example(size), size)
+        return Measured(kept) if kept else None
+
     def describe(self) -> str:
         sizes = sorted(self.paths, key=self.count, reverse=True)[:3]
         return ", ".join(f"{self.count(s)} of {s} bytes (e.g. {self.example(s)})" for s in sizes)
@@ -125,6 +134,8 @@ def resolve_geometry(root: str, config: StoreConfig, *, allow_quarantine: bool =
             ("mappedFileSizeCommitLog", "commitlog", lambda s: s >= MIN_COMMITLOG_FILE_SIZE),
             ("mappedFileSizeConsumeQueue", "consumequeue", lambda s: s % CQ_UNIT_SIZE == 0)):
         m = files.get(kind)
+        if m is not None and kind == "consumequeue":
+            m = m.only(usable)
         if m is None:
             continue
         if key in explicit:
@@ -138,11 +149,32 @@ def resolve_geometry(root: str, config: StoreConfig, *, allow_quarantine: bool =
         changes[key] = size
     m = files.get("index")
     if m is not None:
+        m = m.only(lambda size: _index_size_fits(config, size))
+    if m is not None:
         changes.update(_index_geometry(config, m, allow_quarantine))
     try:
         return config.inferred(**changes) if changes else config
     except ConfigError as e:
         raise ConfigError(f"{root}: cannot use the geometry of its files: {e}") from None
+
+
+def _index_size_fits(config: StoreConfig, size: int) -> bool:
+    """Whether an index file of ``size`` bytes fits a geometry the config allows: the keys it sets explicitly,
+    RocketMQ's four entries a slot when it sets neither."""
+    explicit = config.explicit
+    rest = size - HEADER_SIZE
+    if rest <= 0:
+        return False
+    if "maxHashSlotNum" in explicit and "maxIndexNum" in explicit:
+        return rest % SLOT_SIZE == 0  # another geometry's whole file: a contradiction to report, not a torn file
+    if "maxHashSlotNum" in explicit:
+        rest -= SLOT_SIZE * config.maxHashSlotNum
+        return rest > 0 and rest % ENTRY_SIZE == 0
+    if "maxIndexNum" in explicit:
+        rest -= ENTRY_SIZE * config.maxIndexNum
+        return rest > 0 and rest % SLOT_SIZE == 0
+    return size == index_file_size(config.maxHashSlotNum, config.maxIndexNum) or \
+        rest % (SLOT_SIZE + 4 * ENTRY_SIZE) == 0
 
 
 def _index_geometry(config: StoreConfig, m: Measured, allow_quarantine: bool) -> dict[str, int]:

@@ -136,6 +136,16 @@ def key_hashes_many(messages: Sequence[tuple[str, str | None, str | None]]) -> l
     return out
 
 
+def _header_damage(count: int, entries: int, begin_phy: int, end_phy: int) -> str | None:
+    """Why an index file's header cannot be believed, or None.  The entry count says which entries a query
+    walks: a count out of range would hide every key of the file, or walk entries never written."""
+    if count < 0 or count > entries:
+        return f"indexCount {count} outside 0..{entries} (maxIndexNum)"
+    if begin_phy < 0 or end_phy < begin_phy:
+        return f"beginPhyOffset {begin_phy} and endPhyOffset {end_phy} out of order"
+    return None
+
+
 class IndexFile:
     def __init__(self, path: str, slots: int, entries: int, *, read_only: bool = False, create: bool = False,
                  prev_end: tuple[int, int] = (0, 0)) -> None:
@@ -164,11 +174,11 @@ class IndexFile:
         else:
             (self.begin_timestamp, self.end_timestamp, self.begin_phy_offset, self.end_phy_offset,
              self.hash_slot_count, self.index_count) = _HEADER.unpack_from(self.mm, 0)
-            if self.index_count <= 0:
+            why = _header_damage(self.index_count, entries, self.begin_phy_offset, self.end_phy_offset)
+            if why is not None:
+                raise StoreLoadError(f"{path}: damaged header: {why}")
+            if self.index_count == 0:  # a zero header (never synced): no entry
                 self.index_count = 1
-            if self.index_count > entries:
-                raise StoreLoadError(f"{path}: header says {self.index_count} entries, more than maxIndexNum "
-                                     f"{entries}")
 
     def _write_header(self) -> None:
         _HEADER.pack_into(self.mm, 0, self.begin_timestamp, self.end_timestamp, self.begin_phy_offset,
@@ -394,6 +404,10 @@ class IndexService:
         self.build_error: str | None = None
         self.missed_from: int | None = None
         self.missed_ts = 0
+        # Set by load when a file was damaged (moved to quarantine) and the files after it dropped: their
+        # records are indexed again from where the files kept end (MessageStore._reindex_lost_entries).
+        # (A read-only open keeps the files after it and notes the damage: a query then raises, naming it.)
+        self.damaged: dict[str, str] = {}  # path -> why
 
     def load(self, last_exit_ok: bool, index_msg_timestamp: int,
              on_bad_file: Callable[[str, str], None] | None = None) -> list[str]:
@@ -401,6 +415,7 @@ class IndexService:
         dropped: list[str] = []
         if not os.path.isdir(self.directory):
             return dropped
+        damaged_from: str | None = None  # the name of the first damaged file: it and the files after it go
         for name in sorted(os.listdir(self.directory)):
             path = os.path.join(self.directory, name)
             if name.endswith(".tmp") and len(name) == 21 and name[:17].isdigit():
@@ -417,7 +432,17 @@ class IndexService:
             except StoreLoadError as e:
                 if on_bad_file is None:
                     raise
-                on_bad_file(path, str(e).split(": ", 1)[-1])
+                why = str(e).split(": ", 1)[-1]
+                on_bad_file(path, why)
+                if len(name) == 17 and name.isdigit():  # a damaged index file, not a stray: its keys are lost
+                    self.damaged[path] = why
+                    damaged_from = damaged_from or name
+                continue
+            if damaged_from is not None and not self.read_only:  # dropped, indexed again after the files before
+                log.warning("%s: after the damaged %s; dropped, its records are indexed again", path,
+                            damaged_from)
+                dropped.append(path)
+                f.destroy()
                 continue
             if not last_exit_ok and f.end_timestamp > index_msg_timestamp:
                 dropped.append(path)
@@ -578,6 +603,10 @@ class IndexService:
     # ------------------------------------------------------------ querying
     def query_offset(self, topic: str, key: str, max_num: int, begin: int, end: int) -> tuple[list[int], int, int]:
         """Raw index walk, newest file first: (offsets, lastUpdateTimestamp, lastUpdatePhyOffset)."""
+        if self.damaged:  # its keys cannot be found: an empty or short answer would be a wrong one
+            path, why = next(iter(self.damaged.items()))
+            raise StoreLoadError(f"{path}: {why}; the keys indexed there cannot be found until a writable open "
+                                 "(rocketstore recover) rebuilds the index from the commitlog")
         out: list[int] = []
         last_ts = last_phy = 0
         full_key = f"{topic}#{key}"

@@ -32,7 +32,7 @@ from .geometry import STORE_CONF, reserved_bytes, store_config
 from .index import IndexService
 from .jsonfile import write_file_durably
 from .message import (DEFAULT_STORE_HOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
-                      PutMessageStatus, QueryMessageResult, host_tuple, parse_tag_filter)
+                      PutMessageStatus, QueryMessageResult, host_tuple, illegal_topic, parse_tag_filter)
 from .metrics import SAMPLE_EVERY, MetricsService, StoreMetrics
 from .quarantine import QuarantinePlan, extend_torn_last_segment, file_kind
 from .recovery import RecoveryReport, queues_with_records_before, recover
@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 # How far a get walks the commitlog for the record of a unit whose offset was damaged (see
 # MessageStore._misplaced_unit_record): a few RocketMQ maximum-size messages.
 MISPLACED_SEARCH_BYTES = 16 << 20
+BLANK_UNIT_SIZE = 0x7FFFFFFF  # the size of a blank consume-queue unit (PRE_BLANK_UNIT): it names no record
+BLANK_LOOK_BACK = 65536  # units a get looks back over for the last one before a blank unit that names a record
 
 
 class StorePaths:
@@ -66,6 +68,7 @@ class StorePaths:
         self.quarantine = os.path.join(root, "quarantine")
         self.cq_rebuild = os.path.join(root, "consumequeue.rebuild")  # rocketstore: queues being rebuilt
         self.repair_marker = os.path.join(root, "repair.json")  # rocketstore: a repair under way (repair.py)
+        self.index_rebuild = os.path.join(root, "index.rebuild")  # rocketstore: index entries being rebuilt
 
 
 def infer_config(root: str, base: StoreConfig | None = None) -> StoreConfig:
@@ -156,7 +159,7 @@ class MessageStore:
 
     def _refuse_foreign_directory(self) -> None:
         known = {"commitlog", "consumequeue", "index", "checkpoint", "lock", "abort", "abort.bak", "config",
-                 "abort.bootid", "metrics.json", "consumequeue.rebuild", "repair.json",
+                 "abort.bootid", "metrics.json", "consumequeue.rebuild", "repair.json", "index.rebuild",
                  "quarantine", "compaction", "timerwheel", "timerlog", "timercheck", "timermetrics"}
         entries = [e for e in os.listdir(self.root) if not e.startswith(".")]
         # A broker.conf alone marks a store made by init; beside other files it may be a RocketMQ conf/ directory.
@@ -214,12 +217,76 @@ class MessageStore:
                                           clock=self.clock, on_file_full=self._on_index_file_full)
         dropped = self.index_service.load(self.last_exit_ok or ro or self.process_crash_only,
                                           self.checkpoint.indexMsgTimestamp,
-                                          on_bad_file=self._on_bad_file)
+                                          on_bad_file=self._on_bad_index_file)
+        reindex = self._plan_reindex()
         self._move_to_quarantine()
+        reindex_from = self.index_service.resume_offset()
+        loaded = set(self._cq_table)
+        for name in self.queues_to_rebuild:  # a rebuild places each unit at its record's queue offset
+            topic, _, qid = name.rpartition("/")
+            if (cq := self._cq_table.get((topic, int(qid)))) is not None:
+                cq.pad_gaps = True
         self.recovery_report = recover(self, self.last_exit_ok)
         self.recovery_report.index_files_dropped = dropped
+        if not ro:
+            self._refill_lost_queues(loaded)
         self._finish_queue_rebuild()
+        if reindex:
+            self._reindex_lost_entries(reindex_from)
         self.commitlog.confirm_offset = self.commitlog.max_offset()
+
+    def _plan_reindex(self) -> bool:
+        """Whether index entries were lost with a damaged index file (moved to quarantine, the files after it
+        dropped) or by an unfinished rebuild: a marker that says so is made durable before any file moves,
+        so a crash before the rebuild ends leaves it to the next writable open (missing is not empty)."""
+        unfinished = os.path.exists(self.paths.index_rebuild)
+        index = self.index_service
+        if not index.files and not index.damaged and self.config.messageIndexEnable and \
+                self.commitlog.max_offset() > self.commitlog.min_offset():
+            # Dispatch makes an index file for the first record, and retention never deletes the last one:
+            # no index file beside records means the index was lost, not that no record has a key.
+            index.damaged[self.paths.index] = "no index file, yet the commitlog holds records (a lost index)"
+        if not (unfinished or index.damaged):
+            return False
+        if self.read_only:
+            if not unfinished:
+                return False  # a query raises, naming the damaged file
+            raise StoreLoadError(f"{self.paths.index_rebuild}: the rebuild of index entries has not finished; a "
+                                 "writable open (rocketstore recover) finishes it")
+        if self.index_service.damaged:
+            write_file_durably(self.paths.index_rebuild, ("\n".join(self.index_service.damaged) + "\n").encode())
+        return True
+
+    def _reindex_lost_entries(self, start: int) -> None:
+        """Index again every record from ``start`` (where the index files kept end) to the log's end.
+
+        Only records the index lacks are offered: after a clean shutdown
+        recovery indexes just the records past the consume queues' end, so any
+        it added are taken back first (entries go in commitlog order).  Walks
+        trusted records only (a stale copy at the wrong position is skipped).
+        """
+        index = self.index_service
+        if self.config.messageIndexEnable:
+            if not self.recovery_report.abnormal and index.resume_offset() > start:
+                index.truncate(start + 1, lambda off: self.commitlog.pickup_store_timestamp(off, 0))
+            start = max(index.resume_offset(), self.commitlog.min_offset())
+            from .dispatch import CommitLogDispatcher
+            dispatcher = CommitLogDispatcher(self)
+            n = 0
+            for off, _size, msg, problem in self.messages(start, read_body=False, skip_damaged=True):
+                if msg is None:
+                    log.warning("index rebuild: %s; not indexed", problem)
+                    continue
+                if msg.commit_log_offset != off or msg.sys_flag & codec.TRANSACTION_MASK == \
+                        codec.TRANSACTION_ROLLBACK:
+                    continue
+                dispatcher.dispatch(msg, index=True, queue=False)
+                n += 1
+            index.flush()
+            log.warning("index entries rebuilt from the commitlog for %d records from offset %d (damaged: %s)", n,
+                        start, ", ".join(index.damaged) or "an unfinished rebuild")
+        index.damaged.clear()
+        os.unlink(self.paths.index_rebuild)
 
     def _on_bad_file(self, path: str, reason: str) -> None:
         """A bad file: refuse when read-only; when writable, plan to move it to quarantine/ (rocketstore
@@ -236,6 +303,17 @@ class MessageStore:
         """A short last segment holding records is torn, not a stray: extended (writable) or refused (read-only)
         before it loads, never moved to quarantine/ (see quarantine.extend_torn_last_segment)."""
         extend_torn_last_segment(self.paths.commitlog, self.config.mappedFileSizeCommitLog, self.read_only)
+
+    def _on_bad_index_file(self, path: str, reason: str) -> None:
+        """A damaged index file is a cache of the commitlog: a writable open moves it to quarantine/ and
+        rebuilds its entries (:meth:`_reindex_lost_entries`); a reader goes on without it (a query raises,
+        naming it) rather than refuse reads that need no index.  A stray file is refused as before."""
+        name = os.path.basename(path)
+        if self.read_only and len(name) == 17 and name.isdigit():
+            log.info("%s: %s; its keys cannot be found until a writable open (rocketstore recover) rebuilds "
+                     "the index", path, reason)  # (a query raises, and verify reports it, naming it)
+            return
+        self._on_bad_file(path, reason)
 
     def _check_quarantine(self) -> None:
         self._quarantine.check(self.commitlog.queue.files, self.commitlog.file_size)
@@ -256,18 +334,25 @@ class MessageStore:
         """Make the refilled queues durable, then drop the marker that made recovery start where they end."""
         if self.read_only or not self.queues_to_rebuild:
             return
+        report = self.recovery_report
         for name in self.queues_to_rebuild:
             topic, _, qid = name.rpartition("/")
             cq = self._cq_table.get((topic, int(qid)))
             if cq is not None:
                 cq.flush(0)
+                key = f"{cq.topic}-{cq.queue_id}"
+                if cq.blank_units and report is not None and key not in report.not_rebuilt:  # gaps, placed
+                    report.not_rebuilt[key] = "; ".join(f"units {a}..{b} have no record in the commitlog "
+                                                        "(written as blank units)" for a, b in cq.blank_units)
+                    log.error("rebuilding %s: %s", key, report.not_rebuilt[key])
         os.unlink(self.paths.cq_rebuild)
         log.warning("consume queues %s rebuilt from the commitlog", ", ".join(self.queues_to_rebuild))
 
     def _rebuild_queue(self, cq: ConsumeQueue, bad: list[tuple[str, str]]) -> None:
         """A queue with a file of the wrong size or a hole: the odd files go to quarantine, the files from the
         first bad one on are dropped, and recovery refills the queue from the commitlog where what is kept
-        ends (dispatch only appends to a queue, so a hole would never fill)."""
+        ends (dispatch only appends to a queue, so a hole would never fill), placing each unit at its
+        record's queue offset (``pad_gaps``: a record lost leaves a blank unit, not a shifted offset)."""
         if self.read_only:
             path, reason = bad[0]
             raise StoreLoadError(f"{path}: {reason}; a writable open (rocketstore recover) rebuilds "
@@ -310,6 +395,69 @@ class MessageStore:
                         "retention); rebuilding it from the commitlog", topic, qid,
                         "has no file" if start == codec.NO_INDEX else f"starts at unit {start}")
             self._rebuild_queue(cq, [])
+
+    def _refill_lost_queues(self, loaded: set[tuple[str, int]]) -> None:
+        """Rebuild, before any read or put, the queues whose consume-queue directory was lost.
+
+        Recovery offers the records from the segment where it starts, so it
+        creates a queue it found no directory for at the first of its records
+        there: one starting past queue offset 0 lost the units of its earlier
+        records (retention never deletes a queue's last file, so its directory
+        stays while it has records).  Such a queue is dropped and filled again
+        from the commitlog's first record, with every record in no consume
+        queue (a queue lost whole), each unit placed at its record's own queue
+        offset (a record lost leaves a blank unit, never a shifted offset).
+        """
+        lost = []
+        for key, cq in self._cq_table.items():
+            if key in loaded:
+                continue
+            first = cq.first_unit()
+            if first is not None and first[1] > 0 and first[0] > self.commitlog.min_offset():
+                lost.append(key)
+        if not lost or not self.commitlog.queue.files:
+            return
+        names = [f"{t}/{q}" for t, q in sorted(lost)]
+        log.warning("consume queues %s had no directory and start past queue offset 0 while the commitlog holds "
+                    "earlier records (a lost consume-queue directory); rebuilding them from the commitlog",
+                    ", ".join(names))
+        self.queues_to_rebuild = list(dict.fromkeys(self.queues_to_rebuild + names))
+        write_file_durably(self.paths.cq_rebuild, ("\n".join(self.queues_to_rebuild) + "\n").encode())
+        for key in lost:
+            cq = self._cq_table.pop(key)
+            for f in list(cq.queue.files):
+                cq.queue.files.remove(f)
+                f.destroy()
+            cq.close()
+        from .dispatch import CommitLogDispatcher
+        dispatcher = CommitLogDispatcher(self)
+        dispatched_before = self.checkpoint.logics_dispatched
+        held = {}
+        for (t, q) in self._cq_table:
+            try:
+                held[(t.encode("utf-8"), q)] = codec.NO_INDEX  # every record of a queue kept is skipped
+            except UnicodeEncodeError:
+                pass
+        refilled: set[ConsumeQueue] = set()
+        for mm, pos, size in _records_not_held(self.commitlog, held):
+            msg = codec.decode(mm, pos, pos + size, read_body=False)
+            key = (msg.topic, msg.queue_id)
+            if key not in self._cq_table:
+                if illegal_topic(msg.topic) is not None:
+                    continue  # (dispatch leaves such a record out of the queues, and says so)
+                if key not in lost:
+                    lost.append(key)
+                    log.warning("%s-%d: records in the commitlog but no consume queue (a lost directory); "
+                                "rebuilding it", *key)
+                    self.queues_to_rebuild.append(f"{key[0]}/{key[1]}")
+                self.find_consume_queue(*key).pad_gaps = True  # place each unit at its queue offset
+            cq = self._cq_table[key]
+            dispatcher.dispatch(msg, index=False, queue=True)
+            refilled.add(cq)
+        self.checkpoint.logics_dispatched = dispatched_before
+        for cq in refilled:
+            cq.pad_gaps = False
+        self.recover_topic_queue_table()
 
     def refill_from(self) -> int | None:
         """The commitlog offset from which recovery must offer every record: where the shortest queue being
@@ -414,6 +562,8 @@ class MessageStore:
                                       read_only=self.read_only)
                     if not self.read_only:
                         os.makedirs(cq.directory, exist_ok=True)
+                    if self.recovery_report is None and f"{topic}/{queue_id}" in self.queues_to_rebuild:
+                        cq.pad_gaps = True  # refilled by recovery: each unit placed at its queue offset
                     self._cq_table[key] = cq
         return cq
 
@@ -702,15 +852,15 @@ class MessageStore:
                 full = False
                 it = iter(block)
                 for phy, size, tags in zip(it, it, it):
-                    if n and (n >= count_cap or total + size > byte_cap):
+                    if n and (n >= count_cap or total + size > byte_cap and size != BLANK_UNIT_SIZE):
                         full = True
                         break
                     idx += 1
-                    if tag_filter is not None and _signed32(tags) not in tag_filter:
+                    if tag_filter is not None and _signed32(tags) not in tag_filter and size != BLANK_UNIT_SIZE:
                         if not n:
                             status = GetMessageStatus.NO_MATCHED_MESSAGE
                         continue
-                    if skip_file_start <= phy < skip_file_end:  # a unit's segment that is gone
+                    if skip_file_start <= phy < skip_file_end and size != BLANK_UNIT_SIZE:  # its segment is gone
                         continue
                     if not (seg_start <= phy < seg_end):
                         if seg is not None:
@@ -722,26 +872,49 @@ class MessageStore:
                             seg_start, seg_end, mm = seg.file_from_offset, seg.end_offset, seg.mm
                     pos = phy - seg_start
                     if seg is None or pos + size > seg.wrote_position:
-                        if seg is None and self.commitlog._in_tier(phy):  # uploaded, and gone from local disk
-                            msg = self._tier_unit(phy, size, read_body, topic, topic_bytes, queue_id, idx - 1)
-                        else:
-                            # Not expired, yet no record there: a damaged unit, whose record may still be found.
-                            msg = None if phy < self.commitlog.min_offset() else self._misplaced_unit_record(
-                                cq, idx - 1, phy, size, read_body, topic, topic_bytes, queue_id)
-                            if msg is None:
+                        damage = None
+                        if size == BLANK_UNIT_SIZE:  # a unit naming no record: retention's doing, or damage
+                            msg, damage = self._blank_unit_record(cq, f, idx - 1, read_body, topic, topic_bytes,
+                                                                  queue_id)
+                            if msg is None and damage is None:
                                 if not n:
                                     status = GetMessageStatus.MESSAGE_WAS_REMOVING
-                                skip_file_start = phy - phy % self.commitlog.file_size
-                                skip_file_end = skip_file_start + self.commitlog.file_size
                                 continue
-                            size = msg.size
+                            if msg is not None and n and total + msg.size > byte_cap:  # (the cap test above
+                                idx -= 1                                                # could not know its size)
+                                full = True
+                                break
+                        elif seg is None and self.commitlog._in_tier(phy):  # uploaded, and gone from local disk
+                            msg = self._tier_unit(phy, size, read_body, topic, topic_bytes, queue_id, idx - 1)
+                        elif seg is None and phy < self.commitlog.min_offset():  # expired: its segment is gone
+                            if not n:
+                                status = GetMessageStatus.MESSAGE_WAS_REMOVING
+                            skip_file_start = phy - phy % self.commitlog.file_size
+                            skip_file_end = skip_file_start + self.commitlog.file_size
+                            continue
+                        else:
+                            # Not expired, yet no record there: a damaged unit, whose record may still be found.
+                            msg = self._misplaced_unit_record(cq, idx - 1, phy, size, read_body, topic, topic_bytes,
+                                                              queue_id)
+                            if msg is None:
+                                damage = _lost_unit(cq, f, topic, queue_id, idx - 1, phy, size,
+                                                    "its segment is not in the commitlog" if seg is None else
+                                                    f"it reaches past the written end of {seg.path}")
+                        if damage is not None:
+                            if n:  # return what was read; the next call starts at the damaged unit and raises
+                                idx -= 1
+                                full = True
+                                break
+                            raise damage
+                        if msg is not None:
+                            size, phy = msg.size, msg.commit_log_offset
                     else:
                         msg = decode_unit(mm, pos, size, read_body, topic, topic_bytes, queue_id, idx - 1)
                     if msg is None and seg is not None:
                         msg = self._misplaced_unit_record(cq, idx - 1, phy, size, read_body, topic, topic_bytes,
                                                           queue_id)
                         if msg is not None:
-                            size = msg.size
+                            size, phy = msg.size, msg.commit_log_offset
                     if msg is None:
                         if n:  # return what was read; the next call starts at the damaged unit and raises
                             idx -= 1
@@ -795,8 +968,42 @@ class MessageStore:
                 return t, q, i
         return None
 
+    def _blank_unit_record(self, cq: ConsumeQueue, cq_file: Any, index: int, read_body: bool, topic: str,
+                           topic_bytes: bytes, queue_id: int) -> tuple[MessageExt | None, CorruptRecordError | None]:
+        """What a get makes of unit ``index`` when it is blank (0, 2147483647): (its record, None) when the
+        record is found after all, (None, None) when retention removed it, else (None, the error naming it).
+
+        Blank units stand for records that are gone: below a queue's first
+        message, or written by a rebuild for queue offsets no record was found
+        for.  Records are in commitlog order, so this unit's record lay after
+        the record of the last unit before it that names one: only when that
+        one lies below the lowest readable offset (the local commitlog's, or
+        the tier's) can retention have removed it.  Otherwise the record should
+        still be there: a damaged unit, not an expired message.
+        """
+        floor = self.min_readable_offset()
+        prev_end = 0  # no unit before it names a record: its record lay anywhere from the log's start
+        for i in range(index - 1, max(cq.min_offset_in_queue, index - BLANK_LOOK_BACK) - 1, -1):
+            unit = cq.get_unit(i)
+            if unit is None:
+                break
+            if unit[0] >= 0 and 0 < unit[1] < BLANK_UNIT_SIZE:
+                prev_end = unit[0] + unit[1]
+                break
+        if prev_end < floor:
+            return None, None
+        msg = self._misplaced_unit_record(cq, index, 0, BLANK_UNIT_SIZE, read_body, topic, topic_bytes, queue_id,
+                                          after=prev_end)
+        if msg is not None:
+            return msg, None
+        return None, _lost_unit(cq, cq_file, topic, queue_id, index, 0, BLANK_UNIT_SIZE,
+                                f"it is a blank unit, yet its record lay at or after commitlog offset {prev_end}, "
+                                f"which the store still holds (lowest readable offset {floor}): a lost unit, "
+                                "not retention")
+
     def _misplaced_unit_record(self, cq: ConsumeQueue, index: int, phy: int, size: int, read_body: bool,
-                               topic: str, topic_bytes: bytes, queue_id: int) -> MessageExt | None:
+                               topic: str, topic_bytes: bytes, queue_id: int, after: int | None = None
+                               ) -> MessageExt | None:
         """The record unit ``index`` means when the record at its offset ``phy`` is not it, or None.
 
         A bit flip in a unit's size or offset must not cost the intact message
@@ -814,7 +1021,9 @@ class MessageStore:
         except ValueError:  # a neighbouring queue file retention closed meanwhile: no bounds to walk between
             prev = nxt = None
         starts = [phy]
-        if prev is not None and prev[0] >= 0 and 0 < prev[1] < 0x7FFFFFFF:
+        if after is not None:  # where the record of the last unit before it naming one ends
+            starts.append(after)
+        elif prev is not None and prev[0] >= 0 and 0 < prev[1] < 0x7FFFFFFF:
             starts.append(prev[0] + prev[1])
         hi = nxt[0] if nxt is not None and nxt[0] >= 0 and 0 < nxt[1] < 0x7FFFFFFF else None
         for k, start in enumerate(starts):
@@ -839,7 +1048,7 @@ class MessageStore:
                                         "unit (verify --repair rebuilds the queue)", topic, queue_id, index, phy,
                                         size, base + pos, rsize)
                             return msg
-                        break
+                        # else another topic's record of the same queue id and offset, or this one damaged
             finally:
                 seg.release()
         return None
@@ -1232,6 +1441,47 @@ def _damaged_unit(seg: Any, pos: int, size: int, cq: ConsumeQueue, cq_file: Any,
     return CorruptRecordError(
         f"{where}: the record there is {m.topic}/{m.queue_id} offset {m.queue_offset}, {m.size} bytes, "
         f"not the unit's {topic}/{queue_id} offset {unit}, {size} bytes", path=seg.path, offset=phy)
+
+
+def _records_not_held(commitlog: CommitLog, held: dict[tuple[bytes, int], int]) -> Iterator[tuple[Any, int, int]]:
+    """(segment map, position, size) of every trusted NOT_TYPE/COMMIT record, in commitlog order, whose queue
+    ``held`` does not cover (see :func:`codec.scan_records`), from the first segment to the log's end; a
+    damaged record is stepped over to the next intact one."""
+    file_size = commitlog.file_size
+    for f in list(commitlog.queue.files):
+        mm, base, pos, stop = f.mm, f.file_from_offset, 0, f.wrote_position
+        while pos < stop:
+            pos, _last, _n, wanted = codec.scan_records(mm, pos, stop, file_size, base=base, check_crc=True,
+                                                        held=held)
+            for w in wanted:
+                yield mm, w, codec.read_total_size(mm, w)
+            if pos >= stop:
+                break
+            item = next(codec.walk(mm, pos, file_size, check_crc=True, parsed=True), None)
+            if item is None or item[1] == 0:  # zeros or the blank record: the end of this segment's records
+                break
+            if item[2] is not None and item[2][0][6] == base + pos:  # valid after all (scan_records left it)
+                h, tp, tl, _ = item[2]
+                if h[7] & codec.TRANSACTION_MASK in _QUEUED_TXN and \
+                        held.get((bytes(mm[tp:tp + tl]), h[3]), -1) != codec.NO_INDEX:
+                    yield mm, pos, item[1]
+                pos += item[1]
+                continue
+            nxt = codec.find_record(mm, pos + 1, stop, base, check_crc=True)
+            log.warning("%s at file position %d: %s; stepped over", f.path, pos, item[3] or "damaged record")
+            if nxt is None:
+                break
+            pos = nxt
+
+
+def _lost_unit(cq: ConsumeQueue, cq_file: Any, topic: str, queue_id: int, unit: int, phy: int, size: int,
+               why: str) -> CorruptRecordError:
+    """The error for a consume-queue unit whose record is not where it says and was not removed by retention."""
+    return CorruptRecordError(
+        f"consume queue {topic}/{queue_id} offset {unit} ({cq_file.path} position "
+        f"{unit * CQ_STORE_UNIT_SIZE % cq.file_size}) says commitlog offset {phy}, {size} bytes, but {why}; the "
+        f"message is not returned nor skipped (rocketstore verify --repair rebuilds the queue from the commitlog)",
+        path=cq_file.path, offset=phy)
 
 
 def _indexed_record(f: Any, pos: int, read_body: bool) -> MessageExt:

@@ -268,6 +268,9 @@ def _check_index(store: MessageStore, by_offset: dict[int, RecordSummary],
     min_phy, max_phy = store.min_phy_offset(), store.max_phy_offset()
     seen: dict[tuple[int, int], int] = {}
     files = store.index_service.files
+    findings += [finding("index-damaged", path, 0, f"{why}: its keys cannot be found (rocketstore recover "
+                                                   "rebuilds the index from the commitlog)")
+                 for path, why in store.index_service.damaged.items()]
     for f in files:
         for n, (h, off, _diff, _prev) in enumerate(_entries(f), 1):
             if off < min_phy or off >= max_phy:
