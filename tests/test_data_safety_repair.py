@@ -14,7 +14,7 @@ import pytest
 
 from conftest import GOLDEN_CONF, copy_store, golden_expected, golden_store, run_cli
 from rocketstore.config import StoreConfig, golden_config
-from rocketstore.errors import StoreError, StoreLoadError
+from rocketstore.errors import CorruptRecordError, StoreError, StoreLoadError
 from rocketstore.message import Message
 from rocketstore.store import MessageStore
 
@@ -181,8 +181,10 @@ def test_a_lost_queue_file_and_a_damaged_record_leave_a_gap_not_a_shift(tmp_path
                 [m] = store.get("TopicTxn", 0, e["queueOffset"], 1).messages
                 assert (m.queue_offset, m.commit_log_offset, m.body_crc) == (
                     e["queueOffset"], e["commitLogOffset"], e["bodyCrc"])
-        got = store.get("TopicTxn", 0, 4, 1).messages
-        assert all(m.commit_log_offset != lost["commitLogOffset"] for m in got)  # never the damaged bytes
+        # The gap is reported by a read as damage naming it (data-safety rule 2), never the damaged bytes
+        # and never a skip to offset 5.
+        with pytest.raises(CorruptRecordError, match="offset 4"):
+            store.get("TopicTxn", 0, 4, 1)
         assert store.max_offset_in_queue("TopicTxn", 0) == len(queue)  # the next put takes a new offset
     assert out["gaps"] == [{"topic": "TopicTxn", "queueId": 0, "from": 4, "to": 4}]
     assert not [p for p in out["problems"] if p["kind"] in ("cq-gap", "cq-missing", "cq-mismatch")], out["problems"]
