@@ -275,6 +275,8 @@ def test_the_one_torn_file_of_its_kind_is_rebuilt_not_refused(tmp_path, kind, to
     else:  # a reader cannot read the queue: it names the file, and the way on
         with pytest.raises(StoreLoadError, match="30 bytes.*rocketstore recover"):
             MessageStore.open(str(path), read_only=True)
+        r = run_cli("get", path, "--topic", "T", "--queue-id", "0", "--offset", "0")
+        assert r.returncode == 2 and r.stderr.count(b"\n") == 1 and str(torn).encode() in r.stderr
     r = run_cli(*tool.split(), path)
     assert r.returncode == 0, r.stderr
     assert b"does not fit" not in r.stderr
