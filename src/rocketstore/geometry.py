@@ -64,8 +64,8 @@ class Measured:
         index) of a size no geometry gives is torn, a file to rebuild from the commitlog, not a measure."""
         kept = {size: paths for size, paths in self.paths.items() if usable(size)}
         for size in set(self.paths) - set(kept):
-            log.warning("%s: %d bytes, a size no geometry gives (a torn file): not measured; the open rebuilds it "
-                        "from the commitlog", self.example(size), size)
+            log.info("%s: %d bytes, a size no geometry gives (a torn file): not measured (the open names it, "
+                     "and a writable one rebuilds it from the commitlog)", self.example(size), size)
         return Measured(kept) if kept else None
 
     def describe(self) -> str:

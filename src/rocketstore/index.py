@@ -453,7 +453,31 @@ class IndexService:
                 continue
             self.files.append(f)
         self._mend_empty_files(last_exit_ok, dropped)
+        self._mend_lowered_count()
         return dropped
+
+    def _mend_lowered_count(self) -> None:
+        """The last file's entry count lowered (a damaged header): its last counted entry points below the
+        header's end offset, which every write keeps equal to the last entry's record.  The entries past
+        the count are lost to queries; left so, the index would resume at that end offset and never index
+        those records again.  A writable open ends the file at its last counted entry and has the records
+        after it indexed again (:attr:`damaged` names the file; nothing moves to quarantine)."""
+        if self.read_only or not self.files:
+            return
+        f = self.files[-1]
+        count = f.index_count
+        if count <= 1:
+            return
+        h, phy, diff, _prev = f.entry(count - 1)
+        if (h, phy, diff) == (0, 0, 0) or phy >= f.end_phy_offset:
+            return
+        why = (f"header says endPhyOffset {f.end_phy_offset}, but its last counted entry ({count - 1}) points at "
+               f"{phy}: its indexCount was damaged")
+        log.warning("%s: %s; the records after it are indexed again", f.path, why)
+        f.end_phy_offset = phy
+        f.end_timestamp = f.begin_timestamp + diff * 1000
+        f._write_header()
+        self.damaged[f.path] = why
 
     def _mend_empty_files(self, last_exit_ok: bool, dropped: list[str]) -> None:
         """Files a power loss left without entries, or torn, as never-synced pages read back (zeros).
