@@ -21,9 +21,9 @@ def segments(name: str) -> list[tuple[int, bytes]]:
 
 
 def reference(buf: bytes, limit: int, base: int, check_crc: bool) -> list[tuple[int, int, tuple]]:
-    """The records recovery accepts, the slow way: walk(parsed=True) and the PHYSICALOFFSET check."""
+    """The records recovery accepts, the slow way: walk(parsed=True) with the trusted-record check (base)."""
     out = []
-    for pos, size, parsed, _ in codec.walk(buf, 0, limit, check_crc=check_crc, parsed=True):
+    for pos, size, parsed, _ in codec.walk(buf, 0, limit, check_crc=check_crc, parsed=True, base=base):
         if size <= 0 or parsed is None or parsed[0][6] != base + pos:
             break
         out.append((pos, size, parsed))

@@ -532,6 +532,9 @@ def check(buf: Any, pos: int, limit: int, *, check_crc: bool, read_body: bool = 
         phy = msg[0][6] if parsed else msg.commit_log_offset
         if phy != base + pos:
             return -1, None, stale_copy_reason(phy, base + pos)
+        torn = torn_tail(buf, pos, pos + total, base)
+        if torn is not None:
+            return -1, None, torn_reason(torn, base + pos + total)
     return total, msg, None
 
 
@@ -539,6 +542,43 @@ def stale_copy_reason(phy: int, offset: int) -> str:
     """Why a record that decodes is still not a message: its PHYSICALOFFSET names another position."""
     return (f"stale record copy: PHYSICALOFFSET field says {phy}, not its position {offset} "
             f"(bytes of another record, not a message)")
+
+
+PAGE_SIZE = 4096  # the unit a power cut keeps or loses (segments start on a page boundary)
+
+
+def torn_tail(buf: Any, pos: int, end: int, base: int) -> int | None:
+    """Where a record whose bytes from a page start to its end are all zeros was torn, else None.
+
+    BODYCRC covers the body alone; the topic and the properties come after it.
+    A power cut that keeps the pages holding a record's header and body but
+    loses its last page leaves a record every other check accepts, with zeros
+    for (part of) its topic and properties.  No record is written that way: a
+    topic is never zero bytes, and RocketMQ ends a properties string with
+    0x02, so zeros from the last page start inside the tail to the record's end
+    are a lost page, except when they are only an empty properties string's
+    length field.  ``base`` is the commitlog offset of ``buf[0]``.
+    """
+    page = (base + end - 1) // PAGE_SIZE * PAGE_SIZE - base  # the last page start before the record's end
+    if page <= pos:
+        return None
+    sys_flag = _INT.unpack_from(buf, pos + _SYSFLAG_POS)[0]
+    body = pos + 88 + _V6_EXTRA[sys_flag & 0x30]
+    tail = body + _INT.unpack_from(buf, body - 4)[0]  # topic length field: CRC coverage ends here
+    if page < tail or buf[page:end].count(0) != end - page:
+        return None
+    if _INT.unpack_from(buf, pos + 4)[0] == MAGIC_V2:
+        props = tail + 2 + _SHORT.unpack_from(buf, tail)[0]
+    else:
+        props = tail + 1 + buf[tail]
+    if props == end - 2 and page >= props:  # only an empty properties string's length field (zeros as written)
+        return None
+    return base + page
+
+
+def torn_reason(at: int, end: int) -> str:
+    return (f"torn record: bytes {at}..{end} (from a page start to the record's end) are zeros after its body, "
+            "a write a power loss cut short (no CRC covers the topic and properties)")
 
 
 def walk(buf: Any, pos: int, limit: int, *, check_crc: bool, read_body: bool = False,
@@ -658,6 +698,9 @@ def scan_records(buf: Any, pos: int, stop: int, limit: int, *, base: int, check_
                 break
             if check_crc and blen and crc32(mv[b:p]) & 0x7FFFFFFF != crc:
                 break
+            page = (base + end - 1) // PAGE_SIZE * PAGE_SIZE - base
+            if page >= p and page > pos and torn_tail(buf, pos, end, base) is not None:
+                break  # (walk gives the reason)
             txn = sf & TRANSACTION_MASK
             if txn == TRANSACTION_NOT_TYPE or txn == TRANSACTION_COMMIT:
                 topic = buf[t:q]

@@ -91,6 +91,7 @@ def checked_prefix(buf: Any, pos: int, limit: int, *, base: int, units: QueueUni
         at = at_all[lo:lo + BLOCK]
         ok, end, body, blen, crc = _check(a, at, pos, limit, base, queue_no[lo:lo + BLOCK], queues,
                                           held is not None, min(index_from, _MAX))
+        _not_torn(buf, ok, at, end, body, blen, base)
         bad = np.flatnonzero(~ok)
         k = int(bad[0]) if len(bad) else len(at)
         if check_crc and k:
@@ -156,6 +157,16 @@ def _check(a: np.ndarray, at: np.ndarray, pos: int, limit: int, base: int, queue
                     same &= _at_every_byte(a, f"S{len(name)}")[np.minimum(t[mine], size - len(name))] == name
                 ok[mine] = same
     return ok, end, body, blen, crc
+
+
+def _not_torn(buf: Any, ok: np.ndarray, at: np.ndarray, end: np.ndarray, body: np.ndarray, blen: np.ndarray,
+              base: int) -> None:
+    """Clear ``ok`` for records torn by a power cut (:func:`codec.torn_tail`); only the few whose last page
+    starts after their body are looked at."""
+    page = (base + end - 1) // codec.PAGE_SIZE * codec.PAGE_SIZE - base
+    for i in np.flatnonzero(ok & (page >= body + blen) & (page > at)).tolist():
+        if codec.torn_tail(buf, int(at[i]), int(end[i]), base) is not None:
+            ok[i] = False
 
 
 class _Queues(NamedTuple):

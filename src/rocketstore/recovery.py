@@ -241,7 +241,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
                     if pos >= chunk_end:
                         continue
                 # The record the scan did not accept: the full check says why (or accepts it after all).
-                item = next(codec.walk(mm, pos, file_size, check_crc=check_crc, parsed=True), None)
+                item = next(codec.walk(mm, pos, file_size, check_crc=check_crc, parsed=True, base=base), None)
                 if item is None:  # all-zero bytes: the end of written data
                     break
                 _, size, parsed, reason = item
