@@ -10,7 +10,6 @@ from pathlib import Path
 
 from conftest import GOLDEN_CONF, golden_expected, run_cli
 from rocketstore.config import StoreConfig, golden_config
-from rocketstore.message import Message
 from rocketstore.store import MessageStore
 from rocketstore.tier.upload import upload_round
 from rocketstore.verify import verify_store
@@ -96,7 +95,8 @@ def test_verify_repair_refuses_a_live_writer_whose_lock_file_was_removed(basic_c
 def _same_size_pair(store_path: Path) -> tuple[dict, dict]:
     """Two records of one segment and one size, the first earlier: the bytes of the first are copied over the
     second (a misdirected write), so the second's position holds a CRC-valid record naming another offset."""
-    recs = sorted((e for e in golden_expected("basic") if e["commitLogOffset"] < SEG), key=lambda e: e["commitLogOffset"])
+    recs = sorted((e for e in golden_expected("basic") if e["commitLogOffset"] < SEG),
+                  key=lambda e: e["commitLogOffset"])
     by_size: dict[int, list[dict]] = {}
     for e in recs:
         by_size.setdefault(e["size"], []).append(e)
