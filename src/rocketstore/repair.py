@@ -81,6 +81,7 @@ repair's result is then not OK.
 from __future__ import annotations
 
 import filecmp
+import itertools
 import json
 import logging
 import mmap
@@ -302,18 +303,27 @@ def _held_queue_offsets(spans: list[DamagedSpan], file_size: int) -> set[tuple[s
             pos = 0
             while pos < file_size:
                 stopped = None
-                for p, size, parsed, _reason in codec.walk(mm, pos, file_size, check_crc=False, parsed=True):
+                # Only trusted records (PHYSICALOFFSET = position) hold a queue offset: a stale copy of a
+                # record at another position is not a message and must not keep a lost message's slot.
+                for p, size, parsed, _reason in codec.walk(mm, pos, file_size, check_crc=False, parsed=True,
+                                                           base=base):
                     if size <= 0 or parsed is None or base + p in skip:  # a damaged record may still parse
-                        stopped = p
+                        stopped = p if size != 0 else None
                         break
                     h, tp, tl, _pl = parsed
                     if h[7] & codec.TRANSACTION_MASK in (codec.TRANSACTION_NOT_TYPE, codec.TRANSACTION_COMMIT):
                         key = (str(mm[tp:tp + tl], "utf-8", "replace"), h[3])
                         if key in queues:
                             held.add((key[0], key[1], h[5]))
-                if stopped is None or base + stopped not in skip:
+                if stopped is None:
                     break
-                pos = skip[base + stopped] - base
+                if base + stopped in skip:
+                    pos = skip[base + stopped] - base
+                    continue
+                nxt = resync(mm, stopped, file_size, base)  # past the untrusted bytes to the next trusted record
+                if nxt is None:
+                    break
+                pos = nxt[0]
     return held
 
 
@@ -475,11 +485,41 @@ def _store_lock(paths: StorePaths, dry_run: bool) -> Iterator[int | None]:
         except OSError:
             raise StoreLockedError(f"{paths.lock}: store is locked by another process; stop it before repair") \
                 from None
+        _probe_directory_lock(paths)
         yield fd
     finally:
         # POSIX record locks belong to the process: the store opened inside takes the same lock without
         # waiting, and its close drops it (the rebuild takes it again after).
         os.close(fd)
+
+
+def _probe_directory_lock(paths: StorePaths) -> None:
+    """Refuse when another process holds the ``flock`` every writer takes on the store directory.
+
+    The record lock on ``lock`` alone misses a live writer whose lock file was removed (``rm STORE/lock``
+    makes a new file nobody locks).  The flock is only probed, not kept: it belongs to an open file
+    description, so the store repair opens in this process would conflict with it; the record lock held
+    from before the probe keeps a new writer out afterwards.  This process's own open store (a writable
+    open finishing an interrupted repair) holds it already and passes.
+    """
+    import fcntl
+
+    from .store_lock import _HELD, _HELD_LOCK
+    with _HELD_LOCK:
+        if os.path.realpath(paths.root) in _HELD:
+            return
+    try:
+        dir_fd = os.open(paths.root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise StoreError(f"{paths.root}: cannot open the store directory: {e.strerror}") from None
+    try:
+        try:
+            fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StoreLockedError(f"{paths.lock}: store directory {paths.root} is locked by a live writer "
+                                   "(its lock file was replaced); stop it before repair") from None
+    finally:
+        os.close(dir_fd)  # drops the probe's flock
 
 
 def plan(path: str, file_size: int) -> list[DamagedSpan]:
@@ -674,11 +714,11 @@ def trusted_records(cdir: str, file_size: int) -> Iterator[codec.MessageExt]:
             pos = 0
             while pos < size:
                 stopped = None
-                for p, n, msg, _reason in codec.walk(mm, pos, size, check_crc=True):
+                for p, n, msg, _reason in codec.walk(mm, pos, size, check_crc=True, base=base):
                     if n == 0:
                         stopped = size  # a blank record ends the file
                         break
-                    if msg is None or msg.commit_log_offset != base + p:
+                    if msg is None:
                         stopped = p
                         break
                     yield msg
@@ -691,6 +731,51 @@ def trusted_records(cdir: str, file_size: int) -> Iterator[codec.MessageExt]:
                 if nxt is None:
                     break
                 pos = nxt[0]
+
+
+def _local_commitlog_min(cdir: str) -> int:
+    """The commitlog offset of the first local segment holding data (0 for none): records below it, once
+    retention deleted their segments, are held only by the tier."""
+    names = sorted(n for n in os.listdir(cdir) if len(n) == 20 and n.isdigit()) if os.path.isdir(cdir) else []
+    return next((int(n) for n in names if os.path.getsize(os.path.join(cdir, n)) > 0), 0)
+
+
+def tier_records(root: str, cfg: StoreConfig) -> Iterator[codec.MessageExt]:
+    """The trusted records the tier holds below the local commitlog, in commitlog order.
+
+    The commitlog is local segments plus the tier's: a rebuild from the local segments alone would leave
+    blank units where acknowledged tier-held messages are.  A tier that holds such records but cannot be
+    read (unreachable, manifest faulty, a record failing its checks) raises StoreError naming it: the
+    caller refuses the repair rather than drop their units.
+    """
+    below = _local_commitlog_min(StorePaths(root).commitlog)
+    if not cfg.tieredStoreUri or below <= 0:
+        return
+    from .tier.tiered import TieredStorage
+    try:
+        tier = TieredStorage(root, cfg, read_only=True)
+        tier.refresh(quiet=True)
+    except StoreError as e:
+        raise StoreError(f"tier {cfg.tieredStoreUri}: {e}; it holds the records below commitlog offset {below} "
+                         "(the local commitlog's start): repair refused, nothing was changed") from None
+    reader = tier.reader
+    why = tier.fault or (tier.error if reader is None else None)
+    if reader is None and why is None and tier.deleted_end <= 0:
+        return  # no tier published: nothing below the local start to read
+    if reader is None or why is not None:
+        raise StoreError(f"tier {tier.loc.uri}: cannot be read ({why or 'no manifest'}); it holds the records "
+                         f"below commitlog offset {below}: repair refused, nothing was changed")
+    try:
+        for off, _size, msg, problem in reader.scan(reader.manifest.min_offset, below, check_crc=True):
+            if msg is None:
+                raise StoreError(f"tier {tier.loc.uri}: record at commitlog offset {off}: {problem}; repair "
+                                 "refused, nothing was changed")
+            yield msg
+    except StoreError as e:
+        if "repair refused" in str(e):
+            raise
+        raise StoreError(f"tier {tier.loc.uri}: {e}; it holds the records below commitlog offset {below}: "
+                         "repair refused, nothing was changed") from None
 
 
 def _longest_ordered(recs: list[_Placed], prefer: Any = None) -> list[_Placed]:
@@ -861,8 +946,9 @@ def _build(paths: StorePaths, cfg: StoreConfig, qdir: str) -> dict[str, Any]:
     try:
         old = os.path.join(qdir, "consumequeue")  # the old queues, once an interrupted run moved them here
         old_unit = _old_unit_reader(old if os.path.isdir(old) else paths.consumequeue, cfg.mappedFileSizeConsumeQueue)
-        placed, gaps, unplaced = place_queues(trusted_records(paths.commitlog, cfg.mappedFileSizeCommitLog),
-                                              on_record, old_unit)
+        records = itertools.chain(tier_records(paths.root, cfg),
+                                  trusted_records(paths.commitlog, cfg.mappedFileSizeCommitLog))
+        placed, gaps, unplaced = place_queues(records, on_record, old_unit)
         full_ts = 0
         if index is not None:
             index.flush()
@@ -1056,6 +1142,8 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
         if marker is not None:
             _resume(paths, marker, config, fd)
         cfg = infer_config(path, config)  # by majority, before the files it is measured from are moved aside
+        for _msg in tier_records(path, cfg):  # a tier holding records it cannot give: refused before any change
+            pass
         if not dry_run:  # a torn last segment is extended, as an open would, before its records are walked
             extend_torn_last_segment(paths.commitlog, cfg.mappedFileSizeCommitLog, False)
         spans = plan(path, cfg.mappedFileSizeCommitLog)

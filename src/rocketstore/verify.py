@@ -78,7 +78,7 @@ def check_segment(buf: Any, path: str, base: int, limit: int, file_size: int, is
     ended = False  # by a blank record, or a bad one nothing valid follows
     pos = 0
     while not ended and pos < limit:
-        for pos, size, msg, reason in codec.walk(buf, pos, limit, check_crc=True):
+        for pos, size, msg, reason in codec.walk(buf, pos, limit, check_crc=True, base=base):
             if size == 0:
                 ended = True
                 end = file_size
@@ -92,9 +92,6 @@ def check_segment(buf: Any, path: str, base: int, limit: int, file_size: int, is
                 else:
                     end = nxt[0]
                 break
-            if msg.commit_log_offset != base + pos:
-                res.findings.append(finding("bad-record", path, base + pos,
-                                            f"PHYSICALOFFSET field says {msg.commit_log_offset}"))
             res.records.append(summarize(msg))
             end = pos + size
         else:  # the walk ran to the limit, or into zeros: the written end of the last segment
@@ -117,8 +114,8 @@ _MAGICS = (struct.pack(">I", codec.MAGIC_V1), struct.pack(">I", codec.MAGIC_V2))
 def valid_record_at(buf: Any, pos: int, limit: int, base: int) -> tuple[int, int] | None:
     """(size, store timestamp) of a record at ``pos`` that passes every check (magic, sizes, CRC and a
     PHYSICALOFFSET field equal to ``base + pos``), else None."""
-    size, parsed, _reason = codec.check(buf, pos, limit, check_crc=True, parsed=True)
-    if parsed is None or size <= 0 or parsed[0][6] != base + pos:
+    size, parsed, _reason = codec.check(buf, pos, limit, check_crc=True, parsed=True, base=base)
+    if parsed is None or size <= 0:
         return None
     return size, parsed[0][11]
 
