@@ -137,9 +137,13 @@ them with ROCKETSTORE_MODEL_OPS, e.g. ``ROCKETSTORE_MODEL_OPS=all``):
   recovered end.
 - ``rm_cq`` / 1004 (all ops but ``repair_int``): a consume-queue directory removed after a clean shutdown whose
   records all lie before the segment recovery re-checks is not seen at open; the next put reuses queue offset 0.
-- ``repair_int`` and ``cq_damage`` on a tiered store (smoke seed 7 with all ops; 1003): ``verify --repair`` rebuilds
-  the queues from the local commitlog only, leaving blank units for records the tier holds; / 5002: after
-  retention, a rebuilt queue forgets offsets whose records expired and the next put reuses them.
+- ``repair_int`` (``put,retention,repair_int,tier_upload,tier_fault``) / 1008: a repair rolled back after SIGINT
+  leaves the damage, ``tier upload`` then uploads the damaged segment and the tier reader's scan stops at its bad
+  record, so the walk loses the messages after it; / 1002: the model drops a message a stale copy overwrote
+  locally although the tier holds it intact (the model is too strict there); / 1018: an overtaken follower
+  ``Consumer`` stops at a damaged record that a rolled-back repair left. (Repair of a tiered store rebuilding only
+  from the local commitlog, smoke seed 7 with all ops, is fixed.) ``cq_damage`` / 5002: after retention, a rebuilt
+  queue forgets offsets whose records expired and the next put reuses them.
 - ``cq_damage`` / 6013: blank units after expired ones read as ``OFFSET_TOO_SMALL`` before the repair.
 - ``index_damage`` with a tier (``put,kill,recover,retention,reimport,index_damage,tier_upload,tier_fault`` /
   1027): the index is rebuilt from the local commitlog only; keys of tier-held records are not found.
