@@ -135,6 +135,9 @@ def test_recovery_takes_the_slow_path_for_each_record_the_scan_refuses(tmp_path:
             b = fh.read(1)
             fh.seek(victim)
             fh.write(bytes([b[0] ^ 0x40]))
+        cp = bytearray((s / "checkpoint").read_bytes())  # physicMsgTimestamp 0: nothing counted as flushed,
+        cp[0:8] = bytes(8)                                # so the damage is a torn tail, truncated
+        (s / "checkpoint").write_bytes(bytes(cp))
     conf = StoreConfig(mappedFileSizeCommitLog=SEGMENT, mappedFileSizeConsumeQueue=6000, maxHashSlotNum=1000,
                        maxIndexNum=4000)
     monkeypatch.setattr(recovery, "PROGRESS_INTERVAL_S", 0.0)

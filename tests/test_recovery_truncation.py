@@ -40,6 +40,24 @@ def flip_body_bit(store: Path, e: dict) -> None:
         fh.write(bytes([b[0] ^ 0x40]))
 
 
+def lose_tail(store: Path, offset: int) -> None:
+    """Zero every commitlog byte from ``offset`` on: after a crash of the process alone, damage with intact
+    records after it is refused (not truncated), so truncation is exercised at a lost tail."""
+    for seg in sorted((store / "commitlog").iterdir()):
+        base, size = int(seg.name), seg.stat().st_size
+        if base + size > offset:
+            with open(seg, "r+b") as fh:
+                fh.seek(max(0, offset - base))
+                fh.write(bytes(size - max(0, offset - base)))
+
+
+def set_physic_timestamp(store: Path, ts: int) -> None:
+    """The checkpoint's physicMsgTimestamp: records stored after it were not covered by a thorough flush."""
+    cp = bytearray((store / "checkpoint").read_bytes())
+    cp[0:8] = ts.to_bytes(8, "big")
+    (store / "checkpoint").write_bytes(bytes(cp))
+
+
 def read_queue(store: MessageStore, topic: str, qid: int) -> list:
     out, off = [], store.min_offset_in_queue(topic, qid)
     while (r := store.get(topic, qid, off, 32)).status is GetMessageStatus.FOUND:
@@ -55,6 +73,7 @@ def test_truncation_zeroes_stale_units_and_index_entries_and_new_keys_are_indexe
     cut = expected[2800]  # in the last segment, where recovery starts from the golden checkpoint
     flip_body_bit(basic_copy, cut)
     if crash == "process":  # the index files are kept: their entries past the cut must go
+        lose_tail(basic_copy, cut["commitLogOffset"])
         (basic_copy / "abort").write_text("4242")
         (basic_copy / "abort.bootid").write_text(Path("/proc/sys/kernel/random/boot_id").read_text())
     else:
@@ -233,6 +252,7 @@ def test_power_loss_of_a_middle_page_leaves_no_stale_record_past_the_new_end(tmp
     with open(seg, "r+b") as fh:
         fh.seek(lost)
         fh.write(bytes(8192))
+    set_physic_timestamp(path, rs[100].store_timestamp - 1)  # the lost page was never flushed
     simulate_reboot(path)
     with MessageStore.open(str(path), cfg) as store:
         assert store.max_phy_offset() == lost
@@ -245,6 +265,7 @@ def test_truncation_before_the_last_index_file_began_deletes_it_and_cuts_the_one
     from conftest import golden_queries
     cut = next(e for e in golden_expected("basic") if e["commitLogOffset"] > 1200000)  # inside index file 1
     flip_body_bit(basic_copy, cut)
+    lose_tail(basic_copy, cut["commitLogOffset"])  # (with intact records after it, a process crash refuses)
     (basic_copy / "abort").write_text("4242")  # a process crash: the index files are kept
     (basic_copy / "abort.bootid").write_text(Path("/proc/sys/kernel/random/boot_id").read_text())
     cp = bytearray((basic_copy / "checkpoint").read_bytes())  # physic and logics times: the flip's

@@ -782,6 +782,8 @@ def encode_with_tail(topic: tuple[bytes, int, bytes], body: bytes, props: bytes,
     """The shared encoder; ``topic`` comes from :func:`topic_tail` (callers cache it per topic)."""
     if len(props) > MAX_PROPERTIES_BYTES:
         raise PropertiesTooLarge(f"properties are {len(props)} bytes, more than {MAX_PROPERTIES_BYTES}")
+    if props and props[-1] == 0:  # such a record could read as torn by a power cut (torn_tail)
+        raise RecordError("properties string ends with a zero byte (RocketMQ ends each property with \\x02)")
     blen = len(body)
     if blen > max_message_size:
         raise MessageTooLarge(f"body is {blen} bytes, more than maxMessageSize {max_message_size}")

@@ -289,8 +289,11 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
             index_from = index.resume_offset() if report.abnormal else max(index.resume_offset(), max_cq + 1)
         for cq in before:
             cq.gap_at = None
-    if writable and not report.abnormal and (report.stopped_because is not None or max_cq > process):
-        _refuse_to_cut_intact_records(store, process, max_cq, report)
+    if writable and (report.stopped_because is not None or max_cq > process):
+        if not report.abnormal:
+            _refuse_to_cut_intact_records(store, process, max_cq, report)
+        else:
+            _refuse_to_cut_flushed_records(store, process, max_cq, report)
     report.process_offset = process
     report.bytes_checked = process - report.start_offset
     report.confirm_offset = last_valid
@@ -383,6 +386,34 @@ def _refuse_to_cut_intact_records(store: "MessageStore", process: int, max_cq: i
                          f"record after it (at commitlog offset {nxt}); recovery would truncate the log at "
                          f"{process} and lose every record after. No commitlog byte was changed: run `rocketstore verify "
                          f"{store.root} --repair`, which keeps every valid record")
+
+
+def _refuse_to_cut_flushed_records(store: "MessageStore", process: int, max_cq: int, report: RecoveryReport) -> None:
+    """After an unclean stop, refuse to truncate at damage that is not a torn tail of unflushed writes.
+
+    A crash of the process alone (same boot) loses no page, so damage with an intact record after it is
+    real damage, as after a clean shutdown.  After a reboot or power loss, an intact record after the damage
+    whose store time is at or before the checkpoint's physicMsgTimestamp (the store time of the last record
+    a thorough commitlog flush covered) was on disk, so the damage before it is no torn tail either.
+    Otherwise the damage lies among records written after the last flush: truncating there is the torn tail.
+    """
+    nxt = _intact_record_after(store.commitlog, process)
+    if nxt is None:
+        return
+    why = report.stopped_because or f"zero bytes at commitlog offset {process}, below the consume queues' end {max_cq}"
+    if getattr(store, "process_crash_only", False):
+        because = "only the process crashed (no page can be torn)"
+    else:
+        flushed = store.checkpoint.physicMsgTimestamp
+        ts = store.commitlog.pickup_store_timestamp(nxt, 0)
+        if not flushed or ts <= 0 or ts > flushed:
+            return
+        because = (f"the record after it was flushed before the power loss (store time {ts} is not after the "
+                   f"checkpoint's physicMsgTimestamp {flushed})")
+    raise CommitLogDamagedError(f"{why}: {because}, yet its commitlog has damage here with an intact record after "
+                                f"it (at commitlog offset {nxt}); recovery would truncate the log at {process} and "
+                                f"lose every record after. No commitlog byte was changed: run `rocketstore verify "
+                                f"{store.root} --repair`, which keeps every valid record")
 
 
 def _intact_record_after(commitlog, offset: int) -> int | None:
