@@ -16,25 +16,12 @@ import time
 from pathlib import Path
 
 from conftest import GOLDEN_CONF, run_cli
-from helpers.powerloss import SyncShadow, crash_image
+from helpers.powerloss import SyncShadow, crash_image, process_crashed, rebooted
 from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig
 from rocketstore.flush import FlushConsumeQueueService
 from rocketstore.verify import verify_store
 
-BOOT_ID = "/proc/sys/kernel/random/boot_id"
 UNIT = struct.Struct(">qiq")
-
-
-def _rebooted(image: Path) -> None:
-    """The power came back: the abort file says unclean, from another boot."""
-    (image / "abort").write_text("4242")
-    (image / "abort.bootid").write_text("boot-before-the-power-cut")
-
-
-def _process_crashed(store: Path) -> None:
-    """The process died, the machine did not: the abort file is from this boot."""
-    (store / "abort").write_text("4242")
-    (store / "abort.bootid").write_text(Path(BOOT_ID).read_text())
 
 
 def _cfg(**kw) -> StoreConfig:
@@ -86,7 +73,7 @@ def _quiet_and_busy(live: Path, shadow: Path, image: Path, cfg: StoreConfig) -> 
     quiet_cq = str(Path("consumequeue") / "Quiet" / "0" / f"{0:020d}")
     assert fate[quiet_cq] == "zeroed"
     assert len(list((image / "commitlog").iterdir())) > 3
-    _rebooted(image)
+    rebooted(image)
     return quiet
 
 
@@ -129,7 +116,7 @@ def test_recovery_without_a_durable_point_starts_at_the_first_segment(tmp_path):
     cp = bytearray((store / "checkpoint").read_bytes())
     cp[0:16] = bytes(16)
     (store / "checkpoint").write_bytes(bytes(cp))
-    _rebooted(store)
+    rebooted(store)
     with MessageStore.open(str(store), str(conf), start_services=False) as s:
         assert s.recovery_report.abnormal and s.recovery_report.start_offset == 0
 
@@ -181,7 +168,7 @@ def test_new_files_names_are_durable_before_the_checkpoint_counts_on_them(tmp_pa
             store.close()
     lost = sorted(rel for rel in sh.synced if fate.get(rel) == "name lost")
     assert not lost, f"synced files whose names were never made durable: {lost}"
-    _rebooted(image)
+    rebooted(image)
     with MessageStore.open(str(image), cfg, start_services=False) as s:
         for topic, qid, qoff, phy in acked:
             r = s.get(topic, qid, qoff, 1)
@@ -204,7 +191,7 @@ def test_torn_unit_is_rebuilt_with_its_tags_code(tmp_path):
     before = UNIT.unpack_from(cq.read_bytes(), 204 * 20)
     _zero(cq, 4096, 6000)
     assert UNIT.unpack_from(cq.read_bytes(), 204 * 20) == (before[0], before[1], 0)
-    _rebooted(store)
+    rebooted(store)
     rec = run_cli("recover", store, "--config", conf)
     assert rec.returncode == 0, rec.stderr
     r = run_cli("get", store, "--topic", "TopicA", "--queue-id", "0", "--offset", "204", "--max", "1",
@@ -235,7 +222,7 @@ def test_tail_units_checked_after_a_crash_of_the_process_alone(tmp_path):
         UNIT.pack_into(data, pos, *bad)
         last.write_bytes(bytes(data))
         changed[(topic, qid)] = (last, pos, (off, size, tags), (int(last.name) + pos) // 20)
-    _process_crashed(store)
+    process_crashed(store)
     with MessageStore.open(str(store), str(conf), start_services=False) as s:
         assert s.process_crash_only
         for (topic, qid), (path, pos, good, qoff) in changed.items():
@@ -251,7 +238,7 @@ def test_unclean_start_syncs_what_the_crashed_process_left_in_the_page_cache(tmp
     """A crash of the process alone leaves its writes in the page cache; recovery takes the files as
     flushed, so no flush service would sync them while the checkpoint goes on to count on them."""
     store, conf = _golden_basic(tmp_path)
-    _process_crashed(store)
+    process_crashed(store)
     shadow = tmp_path / "shadow"
     with SyncShadow(store, shadow) as sh:
         with MessageStore.open(str(store), str(conf), start_services=False) as s:
@@ -314,7 +301,7 @@ def test_next_queue_offset_is_past_every_record_the_walk_saw(tmp_path, monkeypat
     qdir = store / "consumequeue" / "TopicC" / "0"
     _zero(qdir / f"{6000:020d}", (500 - 300) * 20, 6000)  # units 500.. lost in the power cut
     _zero(qdir / f"{12000:020d}", 0, 6000)
-    _rebooted(store)
+    rebooted(store)
     real = ConsumeQueue.put_unit
 
     def put_unit(self, offset, size, tags_code, cq_offset):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import GOLDEN_NAMES, golden_store
+from helpers.powerloss import rebooted
 from rocketstore import codec
 from rocketstore.config import StoreConfig
 from rocketstore.message import Message
@@ -26,11 +27,6 @@ PAGE = codec.PAGE_SIZE
 def _config() -> StoreConfig:
     return StoreConfig(mappedFileSizeCommitLog=64 * 1024, mappedFileSizeConsumeQueue=20 * 100, maxHashSlotNum=64,
                        maxIndexNum=256, warmAheadBytes=0)
-
-
-def _rebooted(store: Path) -> None:
-    (store / "abort").write_text("4242")
-    (store / "abort.bootid").write_text("boot-before-the-power-cut")
 
 
 def _store_with_a_record_across_a_page(tmp_path: Path) -> tuple[Path, list, dict]:
@@ -64,7 +60,7 @@ def test_a_record_whose_last_page_was_lost_is_the_torn_tail_not_a_message(tmp_pa
     path, msgs, torn = _store_with_a_record_across_a_page(tmp_path)
     m = torn["msg"]
     _tear(path, torn["page"])
-    _rebooted(path)
+    rebooted(path)
     with MessageStore.open(str(path), _config()) as store:
         before = [x for x in msgs if x.commit_log_offset < m.commit_log_offset]
         got = store.get("Busy", 0, 0, 32).messages + store.get("Busy", 0, 32, 32).messages

@@ -12,22 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers.powerloss import process_crashed, rebooted
 from rocketstore import Message, MessageStore, StoreConfig, codec
 from rocketstore.checkpoint import StoreCheckpoint
 from rocketstore.errors import CommitLogDamagedError
 
-BOOT_ID = "/proc/sys/kernel/random/boot_id"
 PAGE = 4096
-
-
-def _rebooted(store: Path) -> None:
-    (store / "abort").write_text("4242")
-    (store / "abort.bootid").write_text("boot-before-the-power-cut")
-
-
-def _process_crashed(store: Path) -> None:
-    (store / "abort").write_text("4242")
-    (store / "abort.bootid").write_text(Path(BOOT_ID).read_text())
 
 
 def _cfg() -> StoreConfig:
@@ -75,7 +65,7 @@ def test_process_crash_refuses_to_cut_intact_records_after_damage(tmp_path):
     store = tmp_path / "store"
     recs = _fill(store)
     seg, before, pos = _damage_middle(store, recs)
-    _process_crashed(store)
+    process_crashed(store)
     with pytest.raises(CommitLogDamagedError) as e:
         MessageStore.open(str(store), _cfg(), start_services=False)
     assert str(recs[6][0]) in str(e.value) and "verify" in str(e.value) and "--repair" in str(e.value)
@@ -89,7 +79,7 @@ def test_power_loss_refuses_to_cut_flushed_records_after_damage(tmp_path):
     recs = _fill(store)
     seg, before, pos = _damage_middle(store, recs)
     _set_physic(store, codec.read_store_timestamp(before, recs[-1][0]))  # a thorough flush covered every record
-    _rebooted(store)
+    rebooted(store)
     with pytest.raises(CommitLogDamagedError) as e:
         MessageStore.open(str(store), _cfg(), start_services=False)
     assert str(recs[6][0]) in str(e.value) and "--repair" in str(e.value)
@@ -104,7 +94,7 @@ def test_power_loss_still_truncates_damage_among_unflushed_records(tmp_path):
     with pytest.raises(codec.RecordError):
         codec.parse(before, pos, len(before), check_crc=True)
     _set_physic(store, codec.read_store_timestamp(before, recs[4][0]) - 1)
-    _rebooted(store)
+    rebooted(store)
     with MessageStore.open(str(store), _cfg(), start_services=False) as s:
         assert s.commitlog.max_offset() == pos
         assert s.max_offset_in_queue("TopicT", 0) == 5
@@ -124,7 +114,7 @@ def test_a_whole_record_with_empty_properties_at_a_page_boundary_is_kept(tmp_pat
         assert s.commitlog.max_offset() == PAGE + 2
     seg = sorted((store / "commitlog").iterdir())[0]
     assert codec.torn_tail(seg.read_bytes(), PAGE + 2 - size, PAGE + 2, 0) is None
-    _rebooted(store)
+    rebooted(store)
     with MessageStore.open(str(store), _cfg(), start_services=False) as s:
         assert s.commitlog.max_offset() == PAGE + 2
         assert s.get("TopicT", 0, 1, 1).messages[0].body == b"y" * 700

@@ -39,6 +39,22 @@ def quiet_mode() -> bool:
     return bool(os.environ.get(QUIET_ENV))
 
 
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def rebooted(store: str | Path) -> None:
+    """The power came back: the abort file says unclean, from another boot (MessageStore.process_crash_only is
+    False, so recovery assumes pages may be lost)."""
+    Path(store, "abort").write_text("4242")
+    Path(store, "abort.bootid").write_text("boot-before-the-power-cut")
+
+
+def process_crashed(store: str | Path) -> None:
+    """The process died, the machine did not: the abort file is from this boot."""
+    Path(store, "abort").write_text("4242")
+    Path(store, "abort.bootid").write_text(Path(BOOT_ID).read_text())
+
+
 def writer_config(seed: int) -> StoreConfig:
     """SYNC_FLUSH with a geometry small enough that commitlog segments, queue files and index files roll
     within a round; how often the consume queues are flushed varies with the round.  In quiet mode the
