@@ -48,3 +48,26 @@ def test_a_torn_queue_whose_first_records_expired_is_rebuilt_at_its_own_offsets(
         assert checked >= 10
         r = store.put(Message("Busy", b"next", queue_id=0))
         assert r.queue_offset == max(acked) + 1
+
+
+def test_the_only_segment_torn_short_is_extended_not_a_contradiction(tmp_path: Path):
+    """With mappedFileSizeCommitLog set explicitly, a store whose only segment a power cut left short (holding
+    trusted records) is a torn last segment: recover extends it and keeps its intact records."""
+    from conftest import run_cli
+    path = tmp_path / "s"
+    path.mkdir()
+    (path / "broker.conf").write_text(f"mappedFileSizeCommitLog={SEG}\nmappedFileSizeConsumeQueue=6000\n")
+    with MessageStore.open(str(path)) as store:
+        offs = [store.put(Message("T", f"body-{i}".encode() * 10)).commit_log_offset for i in range(8)]
+    seg = path / "commitlog" / "00000000000000000000"
+    with open(seg, "r+b") as f:
+        f.truncate(8192)
+    assert offs[-1] < 8192
+    (path / "abort").write_text("4242")
+    (path / "abort.bootid").write_text("boot-before-the-power-cut")
+    r = run_cli("recover", str(path))
+    assert r.returncode == 0, r.stderr
+    assert seg.stat().st_size == SEG
+    with MessageStore.open(str(path), read_only=True) as store:
+        got = store.get("T", 0, 0, 32)
+        assert [m.body for m in got.messages] == [f"body-{i}".encode() * 10 for i in range(8)]
