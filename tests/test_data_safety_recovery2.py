@@ -71,3 +71,24 @@ def test_the_only_segment_torn_short_is_extended_not_a_contradiction(tmp_path: P
     with MessageStore.open(str(path), read_only=True) as store:
         got = store.get("T", 0, 0, 32)
         assert [m.body for m in got.messages] == [f"body-{i}".encode() * 10 for i in range(8)]
+
+
+def test_a_registered_queue_whose_directory_vanished_is_rebuilt_before_the_first_put(tmp_path: Path):
+    """Rule 4, missing is not empty: a queue whose records all lie before the segments recovery re-checks, its
+    directory removed after a clean shutdown, is rebuilt from the commitlog by the first open (the store
+    registers each queue it creates): reads find its messages, and a put never reuses its queue offsets."""
+    import shutil
+    path = tmp_path / "s"
+    with MessageStore.open(str(path), config=_cfg()) as store:
+        for i in range(3):
+            store.put(Message("Rare", f"rare-{i}".encode(), queue_id=1))
+        i = 0
+        while store.commitlog.max_offset() < 6 * SEG:
+            store.put(Message("Busy", f"busy-{i}".encode() * 40, queue_id=0))
+            i += 1
+    shutil.rmtree(path / "consumequeue" / "Rare")
+    with MessageStore.open(str(path), config=_cfg()) as store:
+        got = store.get("Rare", 1, 0, 8)
+        assert [m.body for m in got.messages] == [f"rare-{i}".encode() for i in range(3)]
+        assert store.put(Message("Rare", b"rare-3", queue_id=1)).queue_offset == 3
+    assert (path / "config" / "consumeQueues.registry").read_text().splitlines() == ["Busy/0", "Rare/1"]
