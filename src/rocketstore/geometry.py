@@ -22,6 +22,7 @@ from typing import Callable
 from .config import CQ_UNIT_SIZE, MIN_COMMITLOG_FILE_SIZE, PRESETS, StoreConfig, read_conf_file, write_preset
 from .errors import ConfigError
 from .index import ENTRY_SIZE, HEADER_SIZE, SLOT_SIZE, index_file_size
+from .quarantine import trusted_record_in
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,21 @@ def measure(root: str) -> dict[str, Measured]:
     return out
 
 
+def _without_torn_last_segment(m: Measured, file_size: int) -> Measured | None:
+    """``m`` without the last commitlog segment when it is shorter than ``file_size`` and holds a trusted record:
+    a torn last segment (also the only one), which the open extends with zeros (extend_torn_last_segment), is
+    no evidence of another geometry."""
+    paths = [p for ps in m.paths.values() for p in ps]
+    last = max(paths, key=_name_offset)
+    size = os.path.getsize(last)
+    base = _name_offset(last)
+    if not 0 < size < file_size or base % file_size or trusted_record_in(last, base) is None:
+        return m
+    kept = {s: [p for p in ps if p != last] for s, ps in m.paths.items()}
+    kept = {s: ps for s, ps in kept.items() if ps}
+    return Measured(kept) if kept else None
+
+
 def _contradiction(setting: str, source: str, m: Measured, expected: int) -> ConfigError:
     size = m.most_common()
     return ConfigError(f"{setting} ({source}) contradicts the files: {m.example(size)}: file is {size} bytes, "
@@ -140,6 +156,10 @@ def resolve_geometry(root: str, config: StoreConfig, *, allow_quarantine: bool =
             continue
         if key in explicit:
             value = getattr(config, key)
+            if kind == "commitlog":
+                m = _without_torn_last_segment(m, value)
+                if m is None:
+                    continue
             if not m.agrees(value) and not allow_quarantine:
                 raise _contradiction(f"{key}={value}", explicit[key], m, value)
             continue

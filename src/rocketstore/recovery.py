@@ -279,6 +279,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
         rescanned = True
         for cq in refill:
             cq.truncate_dirty_logic(report.start_offset)  # only the units this scan appended point there
+            cq.pad_gaps = True  # placed at each record's own queue offset, never appended after the cut (rule 2)
         start_idx = min(_file_index(files, before[cq][0]) if before[cq][0] >= 0 else 0 for cq in refill)
         log.warning("recovery: %s ended before the records of their next queue offsets (lost units); "
                     "offering the records again from %s", ", ".join(f"{cq.topic}-{cq.queue_id}" for cq in refill),

@@ -69,6 +69,8 @@ class StorePaths:
         self.cq_rebuild = os.path.join(root, "consumequeue.rebuild")  # rocketstore: queues being rebuilt
         self.repair_marker = os.path.join(root, "repair.json")  # rocketstore: a repair under way (repair.py)
         self.index_rebuild = os.path.join(root, "index.rebuild")  # rocketstore: index entries being rebuilt
+        # rocketstore: every queue the store ever created, "topic/queueId" a line (missing is not empty)
+        self.queue_registry = os.path.join(root, "config", "consumeQueues.registry")
 
 
 def infer_config(root: str, base: StoreConfig | None = None) -> StoreConfig:
@@ -91,6 +93,7 @@ class MessageStore:
         self.allow_quarantine = allow_quarantine
         self._quarantine = QuarantinePlan(root, allow_quarantine)  # carried out once loading has seen every file
         self.queues_to_rebuild: list[str] = []  # "topic/queueId" that recovery refills from the commitlog
+        self._registry: set[tuple[str, int]] | None = None  # the queues known to exist (paths.queue_registry)
         self.clock = clock
         self.running_flags = RunningFlags()
         self.flush_error: str | None = None
@@ -222,6 +225,8 @@ class MessageStore:
         self._move_to_quarantine()
         reindex_from = self.index_service.resume_offset()
         loaded = set(self._cq_table)
+        if not ro:
+            self._registry = self._read_queue_registry(loaded)
         for name in self.queues_to_rebuild:  # a rebuild places each unit at its record's queue offset
             topic, _, qid = name.rpartition("/")
             if (cq := self._cq_table.get((topic, int(qid)))) is not None:
@@ -230,6 +235,7 @@ class MessageStore:
         self.recovery_report.index_files_dropped = dropped
         if not ro:
             self._refill_lost_queues(loaded)
+            self._write_queue_registry()
         self._finish_queue_rebuild()
         if reindex:
             self._reindex_lost_entries(reindex_from)
@@ -408,9 +414,9 @@ class MessageStore:
         queue (a queue lost whole), each unit placed at its record's own queue
         offset (a record lost leaves a blank unit, never a shifted offset).
         """
-        lost = []
+        lost = sorted((self._registry or set()) - loaded)  # registered, directory gone: rebuilt, never empty
         for key, cq in self._cq_table.items():
-            if key in loaded:
+            if key in loaded or key in lost:
                 continue
             first = cq.first_unit()
             if first is not None and first[1] > 0 and first[0] > self.commitlog.min_offset():
@@ -424,7 +430,9 @@ class MessageStore:
         self.queues_to_rebuild = list(dict.fromkeys(self.queues_to_rebuild + names))
         write_file_durably(self.paths.cq_rebuild, ("\n".join(self.queues_to_rebuild) + "\n").encode())
         for key in lost:
-            cq = self._cq_table.pop(key)
+            cq = self._cq_table.pop(key, None)
+            if cq is None:
+                continue
             for f in list(cq.queue.files):
                 cq.queue.files.remove(f)
                 f.destroy()
@@ -470,6 +478,31 @@ class MessageStore:
             cq = self._cq_table.get((topic, int(qid)))
             ends.append(cq.max_physic_offset if cq is not None else -1)
         return min(ends)
+
+    def _read_queue_registry(self, loaded: set[tuple[str, int]]) -> set[tuple[str, int]]:
+        """The queues the store created (config/consumeQueues.registry); a store without one (older, or written
+        by RocketMQ) starts it from the directories it has.  A registered queue whose directory is gone is
+        rebuilt from the commitlog by _refill_lost_queues: a lost directory is not an empty queue (rule 4)."""
+        text = _read_utf8(self.paths.queue_registry)
+        if text is None:
+            return set(loaded)
+        out: set[tuple[str, int]] = set()
+        for line in text.splitlines():
+            topic, _, qid = line.rpartition("/")
+            if topic and qid.lstrip("-").isdigit():
+                out.add((topic, int(qid)))
+        return out
+
+    def _write_queue_registry(self) -> None:
+        """Make the registry hold every queue of the table, durably (atomic replace, fsync), when it grew."""
+        if self._registry is None:
+            return
+        have = _read_utf8(self.paths.queue_registry)
+        self._registry |= set(self._cq_table)
+        text = "".join(f"{t}/{q}\n" for t, q in sorted(self._registry))
+        if have != text:
+            os.makedirs(os.path.dirname(self.paths.queue_registry), exist_ok=True)
+            write_file_durably(self.paths.queue_registry, text.encode("utf-8"))
 
     def _load_consume_queues(self) -> None:
         root = self.paths.consumequeue
@@ -565,6 +598,8 @@ class MessageStore:
                     if self.recovery_report is None and f"{topic}/{queue_id}" in self.queues_to_rebuild:
                         cq.pad_gaps = True  # refilled by recovery: each unit placed at its queue offset
                     self._cq_table[key] = cq
+                    if self.recovery_report is not None and self._registry is not None and key not in self._registry:
+                        self._write_queue_registry()  # before its first unit: a lost directory is then noticed
         return cq
 
     def consume_queues(self) -> list[ConsumeQueue]:
@@ -1418,6 +1453,14 @@ def _repair_marker_gate(root: str, config: StoreConfig | None, read_only: bool) 
 
 def _boot_id() -> str | None:
     return _read_text("/proc/sys/kernel/random/boot_id")
+
+
+def _read_utf8(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except (OSError, ValueError):
+        return None
 
 
 def _read_text(path: str) -> str | None:
