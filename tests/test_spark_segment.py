@@ -102,7 +102,8 @@ def records(draw):
         if draw(st.booleans()):
             props = "".join(f"{k}\x01{v}\x02" for k, v in draw(PAIRS))
         else:
-            props = draw(PROP_TEXT)
+            # (the encoder refuses a properties string ending with a zero byte: it would read as a torn record)
+            props = draw(PROP_TEXT.filter(lambda t: not t.endswith("\x00")))
         out.append({"topic": topic, "body": draw(st.binary(max_size=40)), "queue_id": draw(st.integers(0, 7)),
                     "flag": draw(st.integers(-5, 5)), "sys_flag": draw(st.sampled_from([0, 4, 8, 12])),
                     "born_timestamp": draw(st.integers(0, 2 ** 41)), "born_host": draw(HOSTS),
