@@ -248,12 +248,8 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
                 if size == 0:
                     blank = True
                     break
-                if parsed is None:
+                if parsed is None:  # (a stale copy too: the walk's trusted-record check names it)
                     stop = reason or "invalid record"
-                    break
-                phy = parsed[0][6]
-                if phy != base + pos:
-                    stop = f"PHYSICALOFFSET {phy} differs from the record's position {base + pos}"
                     break
                 end = pos + size
                 last_valid = base + pos

@@ -1500,10 +1500,10 @@ def _records_not_held(commitlog: CommitLog, held: dict[tuple[bytes, int], int]) 
                 yield mm, w, codec.read_total_size(mm, w)
             if pos >= stop:
                 break
-            item = next(codec.walk(mm, pos, file_size, check_crc=True, parsed=True), None)
+            item = next(codec.walk(mm, pos, file_size, check_crc=True, parsed=True, base=base), None)
             if item is None or item[1] == 0:  # zeros or the blank record: the end of this segment's records
                 break
-            if item[2] is not None and item[2][0][6] == base + pos:  # valid after all (scan_records left it)
+            if item[2] is not None:  # a trusted record after all (scan_records left it)
                 h, tp, tl, _ = item[2]
                 if h[7] & codec.TRANSACTION_MASK in _QUEUED_TXN and \
                         held.get((bytes(mm[tp:tp + tl]), h[3]), -1) != codec.NO_INDEX:
