@@ -13,7 +13,7 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m rocketstore.demo
+	$(BIN)/python -m rocketstore.cli.demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -75,7 +75,7 @@ def golden_conf(tmp_path: Path) -> Path:
 
 def flip_body_bit(store: Path, offset: int, segment: str = "commitlog/00000000000000000000") -> None:
     """Flip one bit of the body of the record at ``offset`` of a (copied) segment; its header stays intact."""
-    from rocketstore import codec
+    from rocketstore.format import codec
     path = store / segment
     data = path.read_bytes()
     pos = offset - int(os.path.basename(segment))

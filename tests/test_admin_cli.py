@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from rocketstore import Message, MessageStore
-from rocketstore.codec import decode_offset_msg_id
+from rocketstore.format.codec import decode_offset_msg_id
 from rocketstore.config import golden_config
-from rocketstore.timeparse import parse_time_ms
+from rocketstore.cli.timeparse import parse_time_ms
 from conftest import GOLDEN_CONF, copy_store, golden_expected, golden_queries, golden_store, run_cli
 
 

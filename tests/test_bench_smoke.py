@@ -136,6 +136,6 @@ def test_profile_summary_of_collapsed_stacks():
 
 
 def test_bench_subcommand_is_registered():
-    from rocketstore.cli import build_parser
+    from rocketstore.cli.main import build_parser
     args = build_parser().parse_args(["bench", "--quick", "--only", "put", "consume", "--out", os.devnull])
     assert args.quick and args.only == ["put", "consume"] and callable(args.handler)

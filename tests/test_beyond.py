@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig
-from rocketstore.jsonfile import read_json, write_json_atomic
+from rocketstore.storage.jsonfile import read_json, write_json_atomic
 from conftest import REPO, golden_expected, golden_store, run_cli
 
 
@@ -82,7 +82,7 @@ def test_check_crc_on_recover_false_reads_headers_only(basic_copy, monkeypatch):
         fh.write(b"\xee")
     (basic_copy / "abort").write_text("1")
     import zlib
-    from rocketstore import codec
+    from rocketstore.format import codec
     calls = []
     real = zlib.crc32
     monkeypatch.setattr(codec.zlib, "crc32", lambda b, *a: calls.append(len(b)) or real(b, *a))
@@ -114,12 +114,12 @@ def test_stale_checkpoint_does_not_restart_from_file_zero(basic_copy):
 
 
 def test_recovery_progress_is_logged(basic_copy, caplog, monkeypatch):
-    from rocketstore import recovery
+    from rocketstore.recovery import recover as recovery
     monkeypatch.setattr(recovery, "PROGRESS_INTERVAL_S", 0.0)
     (basic_copy / "abort").write_text("1")
     (basic_copy / "checkpoint").write_bytes(bytes(4096))
     monkeypatch.setattr(recovery, "_start_file", lambda *a: 0)
-    with caplog.at_level(logging.INFO, logger="rocketstore.recovery"):
+    with caplog.at_level(logging.INFO, logger="rocketstore.recovery.recover"):
         MessageStore.open(str(basic_copy), start_services=False).close()
     lines = [r.getMessage() for r in caplog.records if "bytes checked" in r.getMessage()]
     assert lines and "MB/s" in lines[0] and "segment" in lines[0]
@@ -289,7 +289,7 @@ def test_an_unfinished_index_file_creation_never_blocks_an_open(tmp_path, monkey
     """A crash or a full disk while an index file is created leaves no file that stops the next open."""
     import errno
 
-    from rocketstore import index as index_mod
+    from rocketstore.storage import index as index_mod
     path = tmp_path / "s"
     with MessageStore.open(str(path)) as store:
         for i in range(30):

@@ -353,10 +353,10 @@ def test_pop_state_is_written_incrementally_and_spaced(tmp_path):
     """popState.json: unchanged queues are not encoded again, and big states are not rewritten every second."""
     from rocketstore.broker.broker import Broker
     from rocketstore.broker.config import BrokerConfig
-    from rocketstore.broker.offsets import ConsumerOffsetManager
+    from rocketstore.storage.consumer_offsets import ConsumerOffsetManager
     from rocketstore.broker.pop import PopService, TagFilter
     from rocketstore.config import StoreConfig
-    from rocketstore.message import Message
+    from rocketstore.format.message import Message
     from rocketstore.store import MessageStore
 
     store = MessageStore.open(str(tmp_path / "store"), StoreConfig(mappedFileSizeCommitLog=4 << 20,
@@ -552,7 +552,7 @@ def test_many_small_bombs_in_one_request_share_one_budget(stub):
 def test_stored_compressed_bodies_go_out_as_stored(tmp_path):
     """A record RocketMQ stored compressed (sysFlag bit 0) is sent GZIP-encoded as the proxy does, never inflated
     by the broker: a stored bomb costs the broker nothing."""
-    from rocketstore.message import Message
+    from rocketstore.format.message import Message
     from rocketstore.store import MessageStore
 
     bomb = zlib.compress(bytes(64 << 20), 9)  # zlib data, as RocketMQ's remoting clients compress

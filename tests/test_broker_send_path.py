@@ -17,7 +17,7 @@ from rocketstore.broker.proto import pb, svc
 from rocketstore.broker.receipts import ReceiptSigner
 from rocketstore.broker.service import MessagingService
 from rocketstore.config import StoreConfig
-from rocketstore.message import Message, PutMessageStatus
+from rocketstore.format.message import Message, PutMessageStatus
 from rocketstore.store import MessageStore
 
 SMALL = dict(mappedFileSizeCommitLog=1024 * 1024, mappedFileSizeConsumeQueue=6000, maxHashSlotNum=100,

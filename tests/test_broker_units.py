@@ -9,12 +9,12 @@ import time
 import pytest
 
 from rocketstore.broker.config import BrokerConfig, load_broker_conf, parse_duration_ms
-from rocketstore.broker.offsets import ConsumerOffsetManager, loads_lenient
+from rocketstore.storage.consumer_offsets import ConsumerOffsetManager, loads_lenient
 from rocketstore.broker.pop import PopService, TagFilter
 from rocketstore.broker.topics import (GroupConfig, TopicConfig, TopicManager, parse_group_spec, parse_topic_spec)
 from rocketstore.config import StoreConfig
 from rocketstore.errors import ConfigError
-from rocketstore.message import Message
+from rocketstore.format.message import Message
 from rocketstore.store import MessageStore
 
 SMALL = StoreConfig(mappedFileSizeCommitLog=1024 * 1024, mappedFileSizeConsumeQueue=6000, maxHashSlotNum=100,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rocketstore import MessageStore, StoreLoadError, __version__
-from rocketstore.cli import build_parser, main as cli_main
+from rocketstore.cli.main import build_parser, main as cli_main
 from conftest import GOLDEN, golden_expected, golden_store, run_cli
 
 REPO = Path(__file__).resolve().parent.parent
@@ -204,7 +204,7 @@ def test_import_streams_its_file(tmp_path, golden_conf, capsys):
 
 def _demo(path: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "ROCKETSTORE_DEMO_DIR": str(path), "ROCKETSTORE_DEMO_MESSAGES": "2000"}
-    return subprocess.run([sys.executable, "-m", "rocketstore.demo"], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "rocketstore.cli.demo"], capture_output=True, text=True, env=env,
                           timeout=120)
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rocketstore import codec
+from rocketstore.format import codec
 from conftest import GOLDEN_NAMES, golden_expected, golden_store
 
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import copy_store, golden_expected, golden_store, run_cli
 from rocketstore import Message, MessageStore, StoreConfig, init_store
 from rocketstore.errors import ConfigError, StoreLoadError
-from rocketstore.message import GetMessageStatus
+from rocketstore.format.message import GetMessageStatus
 from rocketstore.store import infer_config
 
 GOLDEN_TAIL = 3711299  # maxPhyOffset of the basic golden store

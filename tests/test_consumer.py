@@ -173,7 +173,7 @@ def test_consumer_in_another_process_follows_the_writer(tmp_path):
 
 _COMMITTER = textwrap.dedent("""
     import sys
-    from rocketstore.group_offsets import commit_offsets
+    from rocketstore.storage.group_offsets import commit_offsets
     for i in range(1, 41):
         commit_offsets(sys.argv[1], "T", sys.argv[2], {0: i, 1: 2 * i})
 """)
@@ -205,7 +205,7 @@ def test_commit_over_a_corrupt_file_keeps_the_good_backup(tmp_path):
     good = {"offsetTable": {"T@Old": {"0": 4}}}
     (cfg / "consumerOffset.json.bak").write_text(json.dumps(good))
     (cfg / "consumerOffset.json").write_bytes(b'{"offsetTable": {"T@Ol')  # torn
-    from rocketstore.group_offsets import commit_offsets
+    from rocketstore.storage.group_offsets import commit_offsets
     commit_offsets(str(tmp_path / "s"), "T", "New", {0: 9})
     assert _offsets_file(tmp_path / "s") == {"T@Old": {"0": 4}, "T@New": {"0": 9}}
     assert json.loads((cfg / "consumerOffset.json.bak").read_text()) == good

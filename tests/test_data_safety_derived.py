@@ -20,9 +20,9 @@ import pytest
 from conftest import GOLDEN_CONF, copy_store, flip_body_bit, golden_expected, golden_store, run_cli
 from rocketstore import GetMessageStatus, MessageStore
 from rocketstore.config import StoreConfig, golden_config
-from rocketstore.consume_queue import PRE_BLANK_UNIT
+from rocketstore.storage.consume_queue import PRE_BLANK_UNIT
 from rocketstore.errors import CorruptRecordError, StoreLoadError
-from rocketstore.message import Message
+from rocketstore.format.message import Message
 
 
 def _problem_kinds(store: Path) -> set[str]:

@@ -18,8 +18,8 @@ from pathlib import Path
 from conftest import GOLDEN_CONF, run_cli
 from helpers.powerloss import SyncShadow, crash_image, process_crashed, rebooted
 from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig
-from rocketstore.flush import FlushConsumeQueueService
-from rocketstore.verify import verify_store
+from rocketstore.services.flush import FlushConsumeQueueService
+from rocketstore.recovery.verify import verify_store
 
 UNIT = struct.Struct(">qiq")
 
@@ -296,7 +296,7 @@ def test_next_queue_offset_is_past_every_record_the_walk_saw(tmp_path, monkeypat
     """A queue whose units end below queue offsets its records in the commitlog hold (here: units the
     rebuild could not place) must never hand those offsets out again: the next put takes the one after
     the highest record of that queue the recovery walk saw, not the one after its last unit."""
-    from rocketstore.consume_queue import ConsumeQueue
+    from rocketstore.storage.consume_queue import ConsumeQueue
     store, conf = _golden_basic(tmp_path)
     qdir = store / "consumequeue" / "TopicC" / "0"
     _zero(qdir / f"{6000:020d}", (500 - 300) * 20, 6000)  # units 500.. lost in the power cut

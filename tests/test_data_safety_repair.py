@@ -15,7 +15,7 @@ import pytest
 from conftest import GOLDEN_CONF, copy_store, golden_expected, golden_store, run_cli
 from rocketstore.config import StoreConfig, golden_config
 from rocketstore.errors import CorruptRecordError, StoreError, StoreLoadError
-from rocketstore.message import Message
+from rocketstore.format.message import Message
 from rocketstore.store import MessageStore
 
 SEG = 1048576
@@ -218,7 +218,7 @@ STEPS = ["marked", "kept", "written", "replaced", "segments done", "built", "que
 
 
 def _interrupt_at(monkeypatch, step: str) -> None:
-    from rocketstore import repair
+    from rocketstore.recovery import repair
 
     def stop(name: str) -> None:
         if name.split(" ")[0] == step.split(" ")[0] and name.startswith(step):
@@ -259,8 +259,8 @@ def test_a_repair_interrupted_at_any_step_is_rolled_back_or_finished_by_the_next
     durable before anything changes: readers refuse the store naming it, and the next writable open rolls the
     repair back (while segments were being rewritten) or finishes it."""
     from conftest import flip_body_bit
-    from rocketstore.repair import repair_store
-    from rocketstore.verify import verify_store
+    from rocketstore.recovery.repair import repair_store
+    from rocketstore.recovery.verify import verify_store
     bad = golden_expected("basic")[1500]
     seg = f"commitlog/{bad['commitLogOffset'] // SEG * SEG:020d}"
     flip_body_bit(basic_copy, bad["commitLogOffset"], seg)
@@ -435,7 +435,7 @@ def test_a_lost_small_last_message_keeps_its_queue_offset(tmp_path):
     """A lost record too small for a tombstone with its note was rewritten as a filler: its queue offset was
     left to the next put when it was the queue's last.  A tombstone tagged only takes its place now."""
     from conftest import flip_body_bit
-    from rocketstore.repair import LOST_TAG, repair_store
+    from rocketstore.recovery.repair import LOST_TAG, repair_store
     cfg = golden_config()
     path = tmp_path / "s"
     with MessageStore.open(str(path), cfg) as store:

@@ -12,7 +12,7 @@ from conftest import GOLDEN_CONF, golden_expected, run_cli
 from rocketstore.config import StoreConfig, golden_config
 from rocketstore.store import MessageStore
 from rocketstore.tier.upload import upload_round
-from rocketstore.verify import verify_store
+from rocketstore.recovery.verify import verify_store
 from test_data_safety_repair import assert_every_golden_message_readable
 
 SEG = 1048576

@@ -419,7 +419,7 @@ def test_a_publish_cut_short_leaves_the_bucket_behind_and_nothing_deleted(tmp_pa
 def test_a_new_store_makes_its_file_tier_directory_once(tmp_path):
     """The first publish creates the tier's directory (even with nothing sealed yet); after that a missing
     directory is an unmounted disk, never made again."""
-    from rocketstore.message import Message
+    from rocketstore.format.message import Message
     tier = tmp_path / "archive" / "broker-a"
     conf = tmp_path / "broker.conf"
     conf.write_text(f"tieredStoreUri=file://{tier}\nmappedFileSizeCommitLog=65536\n")
@@ -449,7 +449,7 @@ def test_seeded_tier_faults_never_skip_an_acknowledged_message(tmp_path):
     (OFFSET_TOO_SMALL after upload).  Seeds 2, 8 and 37 found a republish while the tier was unmounted, an
     empty tier refused as "not rebuilt", and the stale .bak."""
     import random
-    from rocketstore.message import Message
+    from rocketstore.format.message import Message
     from rocketstore.tier.objectstore import TierError
     seed = int(os.environ.get("ROCKETSTORE_TIER_FAULT_SEED", "19"))
     steps = int(os.environ.get("ROCKETSTORE_TIER_FAULT_STEPS", "60"))

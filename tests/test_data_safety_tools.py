@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rocketstore import MessageStore, codec
+from rocketstore import MessageStore
+from rocketstore.format import codec
 from conftest import golden_expected, run_cli
 
 STALE_FROM, STALE_TO, STALE_SIZE = 776764, 2355278, 739  # record at 776764 copied over 2355278 (and 2355636)
@@ -150,7 +151,7 @@ def test_reset_offset_refuses_a_live_writer_whose_lock_file_was_deleted(basic_co
 
 def test_a_store_without_write_permission_is_not_reported_as_locked(basic_copy, monkeypatch):
     """Root ignores file modes, so the kernel's EACCES on the lock file is injected."""
-    from rocketstore import store_lock
+    from rocketstore.storage import store_lock
     from rocketstore.errors import StoreError, StoreLockedError
     real_open = os.open
     lock_path = str(basic_copy / "lock")
@@ -250,7 +251,7 @@ def test_consumer_overtaken_by_retention_skips_ahead_with_a_warning(tmp_path, ca
 
 
 def test_a_read_only_load_meeting_a_file_retention_just_deleted_starts_after_it(tmp_path, monkeypatch):
-    from rocketstore import mapped_file
+    from rocketstore.storage import mapped_file
     from rocketstore.errors import StoreLoadError
     d = tmp_path / "cq"
     d.mkdir()

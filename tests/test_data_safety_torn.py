@@ -16,9 +16,9 @@ import pytest
 
 from conftest import GOLDEN_NAMES, golden_store
 from helpers.powerloss import rebooted
-from rocketstore import codec
+from rocketstore.format import codec
 from rocketstore.config import StoreConfig
-from rocketstore.message import Message
+from rocketstore.format.message import Message
 from rocketstore.store import MessageStore
 
 PAGE = codec.PAGE_SIZE

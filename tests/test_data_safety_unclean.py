@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from helpers.powerloss import process_crashed, rebooted
-from rocketstore import Message, MessageStore, StoreConfig, codec
-from rocketstore.checkpoint import StoreCheckpoint
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.format import codec
+from rocketstore.storage.checkpoint import StoreCheckpoint
 from rocketstore.errors import CommitLogDamagedError
 
 PAGE = 4096

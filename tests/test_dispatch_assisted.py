@@ -12,7 +12,8 @@ import shutil
 import threading
 import time
 
-from rocketstore import Message, MessageStore, StoreConfig, dispatch
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.services import dispatch
 from helpers.workloads import mixed_puts, put_units_threads
 
 

@@ -31,7 +31,7 @@ from typing import Iterator, NamedTuple
 
 import pytest
 
-from rocketstore.cli import build_parser
+from rocketstore.cli.main import build_parser
 from rocketstore.config import StoreConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -280,7 +280,7 @@ def workdir(tmp_path_factory):
     """A directory with a small demo-store, broker.conf and ``rocketstore`` on PATH."""
     d = tmp_path_factory.mktemp("docs")
     env = {**os.environ, "ROCKETSTORE_DEMO_DIR": str(d / "demo-store"), "ROCKETSTORE_DEMO_MESSAGES": "2000"}
-    subprocess.run([sys.executable, "-m", "rocketstore.demo"], env=env, cwd=d, check=True, capture_output=True,
+    subprocess.run([sys.executable, "-m", "rocketstore.cli.demo"], env=env, cwd=d, check=True, capture_output=True,
                    timeout=120)
     props = next(b for b in ALL_BLOCKS if b.lang == "properties")
     (d / "broker.conf").write_text(props.text + "\n")

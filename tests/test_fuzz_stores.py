@@ -44,8 +44,8 @@ from helpers.store_fuzz import (KINDS, Golden, Mutation, mutate, query_sample, r
 from rocketstore import MessageStore
 from rocketstore.config import golden_config
 from rocketstore.errors import CommitLogDamagedError, StoreError
-from rocketstore.repair import repair_store
-from rocketstore.verify import verify_store
+from rocketstore.recovery.repair import repair_store
+from rocketstore.recovery.verify import verify_store
 
 CASES = int(os.environ.get("ROCKETSTORE_FUZZ_CASES", "24"))
 BASE_SEED = int(os.environ.get("ROCKETSTORE_FUZZ_SEED", "16"))

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from rocketstore import index
-from rocketstore.index import IndexFile
+from rocketstore.storage import index
+from rocketstore.storage.index import IndexFile
 
 
 def _file(path, slots: int, entries: int, stale: dict[int, int]) -> IndexFile:

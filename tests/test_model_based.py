@@ -185,8 +185,8 @@ from helpers.model import (TAGS, Model, Msg, Spec, body_of, conf_dict, crash_ima
 from rocketstore import GetMessageStatus, MessageStore, StoreError
 from rocketstore.errors import CommitLogDamagedError
 from rocketstore.consumer import Consumer
-from rocketstore.message import parse_tag_filter
-from rocketstore.repair import FILLER_TOPIC, LOST_TAG
+from rocketstore.format.message import parse_tag_filter
+from rocketstore.recovery.repair import FILLER_TOPIC, LOST_TAG
 
 CHILD = REPO / "tests" / "helpers" / "model.py"
 ALL_OPS = ["put", "kill", "powerloss", "powerloss_dirent", "recover", "retention", "repair_int", "tier_upload",
@@ -1024,7 +1024,7 @@ class Checker:
 
     # ------------------------------------------------------------ verify
     def verify(self, where: str) -> None:
-        from rocketstore.verify import verify_store
+        from rocketstore.recovery.verify import verify_store
         try:
             with MessageStore.open(str(self.run.path), self.run.cfg(), read_only=True) as ro:
                 result = verify_store(ro)

@@ -30,7 +30,7 @@ import pytest
 from conftest import REPO
 from helpers.powerloss import SyncShadow, crash_image, mark_names_durable, writer_config
 from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig
-from rocketstore.verify import verify_store
+from rocketstore.recovery.verify import verify_store
 
 WRITER = REPO / "tests" / "helpers" / "powerloss_writer.py"
 ROUNDS = int(os.environ.get("ROCKETSTORE_POWERLOSS_ROUNDS", "20"))
@@ -62,8 +62,8 @@ def test_model_an_unsynced_put_is_not_in_the_image(tmp_path):
         finally:
             store.close()
     # Uninstalled: the store's sync functions are the real ones again.
-    import rocketstore.index as index_mod
-    import rocketstore.mapped_file as mapped_file_mod
+    import rocketstore.storage.index as index_mod
+    import rocketstore.storage.mapped_file as mapped_file_mod
     assert os.fdatasync.__module__ != __name__ and mapped_file_mod.fdatasync is os.fdatasync
     assert index_mod.IndexFile.flush.__qualname__ == "IndexFile.flush"
 

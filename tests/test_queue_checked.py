@@ -10,7 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rocketstore import MessageStore, StoreConfig, codec, queue_checked, recovery
+from rocketstore import MessageStore, StoreConfig
+from rocketstore.format import codec
+from rocketstore.storage import queue_checked
+from rocketstore.recovery import recover as recovery
 from conftest import GOLDEN_NAMES, copy_store, golden_store
 from test_recovery_scan import reference, scan_all
 
@@ -147,7 +150,7 @@ def test_crashed_store_recovers_through_the_prefix_and_agrees_with_the_walk(tmp_
     root = tmp_path / "w"
     conf = StoreConfig(**CONF)
     with MessageStore.open(str(root), conf) as store:
-        from rocketstore.message import Message
+        from rocketstore.format.message import Message
         for i in range(3000):
             store.put(Message(f"T{i % 3}", b"x" * (i % 700), queue_id=i % 4, keys=f"k{i}"))
         store.wait_dispatched(timeout=30)

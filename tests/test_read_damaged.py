@@ -10,7 +10,8 @@ import struct
 
 import pytest
 
-from rocketstore import CorruptRecordError, GetMessageStatus, Message, MessageStore, codec
+from rocketstore import CorruptRecordError, GetMessageStatus, Message, MessageStore
+from rocketstore.format import codec
 from conftest import GOLDEN_CONF, copy_store, flip_body_bit, golden_expected, golden_store, run_cli
 from test_read_bad_input import one_error_line
 
@@ -163,7 +164,7 @@ def test_query_drops_hash_collisions(tmp_path):
 
 
 def test_pop_consumer_stops_at_a_damaged_message_and_never_acks_it(tmp_path):
-    from rocketstore.broker.offsets import ConsumerOffsetManager
+    from rocketstore.storage.consumer_offsets import ConsumerOffsetManager
     from rocketstore.broker.pop import PopService, TagFilter
     conf = tmp_path / "broker.conf"
     conf.write_text(GOLDEN_CONF)

@@ -192,7 +192,7 @@ def _reference_get(store, topic, queue_id, offset, max_msgs=32, tag_filter=None,
                    read_body=True):
     """getMessage written plainly, one unit and one ``codec.decode`` at a time: the specification that the
     block-reading ``MessageStore.get`` must match result for result."""
-    from rocketstore.message import GetMessageResult
+    from rocketstore.format.message import GetMessageResult
     S = GetMessageStatus
     cq = store._cq_table.get((topic, queue_id))
     if cq is None:
@@ -219,8 +219,8 @@ def _reference_get(store, topic, queue_id, offset, max_msgs=32, tag_filter=None,
 def _reference_get_units(store, cq, f, offset, lo, hi, max_msgs, tag_filter, max_total_bytes, read_body):
     import struct
 
-    from rocketstore import codec
-    from rocketstore.message import GetMessageResult
+    from rocketstore.format import codec
+    from rocketstore.format.message import GetMessageResult
     from rocketstore.store import _signed32
     S = GetMessageStatus
     base = f.file_from_offset
@@ -284,7 +284,7 @@ def _result_or_error(fn, *args):
 def test_get_equals_the_unit_by_unit_reference(name, tmp_path):
     """Block reads, the inline decoder and the early stop change no result: every status, next offset, cap
     (in memory and on disk), tag filter and damaged record gives what the plain loop gives."""
-    from rocketstore import codec
+    from rocketstore.format import codec
     path = copy_store(golden_store(name), tmp_path / "s")
     with MessageStore.open(str(path), start_services=False) as store:
         # damage a few records so that decode fails in the middle of queues (MESSAGE_WAS_REMOVING, skips)

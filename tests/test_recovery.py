@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig, StoreLoadError
-from rocketstore import mapped_file
+from rocketstore.storage import mapped_file
 from conftest import REPO, golden_expected, golden_store, run_cli
 
 WRITER = REPO / "tests" / "helpers" / "writer.py"

@@ -108,7 +108,7 @@ def test_a_unit_damaged_into_a_valid_looking_offset_out_of_order_is_rebuilt(basi
 def test_ascending_end_finds_the_earlier_of_two_units_out_of_order(monkeypatch, vectorised):
     """Both ways of checking unit order (a Python loop for small files, numpy for big ones) agree."""
     import struct
-    from rocketstore import consume_queue
+    from rocketstore.storage import consume_queue
 
     monkeypatch.setattr(consume_queue, "_NUMPY_MIN_UNITS", 1 if vectorised else 1 << 30)
 

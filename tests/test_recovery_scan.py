@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from rocketstore import MessageStore, StoreConfig, codec, recovery
+from rocketstore import MessageStore, StoreConfig
+from rocketstore.format import codec
+from rocketstore.recovery import recover as recovery
 from conftest import GOLDEN_NAMES, copy_store, golden_expected, golden_store
 
 SEGMENT = 1048576
@@ -141,7 +143,7 @@ def test_recovery_takes_the_slow_path_for_each_record_the_scan_refuses(tmp_path:
     conf = StoreConfig(mappedFileSizeCommitLog=SEGMENT, mappedFileSizeConsumeQueue=6000, maxHashSlotNum=1000,
                        maxIndexNum=4000)
     monkeypatch.setattr(recovery, "PROGRESS_INTERVAL_S", 0.0)
-    with caplog.at_level(logging.INFO, logger="rocketstore.recovery"), \
+    with caplog.at_level(logging.INFO, logger="rocketstore.recovery.recover"), \
             MessageStore.open(str(fast), conf, start_services=False) as store:
         a = store.recovery_report.to_json()
     assert any("bytes checked" in r.getMessage() for r in caplog.records)  # progress is still logged
@@ -165,7 +167,7 @@ def test_consume_queue_valid_prefix_column_check_agrees_with_the_unit_loop(monke
     import random
     import struct
 
-    from rocketstore import consume_queue as cqm
+    from rocketstore.storage import consume_queue as cqm
 
     def by_units(buf: bytes) -> tuple:
         with monkeypatch.context() as m:

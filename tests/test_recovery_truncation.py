@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig
-from rocketstore.consume_queue import CQ_STORE_UNIT_SIZE
+from rocketstore.storage.consume_queue import CQ_STORE_UNIT_SIZE
 from conftest import GOLDEN_CONF, REPO, golden_expected, run_cli
 
 GOLDEN_CFG = StoreConfig(**{k: int(v) for k, v in (line.split("=") for line in GOLDEN_CONF.split())})
@@ -312,7 +312,7 @@ def test_a_crash_while_a_message_s_keys_span_two_index_files_loses_none_and_doub
 
 def test_consume_queue_units_rebuilt_by_a_clean_recovery_are_flushed_before_the_open_returns(basic_copy, monkeypatch):
     """Recovery advances the checkpoint's logics time as it dispatches: the units must be durable too."""
-    from rocketstore import mapped_file
+    from rocketstore.storage import mapped_file
     synced = []
     real = mapped_file.fdatasync
 
@@ -420,7 +420,7 @@ def test_clean_recovery_refuses_to_cut_intact_records_after_damage_and_repair_ke
     from conftest import copy_store, golden_store
     from rocketstore.config import golden_config
     from rocketstore.errors import CommitLogDamagedError
-    from rocketstore.repair import repair_store
+    from rocketstore.recovery.repair import repair_store
     root = copy_store(golden_store("batch"), tmp_path / "s")
     seg = root / "commitlog" / "00000000000000000000"
     data = bytearray(seg.read_bytes())

@@ -27,7 +27,7 @@ from conftest import local_spark, GOLDEN, copy_store, flip_body_bit, golden_expe
 from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.config import golden_config
 from rocketstore.spark import plan, segment
-from rocketstore.verify import verify_store
+from rocketstore.recovery.verify import verify_store
 
 BASIC = str(golden_store("basic"))
 GOLDEN_GEOMETRY = {"mappedFileSizeCommitLog": "1048576", "mappedFileSizeConsumeQueue": "6000",
@@ -303,8 +303,8 @@ def test_export_to_parquet_round_trips_through_append(spark, tmp_path):
 
 def test_export_with_dump_flags_takes_what_dump_prints(spark, tmp_path):
     """--topic/--from-time/--to-time/--max-messages/--max-bytes select the same messages in both tools."""
-    from rocketstore.cli import main
-    from rocketstore.cli_store import selection_from_args
+    from rocketstore.cli.main import main
+    from rocketstore.cli.store import selection_from_args
     expected = sorted(golden_expected("basic"), key=lambda e: e["commitLogOffset"])
     mid, to = str(expected[1500]["storeTimestamp"]), str(expected[2600]["storeTimestamp"])
     cases = [["--from-time", mid, "--to-time", to],
@@ -637,7 +637,7 @@ def test_stats_job(spark, tmp_path):
 
 
 def test_cli_spark_subcommands(spark, tmp_path, capsys):
-    from rocketstore.cli import main
+    from rocketstore.cli.main import main
     assert main(["spark", "verify", BASIC, "--json", "--keep-session"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] and out["records"] == 3000

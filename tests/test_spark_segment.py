@@ -17,7 +17,8 @@ from conftest import GOLDEN_NAMES, copy_store, flip_body_bit, golden_expected, g
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rocketstore import Message, MessageStore, codec
+from rocketstore import Message, MessageStore
+from rocketstore.format import codec
 from rocketstore.errors import StoreError
 from rocketstore.spark import plan, properties, segment
 from rocketstore.spark.segment import RowFilter

@@ -8,9 +8,9 @@ import pyarrow as pa
 import pytest
 
 from rocketstore import Message, MessageStore, StoreConfig
-from rocketstore import codec
+from rocketstore.format import codec
 from rocketstore.errors import ReadOnlyStoreError, StoreError
-from rocketstore.index import key_hashes, key_hashes_many
+from rocketstore.storage.index import key_hashes, key_hashes_many
 from rocketstore.spark import write
 
 CFG = StoreConfig(mappedFileSizeCommitLog=1 << 20, mappedFileSizeConsumeQueue=6000, maxHashSlotNum=1000,
@@ -210,7 +210,7 @@ def test_commit_killed_midway_leaves_every_queue_a_prefix(tmp_path):
     import sys
     import time
 
-    from rocketstore.verify import verify_store
+    from rocketstore.recovery.verify import verify_store
     root, n = tmp_path / "store", 80000
     p = subprocess.Popen([sys.executable, "-c", _COMMIT_CHILD, str(root), str(tmp_path / "staging"), str(n)],
                          stdout=subprocess.PIPE, text=True)

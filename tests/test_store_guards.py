@@ -194,7 +194,7 @@ def test_a_record_with_damaged_topic_bytes_is_left_out_of_the_queues_not_the_sto
     os.rmdir(path / "consumequeue" / ("A" * 100) / "0")
     os.rmdir(path / "consumequeue" / ("A" * 100))
     (path / "abort").write_text("1")  # recovery re-dispatches every record
-    with caplog.at_level(logging.ERROR, logger="rocketstore.dispatch"):
+    with caplog.at_level(logging.ERROR, logger="rocketstore.services.dispatch"):
         with MessageStore.open(str(path), cfg) as store:
             assert [k for k in store.queue_keys()] == [("Good", 0)]
             r = store.get("Good", 0, 0)
@@ -234,8 +234,8 @@ def test_a_failing_index_never_stops_the_consume_queues_and_catches_up(tmp_path,
     import logging
 
     from rocketstore import GetMessageStatus
-    from rocketstore import index as index_mod
-    from rocketstore.metrics import snapshot
+    from rocketstore.storage import index as index_mod
+    from rocketstore.services.metrics import snapshot
     alloc = _FailingAllocate(index_mod.allocate)
     monkeypatch.setattr(index_mod, "allocate", alloc)
     # 21 entries a file (entry 0 is never used): two keys a message, so a file fills in the middle of one
@@ -277,7 +277,7 @@ def test_a_failing_index_never_stops_the_consume_queues_and_catches_up(tmp_path,
 
 
 def test_index_records_missed_at_close_are_recovered_by_the_next_open(tmp_path, monkeypatch):
-    from rocketstore import index as index_mod
+    from rocketstore.storage import index as index_mod
     alloc = _FailingAllocate(index_mod.allocate)
     monkeypatch.setattr(index_mod, "allocate", alloc)
     path = tmp_path / "s"
@@ -298,7 +298,7 @@ def test_index_records_missed_at_close_are_recovered_by_the_next_open(tmp_path, 
 
 def test_disk_guard_counts_the_next_segment_and_index_file(tmp_path):
     from rocketstore import PutMessageStatus
-    from rocketstore.index import index_file_size
+    from rocketstore.storage.index import index_file_size
     cfg = StoreConfig(mappedFileSizeCommitLog=1 << 20, maxHashSlotNum=1000, maxIndexNum=4000)
     need = (1 << 20) + index_file_size(1000, 4000)
     with MessageStore.open(str(tmp_path / "s"), cfg, start_services=False) as store:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rocketstore import GetMessageStatus, MessageStore
-from rocketstore.message import Message
+from rocketstore.format.message import Message
 from rocketstore.tier.manifest import MANIFEST
 from rocketstore.tier.upload import upload_round
 from conftest import GOLDEN_CONF, copy_store, golden_expected, golden_queries, golden_store, run_cli

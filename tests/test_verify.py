@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import GOLDEN_NAMES, copy_store, golden_expected, golden_store, run_cli
-from rocketstore import codec
+from rocketstore.format import codec
 
 SLOTS = 1000  # golden maxHashSlotNum
 ENTRIES_BASE = 40 + 4 * SLOTS
@@ -67,7 +67,7 @@ def test_a_zeroed_unit_among_the_files_recovery_checks_is_a_hole(basic_copy, fil
 def test_an_invalid_unit_below_the_max_offset_is_a_hole(tmp_path, unit):
     """A hole in a file older than the last three (recovery does not look there) is still found."""
     from rocketstore.config import golden_config
-    from rocketstore.message import Message
+    from rocketstore.format.message import Message
     from rocketstore.store import MessageStore
     path = tmp_path / "s"
     with MessageStore.open(str(path), golden_config()) as store:
@@ -102,7 +102,7 @@ def test_a_damaged_hash_slot_hides_its_chain_and_is_reported_then_repaired(basic
     of the chains whose slot was overwritten were not found.  verify reports the unreachable entries, and
     verify --repair (which rebuilds the index) makes the keys found again."""
     from rocketstore.config import golden_config
-    from rocketstore.repair import repair_store
+    from rocketstore.recovery.repair import repair_store
     from rocketstore.store import MessageStore
     e = golden_expected("basic")[1234]
     uniq = e["properties"]["UNIQ_KEY"]

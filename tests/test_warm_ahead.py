@@ -119,7 +119,7 @@ def test_a_preallocated_segment_discarded_while_it_is_read_is_deleted(tmp_path, 
     is deleted at once (a reference held by the reader used to keep it on disk, to be reused later unallocated)."""
     import threading
 
-    from rocketstore import warm_ahead
+    from rocketstore.services import warm_ahead
     reading, release = threading.Event(), threading.Event()
     real = os.preadv
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rocketstore import (ConfigError, GetMessageStatus, Message, MessageStore, PutMessageStatus, StoreClosedError,
-                         StoreConfig, StoreLoadError, StoreLockedError)
+                           StoreConfig, StoreLoadError, StoreLockedError)
 from rocketstore.config import golden_config
 from conftest import GOLDEN, GOLDEN_NAMES, golden_expected, golden_queries, golden_store, run_cli
 from helpers.workloads import mixed_puts
@@ -77,7 +77,7 @@ def test_a_file_destroyed_while_read_leaves_nothing_on_disk_and_spares_a_later_n
     """Destroying a held file deletes its name at once (the reader keeps its mapping), so callers that destroy
     once (queue truncation, index expiry) leave no file behind to come back at the next start, and the last
     reader's release never touches a later file of the same name."""
-    from rocketstore.mapped_file import MappedFile
+    from rocketstore.storage.mapped_file import MappedFile
 
     path = str(tmp_path / f"{0:020d}")
     old = MappedFile(path, 4096, create=True)
@@ -97,7 +97,7 @@ def test_a_file_destroyed_while_read_leaves_nothing_on_disk_and_spares_a_later_n
 def test_a_waiter_for_the_preallocated_segment_may_come_before_the_allocator_thread_starts(tmp_path, monkeypatch):
     """The allocation is published before its thread starts; a waiter arriving in between (the warm-ahead
     service did, in a CI run) waits for the file instead of failing on Thread.join."""
-    from rocketstore import mapped_file
+    from rocketstore.storage import mapped_file
 
     seen: list = []
     real = threading.Thread
@@ -294,7 +294,7 @@ def test_put_cli(tmp_path, golden_conf):
 def test_full_disk_when_a_segment_is_created(tmp_path, monkeypatch):
     """A full disk is an error the put reports (never a SIGBUS from a sparse page), and the store stays usable."""
     import errno
-    from rocketstore import mapped_file
+    from rocketstore.storage import mapped_file
     cfg = StoreConfig(mappedFileSizeCommitLog=64 * 1024, mappedFileSizeConsumeQueue=2000)
     with MessageStore.open(str(tmp_path / "s"), cfg) as store:
         assert store.put(Message("D", b"x" * 1000)).ok
@@ -318,7 +318,7 @@ def test_full_disk_when_a_segment_is_created(tmp_path, monkeypatch):
 
 
 def test_warm_mapped_file_enable_warms_only_files_no_writer_has(tmp_path, monkeypatch):
-    from rocketstore import mapped_file
+    from rocketstore.storage import mapped_file
     warmed = []
     real = mapped_file.warm
     monkeypatch.setattr(mapped_file, "warm", lambda mf: warmed.append(mf.file_from_offset) or real(mf))
@@ -359,7 +359,7 @@ def test_live_dispatch_writes_the_consume_queues_a_rebuild_from_the_commitlog_wr
 
 def test_put_units_equals_put_unit_one_by_one(tmp_path):
     """Duplicates, a gap and a full file inside one run behave as put_unit does for each unit."""
-    from rocketstore.consume_queue import ConsumeQueue
+    from rocketstore.storage.consume_queue import ConsumeQueue
     units = [(100 * i, 50, i % 4, i) for i in range(25)]
     runs = [units[:7], units[5:18], units[20:25]]  # overlap (duplicates) and a gap (18, 19 missing)
     a = ConsumeQueue(str(tmp_path / "a"), "T", 0, 200)
@@ -381,7 +381,7 @@ def test_a_failed_segment_write_is_not_acknowledged_and_stops_writes(tmp_path, m
     put status and a read-only store with the reason, never a SIGBUS, and what was stored stays readable."""
     import errno
 
-    from rocketstore import commitlog
+    from rocketstore.storage import commitlog
     with MessageStore.open(str(tmp_path / "s")) as store:
         assert store.put_batch([Message("T", b"a" * 100) for _ in range(5)]).ok
         big = store.put(Message("T", b"b" * 5000))  # one record of a page or more takes the same path
@@ -404,7 +404,7 @@ def test_a_failed_segment_write_is_not_acknowledged_and_stops_writes(tmp_path, m
 
 def test_a_short_gathered_write_is_finished(tmp_path, monkeypatch):
     """pwritev may write less than asked; the rest is written before the put is acknowledged."""
-    from rocketstore import commitlog
+    from rocketstore.storage import commitlog
     real = os.pwritev
     calls = []
 

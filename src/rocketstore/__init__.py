@@ -1,12 +1,12 @@
 """rocketstore: Apache RocketMQ's message store in Python, byte-compatible with RocketMQ 5.x files."""
 
-from .codec import MessageExt
+from .format.codec import MessageExt
 from .config import StoreConfig
 from .errors import (ConfigError, CorruptRecordError, ReadOnlyStoreError, StoreClosedError, StoreError,
                      StoreLoadError, StoreLockedError)
-from .message import (GetMessageResult, GetMessageStatus, Message, PutMessageResult, PutMessageStatus,
-                      QueryMessageResult, parse_tag_filter)
-from .geometry import init_store
+from .format.message import (GetMessageResult, GetMessageStatus, Message, PutMessageResult, PutMessageStatus,
+                             QueryMessageResult, parse_tag_filter)
+from .storage.geometry import init_store
 from .store import MessageStore
 
 __all__ = ["MessageStore", "StoreConfig", "init_store", "Message", "MessageExt", "PutMessageResult", "PutMessageStatus",

@@ -2,7 +2,7 @@
 
 ``Consumer(store, group, topic)`` reads the topic's consume queues from the
 group's committed offsets (``config/consumerOffset.json``, RocketMQ's layout,
-see :mod:`rocketstore.group_offsets`), or from the queues' start (``start=
+see :mod:`rocketstore.storage.group_offsets`), or from the queues' start (``start=
 "earliest"``) or end (``"latest"``) for a group with none.  ``poll(timeout)``
 returns the next messages of any queue, blocking until some arrive;
 ``commit()`` persists the position.  Iterating yields messages one by one and
@@ -29,10 +29,10 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 
-from .codec import MessageExt
+from .format.codec import MessageExt
 from .errors import StoreError
-from .group_offsets import commit_offsets, read_offsets
-from .message import GetMessageStatus, parse_tag_filter
+from .storage.group_offsets import commit_offsets, read_offsets
+from .format.message import GetMessageStatus, parse_tag_filter
 from .store import MessageStore
 from .tail_view import extend_view
 

@@ -17,9 +17,9 @@ import logging
 import time
 from typing import Any, Iterator, NamedTuple
 
-from . import codec
+from .format import codec
 from .errors import StoreError
-from .message import Message
+from .format.message import Message
 from .store import MessageStore, batch_problem
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from .errors import StoreError
 
 if TYPE_CHECKING:
-    from .codec import MessageExt
+    from .format.codec import MessageExt
     from .store import MessageStore
 
 log = logging.getLogger(__name__)

@@ -17,31 +17,31 @@ from itertools import islice
 from time import perf_counter
 from typing import Any, Callable, Iterator
 
-from . import codec
-from .checkpoint import StoreCheckpoint
-from .clean import CleanService, DiskGuard, DiskGuardService, disk_usage_ratio
-from .codec import MessageExt
-from .commitlog import CommitLog
+from .format import codec
+from .storage.checkpoint import StoreCheckpoint
+from .services.clean import CleanService, DiskGuard, DiskGuardService, disk_usage_ratio
+from .format.codec import MessageExt
+from .storage.commitlog import CommitLog
 from .config import SYNC_FLUSH, StoreConfig, total_memory_bytes
-from .consume_queue import CQ_STORE_UNIT_SIZE, LOWER, ConsumeQueue
-from .dispatch import HAND_OVER_LIMIT, ReputMessageService
-from .encoder import MessageEncoder
+from .storage.consume_queue import CQ_STORE_UNIT_SIZE, LOWER, ConsumeQueue
+from .services.dispatch import HAND_OVER_LIMIT, ReputMessageService
+from .format.encoder import MessageEncoder
 from .errors import CommitLogWriteError, CorruptRecordError, ReadOnlyStoreError, StoreClosedError, StoreLoadError
-from .flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeService, GroupCommitService
-from .geometry import STORE_CONF, reserved_bytes, store_config
-from .index import IndexService
-from .jsonfile import write_file_durably
-from .message import (DEFAULT_STORE_HOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
-                      PutMessageStatus, QueryMessageResult, host_tuple, illegal_topic, parse_tag_filter)
-from .metrics import SAMPLE_EVERY, MetricsService, StoreMetrics
-from .quarantine import QuarantinePlan, extend_torn_last_segment, file_kind
-from .recovery import RecoveryReport, queues_with_records_before, recover
-from .running_flags import RunningFlags
-from .store_lock import StoreLock
+from .services.flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeService, GroupCommitService
+from .storage.geometry import STORE_CONF, reserved_bytes, store_config
+from .storage.index import IndexService
+from .storage.jsonfile import write_file_durably
+from .format.message import (DEFAULT_STORE_HOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
+                             PutMessageStatus, QueryMessageResult, host_tuple, illegal_topic, parse_tag_filter)
+from .services.metrics import SAMPLE_EVERY, MetricsService, StoreMetrics
+from .storage.quarantine import QuarantinePlan, extend_torn_last_segment, file_kind
+from .recovery.recover import RecoveryReport, queues_with_records_before, recover
+from .storage.running_flags import RunningFlags
+from .storage.store_lock import StoreLock
 from .tier.objectstore import TierError
 from .tier.tiered import TieredStorage
 from .tier.upload import TierUploadService
-from .warm_ahead import WarmAheadService
+from .services.warm_ahead import WarmAheadService
 
 log = logging.getLogger(__name__)
 # How far a get walks the commitlog for the record of a unit whose offset was damaged (see
@@ -276,7 +276,7 @@ class MessageStore:
             if not self.recovery_report.abnormal and index.resume_offset() > start:
                 index.truncate(start + 1, lambda off: self.commitlog.pickup_store_timestamp(off, 0))
             start = max(index.resume_offset(), self.commitlog.min_offset())
-            from .dispatch import CommitLogDispatcher
+            from .services.dispatch import CommitLogDispatcher
             dispatcher = CommitLogDispatcher(self)
             n = 0
             for off, _size, msg, problem in self.messages(start, read_body=False, skip_damaged=True):
@@ -437,7 +437,7 @@ class MessageStore:
                 cq.queue.files.remove(f)
                 f.destroy()
             cq.close()
-        from .dispatch import CommitLogDispatcher
+        from .services.dispatch import CommitLogDispatcher
         dispatcher = CommitLogDispatcher(self)
         dispatched_before = self.checkpoint.logics_dispatched
         held = {}
@@ -1365,8 +1365,8 @@ class MessageStore:
 
         An entry of the wrong shape raises StoreLoadError naming it, or, given ``problems``
         (retention's warnings), is described there and skipped."""
-        from .broker.offsets import ConsumerOffsetManager
-        from .group_offsets import config_dir
+        from .storage.consumer_offsets import ConsumerOffsetManager
+        from .storage.group_offsets import config_dir
         manager = ConsumerOffsetManager(config_dir(self.root), strict=problems is None, problems=problems)
         out: dict[tuple[str, int], int] = {}
         for key, queues in manager.table.items():
@@ -1441,7 +1441,7 @@ class MessageStore:
 def _repair_marker_gate(root: str, config: StoreConfig | None, read_only: bool) -> None:
     """A store under repair is half rewritten: a reader refuses it, naming the marker; a writer first finishes
     the repair (or rolls it back, if it was still rewriting segments), so it sees the old state or the new."""
-    from .repair import describe_marker, finish_interrupted_repair, read_marker
+    from .recovery.repair import describe_marker, finish_interrupted_repair, read_marker
     if read_only:
         marker = read_marker(root)
         if marker is not None:

@@ -26,9 +26,9 @@ import struct
 import time
 from collections.abc import Callable, Iterable
 
-from . import codec
-from .consume_queue import CQ_STORE_UNIT_SIZE, ConsumeQueue
-from .mapped_file import MappedFile, MappedFileQueue, file_name
+from .format import codec
+from .storage.consume_queue import CQ_STORE_UNIT_SIZE, ConsumeQueue
+from .storage.mapped_file import MappedFile, MappedFileQueue, file_name
 from .store import MessageStore
 
 log = logging.getLogger(__name__)

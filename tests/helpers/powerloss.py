@@ -1,7 +1,7 @@
 """A power-loss model of the disk: each file as of its last successful sync, never-synced files zero-filled.
 
 ``SyncShadow`` intercepts every way the store makes bytes durable (``os.fsync``,
-``os.fdatasync``, ``rocketstore.mapped_file.fdatasync`` and the index's
+``os.fdatasync``, ``rocketstore.storage.mapped_file.fdatasync`` and the index's
 ``mmap.flush``).  At each sync of a file under the store root it reads the file's
 bytes *before* the real call and, once the call has succeeded, stores them under
 the shadow directory (temp file + rename, so a SIGKILL never leaves a torn copy).
@@ -24,9 +24,9 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-import rocketstore.index as index_mod
+import rocketstore.storage.index as index_mod
 from rocketstore import StoreConfig
-import rocketstore.mapped_file as mapped_file_mod
+import rocketstore.storage.mapped_file as mapped_file_mod
 
 SHADOW_TMP = ".shadow-tmp"
 DIR_ENTRIES = ".dir-entries.json"  # in the shadow: directory (relative, "." the root) -> names its last fsync saw

@@ -8,8 +8,8 @@ import threading
 from collections.abc import Callable, Iterator
 
 from rocketstore import MessageStore
-from rocketstore.consume_queue import ConsumeQueue
-from rocketstore.message import Message
+from rocketstore.storage.consume_queue import ConsumeQueue
+from rocketstore.format.message import Message
 
 
 def mixed_puts(store: MessageStore, rnd: random.Random, count: int = 600,

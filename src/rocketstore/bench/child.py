@@ -16,7 +16,7 @@ import sys
 import time
 
 from rocketstore.config import StoreConfig
-from rocketstore.message import Message
+from rocketstore.format.message import Message
 from rocketstore.store import MessageStore
 
 TOPIC = "BenchTopic"
@@ -61,7 +61,7 @@ def write_crash(path: str, limit: int, segment: int) -> None:
 def recover(path: str, segment: int) -> None:
     # Code is imported before the clock starts, as a broker imports its code at start-up: the store's modules
     # at the top of this file, and recovery's vectorised tier (numpy), which recovery imports on first use.
-    import rocketstore.queue_checked  # noqa: F401
+    import rocketstore.storage.queue_checked  # noqa: F401
     had_abort = os.path.exists(os.path.join(path, "abort"))
     t0 = time.perf_counter()
     store = MessageStore.open(path, StoreConfig(mappedFileSizeCommitLog=segment))

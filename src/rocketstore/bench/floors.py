@@ -37,7 +37,7 @@ def make_body(size: int, seed: int = 7) -> bytes:
 
 def record_size(body_size: int, topic: str = "BenchTopic", props: str = "") -> int:
     """Bytes a store record takes for a body (what the raw-write limit is converted with)."""
-    from rocketstore import codec
+    from rocketstore.format import codec
     return len(codec.encode_bytes(topic, make_body(body_size), properties=props))
 
 

@@ -41,7 +41,7 @@ def find_py_spy() -> str | None:
 def _setup(workload: str, workdir: str) -> Callable[[float], int]:
     """Prepare ``workload``; return a function that runs it for some seconds and returns the operations done."""
     from rocketstore.config import StoreConfig
-    from rocketstore.message import Message
+    from rocketstore.format.message import Message
     from rocketstore.store import MessageStore
 
     from . import rs

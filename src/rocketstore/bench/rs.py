@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from rocketstore.config import StoreConfig
-from rocketstore.message import Message
+from rocketstore.format.message import Message
 from rocketstore.store import MessageStore
 
 from .floors import make_body

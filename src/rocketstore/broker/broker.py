@@ -19,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import StoreError
-from ..message import Message, PutMessageResult, PutMessageStatus
+from ..format.message import Message, PutMessageResult, PutMessageStatus
 from .clients import ClientRegistry
 from .config import BrokerConfig
 from .longpoll import LongPolling
-from .offsets import ConsumerOffsetManager
+from ..storage.consumer_offsets import ConsumerOffsetManager
 from .pop import PopService
 from .tasks import cancel, every
 from .timer import TimerService

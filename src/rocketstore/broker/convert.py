@@ -16,8 +16,8 @@ import re
 import zlib
 from typing import Mapping
 
-from .. import codec
-from ..codec import MessageExt
+from ..format import codec
+from ..format.codec import MessageExt
 from .proto import pb
 
 Code = pb.Code

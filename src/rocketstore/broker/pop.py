@@ -33,11 +33,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from ..codec import MessageExt, java_hash
+from ..format.codec import MessageExt, java_hash
 from ..errors import CorruptRecordError
-from ..jsonfile import write_bytes_atomic
-from ..message import GetMessageStatus
-from .offsets import ConsumerOffsetManager, read_json_lenient
+from ..storage.jsonfile import write_bytes_atomic
+from ..format.message import GetMessageStatus
+from ..storage.consumer_offsets import ConsumerOffsetManager, read_json_lenient
 from .topics import TRANS_GROUP
 
 log = logging.getLogger(__name__)

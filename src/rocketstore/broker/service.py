@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 
 from ..errors import CorruptRecordError
-from ..message import Message, PutMessageStatus
+from ..format.message import Message, PutMessageStatus
 from . import namespace as nsutil
 from .acl import AccessControl, AuthenticationError, AuthorizationError
 from .broker import Broker

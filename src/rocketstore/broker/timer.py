@@ -20,10 +20,10 @@ import logging
 import os
 from typing import Any, Awaitable, Callable
 
-from .. import codec
-from ..codec import MessageExt
-from ..jsonfile import read_json, write_json_atomic
-from ..message import GetMessageStatus, Message, PutMessageResult
+from ..format import codec
+from ..format.codec import MessageExt
+from ..storage.jsonfile import read_json, write_json_atomic
+from ..format.message import GetMessageStatus, Message, PutMessageResult
 from .convert import P_REAL_QID, P_REAL_TOPIC, P_TIMER_DELIVER
 from .pop import now_ms
 from .tasks import cancel

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from ..jsonfile import read_json, write_json_atomic
+from ..storage.jsonfile import read_json, write_json_atomic
 from .writer import CoalescedWriter
 
 log = logging.getLogger(__name__)

@@ -26,12 +26,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from .. import codec
-from ..codec import MessageExt
-from ..message import GetMessageStatus, Message, PutMessageResult
+from ..format import codec
+from ..format.codec import MessageExt
+from ..format.message import GetMessageStatus, Message, PutMessageResult
 from .config import BrokerConfig
 from .convert import P_CHECK_IMMUNITY, P_REAL_QID, P_REAL_TOPIC, P_TRAN, Code, to_pb
-from .offsets import ConsumerOffsetManager
+from ..storage.consumer_offsets import ConsumerOffsetManager
 from .tasks import cancel, every
 from .pop import now_ms
 from .proto import pb, svc

@@ -4,7 +4,7 @@
 All but ``reset-offset`` open the store read-only.  ``reset-offset`` is offline:
 it takes the store's lock for the time of the change, so it refuses (exit 2)
 while a broker or any writer has the store open, and writes
-``config/consumerOffset.json`` atomically (see :mod:`rocketstore.group_offsets`).
+``config/consumerOffset.json`` atomically (see :mod:`rocketstore.storage.group_offsets`).
 """
 
 from __future__ import annotations
@@ -15,17 +15,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from . import codec
-from .broker.offsets import read_json_lenient
-from .cli import emit
-from .cli_format import JSON, MESSAGE_COLUMNS, TABLE, add_format_flag, add_text_bodies_flag, message_json, \
-    message_row, print_rows
-from .cli_store import _nonneg, open_read_only
-from .consume_queue import LOWER
-from .errors import CliError, CorruptRecordError, StoreLockedError
-from .group_offsets import read_offsets, updating_offsets
-from .store import MessageStore, StorePaths
-from .store_lock import StoreLock
+from ..format import codec
+from ..storage.consumer_offsets import read_json_lenient
+from .main import emit
+from .format import JSON, MESSAGE_COLUMNS, TABLE, add_format_flag, add_text_bodies_flag, message_json, \
+message_row, print_rows
+from .store import _nonneg, open_read_only
+from ..storage.consume_queue import LOWER
+from ..errors import CliError, CorruptRecordError, StoreLockedError
+from ..storage.group_offsets import read_offsets, updating_offsets
+from ..store import MessageStore, StorePaths
+from ..storage.store_lock import StoreLock
 from .timeparse import time_arg
 
 

@@ -12,10 +12,10 @@ import shutil
 import sys
 import time
 
-from .config import StoreConfig
-from .message import GetMessageStatus, Message
+from ..config import StoreConfig
+from ..format.message import GetMessageStatus, Message
 from .progress import progress_bar
-from .store import MessageStore
+from ..store import MessageStore
 
 TOPICS = {"Orders": 4, "Payments": 2, "Audit": 1}
 
@@ -38,7 +38,7 @@ def prepare(path: str) -> None:
         shutil.rmtree(path)
     os.makedirs(path)
     with open(os.path.join(path, MARKER), "w", encoding="utf-8") as fh:
-        fh.write("made by rocketstore.demo; deleted and rewritten by the next demo run\n")
+        fh.write("made by rocketstore.cli.demo; deleted and rewritten by the next demo run\n")
 
 
 def run(path: str, count: int = 300_000) -> dict[str, float]:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from .codec import MessageExt
+from ..format.codec import MessageExt
 
 TABLE, JSON, CSV = "table", "json", "csv"
 FORMATS = (TABLE, JSON, CSV)

@@ -16,18 +16,18 @@ import select
 import sys
 from typing import Any, Callable, NoReturn
 
-from . import __version__
-from .config import StoreConfig
-from .errors import StoreError
+from .. import __version__
+from ..config import StoreConfig
+from ..errors import StoreError
 from .timeparse import NEGATIVE_VALUE
 
 log = logging.getLogger("rocketstore")
 
 # Subcommands that live in other modules: (module, function that adds them to the subparsers).
 PLUGINS = [
-    ("rocketstore.cli_store", "register"),
-    ("rocketstore.cli_admin", "register"),
-    ("rocketstore.cli_tier", "register"),
+    ("rocketstore.cli.store", "register"),
+    ("rocketstore.cli.admin", "register"),
+    ("rocketstore.cli.tier", "register"),
     ("rocketstore.spark.cli", "register"),
     ("rocketstore.broker.cli", "register"),
     ("rocketstore.bench.cli", "register"),

@@ -6,17 +6,17 @@ import argparse
 import sys
 from typing import Any
 
-from .cli import emit, load_config
-from .cli_format import JSON, MESSAGE_COLUMNS, add_format_flag, add_text_bodies_flag, message_json, message_row, \
-    print_rows
-from .errors import CliError, StoreError
-from .config import PRESETS, StoreConfig
-from .geometry import init_store, reserved_bytes
-from .consume_queue import LOWER, UPPER
-from .message import GetMessageStatus, Message, parse_tag_filter
+from .main import emit, load_config
+from .format import JSON, MESSAGE_COLUMNS, add_format_flag, add_text_bodies_flag, message_json, message_row, \
+print_rows
+from ..errors import CliError, StoreError
+from ..config import PRESETS, StoreConfig
+from ..storage.geometry import init_store, reserved_bytes
+from ..storage.consume_queue import LOWER, UPPER
+from ..format.message import GetMessageStatus, Message, parse_tag_filter
 from .progress import progress_bar
-from .selection import Selection
-from .store import MessageStore
+from ..selection import Selection
+from ..store import MessageStore
 from .timeparse import time_arg
 
 
@@ -69,7 +69,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
         n = size = 0
         more = None
         if args.follow:
-            from .tail_view import follower
+            from ..tail_view import follower
             more = follower(store, args.interval, out.flush, until=args.to_time)
         try:
             for msg in sel.scan(store, read_body=not args.no_body, more=more,
@@ -156,11 +156,11 @@ def cmd_offset_by_time(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .verify import verify_store
+    from ..recovery.verify import verify_store
     if args.dry_run and not args.repair:
         raise CliError("--dry-run goes with --repair: verify alone never writes")
     if args.repair:
-        from .repair import repair_store
+        from ..recovery.repair import repair_store
         result = repair_store(args.store, load_config(args.config), dry_run=args.dry_run)
     else:
         with open_read_only(args) as store:
@@ -232,7 +232,7 @@ def cmd_put(args: argparse.Namespace) -> int:
 
 def cmd_import(args: argparse.Namespace) -> int:
     import os
-    from .importer import import_file
+    from ..importer import import_file
     passes = 1 if args.continue_on_error else 2  # validate, then write
     total = os.path.getsize(args.source) * passes  # (an unreadable file fails here, before the store is opened)
     created = not os.path.exists(args.store)
@@ -265,7 +265,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
 
 def cmd_retention(args: argparse.Namespace) -> int:
-    from .clean import retention_plan
+    from ..services.clean import retention_plan
     with open_read_only(args) as store:
         plan = retention_plan(store)
     if args.json:
@@ -293,7 +293,7 @@ def cmd_delete_expired(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     import os
     import time
-    from .metrics import not_live_reason, read_metrics
+    from ..services.metrics import not_live_reason, read_metrics
     if not os.path.isdir(args.store):
         raise CliError(f"{args.store}: no such store directory")
     if not args.live:

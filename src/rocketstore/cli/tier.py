@@ -6,12 +6,12 @@ import argparse
 import os
 from typing import Any
 
-from .cli import emit
-from .cli_format import JSON, TABLE, add_format_flag, print_rows
-from .cli_store import open_read_only, open_writable
-from .errors import CliError
-from .index import index_file_size
-from .store import MessageStore
+from .main import emit
+from .format import JSON, TABLE, add_format_flag, print_rows
+from .store import open_read_only, open_writable
+from ..errors import CliError
+from ..storage.index import index_file_size
+from ..store import MessageStore
 
 
 def tier_status(store: MessageStore) -> dict[str, Any]:
@@ -62,7 +62,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_upload(args: argparse.Namespace) -> int:
-    from .tier.upload import upload_round
+    from ..tier.upload import upload_round
     with open_writable(args, start_services=False) as store:
         if store.tier is None:
             raise CliError(f"{store.root}: no tieredStoreUri in the store's config (STORE/broker.conf or --config)")

@@ -10,7 +10,7 @@ rows with one too, so that the driver's commit only stamps and writes.
 from __future__ import annotations
 
 from . import codec
-from .config import StoreConfig
+from ..config import StoreConfig
 from .message import DEFAULT_STORE_HOST, LOCALHOST, Message, host_tuple, illegal_topic
 
 # (tagsCode, KEYS, UNIQ_KEY) of a message with no properties: nothing for the dispatcher to parse.

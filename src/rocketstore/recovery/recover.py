@@ -55,13 +55,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import codec, mapped_file
-from .consume_queue import CQ_STORE_UNIT_SIZE
-from .dispatch import CommitLogDispatcher
-from .errors import CommitLogDamagedError
+from ..format import codec
+from ..storage import mapped_file
+from ..storage.consume_queue import CQ_STORE_UNIT_SIZE
+from ..services.dispatch import CommitLogDispatcher
+from ..errors import CommitLogDamagedError
 
 if TYPE_CHECKING:
-    from .store import MessageStore
+    from ..store import MessageStore
 
 log = logging.getLogger(__name__)
 PROGRESS_INTERVAL_S = 3.0
@@ -215,7 +216,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
             pos, last, n = 0, -1, 0
             if min(max_cq, base + file_size) - base >= VECTORISED_MIN_BYTES:
                 # First the records the consume queues point at (and hold), checked in vectorised passes.
-                from . import queue_checked
+                from ..storage import queue_checked
                 pos, last, n = queue_checked.checked_prefix(
                     mm, 0, file_size, base=base, units=queue_checked.units_by_queue(store, base, base + file_size),
                     check_crc=check_crc, held=held, index_from=index_from,

@@ -93,14 +93,14 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
-from . import codec
-from .config import StoreConfig
-from .consume_queue import CQ_STORE_UNIT_SIZE
-from .errors import StoreError, StoreLoadError, StoreLockedError
-from .quarantine import extend_torn_last_segment, trusted_record_in
-from .index import IndexService
-from .message import illegal_topic
-from .store import MessageStore, StorePaths, infer_config
+from ..format import codec
+from ..config import StoreConfig
+from ..storage.consume_queue import CQ_STORE_UNIT_SIZE
+from ..errors import StoreError, StoreLoadError, StoreLockedError
+from ..storage.quarantine import extend_torn_last_segment, trusted_record_in
+from ..storage.index import IndexService
+from ..format.message import illegal_topic
+from ..store import MessageStore, StorePaths, infer_config
 from .verify import finding, resync, verify_store
 
 log = logging.getLogger(__name__)
@@ -502,7 +502,7 @@ def _probe_directory_lock(paths: StorePaths) -> None:
     """
     import fcntl
 
-    from .store_lock import _HELD, _HELD_LOCK
+    from ..storage.store_lock import _HELD, _HELD_LOCK
     with _HELD_LOCK:
         if os.path.realpath(paths.root) in _HELD:
             return
@@ -749,7 +749,7 @@ def tier_records(root: str, cfg: StoreConfig) -> Iterator[codec.MessageExt]:
     below = _local_commitlog_min(StorePaths(root).commitlog)
     if not cfg.tieredStoreUri or below <= 0:
         return
-    from .tier.tiered import TieredStorage
+    from ..tier.tiered import TieredStorage
     try:
         tier = TieredStorage(root, cfg, read_only=True)
         tier.refresh(quiet=True)

@@ -27,10 +27,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
-from . import codec
-from .consume_queue import CQ_STORE_UNIT_SIZE
-from .index import IndexFile, key_hashes
-from .store import MessageStore
+from ..format import codec
+from ..storage.consume_queue import CQ_STORE_UNIT_SIZE
+from ..storage.index import IndexFile, key_hashes
+from ..store import MessageStore
 
 
 def finding(kind: str, file: str, offset: int, detail: str) -> dict[str, Any]:

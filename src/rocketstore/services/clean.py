@@ -26,12 +26,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from .index import index_file_size
-from .service import ServiceThread
+from ..storage.index import index_file_size
+from .base import ServiceThread
 
 if TYPE_CHECKING:
-    from .mapped_file import MappedFile
-    from .store import MessageStore
+    from ..storage.mapped_file import MappedFile
+    from ..store import MessageStore
 
 log = logging.getLogger(__name__)
 MANUAL_DELETE_ROUNDS = 20

@@ -15,17 +15,17 @@ from collections import deque
 from itertools import repeat
 from typing import TYPE_CHECKING, Callable
 
-from . import codec
-from .codec import MessageExt
-from .consume_queue import CQ_STORE_UNIT_SIZE
-from .encoder import MessageEncoder
-from .index import key_hashes
-from .message import illegal_topic
-from .service import ServiceThread
+from ..format import codec
+from ..format.codec import MessageExt
+from ..storage.consume_queue import CQ_STORE_UNIT_SIZE
+from ..format.encoder import MessageEncoder
+from ..storage.index import key_hashes
+from ..format.message import illegal_topic
+from .base import ServiceThread
 
 if TYPE_CHECKING:
-    from .index import IndexService
-    from .store import MessageStore
+    from ..storage.index import IndexService
+    from ..store import MessageStore
 
 log = logging.getLogger(__name__)
 

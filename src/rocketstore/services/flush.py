@@ -13,10 +13,10 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from .service import ServiceThread
+from .base import ServiceThread
 
 if TYPE_CHECKING:
-    from .store import MessageStore
+    from ..store import MessageStore
 
 log = logging.getLogger(__name__)
 

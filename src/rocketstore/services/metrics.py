@@ -15,10 +15,10 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from .service import ServiceThread
+from .base import ServiceThread
 
 if TYPE_CHECKING:
-    from .store import MessageStore
+    from ..store import MessageStore
 
 RING = 8192  # a power of two: the slot of sample n is n & (RING - 1)
 SAMPLE_EVERY = 16  # a power of two: put n is timed when n & (SAMPLE_EVERY - 1) == 0

@@ -22,10 +22,10 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from .service import ServiceThread
+from .base import ServiceThread
 
 if TYPE_CHECKING:
-    from .mapped_file import MappedFile, MappedFileQueue
+    from ..storage.mapped_file import MappedFile, MappedFileQueue
 
 CHUNK = 4 * 1024 * 1024
 WOKEN = 1 << 62  # ``wake_at`` once the writer has called for a round

@@ -25,7 +25,7 @@ from typing import Any
 def make_bench_store(path: str, messages: int, *, seed: int = 7, segment_bytes: int = 64 * 1024 * 1024) -> str:
     """A store of ``messages`` messages shaped like the golden ones (3 topics, 4 queues, tags, keys, UNIQ_KEY)."""
     from ..config import StoreConfig
-    from ..message import Message
+    from ..format.message import Message
     from ..store import MessageStore
     shutil.rmtree(path, ignore_errors=True)
     rnd = random.Random(seed)

@@ -121,7 +121,7 @@ def _verify(spark: Any, args: argparse.Namespace) -> int:
     if args.json:
         _emit(result)
     else:
-        from ..cli_store import print_verify_table  # the table `rocketstore verify` prints
+        from ..cli.store import print_verify_table  # the table `rocketstore verify` prints
         print_verify_table(result)
     return 0 if result["ok"] else 1
 
@@ -134,7 +134,7 @@ def _rebuild(spark: Any, args: argparse.Namespace) -> int:
 
 def _export(spark: Any, args: argparse.Namespace) -> int:
     from . import jobs
-    from ..cli_store import selection_from_args
+    from ..cli.store import selection_from_args
     opts = {} if not args.no_body else {"withBody": "false"}
     _emit(jobs.export(spark, args.store, args.to, fmt=args.format, partition_by=(args.partition_by or "").split(","),
                       mode=args.mode, options=opts, selection=selection_from_args(args)))
@@ -182,7 +182,7 @@ def add_jobs(ssub: argparse._SubParsersAction) -> None:
     p = add("rebuild", _rebuild, "rebuild consume queues and index from the commitlog (store must not be open)")
     p.add_argument("--config", metavar="FILE", help="broker.conf style file (geometry, when the files are gone)")
 
-    from ..cli_store import add_selection_flags
+    from ..cli.store import add_selection_flags
     p = add("export", _export, "messages as Parquet (or ORC) files: all, or those the dump flags select")
     p.add_argument("--to", required=True, metavar="DIR", help="output directory")
     p.add_argument("--format", default="parquet", choices=["parquet", "orc"], help="file format (default parquet)")

@@ -20,11 +20,11 @@ from datetime import UTC
 from types import SimpleNamespace
 from typing import Any
 
-from .. import codec
+from ..format import codec
 from ..errors import StoreError
 from ..selection import Selection
 from ..store import MessageStore, StorePaths
-from ..store_lock import StoreLock
+from ..storage.store_lock import StoreLock
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def _check_segment(seg: tuple[str, int, int, int, bool]) -> Any:
     """Executor side of verify: the single-machine per-segment check, on a read-only map of the file."""
     import mmap as _mmap
 
-    from ..verify import check_segment
+    from ..recovery.verify import check_segment
     path, base, limit, file_size, is_last = seg
     with open(path, "rb") as fh:
         mm = _mmap.mmap(fh.fileno(), 0, access=_mmap.ACCESS_READ)
@@ -104,11 +104,11 @@ def _check_segment(seg: tuple[str, int, int, int, bool]) -> Any:
 def verify(spark: Any, store_path: str, config: Any = None) -> dict[str, Any]:
     """CRC-check every record in parallel (one task per segment) and cross-check consume queues and index.
 
-    The findings and counts are those of ``rocketstore verify`` (:func:`rocketstore.verify.verify_store`):
+    The findings and counts are those of ``rocketstore verify`` (:func:`rocketstore.recovery.verify.verify_store`):
     the per-segment check is the same function, run on the executors, and the cross-check runs on the
     driver with the records they return.
     """
-    from ..verify import verify_report
+    from ..recovery.verify import verify_report
     root = os.path.abspath(store_path)
     with MessageStore.open(root, config, read_only=True) as store:
         segs = _segment_list(store)
@@ -146,8 +146,8 @@ class _RebuildTarget:
     """What CommitLogDispatcher needs of a store, pointing at fresh consume-queue and index directories."""
 
     def __init__(self, config: Any, cq_root: str, index_dir: str) -> None:
-        from ..consume_queue import ConsumeQueue
-        from ..index import IndexService
+        from ..storage.consume_queue import ConsumeQueue
+        from ..storage.index import IndexService
         self._cq_class = ConsumeQueue
         self.config = config
         self.cq_root = cq_root
@@ -175,7 +175,7 @@ def rebuild(spark: Any, store_path: str, config: Any = None) -> dict[str, Any]:
     """Rebuild the consume queues and the index from the commitlog.
 
     Executors decode their segments in parallel; the driver applies the records
-    in commitlog order with :class:`rocketstore.dispatch.CommitLogDispatcher`
+    in commitlog order with :class:`rocketstore.services.dispatch.CommitLogDispatcher`
     (the code recovery and the live dispatcher use) into fresh directories,
     then swaps them in.  The store must not be open for writing meanwhile (its
     lock is held for the whole job).  The commitlog is not changed.
@@ -186,8 +186,8 @@ def rebuild(spark: Any, store_path: str, config: Any = None) -> dict[str, Any]:
     import pyarrow as pa
     import pyarrow.compute
 
-    from ..checkpoint import StoreCheckpoint
-    from ..dispatch import CommitLogDispatcher
+    from ..storage.checkpoint import StoreCheckpoint
+    from ..services.dispatch import CommitLogDispatcher
     root = os.path.abspath(store_path)
     t0 = time.monotonic()
     paths = StorePaths(root)
@@ -444,7 +444,7 @@ def _dispatch_lag(root: str, df: Any, by_queue: list[Any]) -> dict[str, Any]:
     """How far the consume queues and the index are behind the commitlog (a live store's reput lag)."""
     from pyspark.sql import functions as F
 
-    from ..metrics import read_metrics
+    from ..services.metrics import read_metrics
     with MessageStore.open(root, read_only=True) as store:
         max_phy = store.max_phy_offset()
         cq_end = 0

@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import codec
-from ..consume_queue import CQ_STORE_UNIT_SIZE
+from ..format import codec
+from ..storage.consume_queue import CQ_STORE_UNIT_SIZE
 from ..errors import StoreError, StoreLoadError
-from ..queue_checked import units_by_queue
+from ..storage.queue_checked import units_by_queue
 from ..store import MessageStore
 from . import segment as _segment
 from .remote import TierPart, TierRef, is_tier_uri, tier_below

@@ -3,7 +3,7 @@
 A properties string is ``name\\x01value\\x02`` pairs.  RocketMQ splits it on
 0x02, cuts each piece at its first 0x01 and keeps the pieces whose name and
 value are not empty, a later name winning over an earlier one
-(:func:`rocketstore.codec.parse_properties`).  Here the separators of a whole
+(:func:`rocketstore.format.codec.parse_properties`).  Here the separators of a whole
 batch are found with numpy; the pieces become the keys and values of one
 Arrow map array.  A batch the vectorised paths cannot do exactly (a name twice
 in one record, invalid UTF-8) goes through the Python parser.
@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .. import codec
+from ..format import codec
 from .gather import gather
 
 MAP = pa.map_(pa.string(), pa.string())
@@ -27,7 +27,7 @@ def properties_map(props: pa.BinaryArray, lookups: Sequence[str] = (), valid_utf
                    ) -> tuple[pa.Array, dict[str, pa.Array]]:
     """The properties map (and the values of the names in ``lookups``) from the raw properties strings.
 
-    This is RocketMQ's ``string2messageProperties`` (see :func:`rocketstore.codec.parse_properties`),
+    This is RocketMQ's ``string2messageProperties`` (see :func:`rocketstore.format.codec.parse_properties`),
     vectorised.  A batch the vectorised paths cannot do exactly (a name twice in one record, invalid
     UTF-8) goes through the Python parser.  ``valid_utf8``: the strings are known to be valid UTF-8.
     """

@@ -33,10 +33,10 @@ from urllib.parse import urlparse
 import numpy as np
 import pyarrow as pa
 
-from .. import codec
+from ..format import codec
 from ..config import read_conf_file
 from ..errors import StoreError, StoreLoadError
-from ..geometry import STORE_CONF
+from ..storage.geometry import STORE_CONF
 from ..tier.manifest import MANIFEST, TierManifest
 from ..tier.objectstore import ObjectStore, TierLocation
 from ..tier.reader import TierReader

@@ -39,8 +39,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .. import codec
-from ..queue_checked import UNIT_DTYPE
+from ..format import codec
+from ..storage.queue_checked import UNIT_DTYPE
 from .gather import fixed, gather, strings_from_fixed
 from .properties import MAP, properties_map
 

@@ -46,12 +46,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .. import codec
+from ..format import codec
 from ..config import StoreConfig
 from ..errors import StoreError, StoreLockedError
-from ..encoder import MessageEncoder
-from ..index import key_hashes_many
-from ..message import Message
+from ..format.encoder import MessageEncoder
+from ..storage.index import key_hashes_many
+from ..format.message import Message
 from ..store import MessageStore
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class WriteOptions:
         cfg = {k: v for k, v in options.items() if k in names}
         topic = options.get("topic")
         if topic is not None:
-            from ..message import illegal_topic
+            from ..format.message import illegal_topic
             why = illegal_topic(topic)
             if why:
                 raise StoreError(f"rocketstore write: option topic: {why}")

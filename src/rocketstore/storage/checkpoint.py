@@ -15,7 +15,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 
-from .errors import StoreLoadError
+from ..errors import StoreLoadError
 from .jsonfile import fsync_dir
 
 CHECKPOINT_SIZE = 4096

@@ -15,11 +15,11 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from . import codec
-from .codec import BLANK_RECORD_SIZE, EncodedRecord, MessageExt
-from .errors import CommitLogWriteError, CorruptRecordError
+from ..format import codec
+from ..format.codec import BLANK_RECORD_SIZE, EncodedRecord, MessageExt
+from ..errors import CommitLogWriteError, CorruptRecordError
 from .mapped_file import MappedFile, MappedFileQueue
-from .warm_ahead import WarmAheadService
+from ..services.warm_ahead import WarmAheadService
 
 log = logging.getLogger(__name__)
 

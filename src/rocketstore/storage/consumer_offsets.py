@@ -4,7 +4,7 @@ Layout: ``{"offsetTable": {"<topic>@<group>": {"<queueId>": <offset>}}, "dataVer
 offset is the first queue offset the group has not consumed.  RocketMQ writes
 the file with fastjson, whose integer map keys come out unquoted
 (``{0:12,1:7}``); such files are read too.  Writes go through
-:func:`rocketstore.jsonfile.write_json_atomic` (temp file, fsync, rename, ``.bak``).
+:func:`rocketstore.storage.jsonfile.write_json_atomic` (temp file, fsync, rename, ``.bak``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from ..errors import StoreLoadError
-from ..jsonfile import loads_lenient, read_json, write_json_atomic
+from .jsonfile import loads_lenient, read_json, write_json_atomic
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import CQ_UNIT_SIZE, MIN_COMMITLOG_FILE_SIZE, PRESETS, StoreConfig, read_conf_file, write_preset
-from .errors import ConfigError
+from ..config import CQ_UNIT_SIZE, MIN_COMMITLOG_FILE_SIZE, PRESETS, StoreConfig, read_conf_file, write_preset
+from ..errors import ConfigError
 from .index import ENTRY_SIZE, HEADER_SIZE, SLOT_SIZE, index_file_size
 from .quarantine import trusted_record_in
 

@@ -2,7 +2,7 @@
 
 The offsets live in RocketMQ's ``config/consumerOffset.json``
 (``{"offsetTable": {"Topic@Group": {"0": 12}}}``), read and written by the
-broker's :class:`~rocketstore.broker.offsets.ConsumerOffsetManager` (atomic
+broker's :class:`~rocketstore.storage.consumer_offsets.ConsumerOffsetManager` (atomic
 write, ``.bak``, fastjson tolerant).  Several processes (embedded consumers,
 ``reset-offset``) may commit to one file: each commit takes an OS lock on
 ``config/consumerOffset.json.lock``, re-reads the file and changes only its own
@@ -18,8 +18,8 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .broker.offsets import ConsumerOffsetManager, loads_lenient
-from .errors import StoreError
+from .consumer_offsets import ConsumerOffsetManager, loads_lenient
+from ..errors import StoreError
 
 
 def config_dir(root: str) -> str:

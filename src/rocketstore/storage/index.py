@@ -26,8 +26,8 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from .codec import index_key_hash
-from .errors import StoreLoadError
+from ..format.codec import index_key_hash
+from ..errors import StoreLoadError
 from .jsonfile import fsync_dir
 from .mapped_file import allocate
 

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from .errors import StoreLoadError
+from ..errors import StoreLoadError
 from .jsonfile import fsync_dir
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ import logging
 import mmap
 import os
 
-from . import codec
-from .errors import StoreLoadError
+from ..format import codec
+from ..errors import StoreLoadError
 from .mapped_file import allocate
 
 log = logging.getLogger(__name__)

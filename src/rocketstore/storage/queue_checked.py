@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
-from . import codec
+from ..format import codec
 from .consume_queue import CQ_STORE_UNIT_SIZE
 
 UNIT_DTYPE = np.dtype([("off", ">i8"), ("size", ">i4"), ("tags", ">i8")])  # a consume-queue unit

@@ -18,7 +18,7 @@ import fcntl
 import os
 import threading
 
-from .errors import StoreError, StoreLockedError
+from ..errors import StoreError, StoreLockedError
 
 _HELD: set[str] = set()  # real paths of the store directories this process holds
 _HELD_LOCK = threading.Lock()

@@ -232,7 +232,7 @@ class ObjectStore:
 
     def _write_local(self, path: str, chunks: Any) -> None:
         """A ``file://`` object: temp file, fsync, rename, fsync the directory (and any directory made)."""
-        from ..jsonfile import fsync_dir
+        from ..storage.jsonfile import fsync_dir
         self._ensure_parent(path)
         tmp = path + ".tmp"
         with open(tmp, "wb") as out:
@@ -261,7 +261,7 @@ class ObjectStore:
     def _ensure_parent(self, path: str) -> None:
         """Make the object's directory, each new one durable in its parent (never the tier's root once the
         store published there: see ``create_root``)."""
-        from ..jsonfile import fsync_dir
+        from ..storage.jsonfile import fsync_dir
         if not self.create_root:
             missing = self.root_missing()
             if missing is not None:

@@ -12,11 +12,11 @@ import threading
 from collections import OrderedDict
 from typing import Iterator
 
-from .. import codec
-from ..codec import MessageExt
-from ..consume_queue import CQ_STORE_UNIT_SIZE
+from ..format import codec
+from ..format.codec import MessageExt
+from ..storage.consume_queue import CQ_STORE_UNIT_SIZE
 from ..errors import CorruptRecordError
-from ..index import ENTRY_SIZE, HEADER_SIZE, SLOT_SIZE, walk_chain
+from ..storage.index import ENTRY_SIZE, HEADER_SIZE, SLOT_SIZE, walk_chain
 from .manifest import TierManifest, TierSegment
 from .objectstore import ObjectStore, TierError
 

@@ -35,7 +35,7 @@ import uuid
 import zlib
 from typing import TYPE_CHECKING, Any
 
-from .. import codec
+from ..format import codec
 from ..errors import StoreLoadError
 from .manifest import GEOMETRY, MANIFEST, TierIndexFile, TierManifest, TierQueueFile, TierSegment
 from .objectstore import ObjectStore, TierError, TierLocation, require_pyarrow_fs
@@ -204,7 +204,7 @@ class TieredStorage:
             raise StoreLoadError(f"{self.id_path}: unreadable tier identity: {problem}")
 
     def _save_state(self) -> None:
-        from ..jsonfile import write_json_atomic
+        from ..storage.jsonfile import write_json_atomic
         with self._state_lock:
             write_json_atomic(self.id_path, {"storeId": self.store_id, "generation": self.generation,
                                              "localDeletedEnd": self.deleted_end})
@@ -284,7 +284,7 @@ class TieredStorage:
         if self.read_only:
             return
         if self.local_copy is None or self.local_copy.generation < m.generation or self._local_copy_bad:
-            from ..jsonfile import write_bytes_atomic
+            from ..storage.jsonfile import write_bytes_atomic
             write_bytes_atomic(self.local_manifest_path, m.dumps())
             self._local_copy_bad = False
         self.local_copy = m
@@ -326,7 +326,7 @@ class TieredStorage:
         written (durably) before the bucket's ``tier.json``: a crash between leaves the bucket one generation
         behind, which the next round sees as stale and republishes, never a bucket ahead of what the store
         knows."""
-        from ..jsonfile import write_bytes_atomic
+        from ..storage.jsonfile import write_bytes_atomic
         with self.lock:
             if not self.published:
                 self.objects.make_root()

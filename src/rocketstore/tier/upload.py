@@ -20,9 +20,9 @@ import struct
 import time
 from typing import TYPE_CHECKING
 
-from .. import codec
-from ..consume_queue import CQ_STORE_UNIT_SIZE
-from ..service import ServiceThread
+from ..format import codec
+from ..storage.consume_queue import CQ_STORE_UNIT_SIZE
+from ..services.base import ServiceThread
 from .manifest import TierIndexFile, TierManifest, TierQueueFile, TierSegment
 from .objectstore import TierError
 from .reader import index_key, queue_key, segment_key

@@ -1,0 +1,1 @@
+"""Start-up recovery after clean and unclean shutdown, verify, and repair."""
