@@ -14,7 +14,7 @@ from conftest import copy_store, golden_expected, golden_store, run_cli
 from rocketstore import Message, MessageStore, StoreConfig, init_store
 from rocketstore.errors import ConfigError, StoreLoadError
 from rocketstore.format.message import GetMessageStatus
-from rocketstore.store import infer_config
+from rocketstore.storage.geometry import store_config
 
 GOLDEN_TAIL = 3711299  # maxPhyOffset of the basic golden store
 WRITERS = {
@@ -169,7 +169,7 @@ def test_more_than_one_file_of_a_kind_refuses_without_the_flag(basic_copy):
 
 def test_a_commitlog_segment_holding_messages_is_not_quarantined_without_the_flag(basic_copy):
     os.truncate(basic_copy / "commitlog" / "00000000000000000000", 1048575)
-    assert infer_config(str(basic_copy)).mappedFileSizeCommitLog == 1048576  # the other segments decide
+    assert store_config(str(basic_copy)).mappedFileSizeCommitLog == 1048576  # the other segments decide
     before = _files(basic_copy)
     with pytest.raises(StoreLoadError, match="00000000000000000000: file is 1048575 bytes.*may hold messages"):
         MessageStore.open(str(basic_copy))
@@ -181,7 +181,7 @@ def test_a_commitlog_segment_holding_messages_is_not_quarantined_without_the_fla
 @pytest.mark.parametrize("name", ["TopicA/0/00000000000000000000", "TopicC/0/00000000000000006000"])
 def test_one_torn_consume_queue_file_is_quarantined_and_its_queue_refilled(name, basic_copy):
     os.truncate(basic_copy / "consumequeue" / name, 5999)
-    assert infer_config(str(basic_copy)).mappedFileSizeConsumeQueue == 6000  # majority, not the first file
+    assert store_config(str(basic_copy)).mappedFileSizeConsumeQueue == 6000  # majority, not the first file
     with pytest.raises(StoreLoadError, match="file is 5999 bytes, expected 6000.*rocketstore recover"):
         MessageStore.open(str(basic_copy), read_only=True)
     r = run_cli("recover", basic_copy)

@@ -199,7 +199,7 @@ def test_retention_warns_about_unconsumed_messages(basic_copy):
     store, _ = open_store(basic_copy, Disk(0.87))
     with store:
         from rocketstore.services.clean import retention_plan
-        plan = retention_plan(store)
+        plan = retention_plan(store.files, store.clean_service)
         assert [s["wouldDelete"] for s in plan["segments"]] == [True, True, True, False]
         assert any("TopicA-0" in w for w in plan["warnings"])
 

@@ -146,10 +146,10 @@ def test_one_async_flush_round_flushes_every_filled_segment(tmp_path):
         assert len(queue.files) >= 8 and queue.flushed_where == 0
         last = queue.files[-1]
         assert last.wrote_position < 4 * 4096  # fewer dirty pages than flushCommitLogLeastPages
-        store.flush_commitlog(cfg.flushCommitLogLeastPages, False)  # one FlushRealTimeService round
+        store.files.flush_commitlog(cfg.flushCommitLogLeastPages, False)  # one FlushRealTimeService round
         assert queue.flushed_where == last.file_from_offset
         assert all(f.flushed_position == f.file_size for f in queue.files[:-1])
-        store.flush_commitlog(0, True)  # a thorough round takes the rest
+        store.files.flush_commitlog(0, True)  # a thorough round takes the rest
         assert queue.flushed_where == store.max_phy_offset()
 
 
@@ -256,7 +256,7 @@ def test_a_failing_index_never_stops_the_consume_queues_and_catches_up(tmp_path,
             assert bodies == [b"x"] * 3 + [f"m{i}".encode() for i in range(3, 60)]  # readable all the same
             state = store.state()
             assert "No space left on device" in state["indexError"] and state["indexMissedFrom"] is not None
-            assert snapshot(store)["indexError"] == state["indexError"]  # what stats --live shows
+            assert snapshot(store.files, store.metrics, store.disk_guard, 0)["indexError"] == state["indexError"]  # what stats --live shows
             time.sleep(2.5)  # a few retries
             assert alloc.calls >= 2
             assert store.query("T", "a40").messages == []  # not indexed yet

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import posixpath
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
+from urllib.parse import urlparse
 
 from .errors import ConfigError
 
@@ -144,7 +146,6 @@ class StoreConfig:
             need(getattr(self, key) >= 0, key, "must not be negative")
         need(self.tieredStoreUploadInterval > 0, "tieredStoreUploadInterval", "must be positive")
         if self.tieredStoreUri:
-            from .tier.objectstore import TierLocation
             TierLocation.parse(self.tieredStoreUri)
         try:
             self.topic_retention()
@@ -270,3 +271,45 @@ def total_memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return 8 * 1024 ** 3
+
+
+@dataclass(frozen=True)
+class TierLocation:
+    """Where a tier lives: ``s3://bucket/prefix`` or ``file:///path``, and how to reach it."""
+
+    uri: str
+    scheme: str
+    bucket: str  # s3 bucket, or "" for file://
+    prefix: str  # key prefix inside the bucket (no leading/trailing slash), or the local directory
+    endpoint: str = ""
+    region: str = ""
+    access_key: str = ""
+    secret_key: str = ""
+
+    @classmethod
+    def parse(cls, uri: str, *, endpoint: str = "", region: str = "", access_key: str = "",
+              secret_key: str = "") -> "TierLocation":
+        u = urlparse(uri)
+        if u.scheme in ("s3", "s3a"):
+            if not u.netloc:
+                raise ConfigError(f"tieredStoreUri={uri}: no bucket (expected s3://bucket/prefix)")
+            return cls(uri, "s3", u.netloc, u.path.strip("/"), endpoint, region, access_key, secret_key)
+        if u.scheme == "file":
+            if not u.path.startswith("/"):
+                raise ConfigError(f"tieredStoreUri={uri}: a file URI needs an absolute path (file:///dir)")
+            return cls(uri, "file", "", u.path.rstrip("/") or "/")
+        raise ConfigError(f"tieredStoreUri={uri}: expected s3://bucket/prefix or file:///directory")
+
+    @classmethod
+    def from_options(cls, uri: str, options: Mapping[str, Any]) -> "TierLocation":
+        """From a URI and RocketMQ-named options (a StoreConfig's dict, Spark options, broker.conf keys)."""
+        return cls.parse(uri, endpoint=str(options.get("objectStoreEndpoint") or ""),
+                         region=str(options.get("objectStoreRegion") or ""),
+                         access_key=str(options.get("objectStoreAccessKey") or ""),
+                         secret_key=str(options.get("objectStoreSecretKey") or ""))
+
+    def key(self, *parts: str) -> str:
+        """The filesystem path of an object: ``bucket/prefix/part/...`` (or the local path)."""
+        base = self.prefix if self.scheme == "file" else posixpath.join(self.bucket, self.prefix) if self.prefix \
+            else self.bucket
+        return posixpath.join(base, *parts)

@@ -29,11 +29,14 @@ from .format.encoder import MessageEncoder
 from .errors import CommitLogWriteError, CorruptRecordError, ReadOnlyStoreError, StoreClosedError, StoreLoadError
 from .services.flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeService, GroupCommitService
 from .storage.geometry import STORE_CONF, reserved_bytes, store_config
+from .paths import StorePaths
+from .storage.consumer_offsets import lowest_committed_offsets
+from .storage.files import StoreFiles
 from .storage.index import IndexService
 from .storage.jsonfile import write_file_durably
 from .format.message import (DEFAULT_STORE_HOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
                              PutMessageStatus, QueryMessageResult, host_tuple, illegal_topic, parse_tag_filter)
-from .services.metrics import SAMPLE_EVERY, MetricsService, StoreMetrics
+from .services.metrics import SAMPLE_EVERY, MetricsService, StoreMetrics, snapshot as metrics_snapshot
 from .storage.quarantine import QuarantinePlan, extend_torn_last_segment, file_kind
 from .recovery.recover import RecoveryReport, queues_with_records_before, recover
 from .storage.running_flags import RunningFlags
@@ -51,67 +54,47 @@ BLANK_UNIT_SIZE = 0x7FFFFFFF  # the size of a blank consume-queue unit (PRE_BLAN
 BLANK_LOOK_BACK = 65536  # units a get looks back over for the last one before a blank unit that names a record
 
 
-class StorePaths:
-    """Where each file of a store lives (RocketMQ's StorePathConfigHelper)."""
+class _InFiles:
+    """A MessageStore attribute that lives in its StoreFiles (one copy of each open file and table)."""
 
-    def __init__(self, root: str) -> None:
-        self.root = root
-        self.commitlog = os.path.join(root, "commitlog")
-        self.consumequeue = os.path.join(root, "consumequeue")
-        self.index = os.path.join(root, "index")
-        self.checkpoint = os.path.join(root, "checkpoint")
-        self.lock = os.path.join(root, "lock")
-        self.abort = os.path.join(root, "abort")
-        self.abort_bak = os.path.join(root, "abort.bak")
-        self.abort_boot = os.path.join(root, "abort.bootid")  # rocketstore: the OS boot the abort file is from
-        self.config = os.path.join(root, "config")
-        self.quarantine = os.path.join(root, "quarantine")
-        self.cq_rebuild = os.path.join(root, "consumequeue.rebuild")  # rocketstore: queues being rebuilt
-        self.repair_marker = os.path.join(root, "repair.json")  # rocketstore: a repair under way (repair.py)
-        self.index_rebuild = os.path.join(root, "index.rebuild")  # rocketstore: index entries being rebuilt
-        # rocketstore: every queue the store ever created, "topic/queueId" a line (missing is not empty)
-        self.queue_registry = os.path.join(root, "config", "consumeQueues.registry")
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name.lstrip("_")
 
+    def __get__(self, store: Any, owner: type | None = None) -> Any:
+        return self if store is None else getattr(store.files, self.name)
 
-def infer_config(root: str, base: StoreConfig | None = None) -> StoreConfig:
-    """The config an open of ``root`` uses (see :func:`geometry.store_config`): measured before files move."""
-    return store_config(root, base)
+    def __set__(self, store: Any, value: Any) -> None:
+        setattr(store.files, self.name, value)
 
 
 class MessageStore:
     """An open store.  Use :meth:`open`; it is a context manager."""
 
+    # The open files and the tables over them live in self.files (StoreFiles): one copy, given to the services.
+    paths, root, config, read_only, clock, sleep = (_InFiles() for _ in range(6))
+    running_flags, flush_error, commitlog, checkpoint, index_service, tier = (_InFiles() for _ in range(6))
+    topic_queue_table, queues_to_rebuild, recovery_report, _cq_table, _cq_lock = (_InFiles() for _ in range(5))
+
     def __init__(self, root: str, config: StoreConfig, *, read_only: bool = False,
                  clock: Callable[[], float] = time.time, start_services: bool = True,
                  disk_usage: Callable[[str], float] | None = None, sleep: Callable[[float], None] = time.sleep,
                  allow_quarantine: bool = False, repairing: bool = False) -> None:
-        self.paths = StorePaths(root)
-        self.sleep = sleep
-        self.root = root
-        self.config = config
-        self.read_only = read_only
+        self.files = StoreFiles(StorePaths(root), config, read_only=read_only, clock=clock, sleep=sleep)
+        self.files.on_new_queue = self._on_new_queue
+        self.files.apply_topic_retention = self.apply_topic_retention
         self.allow_quarantine = allow_quarantine
         self._quarantine = QuarantinePlan(root, allow_quarantine)  # carried out once loading has seen every file
-        self.queues_to_rebuild: list[str] = []  # "topic/queueId" that recovery refills from the commitlog
         self._registry: set[tuple[str, int]] | None = None  # the queues known to exist (paths.queue_registry)
-        self.clock = clock
-        self.running_flags = RunningFlags()
-        self.flush_error: str | None = None
         self.closed = False
         self._store_lock: StoreLock | None = None
-        self._cq_table: dict[tuple[str, int], ConsumeQueue] = {}
-        self._cq_lock = threading.Lock()
-        self.topic_queue_table: dict[tuple[str, int], int] = {}
         self._services: list[Any] = []
         self.reput: ReputMessageService | None = None
         self.group_commit: GroupCommitService | None = None
-        self.recovery_report: RecoveryReport | None = None
-        self.disk_guard = DiskGuard(self, disk_usage or disk_usage_ratio)
-        self.clean_service = CleanService(self)
+        self.disk_guard = DiskGuard(self.files, disk_usage or disk_usage_ratio)
+        self.clean_service = CleanService(self.files, self.disk_guard)
         self._ram = total_memory_bytes()
         self.metrics = StoreMetrics()
         self.encoder = MessageEncoder.for_config(config)
-        self.tier: TieredStorage | None = None
 
         if not os.path.isdir(root):
             if read_only:
@@ -277,7 +260,7 @@ class MessageStore:
                 index.truncate(start + 1, lambda off: self.commitlog.pickup_store_timestamp(off, 0))
             start = max(index.resume_offset(), self.commitlog.min_offset())
             from .services.dispatch import CommitLogDispatcher
-            dispatcher = CommitLogDispatcher(self)
+            dispatcher = CommitLogDispatcher(self.files)
             n = 0
             for off, _size, msg, problem in self.messages(start, read_body=False, skip_damaged=True):
                 if msg is None:
@@ -438,7 +421,7 @@ class MessageStore:
                 f.destroy()
             cq.close()
         from .services.dispatch import CommitLogDispatcher
-        dispatcher = CommitLogDispatcher(self)
+        dispatcher = CommitLogDispatcher(self.files)
         dispatched_before = self.checkpoint.logics_dispatched
         held = {}
         for (t, q) in self._cq_table:
@@ -465,7 +448,7 @@ class MessageStore:
         self.checkpoint.logics_dispatched = dispatched_before
         for cq in refilled:
             cq.pad_gaps = False
-        self.recover_topic_queue_table()
+        self.files.recover_topic_queue_table()
 
     def refill_from(self) -> int | None:
         """The commitlog offset from which recovery must offer every record: where the shortest queue being
@@ -525,15 +508,6 @@ class MessageStore:
                         self._on_bad_file(path, reason)
                 self._cq_table[(topic, int(qid))] = cq
 
-    def recover_topic_queue_table(self) -> None:
-        min_phy = self.commitlog.min_offset_with_tier()  # units whose records are in the tier stay readable
-        table = {}
-        for key, cq in self._cq_table.items():
-            table[key] = cq.max_offset_in_queue
-            cq.correct_min_offset(min_phy)
-        self.topic_queue_table = table
-        self.apply_topic_retention()
-
     def apply_topic_retention(self) -> dict[tuple[str, int], int]:
         """Per-topic logical retention (topicRetentionMs): advance a queue's minimum past messages older
         than its topic's limit.  Files are untouched; RocketMQ's rules still decide what is deleted."""
@@ -555,13 +529,14 @@ class MessageStore:
     def _start(self) -> None:
         cfg = self.config
         if cfg.flushDiskType == SYNC_FLUSH:
-            self.group_commit = GroupCommitService(self)
+            self.group_commit = GroupCommitService(self.files)
+            self.files.sync_flush = True
             self._services.append(self.group_commit)
         else:
-            self._services.append(FlushRealTimeService(self))
-        self.reput = ReputMessageService(self, self.commitlog.max_offset())
-        self._services += [self.reput, FlushConsumeQueueService(self), CheckpointService(self)]
-        self._services += [self.clean_service, DiskGuardService(self), MetricsService(self)]
+            self._services.append(FlushRealTimeService(self.files))
+        self.reput = ReputMessageService(self.files, self.commitlog.max_offset())
+        self._services += [self.reput, FlushConsumeQueueService(self.files), CheckpointService(self.files)]
+        self._services += [self.clean_service, DiskGuardService(self.disk_guard), MetricsService(self.root, self._metrics_snapshot)]
         if self.tier is not None:
             self._services.append(TierUploadService(self))
         if cfg.warmAheadBytes > 0:
@@ -585,49 +560,35 @@ class MessageStore:
 
     # ------------------------------------------------------------ queues
     def find_consume_queue(self, topic: str, queue_id: int) -> ConsumeQueue:
-        key = (topic, queue_id)
-        cq = self._cq_table.get(key)
-        if cq is None:
-            with self._cq_lock:
-                cq = self._cq_table.get(key)
-                if cq is None:
-                    cq = ConsumeQueue(self.paths.consumequeue, topic, queue_id, self.config.mappedFileSizeConsumeQueue,
-                                      read_only=self.read_only)
-                    if not self.read_only:
-                        os.makedirs(cq.directory, exist_ok=True)
-                    if self.recovery_report is None and f"{topic}/{queue_id}" in self.queues_to_rebuild:
-                        cq.pad_gaps = True  # refilled by recovery: each unit placed at its queue offset
-                    self._cq_table[key] = cq
-                    if self.recovery_report is not None and self._registry is not None and key not in self._registry:
-                        self._write_queue_registry()  # before its first unit: a lost directory is then noticed
-        return cq
+        return self.files.find_consume_queue(topic, queue_id)
+
+    def _on_new_queue(self, key: tuple[str, int]) -> None:
+        if self._registry is not None and key not in self._registry:
+            self._write_queue_registry()
 
     def consume_queues(self) -> list[ConsumeQueue]:
-        return list(self._cq_table.values())
+        return self.files.consume_queues()
 
     def queue_keys(self) -> list[tuple[str, int]]:
-        return sorted(self._cq_table)
+        return self.files.queue_keys()
 
     # ------------------------------------------------------------ offsets
     def min_phy_offset(self) -> int:
         """The first offset of the local segments."""
-        return self.commitlog.min_offset()
+        return self.files.min_phy_offset()
 
     def min_readable_offset(self) -> int:
         """The first offset a read can reach: the tier's start when a tier holds older segments."""
         return self.commitlog.min_offset_with_tier()
 
     def max_phy_offset(self) -> int:
-        return self.commitlog.max_offset()
-
-    def confirm_offset(self) -> int:
-        """How far the dispatcher may read: the max offset (async) or what is flushed (sync)."""
-        if self.group_commit is not None:
-            return self.commitlog.queue.flushed_where
-        return self.commitlog.max_offset()
+        return self.files.max_phy_offset()
 
     def dispatch_behind_bytes(self) -> int:
         return self.reput.behind() if self.reput else 0
+
+    def _metrics_snapshot(self) -> dict[str, Any]:
+        return metrics_snapshot(self.files, self.metrics, self.disk_guard, self.dispatch_behind_bytes())
 
     def wait_dispatched(self, timeout: float = 30.0) -> bool:
         """Block until the dispatcher has caught up with everything written so far."""
@@ -635,7 +596,7 @@ class MessageStore:
             return True
         if self.group_commit is not None:
             self.group_commit.wait_flushed(self.commitlog.max_offset(), timeout)
-        return self.reput.wait_dispatched(self.confirm_offset(), timeout)
+        return self.reput.wait_dispatched(self.files.confirm_offset(), timeout)
 
     def min_offset_in_queue(self, topic: str, queue_id: int) -> int:
         cq = self._cq_table.get((topic, queue_id))
@@ -777,30 +738,11 @@ class MessageStore:
         return result
 
     # ------------------------------------------------------------ flushing
-    def flush_commitlog(self, least_pages: int, thorough: bool) -> bool:
-        """One flush round of the commitlog; on an I/O error the store turns read-only."""
-        try:
-            done = self.commitlog.flush(least_pages)
-        except OSError as e:
-            self.flush_error = f"fdatasync of the commitlog failed: {os.strerror(e.errno or 0)} ({e})"
-            self.running_flags.make_not_writeable(self.flush_error)
-            log.error("%s: %s; store is now read-only", self.root, self.flush_error)
-            return False
-        if thorough and self.commitlog.queue.store_timestamp:
-            self.checkpoint.physicMsgTimestamp = self.commitlog.queue.store_timestamp
-        return done
-
-    def flush_checkpoint(self) -> None:
-        try:
-            self.checkpoint.flush()
-        except OSError as e:
-            log.error("%s: checkpoint flush failed: %s", self.paths.checkpoint, e)
-
     def _on_index_file_full(self, full: Any) -> None:
         def run() -> None:
             full.flush()
             self.checkpoint.indexMsgTimestamp = full.end_timestamp
-            self.flush_checkpoint()
+            self.files.flush_checkpoint()
         threading.Thread(target=run, name="IndexFlush", daemon=True).start()
 
     # ------------------------------------------------------------ retention
@@ -919,7 +861,7 @@ class MessageStore:
                                 idx -= 1                                                # could not know its size)
                                 full = True
                                 break
-                        elif seg is None and self.commitlog._in_tier(phy):  # uploaded, and gone from local disk
+                        elif seg is None and self.commitlog.in_tier(phy):  # uploaded, and gone from local disk
                             msg = self._tier_unit(phy, size, read_body, topic, topic_bytes, queue_id, idx - 1)
                         elif seg is None and phy < self.commitlog.min_offset():  # expired: its segment is gone
                             if not n:
@@ -1159,7 +1101,7 @@ class MessageStore:
                 if tag_filter is not None and _signed32(tags) not in tag_filter:
                     idx += 1
                     continue
-                if self.commitlog._in_tier(phy):
+                if self.commitlog.in_tier(phy):
                     msg = self._tier_unit(phy, size, read_body, topic, topic_bytes, queue_id, idx)
                 else:
                     msg = self.local_unit_record(phy, size, read_body, topic, topic_bytes, queue_id, idx)
@@ -1218,7 +1160,7 @@ class MessageStore:
         for off in offsets:
             f = self.commitlog.queue.find(off)
             if f is None or not f.hold():
-                if self.commitlog._in_tier(off):  # uploaded and gone from local disk
+                if self.commitlog.in_tier(off):  # uploaded and gone from local disk
                     m = self.commitlog.tier.reader.read_message(off, read_body=read_body, check_crc=read_body)
                     if m.topic == topic and (key == m.uniq_key or key in (m.keys or "").split(" ")):
                         msgs.append(m)
@@ -1360,20 +1302,8 @@ class MessageStore:
         return self.max_phy_offset() if best is None else max(best, self.min_readable_offset())
 
     def consumer_offsets(self, problems: list[str] | None = None) -> dict[tuple[str, int], int]:
-        """Lowest committed offset per queue over all groups, from RocketMQ's config/consumerOffset.json
-        (as the broker reads it: fastjson's unquoted keys too).
-
-        An entry of the wrong shape raises StoreLoadError naming it, or, given ``problems``
-        (retention's warnings), is described there and skipped."""
-        from .storage.consumer_offsets import ConsumerOffsetManager
-        from .storage.group_offsets import config_dir
-        manager = ConsumerOffsetManager(config_dir(self.root), strict=problems is None, problems=problems)
-        out: dict[tuple[str, int], int] = {}
-        for key, queues in manager.table.items():
-            topic = key.rsplit("@", 1)[0]
-            for qid, off in queues.items():
-                out[(topic, qid)] = min(out.get((topic, qid), off), off)
-        return out
+        """Lowest committed offset per queue over all groups (see consumer_offsets.lowest_committed_offsets)."""
+        return lowest_committed_offsets(self.paths.config, problems)
 
     def state(self) -> dict[str, Any]:
         queues = []
@@ -1417,9 +1347,9 @@ class MessageStore:
             clean = False
         try:
             if not self._services:  # no flusher ran: flush the queues, and let the checkpoint say so, here
-                FlushConsumeQueueService(self).run_once(force=True)
+                FlushConsumeQueueService(self.files).run_once(force=True)
             self.index_service.flush()
-            self.flush_checkpoint()
+            self.files.flush_checkpoint()
             self.commitlog.queue.discard_preallocated()
             if clean and os.path.exists(self.paths.abort):
                 os.unlink(self.paths.abort)

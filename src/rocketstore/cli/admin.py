@@ -20,11 +20,12 @@ from ..storage.consumer_offsets import read_json_lenient
 from .main import emit
 from .format import JSON, MESSAGE_COLUMNS, TABLE, add_format_flag, add_text_bodies_flag, message_json, \
 message_row, print_rows
-from .store import _nonneg, open_read_only
+from .store import nonneg, open_read_only
 from ..storage.consume_queue import LOWER
 from ..errors import CliError, CorruptRecordError, StoreLockedError
 from ..storage.group_offsets import read_offsets, updating_offsets
-from ..store import MessageStore, StorePaths
+from ..paths import StorePaths
+from ..store import MessageStore
 from ..storage.store_lock import StoreLock
 from .timeparse import time_arg
 
@@ -245,11 +246,11 @@ def register(sub: argparse._SubParsersAction) -> None:
             "while the store is open by a writer; atomic write)")
     p.add_argument("--group", required=True, help="consumer group whose offsets are set")
     p.add_argument("--topic", required=True, help="topic whose queues are set")
-    p.add_argument("--queue-id", type=_nonneg, help="only this queue (default: every queue of the topic)")
+    p.add_argument("--queue-id", type=nonneg, help="only this queue (default: every queue of the topic)")
     to = p.add_mutually_exclusive_group(required=True)
     to.add_argument("--to-time", type=time_arg, metavar="TIME",
                     help="first message stored at or after TIME (epoch ms, ISO-8601, or -1h style)")
-    to.add_argument("--to-offset", type=_nonneg, metavar="N", help="queue offset N (clamped to the queue's range)")
+    to.add_argument("--to-offset", type=nonneg, metavar="N", help="queue offset N (clamped to the queue's range)")
     to.add_argument("--to-earliest", action="store_true", help="each queue's first message")
     to.add_argument("--to-latest", action="store_true", help="each queue's end (skip everything stored)")
 

@@ -20,7 +20,7 @@ from ..store import MessageStore
 from .timeparse import time_arg
 
 
-def _nonneg(text: str) -> int:
+def nonneg(text: str) -> int:
     try:
         v = int(text)
     except ValueError:
@@ -31,7 +31,7 @@ def _nonneg(text: str) -> int:
 
 
 def _positive(text: str) -> int:
-    v = _nonneg(text)
+    v = nonneg(text)
     if v == 0:
         raise argparse.ArgumentTypeError("must be positive")
     return v
@@ -99,7 +99,7 @@ def selection_from_args(args: argparse.Namespace) -> Selection:
 def add_selection_flags(p: argparse.ArgumentParser) -> None:
     """The flags of selection_from_args (shared by dump and spark export)."""
     p.add_argument("--topic", help="only this topic")
-    p.add_argument("--max-messages", type=_nonneg, metavar="N", help="at most N messages")
+    p.add_argument("--max-messages", type=nonneg, metavar="N", help="at most N messages")
     p.add_argument("--max-bytes", type=_positive, metavar="N", help="stop once N bytes of records are taken")
     p.add_argument("--from-time", type=time_arg, metavar="TIME", help="store time to start at: epoch ms, ISO-8601 "
                    "or relative (-1h) (seeks through the consume queues)")
@@ -267,7 +267,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
 def cmd_retention(args: argparse.Namespace) -> int:
     from ..services.clean import retention_plan
     with open_read_only(args) as store:
-        plan = retention_plan(store)
+        plan = retention_plan(store.files, store.clean_service)
     if args.json:
         emit(plan)
         return 0
@@ -370,8 +370,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--skip-damaged", action="store_true", help="report each damaged record on stderr, resume at "
                    "the next intact record, and exit 1 if any was skipped")
     add_selection_flags(p)
-    p.add_argument("--from-offset", type=_nonneg, metavar="N", help="start at this commitlog offset")
-    p.add_argument("--limit", type=_nonneg, metavar="N", help="same as --max-messages")
+    p.add_argument("--from-offset", type=nonneg, metavar="N", help="start at this commitlog offset")
+    p.add_argument("--limit", type=nonneg, metavar="N", help="same as --max-messages")
     add_text_bodies_flag(p)
     p.add_argument("--follow", action="store_true", help="at the end, wait for and print new messages "
                    "(another process writes; stops at --to-time or the limits)")
@@ -383,8 +383,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = add("get", cmd_get, "read a consume queue (RocketMQ's getMessage)")
     p.add_argument("--topic", required=True, help="topic to read")
-    p.add_argument("--queue-id", type=_nonneg, required=True, metavar="Q", help="queue id within the topic")
-    p.add_argument("--offset", type=_nonneg, required=True, metavar="N", help="queue offset to start at")
+    p.add_argument("--queue-id", type=nonneg, required=True, metavar="Q", help="queue id within the topic")
+    p.add_argument("--offset", type=nonneg, required=True, metavar="N", help="queue offset to start at")
     p.add_argument("--max", type=_positive, default=32, metavar="N", help="at most N messages (default 32)")
     p.add_argument("--tags", help='tag filter, e.g. "TagA||TagB" or "*"')
     p.add_argument("--no-body", action="store_true", help="omit bodies")
@@ -405,7 +405,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = add("offset-by-time", cmd_offset_by_time, "queue offset for a store timestamp")
     p.add_argument("--topic", required=True, help="topic of the queue")
-    p.add_argument("--queue-id", type=_nonneg, required=True, metavar="Q", help="queue id within the topic")
+    p.add_argument("--queue-id", type=nonneg, required=True, metavar="Q", help="queue id within the topic")
     p.add_argument("--timestamp", type=time_arg, required=True, metavar="TIME",
                    help="store time: epoch ms, ISO-8601 or -1h style")
     p.add_argument("--boundary", choices=[LOWER, UPPER], default=LOWER,
@@ -421,7 +421,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add("put", cmd_put, "put one message and print the result (and the bytes the store's files reserve)",
             writes=True)
     p.add_argument("--topic", required=True, help="topic to put into")
-    p.add_argument("--queue-id", type=_nonneg, default=0, metavar="Q", help="queue id (default 0)")
+    p.add_argument("--queue-id", type=nonneg, default=0, metavar="Q", help="queue id (default 0)")
     p.add_argument("--tags", help="the message's tag")
     p.add_argument("--keys", help='space-separated keys, e.g. "k1 k2"')
     p.add_argument("--property", action="append", default=[], metavar="K=V", help="a user property (repeatable)")

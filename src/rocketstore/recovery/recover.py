@@ -138,7 +138,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
         if writable:
             for cq in store.consume_queues():
                 cq.queue.truncate_dirty(0)
-        store.recover_topic_queue_table()
+        store.files.recover_topic_queue_table()
         return report
     start_idx = _start_file(store, last_exit_ok, max_cq, min_cq, cp_start)
     if rebuild_from is not None:
@@ -325,7 +325,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     if writable:
         for cq in store.consume_queues():
             _check_rebuilt(cq, process, commitlog.min_offset(), report)
-    store.recover_topic_queue_table()
+    store.files.recover_topic_queue_table()
     if writable:
         _next_offsets_past_records(store, seen_qoff)
     report.seconds = time.monotonic() - t0

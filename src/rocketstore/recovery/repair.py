@@ -100,7 +100,9 @@ from ..errors import StoreError, StoreLoadError, StoreLockedError
 from ..storage.quarantine import extend_torn_last_segment, trusted_record_in
 from ..storage.index import IndexService
 from ..format.message import illegal_topic
-from ..store import MessageStore, StorePaths, infer_config
+from ..paths import StorePaths
+from ..storage.geometry import store_config
+from ..store import MessageStore
 from .verify import finding, resync, verify_store
 
 log = logging.getLogger(__name__)
@@ -502,10 +504,9 @@ def _probe_directory_lock(paths: StorePaths) -> None:
     """
     import fcntl
 
-    from ..storage.store_lock import _HELD, _HELD_LOCK
-    with _HELD_LOCK:
-        if os.path.realpath(paths.root) in _HELD:
-            return
+    from ..storage.store_lock import held_here
+    if held_here(paths.root):
+        return
     try:
         dir_fd = os.open(paths.root, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as e:
@@ -1013,8 +1014,8 @@ def _rebuild(paths: StorePaths, cfg: StoreConfig, marker: dict[str, Any], lock_f
         store.checkpoint.confirmPhyOffset = report.confirm_offset if report else 0
         if built["indexMsgTimestamp"]:
             store.checkpoint.indexMsgTimestamp = built["indexMsgTimestamp"]
-        store.flush_checkpoint()
-        store.recover_topic_queue_table()
+        store.files.flush_checkpoint()
+        store.files.recover_topic_queue_table()
     finally:
         store.close()
         if lock_fd is not None:  # the store's close dropped this process's record lock: hold it again
@@ -1080,7 +1081,7 @@ def _resume(paths: StorePaths, marker: dict[str, Any], config: StoreConfig | Non
     if marker["phase"] == "commitlog":
         _roll_back(paths, marker)
         return
-    cfg = infer_config(paths.root, config).inferred(**marker["geometry"])
+    cfg = store_config(paths.root, config).inferred(**marker["geometry"])
     if marker["phase"] == "rebuild":
         _rebuild(paths, cfg, marker, fd)
     else:
@@ -1139,7 +1140,7 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
     with _store_lock(paths, dry_run) as fd:
         if marker is not None:
             _resume(paths, marker, config, fd)
-        cfg = infer_config(path, config)  # by majority, before the files it is measured from are moved aside
+        cfg = store_config(path, config)  # by majority, before the files it is measured from are moved aside
         for _msg in tier_records(path, cfg):  # a tier holding records it cannot give: refused before any change
             pass
         if not dry_run:  # a torn last segment is extended, as an open would, before its records are walked

@@ -315,7 +315,7 @@ def _unreachable_entries(f: IndexFile) -> list[dict[str, Any]]:
     count, slots = f.index_count, f.slots
     if count <= 1:
         return []
-    mm, base = f.mm, f._entries_base
+    mm, base = f.mm, f.entries_base
     reached = bytearray(count)
     for s, (cur,) in enumerate(struct.iter_unpack(">i", mm[40:40 + 4 * slots])):
         while 0 < cur < count and not reached[cur]:

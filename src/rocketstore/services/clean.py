@@ -1,6 +1,6 @@
 """Retention: expired-file cleaning (CleanCommitLogService, CleanConsumeQueueService) and the disk guard.
 
-The clock (``store.clock``) and the disk reading (``store.disk_usage``) are
+The clock (``files.clock``) and the disk reading (``DiskGuard.usage``) are
 injectable, so every rule can be tested in milliseconds.  RocketMQ's rules:
 
 * a commitlog segment is expired when its mtime is older than fileReservedTime;
@@ -26,12 +26,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..storage.consumer_offsets import lowest_committed_offsets
 from ..storage.index import index_file_size
 from .base import ServiceThread
 
 if TYPE_CHECKING:
     from ..storage.mapped_file import MappedFile
-    from ..store import MessageStore
+    from ..storage.files import StoreFiles
 
 log = logging.getLogger(__name__)
 MANUAL_DELETE_ROUNDS = 20
@@ -74,10 +75,11 @@ class CleanService(ServiceThread):
 
     name = "CleanService"
 
-    def __init__(self, store: "MessageStore") -> None:
-        cfg = store.config
+    def __init__(self, files: "StoreFiles", disk_guard: "DiskGuard") -> None:
+        cfg = files.config
         super().__init__(interval=cfg.cleanResourceInterval / 1000, initial_delay=60.0)
-        self.store = store
+        self.files = files
+        self.disk_guard = disk_guard
         self.manual_delete_rounds = 0
         self.last_physical_min_offset = 0
         self._last_redelete = 0.0
@@ -92,13 +94,13 @@ class CleanService(ServiceThread):
         self.manual_delete_rounds = MANUAL_DELETE_ROUNDS
 
     def is_time_to_delete(self) -> bool:
-        hour = time.localtime(self.store.clock()).tm_hour
-        return any(int(h) == hour for h in self.store.config.deleteWhen.split(";") if h.strip())
+        hour = time.localtime(self.files.clock()).tm_hour
+        return any(int(h) == hour for h in self.files.config.deleteWhen.split(";") if h.strip())
 
     def clean_commitlog(self) -> list[str]:
-        store, cfg = self.store, self.store.config
+        files, cfg = self.files, self.files.config
         time_up = self.is_time_to_delete()
-        verdict = store.disk_guard.check()
+        verdict = self.disk_guard.check()
         manual = self.manual_delete_rounds > 0
         deleted: list[str] = []
         if time_up or verdict.space_to_delete or manual:
@@ -113,15 +115,15 @@ class CleanService(ServiceThread):
         return deleted
 
     def expired_ms(self) -> int:
-        return self.store.config.fileReservedTime * 3600 * 1000
+        return self.files.config.fileReservedTime * 3600 * 1000
 
     def delete_expired_commitlog_files(self, clean_immediately: bool) -> list[str]:
-        store, cfg = self.store, self.store.config
-        queue = store.commitlog.queue
-        now_ms = store.clock() * 1000
+        files, cfg = self.files, self.files.config
+        queue = files.commitlog.queue
+        now_ms = files.clock() * 1000
         deleted: list[MappedFile] = []
         candidates = queue.files[:-1]
-        tier = store.tier
+        tier = files.tier
         for i, f in enumerate(candidates):
             if not (clean_immediately or now_ms >= _mtime_ms(f.path) + self.expired_ms()):
                 break
@@ -130,23 +132,23 @@ class CleanService(ServiceThread):
                 # store read-only rather than lose it).
                 log.info("%s expired but is not in the tier %s yet; kept", f.path, tier.loc.uri)
                 break
-            if not f.destroy(cfg.destroyMapedFileIntervalForcibly, now=store.clock()):
+            if not f.destroy(cfg.destroyMapedFileIntervalForcibly, now=files.clock()):
                 break
             deleted.append(f)
             if len(deleted) >= cfg.deleteFileBatchMax:
                 break
             if i + 1 < len(candidates) and cfg.deleteCommitLogFilesInterval:
-                store.sleep(cfg.deleteCommitLogFilesInterval / 1000)
+                files.sleep(cfg.deleteCommitLogFilesInterval / 1000)
         queue.delete_files(deleted)
         return [f.path for f in deleted]
 
     def redelete_hanged_file(self) -> None:
-        store, cfg = self.store, self.store.config
-        now = store.clock()
+        files, cfg = self.files, self.files.config
+        now = files.clock()
         if (now - self._last_redelete) * 1000 < cfg.redeleteHangedFileInterval:
             return
         self._last_redelete = now
-        queue = store.commitlog.queue
+        queue = files.commitlog.queue
         first = queue.first()
         if first is not None and not first.available and first is not queue.last():
             if first.destroy(cfg.destroyMapedFileIntervalForcibly, now=now):
@@ -155,24 +157,24 @@ class CleanService(ServiceThread):
 
     # ------------------------------------------------------------ consume queues and index
     def clean_consume_queues(self) -> int:
-        store, cfg = self.store, self.store.config
-        store.apply_topic_retention()
-        m = store.commitlog.min_offset()
-        tier = store.tier
+        files, cfg = self.files, self.files.config
+        files.apply_topic_retention()
+        m = files.commitlog.min_offset()
+        tier = files.tier
         if tier is None:
             if m <= self.last_physical_min_offset:
                 return 0
             self.last_physical_min_offset = m
         n = 0
-        readable = store.commitlog.min_offset_with_tier()
-        for cq in store.consume_queues():
+        readable = files.commitlog.min_offset_with_tier()
+        for cq in files.consume_queues():
             gate = None if tier is None else \
                 (lambda name, last_phy, cq=cq: tier.has_queue_file(cq.topic, cq.queue_id, name, last_phy))
             d = cq.delete_expired_file(m, may_delete=gate, readable_min=readable)
             n += d
             if d and cfg.deleteConsumeQueueFilesInterval:
-                store.sleep(cfg.deleteConsumeQueueFilesInterval / 1000)
-        store.index_service.delete_expired_file(m, None if tier is None else tier.has_index_file)
+                files.sleep(cfg.deleteConsumeQueueFilesInterval / 1000)
+        files.index_service.delete_expired_file(m, None if tier is None else tier.has_index_file)
         return n
 
 
@@ -186,24 +188,24 @@ def _mtime_ms(path: str) -> float:
 class DiskGuard:
     """Reads disk usage and sets or clears DISK_FULL, naming the rule and the numbers."""
 
-    def __init__(self, store: "MessageStore", usage: Callable[[str], float] = disk_usage_ratio,
+    def __init__(self, files: "StoreFiles", usage: Callable[[str], float] = disk_usage_ratio,
                  free_bytes: Callable[[str], int] = disk_free_bytes) -> None:
-        self.store = store
+        self.files = files
         self.usage = usage
         self.free_bytes = free_bytes
         self.last: DiskVerdict | None = None
 
     def thresholds(self) -> dict[str, float]:
-        cfg = self.store.config
+        cfg = self.files.config
         return {"warning": min(max(cfg.diskSpaceWarningLevelRatio / 100, 0.35), 0.90),
                 "forcibly": min(max(cfg.diskSpaceCleanForciblyRatio / 100, 0.30), 0.85),
                 "max": min(max(cfg.diskMaxUsedSpaceRatio, 10), 95) / 100}
 
     def check(self) -> DiskVerdict:
-        store, cfg = self.store, self.store.config
+        files, cfg = self.files, self.files.config
         th = self.thresholds()
-        p = self.usage(store.paths.commitlog)
-        q = self.usage(store.paths.consumequeue)
+        p = self.usage(files.paths.commitlog)
+        q = self.usage(files.paths.consumequeue)
         reason = None
         clean_now = False
         for label, ratio in (("commitlog", p), ("consumequeue", q)):
@@ -215,19 +217,19 @@ class DiskGuard:
                 clean_now = True
         needs = self.space_needed()
         needed = sum(needs.values())
-        free = self.free_bytes(store.paths.commitlog) if needed else -1
+        free = self.free_bytes(files.paths.commitlog) if needed else -1
         if 0 <= free < needed:
             reason = reason or (f"disk has {free} bytes free < {needed} needed ("
                                 + " + ".join(f"{k} {v}" for k, v in needs.items()) + ")")
             if free < cfg.diskMinFreeBytes:  # only the configured floor also deletes files early
                 clean_now = True
         if reason:
-            if not store.running_flags.is_disk_full():
-                log.warning("%s: refusing puts: %s", store.root, reason)
-            store.running_flags.make_disk_full(reason)
-        elif store.running_flags.is_disk_full():
-            store.running_flags.clear_disk_full()
-            log.info("%s: disk has space again (%.1f %% used); accepting puts", store.root, p * 100)
+            if not files.running_flags.is_disk_full():
+                log.warning("%s: refusing puts: %s", files.root, reason)
+            files.running_flags.make_disk_full(reason)
+        elif files.running_flags.is_disk_full():
+            files.running_flags.clear_disk_full()
+            log.info("%s: disk has space again (%.1f %% used); accepting puts", files.root, p * 100)
         space = clean_now or p < 0 or p > th["max"] or q < 0 or q > th["max"]
         self.last = DiskVerdict(p, clean_now, space, reason, free, needed)
         return self.last
@@ -235,9 +237,9 @@ class DiskGuard:
     def space_needed(self) -> dict[str, int]:
         """Free bytes the store needs before it fills the files it has: the next commitlog segment (unless
         already made ahead), the next index file (made whole, even on a small disk) and diskMinFreeBytes."""
-        store, cfg = self.store, self.store.config
+        files, cfg = self.files, self.files.config
         needs = {}
-        if not store.commitlog.queue.next_file_reserved():
+        if not files.commitlog.queue.next_file_reserved():
             needs["next commitlog segment"] = cfg.mappedFileSizeCommitLog
         if cfg.messageIndexEnable:
             needs["next index file"] = index_file_size(cfg.maxHashSlotNum, cfg.maxIndexNum)
@@ -258,33 +260,32 @@ class DiskGuardService(ServiceThread):
 
     name = "DiskGuardService"
 
-    def __init__(self, store: "MessageStore", interval: float = 1.0) -> None:
+    def __init__(self, disk_guard: DiskGuard, interval: float = 1.0) -> None:
         super().__init__(interval=interval)
-        self.store = store
+        self.disk_guard = disk_guard
 
     def run_once(self) -> None:
-        self.store.disk_guard.check()
+        self.disk_guard.check()
 
 
-def retention_plan(store: "MessageStore") -> dict[str, Any]:
+def retention_plan(files: "StoreFiles", clean: CleanService) -> dict[str, Any]:
     """Dry run of the commitlog cleaner: each segment's age and whether (and by which rule) it would go now."""
-    cfg = store.config
-    clean = store.clean_service
-    guard = store.disk_guard
+    cfg = files.config
+    guard = clean.disk_guard
     th = guard.thresholds()
-    ratio = guard.usage(store.paths.commitlog)
+    ratio = guard.usage(files.paths.commitlog)
     time_up = clean.is_time_to_delete()
     forcibly = cfg.cleanFileForciblyEnable and ratio > th["forcibly"]
     space = ratio < 0 or ratio > th["max"] or forcibly
-    now_ms = store.clock() * 1000
-    files = store.commitlog.queue.files
+    now_ms = files.clock() * 1000
+    segs = files.commitlog.queue.files
     segments = []
     stopped = False
     deleted = 0
-    for i, f in enumerate(files):
+    for i, f in enumerate(segs):
         age_h = (now_ms - _mtime_ms(f.path)) / 3600000
         expired = now_ms >= _mtime_ms(f.path) + clean.expired_ms()
-        if i == len(files) - 1:
+        if i == len(segs) - 1:
             would, reason = False, "last segment is never deleted"
         elif stopped:
             would, reason = False, "an earlier segment is kept, and deletion never leaves holes"
@@ -309,20 +310,20 @@ def retention_plan(store: "MessageStore") -> dict[str, Any]:
         segments.append({"file": f.path, "fromOffset": f.file_from_offset, "size": f.file_size,
                          "ageHours": round(age_h, 2), "expired": expired, "wouldDelete": would, "reason": reason})
     warnings: list[str] = []
-    consumed_at = store.consumer_offsets(warnings)
+    consumed_at = lowest_committed_offsets(files.paths.config, warnings)
     doomed_end = max((s["fromOffset"] + s["size"] for s in segments if s["wouldDelete"]), default=-1)
     if doomed_end > 0:
         for (topic, qid), consumed in consumed_at.items():
-            cq = store._cq_table.get((topic, qid))
+            cq = files.cq_table.get((topic, qid))
             unit = cq.get_unit(consumed) if cq else None
             if unit is not None and unit[0] < doomed_end:
                 warnings.append(f"{topic}-{qid}: a consumer group is at offset {consumed}, whose message "
                                 f"(commitlog {unit[0]}) is in a segment that would be deleted")
     topics = []
     limits = cfg.topic_retention()
-    for (topic, qid) in store.queue_keys():
+    for (topic, qid) in files.queue_keys():
         if topic in limits:
-            cq = store.find_consume_queue(topic, qid)
+            cq = files.find_consume_queue(topic, qid)
             physical = cq.physical_min_offset
             logical = cq.min_offset_in_queue
             topics.append({"topic": topic, "queueId": qid, "topicRetentionMs": limits[topic],

@@ -25,7 +25,7 @@ from .base import ServiceThread
 
 if TYPE_CHECKING:
     from ..storage.index import IndexService
-    from ..store import MessageStore
+    from ..storage.files import StoreFiles
 
 log = logging.getLogger(__name__)
 
@@ -59,15 +59,15 @@ class CommitLogDispatcher:
     TAGS, KEYS, UNIQ_KEY), as RocketMQ's DispatchRequest does.
     """
 
-    def __init__(self, store: "MessageStore") -> None:
-        self.store = store
+    def __init__(self, files: "StoreFiles") -> None:
+        self.files = files
         self._queue_topics: set[str] = set()  # topics seen to be legal directory names
         self._tags_code = MessageEncoder().tags_code  # (cached per tags string)
 
     def dispatch(self, msg: MessageExt, index: bool = True, queue: bool = True) -> None:
         """Apply one record; ``index=False`` builds only the consume queue (duplicates are skipped there),
         ``queue=False`` only the index (recovery re-indexing records their queues hold)."""
-        store = self.store
+        files = self.files
         props = msg.properties
         txn = msg.sys_flag & codec.TRANSACTION_MASK
         if queue and (txn == codec.TRANSACTION_NOT_TYPE or txn == codec.TRANSACTION_COMMIT) and \
@@ -77,15 +77,15 @@ class CommitLogDispatcher:
                 code = codec.dispatch_tags_code(msg.topic, props, msg.store_timestamp)
             else:
                 code = self._tags_code(tags) if tags else 0
-            cq = store.find_consume_queue(msg.topic, msg.queue_id)
+            cq = files.find_consume_queue(msg.topic, msg.queue_id)
             cq.put_unit(msg.commit_log_offset, msg.size, code, msg.queue_offset)
-            store.checkpoint.logics_dispatched = msg.store_timestamp
-        if index and store.config.messageIndexEnable and store.index_service.missed_from is None:
+            files.checkpoint.logics_dispatched = msg.store_timestamp
+        if index and files.config.messageIndexEnable and files.index_service.missed_from is None:
             try:
-                store.index_service.build_index(msg.topic, msg.commit_log_offset, msg.store_timestamp, txn,
+                files.index_service.build_index(msg.topic, msg.commit_log_offset, msg.store_timestamp, txn,
                                                 props.get("UNIQ_KEY"), props.get("KEYS"))
             except OSError as e:
-                note_index_failure(store.index_service, msg.commit_log_offset, msg.store_timestamp, e)
+                note_index_failure(files.index_service, msg.commit_log_offset, msg.store_timestamp, e)
 
     def _queue_topic_ok(self, msg: MessageExt) -> bool:
         """Whether the record's topic can name a consume-queue directory; a record whose topic bytes are
@@ -128,11 +128,11 @@ class ReputMessageService(ServiceThread):
 
     name = "ReputMessageService"
 
-    def __init__(self, store: "MessageStore", from_offset: int, interval: float = 0.001) -> None:
+    def __init__(self, files: "StoreFiles", from_offset: int, interval: float = 0.001) -> None:
         super().__init__(interval=interval)
-        self.store = store
+        self.files = files
         self.reput_from_offset = from_offset
-        self.dispatcher = CommitLogDispatcher(store)
+        self.dispatcher = CommitLogDispatcher(files)
         self.caught_up = threading.Condition()
         self.handed_over: deque[tuple] = deque()
         # What the put path knows of a record it appended, called under the put lock in commitlog order
@@ -143,7 +143,7 @@ class ReputMessageService(ServiceThread):
         self.assisted = False  # an assistant calls dispatch_ready after its puts (the broker's loop)
 
     def behind(self) -> int:
-        return max(0, self.store.confirm_offset() - self.reput_from_offset)
+        return max(0, self.files.confirm_offset() - self.reput_from_offset)
 
     def wait_for_running(self, timeout: float) -> None:
         super().wait_for_running(max(timeout, ASSISTED_INTERVAL) if self.assisted else timeout)
@@ -165,16 +165,16 @@ class ReputMessageService(ServiceThread):
             self.wakeup()
             return False
         try:
-            store = self.store
-            index = store.index_service if store.config.messageIndexEnable else None
+            files = self.files
+            index = files.index_service if files.config.messageIndexEnable else None
             if index is not None and not index.lock.acquire(blocking=False):
                 self.wakeup()  # a flush or a cleaner has it: the service waits for it, not the caller
                 return False
             try:
-                end = store.confirm_offset()
+                end = files.confirm_offset()
                 pending = self.handed_over
                 done = False
-                if self.reput_from_offset >= store.commitlog.min_offset() and \
+                if self.reput_from_offset >= files.commitlog.min_offset() and \
                         (index is None or index.missed_from is None):
                     while pending and pending[0][0] < self.reput_from_offset:
                         pending.popleft()  # already dispatched from the log
@@ -193,13 +193,13 @@ class ReputMessageService(ServiceThread):
         return done
 
     def _run_round(self) -> None:
-        store = self.store
-        commitlog = store.commitlog
+        files = self.files
+        commitlog = files.commitlog
         if self.reput_from_offset < commitlog.min_offset():
             self.reput_from_offset = commitlog.min_offset()
-        if store.index_service.missed_from is not None and time.monotonic() >= self._index_retry_at:
+        if files.index_service.missed_from is not None and time.monotonic() >= self._index_retry_at:
             self._index_catch_up()
-        end = store.confirm_offset()
+        end = files.confirm_offset()
         progressed = False
         pending = self.handed_over
         while self.reput_from_offset < end and not self.stopped:
@@ -226,8 +226,8 @@ class ReputMessageService(ServiceThread):
         ``quick`` (dispatch_ready) stops before a put that needs a new queue
         or file, or that does not continue its queue's last unit.
         """
-        store = self.store
-        index = store.index_service if store.config.messageIndexEnable else None
+        files = self.files
+        index = files.index_service if files.config.messageIndexEnable else None
         if index is not None and index.missed_from is not None:
             index = None  # the catch-up indexes these records, in commitlog order
         expected = self.reput_from_offset
@@ -250,7 +250,7 @@ class ReputMessageService(ServiceThread):
             if quick:
                 if qoff >= 0:
                     key = (topic, qid)
-                    cq = store._cq_table.get(key)
+                    cq = files.cq_table.get(key)
                     f = None if cq is None else cq.queue.last()
                     if f is None:
                         break
@@ -295,18 +295,18 @@ class ReputMessageService(ServiceThread):
         if offsets:
             self._put_units(run_key, offsets, sizes, codes, run_first)
         if last_ts is not None:
-            store.checkpoint.logics_dispatched = last_ts
+            files.checkpoint.logics_dispatched = last_ts
         done = expected != self.reput_from_offset
         self.reput_from_offset = expected
         return done
 
     def _put_units(self, key: tuple[str, int], offsets: list[int], sizes: list[int], codes: list[int],
                    first_qoff: int) -> None:
-        cq = self.store._cq_table.get(key) or self.store.find_consume_queue(*key)
+        cq = self.files.cq_table.get(key) or self.files.find_consume_queue(*key)
         cq.put_units(offsets, sizes, codes, first_qoff)
 
     def _dispatch_from_log(self, end: int) -> bool:
-        commitlog = self.store.commitlog
+        commitlog = self.files.commitlog
         f = commitlog.queue.find(self.reput_from_offset)
         if f is None or not f.hold():
             return False
@@ -344,9 +344,9 @@ class ReputMessageService(ServiceThread):
         Runs in the dispatch thread, a slice at a time; live dispatch leaves the index alone until the
         catch-up reaches it, so every record is indexed once and in order.
         """
-        store = self.store
-        index = store.index_service
-        commitlog = store.commitlog
+        files = self.files
+        index = files.index_service
+        commitlog = files.commitlog
         at = max(index.missed_from or 0, commitlog.min_offset())
         start, end = at, self.reput_from_offset
         deadline = time.monotonic() + CATCH_UP_SLICE_S

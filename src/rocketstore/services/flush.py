@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from .base import ServiceThread
 
 if TYPE_CHECKING:
-    from ..store import MessageStore
+    from ..storage.files import StoreFiles
 
 log = logging.getLogger(__name__)
 
@@ -26,22 +26,22 @@ class FlushRealTimeService(ServiceThread):
 
     name = "FlushRealTimeService"
 
-    def __init__(self, store: "MessageStore") -> None:
-        super().__init__(interval=store.config.flushIntervalCommitLog / 1000)
-        self.store = store
+    def __init__(self, files: "StoreFiles") -> None:
+        super().__init__(interval=files.config.flushIntervalCommitLog / 1000)
+        self.files = files
         self.last_thorough = 0.0
 
     def run_once(self) -> None:
-        cfg = self.store.config
+        cfg = self.files.config
         now = time.monotonic()
         thorough = (now - self.last_thorough) * 1000 >= cfg.flushCommitLogThoroughInterval
         if thorough:
             self.last_thorough = now
-        self.store.flush_commitlog(0 if thorough else cfg.flushCommitLogLeastPages, thorough)
+        self.files.flush_commitlog(0 if thorough else cfg.flushCommitLogLeastPages, thorough)
 
     def on_shutdown(self) -> None:
         for _ in range(10):
-            if self.store.flush_commitlog(0, True):
+            if self.files.flush_commitlog(0, True):
                 break
 
 
@@ -62,9 +62,9 @@ class GroupCommitService(ServiceThread):
 
     name = "GroupCommitService"
 
-    def __init__(self, store: "MessageStore") -> None:
+    def __init__(self, files: "StoreFiles") -> None:
         super().__init__(interval=0.01)
-        self.store = store
+        self.files = files
         self._lock = threading.Lock()  # guards _flushing and _parked
         self._flushing = False
         self._parked: list[tuple[int, threading.Lock]] = []  # (offset to be durable, the producer's parking lock)
@@ -74,7 +74,7 @@ class GroupCommitService(ServiceThread):
 
     def wait_flushed(self, next_offset: int, timeout: float) -> bool:
         """Block until the log is durable up to ``next_offset``; False on timeout or a flush error."""
-        queue = self.store.commitlog.queue
+        queue = self.files.commitlog.queue
         deadline = time.monotonic() + timeout
         while queue.flushed_where < next_offset and not self.failed:
             with self._lock:
@@ -88,7 +88,7 @@ class GroupCommitService(ServiceThread):
                     park.acquire()
                     self._parked.append((next_offset, park))
             if lead:
-                self._flush_up_to(self.store.commitlog.max_offset())
+                self._flush_up_to(self.files.commitlog.max_offset())
             elif not self._park(next_offset, park, deadline):
                 return False
         return not self.failed and queue.flushed_where >= next_offset
@@ -119,13 +119,13 @@ class GroupCommitService(ServiceThread):
 
     def _flush_up_to(self, target: int) -> None:
         """Flush as the leader (``_flushing`` is set), then wake the producers it covered, one after another."""
-        store = self.store
-        queue = store.commitlog.queue
+        files = self.files
+        queue = files.commitlog.queue
         try:
             for _ in range(1000):
                 if queue.flushed_where >= target:
                     break
-                if not store.flush_commitlog(0, True) and store.flush_error:
+                if not files.flush_commitlog(0, True) and files.flush_error:
                     self.failed = True
                     break
         finally:
@@ -140,7 +140,7 @@ class GroupCommitService(ServiceThread):
             self._wake_next()
 
     def run_once(self) -> None:
-        if self.store.commitlog.queue.flushed_where >= self._wanted:
+        if self.files.commitlog.queue.flushed_where >= self._wanted:
             return
         with self._lock:
             if self._flushing:
@@ -149,7 +149,7 @@ class GroupCommitService(ServiceThread):
         self._flush_up_to(self._wanted)
 
     def on_shutdown(self) -> None:
-        self._wanted = self.store.commitlog.max_offset()
+        self._wanted = self.files.commitlog.max_offset()
         self.run_once()
 
 
@@ -163,30 +163,30 @@ class FlushConsumeQueueService(ServiceThread):
 
     name = "FlushConsumeQueueService"
 
-    def __init__(self, store: "MessageStore") -> None:
-        super().__init__(interval=store.config.flushIntervalConsumeQueue / 1000)
-        self.store = store
+    def __init__(self, files: "StoreFiles") -> None:
+        super().__init__(interval=files.config.flushIntervalConsumeQueue / 1000)
+        self.files = files
         self.last_thorough = 0.0
 
     def run_once(self, force: bool = False) -> None:
-        cfg = self.store.config
+        cfg = self.files.config
         now = time.monotonic()
         thorough = force or (now - self.last_thorough) * 1000 >= cfg.flushConsumeQueueThoroughInterval
         if thorough:
             self.last_thorough = now
-        checkpoint = self.store.checkpoint
+        checkpoint = self.files.checkpoint
         dispatched = checkpoint.logics_dispatched  # read first: every unit up to it is in the queues' maps
-        index = self.store.index_service
+        index = self.files.index_service
         if index.missed_from is not None:  # records the index missed: a crash must recover from them on
             dispatched = min(dispatched, index.missed_ts)
-        for cq in self.store.consume_queues():
+        for cq in self.files.consume_queues():
             cq.flush(0 if thorough else cfg.flushConsumeQueueLeastPages)
             if thorough:
                 cq.flush_dirty()  # every file with unsynced units, wherever the queue's flush point is
         if thorough:  # every queue is flushed whole: the checkpoint may say so
             if dispatched > checkpoint.logicsMsgTimestamp:
                 checkpoint.logicsMsgTimestamp = dispatched
-            self.store.flush_checkpoint()
+            self.files.flush_checkpoint()
 
     def on_shutdown(self) -> None:
         self.run_once(force=True)
@@ -197,9 +197,9 @@ class CheckpointService(ServiceThread):
 
     name = "StoreCheckpointService"
 
-    def __init__(self, store: "MessageStore") -> None:
+    def __init__(self, files: "StoreFiles") -> None:
         super().__init__(interval=1.0, initial_delay=1.0)
-        self.store = store
+        self.files = files
 
     def run_once(self) -> None:
-        self.store.flush_checkpoint()
+        self.files.flush_checkpoint()

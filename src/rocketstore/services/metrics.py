@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .base import ServiceThread
 
 if TYPE_CHECKING:
-    from ..store import MessageStore
+    from ..storage.files import StoreFiles
+    from .clean import DiskGuard
 
 RING = 8192  # a power of two: the slot of sample n is n & (RING - 1)
 SAMPLE_EVERY = 16  # a power of two: put n is timed when n & (SAMPLE_EVERY - 1) == 0
@@ -61,17 +62,18 @@ class StoreMetrics:
         self.put_latency.n += 1
 
 
-def snapshot(store: "MessageStore") -> dict[str, Any]:
-    m = store.metrics
-    max_phy = store.max_phy_offset()
+def snapshot(files: "StoreFiles", m: StoreMetrics, disk_guard: "DiskGuard", dispatch_behind_bytes: int
+             ) -> dict[str, Any]:
+    """What metrics.json holds: the put counters and latencies, flush and dispatch lag, the disk, the flags."""
+    max_phy = files.max_phy_offset()
     return {
         "time": int(time.time() * 1000), "pid": os.getpid(), "pidStartTicks": process_start_ticks(os.getpid()),
         "uptimeSeconds": round(time.time() - m.started, 1),
         "puts": m.puts, "putLatency": m.put_latency.percentiles(), "lockHold": m.lock_hold.percentiles(),
-        "maxPhyOffset": max_phy, "flushLagBytes": max(0, max_phy - store.commitlog.queue.flushed_where),
-        "dispatchBehindBytes": store.dispatch_behind_bytes(), "disk": store.disk_guard.to_json(),
-        "writeable": store.running_flags.is_writeable(), "notWriteableReason": store.running_flags.why_not_writeable(),
-        "indexError": store.index_service.build_error,
+        "maxPhyOffset": max_phy, "flushLagBytes": max(0, max_phy - files.commitlog.queue.flushed_where),
+        "dispatchBehindBytes": dispatch_behind_bytes, "disk": disk_guard.to_json(),
+        "writeable": files.running_flags.is_writeable(), "notWriteableReason": files.running_flags.why_not_writeable(),
+        "indexError": files.index_service.build_error,
     }
 
 
@@ -84,20 +86,21 @@ class MetricsService(ServiceThread):
 
     name = "MetricsService"
 
-    def __init__(self, store: "MessageStore") -> None:
+    def __init__(self, root: str, take_snapshot: Callable[[], dict[str, Any]]) -> None:
         super().__init__(interval=1.0)
-        self.store = store
+        self.root = root
+        self.take_snapshot = take_snapshot
 
     def run_once(self) -> None:
-        path = metrics_path(self.store.root)
+        path = metrics_path(self.root)
         tmp = path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(snapshot(self.store), fh)
+            json.dump(self.take_snapshot(), fh)
         os.replace(tmp, path)
 
     def on_shutdown(self) -> None:
         try:
-            os.unlink(metrics_path(self.store.root))
+            os.unlink(metrics_path(self.root))
         except FileNotFoundError:
             pass
 

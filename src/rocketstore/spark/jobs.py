@@ -23,7 +23,8 @@ from typing import Any
 from ..format import codec
 from ..errors import StoreError
 from ..selection import Selection
-from ..store import MessageStore, StorePaths
+from ..paths import StorePaths
+from ..store import MessageStore
 from ..storage.store_lock import StoreLock
 
 log = logging.getLogger(__name__)
@@ -201,7 +202,7 @@ def rebuild(spark: Any, store_path: str, config: Any = None) -> dict[str, Any]:
         work = os.path.join(root, f".rebuild-{int(time.time() * 1000)}")
         os.makedirs(work)
         try:
-            target = _RebuildTarget(config, os.path.join(work, "consumequeue"), os.path.join(work, "index"))
+            target = _RebuildTarget(config, StorePaths(work).consumequeue, StorePaths(work).index)
             os.makedirs(target.cq_root)
             dispatcher = CommitLogDispatcher(target)  # type: ignore[arg-type]
             records = 0
@@ -349,7 +350,7 @@ def import_files(spark: Any, source: str, store_path: str, *, fmt: str = "parque
 
 
 def _max_offset(root: str) -> int:
-    if not os.path.isdir(os.path.join(root, "commitlog")):
+    if not os.path.isdir(StorePaths(root).commitlog):
         return 0
     with MessageStore.open(root, read_only=True) as store:
         return store.max_phy_offset()

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from ..paths import StorePaths
 from ..format import codec
 from ..storage.consume_queue import CQ_STORE_UNIT_SIZE
 from ..errors import StoreError, StoreLoadError
@@ -106,7 +107,7 @@ def store_roots(options: dict[str, str]) -> list[str]:
 
 
 def open_read_only(root: str) -> MessageStore:
-    if not os.path.isdir(os.path.join(root, "commitlog")):
+    if not os.path.isdir(StorePaths(root).commitlog):
         raise StoreLoadError(f"{root}: not a message store (no commitlog directory)")
     return MessageStore.open(root, read_only=True)
 
@@ -234,7 +235,7 @@ def plan_scan(root: str, flt: RowFilter, *, report: PlanReport | None = None,
             raise StoreLoadError(f"{root}: a tier URI needs its options (objectStoreEndpoint ...)")
         local: list[SegmentInfo] = []
     else:
-        if not os.path.isdir(os.path.join(root, "commitlog")):
+        if not os.path.isdir(StorePaths(root).commitlog):
             if not os.path.exists(root):
                 raise StoreLoadError(f"{root}: no such store directory")
             raise StoreLoadError(f"{root}: not a message store (no commitlog directory)")
@@ -372,7 +373,7 @@ def queue_slices(root: str, segs: list[SegmentInfo]) -> dict[int, list[tuple[str
     The executors read these slices instead of walking the record headers and
     check them against the records (:func:`segment.positions_from_queues`).
     """
-    cq_root = os.path.join(root, "consumequeue")
+    cq_root = StorePaths(root).consumequeue
     if not segs or not os.path.isdir(cq_root):
         return {}
     out: dict[int, list[tuple[str, int, int, int]]] = {}
@@ -505,7 +506,7 @@ def _boundary(s: SegmentInfo, offset: int, part: TierPart | None = None) -> tupl
 # ---------------------------------------------------------------- live ends (streaming)
 
 def _segment_files(root: str) -> list[tuple[int, str]]:
-    d = os.path.join(root, "commitlog")
+    d = StorePaths(root).commitlog
     try:
         names = sorted(n for n in os.listdir(d) if len(n) == 20 and n.isdigit())
     except FileNotFoundError:

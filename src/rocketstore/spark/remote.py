@@ -38,7 +38,8 @@ from ..config import read_conf_file
 from ..errors import StoreError, StoreLoadError
 from ..storage.geometry import STORE_CONF
 from ..tier.manifest import MANIFEST, TierManifest
-from ..tier.objectstore import ObjectStore, TierLocation
+from ..config import TierLocation
+from ..tier.objectstore import ObjectStore
 from ..tier.reader import TierReader
 from ..tier.tiered import STORE_ID_FILE
 from .segment import Segment

@@ -465,8 +465,8 @@ class RocketStoreWriter(DataSourceArrowWriter):
         check_columns(schema.fieldNames(), self.opts.topic)
         cfg = self.opts.store_config()
         if os.path.isdir(self.root):
-            from ..store import infer_config
-            cfg = infer_config(self.root, cfg)  # the store's broker.conf, and an existing store's measured geometry
+            from ..storage.geometry import store_config
+            cfg = store_config(self.root, cfg)  # the store's broker.conf, and an existing store's measured geometry
         cfg = cfg or StoreConfig()
         self.max_message_size = cfg.maxMessageSize
         self.segment_size = cfg.mappedFileSizeCommitLog

@@ -13,15 +13,23 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 from ..format import codec
 from ..format.codec import BLANK_RECORD_SIZE, EncodedRecord, MessageExt
 from ..errors import CommitLogWriteError, CorruptRecordError
 from .mapped_file import MappedFile, MappedFileQueue
-from ..services.warm_ahead import WarmAheadService
 
 log = logging.getLogger(__name__)
+
+
+class Warmer(Protocol):
+    """What the commitlog asks of a warm-ahead thread (services.warm_ahead): wake it once the writes pass
+    ``wake_at``.  A protocol, so the file layer names no service."""
+
+    wake_at: int
+
+    def wake(self) -> None: ...
 
 
 # What CommitLog.append returns: (first record's offset, bytes written, store timestamp, each record's offset).
@@ -47,7 +55,7 @@ class CommitLog:
         # SYNC_FLUSH writes every record with pwritev: each put lands in the page the last fdatasync has just
         # cleaned, and a store through the map would take a write-protect fault there every time.
         self.gather_min_bytes = 0 if gather_all else GATHER_MIN_BYTES
-        self.warmer: WarmAheadService | None = None  # set by the store when warmAheadBytes > 0
+        self.warmer: Warmer | None = None  # set by the store when warmAheadBytes > 0
         self.tier: Any = None  # the store's TieredStorage: offsets below the local minimum are read there
 
     def load(self, on_bad_file=None) -> None:
@@ -137,7 +145,7 @@ class CommitLog:
         """Decode the record at ``offset``; raises CorruptRecordError naming file and offset."""
         f = self.queue.find(offset)
         if f is None or not f.hold():
-            if self._in_tier(offset):  # uploaded, and gone from local disk
+            if self.in_tier(offset):  # uploaded, and gone from local disk
                 return self.tier.reader.read_message(offset, read_body=read_body, check_crc=check_crc)
             raise CorruptRecordError(f"commitlog offset {offset} is not in any segment of {self.directory}")
         try:
@@ -149,7 +157,7 @@ class CommitLog:
         finally:
             f.release()
 
-    def _in_tier(self, offset: int) -> bool:
+    def in_tier(self, offset: int) -> bool:
         """Whether ``offset`` lies below the local segments, in the tier."""
         t = self.tier
         return t is not None and t.reader is not None and t.holds(offset) and \
@@ -165,7 +173,7 @@ class CommitLog:
         return local
 
     def pickup_store_timestamp(self, offset: int, size: int) -> int:
-        if self._in_tier(offset):
+        if self.in_tier(offset):
             try:
                 return self.tier.reader.store_timestamp(offset)
             except (CorruptRecordError, OSError):
@@ -191,7 +199,7 @@ class CommitLog:
         files = list(self.queue.files)
         if from_offset < 0:
             from_offset = self.min_offset_with_tier()
-        if self._in_tier(from_offset):
+        if self.in_tier(from_offset):
             local_min = self.min_offset() if files else self.tier.manifest.end_offset
             last = None
             for item in self.tier.reader.scan(from_offset, local_min if end is None else min(end, local_min),

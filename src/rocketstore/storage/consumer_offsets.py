@@ -117,3 +117,16 @@ class ConsumerOffsetManager:
             except OSError:
                 pass
         write_json_atomic(self.path, snapshot)
+
+
+def lowest_committed_offsets(config_dir: str, problems: list[str] | None = None) -> dict[tuple[str, int], int]:
+    """Lowest committed offset per queue over all groups, from ``config/consumerOffset.json`` (as the broker reads
+    it: fastjson's unquoted keys too).  An entry of the wrong shape raises StoreLoadError naming it, or, given
+    ``problems`` (retention's warnings), is described there and skipped."""
+    manager = ConsumerOffsetManager(config_dir, strict=problems is None, problems=problems)
+    out: dict[tuple[str, int], int] = {}
+    for key, queues in manager.table.items():
+        topic = key.rsplit("@", 1)[0]
+        for qid, off in queues.items():
+            out[(topic, qid)] = min(out.get((topic, qid), off), off)
+    return out

@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+from ..paths import StorePaths
 from ..config import CQ_UNIT_SIZE, MIN_COMMITLOG_FILE_SIZE, PRESETS, StoreConfig, read_conf_file, write_preset
 from ..errors import ConfigError
 from .index import ENTRY_SIZE, HEADER_SIZE, SLOT_SIZE, index_file_size
@@ -101,8 +102,8 @@ def _listdir(d: str) -> list[str]:
 def measure(root: str) -> dict[str, Measured]:
     """Sizes of the commitlog segments, consume-queue files and index files (empty files left out)."""
     out: dict[str, Measured] = {}
-    cl = os.path.join(root, "commitlog")
-    cq = os.path.join(root, "consumequeue")
+    cl = StorePaths(root).commitlog
+    cq = StorePaths(root).consumequeue
     ix = os.path.join(root, "index")
     data = {"commitlog": [os.path.join(cl, n) for n in _listdir(cl) if len(n) == 20 and n.isdigit()],
             "consumequeue": [os.path.join(cq, t, q, n) for t in _listdir(cq) for q in _listdir(os.path.join(cq, t))

@@ -165,7 +165,7 @@ class IndexFile:
         finally:
             os.close(fd)
         self.read_only = read_only
-        self._entries_base = HEADER_SIZE + SLOT_SIZE * slots
+        self.entries_base = HEADER_SIZE + SLOT_SIZE * slots
         if create:
             self.begin_timestamp = self.end_timestamp = prev_end[1]
             self.begin_phy_offset = self.end_phy_offset = prev_end[0]
@@ -208,7 +208,7 @@ class IndexFile:
         if stop - start >= VECTOR_MIN_KEYS:
             self.hash_slot_count += self._put_keys_vectorised(entries[start:stop], n, diff)
         else:
-            mm, slots, base = self.mm, self.slots, self._entries_base
+            mm, slots, base = self.mm, self.slots, self.entries_base
             slot_at, slot_put, entry_put = _SLOT.unpack_from, _SLOT.pack_into, _ENTRY.pack_into
             new_slots = 0
             cur = n
@@ -249,7 +249,7 @@ class IndexFile:
         prev[order] = prev_sorted
         stale = ~((prev > 0) & (prev <= idx))
         prev[stale] = 0
-        out = np.frombuffer(self.mm, dtype=_ENTRY_DTYPE, count=k, offset=self._entries_base + n * ENTRY_SIZE)
+        out = np.frombuffer(self.mm, dtype=_ENTRY_DTYPE, count=k, offset=self.entries_base + n * ENTRY_SIZE)
         out["hash"] = hashes
         out["phy"] = phys
         out["diff"] = diff
@@ -267,7 +267,7 @@ class IndexFile:
     def select(self, out: list[int], key: str, max_num: int, begin: int, end: int) -> None:
         h = index_key_hash(key)
         cur = _SLOT.unpack_from(self.mm, HEADER_SIZE + (h % self.slots) * SLOT_SIZE)[0]
-        base, mm = self._entries_base, self.mm
+        base, mm = self.entries_base, self.mm
         walk_chain(lambda n: _ENTRY.unpack_from(mm, base + n * ENTRY_SIZE), cur, self.index_count, h,
                    self.begin_timestamp, out, max_num, begin, end)
 
@@ -289,14 +289,14 @@ class IndexFile:
 
     def entries_iter(self):
         """Every used entry as (keyHash, phyOffset, timeDiff, prev): for verify."""
-        base = self._entries_base
+        base = self.entries_base
         for i in range(1, self.index_count):
             yield _ENTRY.unpack_from(self.mm, base + i * ENTRY_SIZE)
 
     def first_blank_entry(self) -> int | None:
         """The first entry below the entry count that is all zeros (a page that never reached the disk), or
         None; found with ``find`` in C, as no used entry is zeros (a key hashing to 0 at offset 0 aside)."""
-        base, at = self._entries_base, self._entries_base + ENTRY_SIZE
+        base, at = self.entries_base, self.entries_base + ENTRY_SIZE
         stop = base + self.index_count * ENTRY_SIZE
         while (hit := self.mm.find(_ZERO_ENTRY, at, stop)) >= 0:
             n = (hit - base + ENTRY_SIZE - 1) // ENTRY_SIZE  # the first entry starting at or after the hit
@@ -309,7 +309,7 @@ class IndexFile:
 
     def entry(self, n: int) -> tuple[int, int, int, int]:
         """Entry ``n`` as (keyHash, phyOffset, timeDiff, prevIndex)."""
-        return _ENTRY.unpack_from(self.mm, self._entries_base + n * ENTRY_SIZE)
+        return _ENTRY.unpack_from(self.mm, self.entries_base + n * ENTRY_SIZE)
 
     def first_entry_at_or_past(self, phy: int) -> int:
         """The first used entry whose offset is at or past ``phy`` (``index_count`` if none).
@@ -339,8 +339,8 @@ class IndexFile:
         new end timestamp.
         """
         top = self.index_count
-        while top < self.entries and self.mm[self._entries_base + top * ENTRY_SIZE:
-                                             self._entries_base + (top + 1) * ENTRY_SIZE] != _ZERO_ENTRY:
+        while top < self.entries and self.mm[self.entries_base + top * ENTRY_SIZE:
+                                             self.entries_base + (top + 1) * ENTRY_SIZE] != _ZERO_ENTRY:
             top += 1
         keep = max(1, min(keep, self.index_count))
         if top <= keep:
@@ -353,7 +353,7 @@ class IndexFile:
                 _SLOT.pack_into(self.mm, slot_pos, prev)
                 if prev == 0 and n < self.index_count:
                     self.hash_slot_count = max(0, self.hash_slot_count - 1)
-            at = self._entries_base + n * ENTRY_SIZE
+            at = self.entries_base + n * ENTRY_SIZE
             self.mm[at:at + ENTRY_SIZE] = _ZERO_ENTRY
         if keep < self.index_count:
             self.index_count = keep

@@ -24,6 +24,13 @@ _HELD: set[str] = set()  # real paths of the store directories this process hold
 _HELD_LOCK = threading.Lock()
 
 
+def held_here(root: str) -> bool:
+    """True when this process holds the store at ``root`` open for writing (a second open in it would deadlock
+    on its own flock, so callers that only probe the lock step aside)."""
+    with _HELD_LOCK:
+        return os.path.realpath(root) in _HELD
+
+
 class StoreLock:
     def __init__(self, root: str) -> None:
         self.root = root

@@ -15,10 +15,10 @@ import logging
 import os
 import posixpath
 import zlib
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import urlparse
 
+from ..config import TierLocation
 from ..errors import ConfigError, StoreError
 
 log = logging.getLogger(__name__)
@@ -28,48 +28,6 @@ UPLOAD_CHUNK = 8 * 1024 * 1024  # bytes read from a segment per write to the upl
 
 class TierError(StoreError):
     """The tier (bucket) could not be read or written; the message names the URI and key."""
-
-
-@dataclass(frozen=True)
-class TierLocation:
-    """Where a tier lives: ``s3://bucket/prefix`` or ``file:///path``, and how to reach it."""
-
-    uri: str
-    scheme: str
-    bucket: str  # s3 bucket, or "" for file://
-    prefix: str  # key prefix inside the bucket (no leading/trailing slash), or the local directory
-    endpoint: str = ""
-    region: str = ""
-    access_key: str = ""
-    secret_key: str = ""
-
-    @classmethod
-    def parse(cls, uri: str, *, endpoint: str = "", region: str = "", access_key: str = "",
-              secret_key: str = "") -> "TierLocation":
-        u = urlparse(uri)
-        if u.scheme in ("s3", "s3a"):
-            if not u.netloc:
-                raise ConfigError(f"tieredStoreUri={uri}: no bucket (expected s3://bucket/prefix)")
-            return cls(uri, "s3", u.netloc, u.path.strip("/"), endpoint, region, access_key, secret_key)
-        if u.scheme == "file":
-            if not u.path.startswith("/"):
-                raise ConfigError(f"tieredStoreUri={uri}: a file URI needs an absolute path (file:///dir)")
-            return cls(uri, "file", "", u.path.rstrip("/") or "/")
-        raise ConfigError(f"tieredStoreUri={uri}: expected s3://bucket/prefix or file:///directory")
-
-    @classmethod
-    def from_options(cls, uri: str, options: Mapping[str, Any]) -> "TierLocation":
-        """From a URI and RocketMQ-named options (a StoreConfig's dict, Spark options, broker.conf keys)."""
-        return cls.parse(uri, endpoint=str(options.get("objectStoreEndpoint") or ""),
-                         region=str(options.get("objectStoreRegion") or ""),
-                         access_key=str(options.get("objectStoreAccessKey") or ""),
-                         secret_key=str(options.get("objectStoreSecretKey") or ""))
-
-    def key(self, *parts: str) -> str:
-        """The filesystem path of an object: ``bucket/prefix/part/...`` (or the local path)."""
-        base = self.prefix if self.scheme == "file" else posixpath.join(self.bucket, self.prefix) if self.prefix \
-            else self.bucket
-        return posixpath.join(base, *parts)
 
 
 def require_pyarrow_fs(uri: str) -> Any:

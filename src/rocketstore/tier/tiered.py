@@ -35,10 +35,12 @@ import uuid
 import zlib
 from typing import TYPE_CHECKING, Any
 
+from ..paths import StorePaths
 from ..format import codec
 from ..errors import StoreLoadError
 from .manifest import GEOMETRY, MANIFEST, TierIndexFile, TierManifest, TierQueueFile, TierSegment
-from .objectstore import ObjectStore, TierError, TierLocation, require_pyarrow_fs
+from ..config import TierLocation
+from .objectstore import ObjectStore, TierError, require_pyarrow_fs
 from .reader import TierReader, index_key, queue_key, segment_key
 
 if TYPE_CHECKING:
@@ -406,7 +408,7 @@ class TieredStorage:
                 raise TierError(f"{self.loc.uri}: {key} does not follow {m.commitlog[-1].name}; "
                                 f"{MANIFEST} not rebuilt")
             crc = obj.checksum(key)
-            local = os.path.join(self.root, "commitlog", name)
+            local = os.path.join(StorePaths(self.root).commitlog, name)
             if os.path.exists(local):
                 with open(local, "rb") as fh:
                     mine = 0
@@ -468,7 +470,7 @@ class TieredStorage:
             if got != s.size:
                 raise TierError(f"{self.loc.uri}: {key} is {'missing' if got is None else f'{got} bytes'}, but "
                                 f"{self.local_manifest_path} lists it with {s.size}; not republished")
-            if not os.path.exists(os.path.join(self.root, "commitlog", s.name)):
+            if not os.path.exists(os.path.join(StorePaths(self.root).commitlog, s.name)):
                 continue
             crc = obj.checksum(key)
             if crc != s.crc32:
