@@ -34,7 +34,7 @@ def test_golden_tests_pass_in_a_bare_clone(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "PYTHON"))}
     env["PYTHONPATH"] = str(clone / "src")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "tests/test_read_golden.py", "tests/test_codec.py"],
+                        "tests/store/test_read_golden.py", "tests/format/test_codec.py"],
                        cwd=clone, env=env, capture_output=True, text=True, timeout=280)
     tail = (r.stdout + r.stderr)[-3000:]
     assert r.returncode == 0, tail

@@ -527,7 +527,7 @@ def test_without_acl_namespaces_and_sealed_handles(tmp_path):
 
 def test_the_documented_acl_file_loads():
     import re
-    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "broker.md"), encoding="utf-8").read()
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "broker.md"), encoding="utf-8").read()
     block = next(b for b in re.findall(r"```json\n(.*?)```", doc, re.S) if '"acls"' in b)
     ac = AccessControl(AclConfig.from_json(json.loads(block)))
     assert ac.allowed("orders-app", "Topic", "order-1", ["Pub"])

@@ -17,7 +17,7 @@ from rocketstore import MessageStore, StoreLoadError, __version__
 from rocketstore.cli.main import build_parser, main as cli_main
 from conftest import GOLDEN, golden_expected, golden_store, run_cli
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 READ_COMMANDS = [["verify"], ["stats"], ["dump"], ["state"], ["retention"],
                  ["get", "--topic", "T", "--queue-id", "0", "--offset", "0"],

@@ -34,7 +34,7 @@ import pytest
 from rocketstore.cli.main import build_parser
 from rocketstore.config import StoreConfig
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 EXE = ("rocketstore", ".venv/bin/rocketstore")
 

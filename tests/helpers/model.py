@@ -1,4 +1,4 @@
-"""Mechanics of the model-based test (tests/test_model_based.py): the model of acknowledged messages, the child
+"""Mechanics of the model-based test (tests/safety/test_model_based.py): the model of acknowledged messages, the child
 writer that is SIGKILLed, and the power-loss image with random later pages and directory entries.
 
 Run as a script it is the child writer::

@@ -14,7 +14,7 @@ import pytest
 
 from rocketstore import MessageStore
 from rocketstore.format import codec
-from conftest import golden_expected, run_cli
+from conftest import REPO, golden_expected, run_cli
 
 STALE_FROM, STALE_TO, STALE_SIZE = 776764, 2355278, 739  # record at 776764 copied over 2355278 (and 2355636)
 SEG2 = "commitlog/00000000000002097152"
@@ -90,7 +90,7 @@ def test_messages_api_names_the_stale_copy(basic_copy):
 # ---------------------------------------------------------------- item 9: import refuses bodies that are not the record's
 
 def _dump_lines(tmp_path: Path, *flags: str) -> Path:
-    src = Path(__file__).parent / "golden/basic/store"
+    src = REPO / "tests" / "golden" / "basic" / "store"
     r = run_cli("dump", src, "--limit", "6", *flags)
     assert r.returncode == 0, r.stderr
     p = tmp_path / "dump.jsonl"

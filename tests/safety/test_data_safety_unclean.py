@@ -1,6 +1,6 @@
-"""Found by the model-based test (tests/test_model_based.py): an unclean start truncated the commitlog at damage
+"""Found by the model-based test (tests/safety/test_model_based.py): an unclean start truncated the commitlog at damage
 with intact, acknowledged records after it where a clean start refuses; and the put path must never write a
-record that recovery would read as torn (tests/test_data_safety_torn.py).
+record that recovery would read as torn (tests/safety/test_data_safety_torn.py).
 
 A reboot is simulated by an ``abort`` file whose ``abort.bootid`` names another boot; a crash of the process
 alone by one naming this boot (see MessageStore.process_crash_only).

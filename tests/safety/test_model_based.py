@@ -73,7 +73,7 @@ query, consumer, verify; default all: leaving ``verify`` out shows the read fail
 hide), ROCKETSTORE_MODEL_BASE_SEED (first seed of the random test, default 1000), ROCKETSTORE_MODEL_REPEAT.
 ``test_model_smoke`` runs one fixed sequence that touches every enabled op once (seed 7), in a few seconds.
 
-Replay: ROCKETSTORE_MODEL_SEED=<seed> ROCKETSTORE_MODEL_OPS=<ops> pytest tests/test_model_based.py -k random.  A
+Replay: ROCKETSTORE_MODEL_SEED=<seed> ROCKETSTORE_MODEL_OPS=<ops> pytest tests/safety/test_model_based.py -k random.  A
 seed replays the operations and every random choice; half the kills land at an exact put count, but kills at a
 random moment and the flush threads' timing vary, so a power-loss finding may need ROCKETSTORE_MODEL_REPEAT=5.
 

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("pyspark")
 
 from conftest import local_spark, GOLDEN_CONF, copy_store, golden_expected, golden_store
-from test_tier import SMALL, _free_local
+from tier.test_tier import SMALL, _free_local
 
 from rocketstore import Message, MessageStore
 from rocketstore.errors import StoreError, StoreLoadError

@@ -15,7 +15,7 @@ from rocketstore.format import codec
 from rocketstore.storage import queue_checked
 from rocketstore.recovery import recover as recovery
 from conftest import GOLDEN_NAMES, copy_store, golden_store
-from test_recovery_scan import reference, scan_all
+from recovery.test_recovery_scan import reference, scan_all
 
 SEGMENT = 1048576
 CONF = dict(mappedFileSizeCommitLog=SEGMENT, mappedFileSizeConsumeQueue=6000, maxHashSlotNum=1000, maxIndexNum=4000)

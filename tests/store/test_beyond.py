@@ -126,7 +126,7 @@ def test_recovery_progress_is_logged(basic_copy, caplog, monkeypatch):
 
 
 def test_killing_recovery_repeatedly_never_prevents_the_next_start(tmp_path):
-    from test_recovery import _read_all, _run_writer
+    from recovery.test_recovery import _read_all, _run_writer
     path = tmp_path / "s"
     acked, _ = _run_writer(path, "SYNC_FLUSH", 0, 100000, kill_after=1.5)
     ok = {n for n, (st, _q) in acked.items() if st == "PUT_OK"}
@@ -264,7 +264,7 @@ def _conf(tmp_path, text):
 
 
 def test_index_survives_a_process_crash_but_is_rebuilt_after_a_reboot(tmp_path):
-    from test_recovery import _run_writer
+    from recovery.test_recovery import _run_writer
     path = tmp_path / "s"
     acked, _ = _run_writer(path, "ASYNC_FLUSH", 0, 100000, kill_after=1.2)
     assert (path / "abort").exists() and (path / "abort.bootid").exists()

@@ -201,7 +201,7 @@ def test_pop_consumer_stops_at_a_damaged_message_and_never_acks_it(tmp_path):
 @pytest.mark.timeout(120)
 def test_broker_answers_message_corrupted_naming_file_and_offset(tmp_path):
     pytest.importorskip("grpc")
-    from test_broker_bad_input import md, receive, send_req
+    from broker.test_broker_bad_input import md, receive, send_req
 
     from rocketstore.broker.harness import BrokerProcess
     from rocketstore.broker.proto import pb, svc_grpc

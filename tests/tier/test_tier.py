@@ -17,7 +17,7 @@ from rocketstore.format.message import Message
 from rocketstore.tier.manifest import MANIFEST
 from rocketstore.tier.upload import upload_round
 from conftest import GOLDEN_CONF, copy_store, golden_expected, golden_queries, golden_store, run_cli
-from test_read_golden import DUMP_FIELDS
+from store.test_read_golden import DUMP_FIELDS
 
 SMALL = dict(mappedFileSizeCommitLog=64 * 1024, mappedFileSizeConsumeQueue=20 * 50, maxHashSlotNum=100,
              maxIndexNum=400)
