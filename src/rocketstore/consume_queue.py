@@ -385,6 +385,16 @@ class ConsumeQueue:
                     f.destroy()
                 continue
             valid, _ = _valid_prefix(f.mm, self.file_size)
+            if valid == 0 and len(self.queue.files) > 1:
+                # An empty last file (a power loss kept none of its units, or recovery cut the queue at its
+                # start) says nothing about the file before it, whose units may point past ``phy`` too: drop
+                # it (the next unit creates it again) and look there.
+                self.queue.files.remove(f)
+                if self.queue.read_only:
+                    f.close()
+                else:
+                    f.destroy()
+                continue
             # the units before the cut are ascending: find the first one at or past ``phy``
             lo, hi = 0, valid // CQ_STORE_UNIT_SIZE
             while lo < hi:
