@@ -355,3 +355,34 @@ def test_units_past_the_recovered_end_are_cut_behind_an_empty_last_queue_file(tm
     with MessageStore.open(str(store), cfg, read_only=True) as ro:
         report = verify_store(ro)
         assert report["ok"], report
+
+
+def test_queue_cut_after_blank_units_is_rebuilt_from_the_records(tmp_path):
+    """A queue whose first units are blank (records retention removed, as a rebuild writes them) and whose unit
+    3 then took a later unit's value (two units swapped): recovery cut the queue at unit 3 and took the blank
+    unit before it for the end of a record at commitlog offset 2147483647 (offset 0 + size 0x7FFFFFFF), so it
+    re-placed nothing: every later offset read as OFFSET_OVERFLOW_BADLY (the model test's mixed profile,
+    seed 2002).  The end of the queue's records is the last unit that points at one."""
+    cfg = _cfg()
+    store = tmp_path / "store"
+    with MessageStore.open(str(store), cfg) as s:
+        offs = [s.put(Message("Busy", bytes([65 + i % 26]) * 2000, tags="TagB")).commit_log_offset for i in range(40)]
+        assert s.wait_dispatched()
+    seg1 = 64 * 1024
+    first = next(i for i, o in enumerate(offs) if o >= seg1)
+    (store / "commitlog" / f"{0:020d}").unlink()  # retention removed the first segment
+    cq = store / "consumequeue" / "Busy" / "0" / f"{0:020d}"
+    data = bytearray(cq.read_bytes())
+    blank = UNIT.pack(0, 0x7FFFFFFF, 0)
+    for i in range(first):
+        data[i * 20:(i + 1) * 20] = blank  # what a rebuild writes for records retention removed
+    a, b = 3 * 20, (first + 2) * 20
+    data[a:a + 20], data[b:b + 20] = data[b:b + 20], data[a:a + 20]  # two units swapped
+    cq.write_bytes(bytes(data))
+    with MessageStore.open(str(store), cfg) as s:
+        for i in range(first, 40):
+            r = s.get("Busy", 0, i, 1)
+            assert r.status is GetMessageStatus.FOUND, (i, r.status, r.min_offset, r.max_offset)
+            assert r.messages[0].commit_log_offset == offs[i]
+        r = s.put(Message("Busy", b"after", tags="TagB"))
+        assert r.ok and r.queue_offset == 40
