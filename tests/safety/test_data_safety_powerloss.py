@@ -314,3 +314,75 @@ def test_next_queue_offset_is_past_every_record_the_walk_saw(tmp_path, monkeypat
         monkeypatch.setattr(ConsumeQueue, "put_unit", real)
         r = s.put(Message("TopicC", b"after", queue_id=0))
         assert r.ok and r.queue_offset == 604  # 500 would give a queue offset to two messages
+
+
+# ---------------------------------------------------------------- rule 3: units past the recovered end
+
+def test_units_past_the_recovered_end_are_cut_behind_an_empty_last_queue_file(tmp_path):
+    """A power cut kept later commitlog pages but lost one in between, and the queue's newest file (just
+    rolled) came back as zeros: recovery truncated the commitlog at the lost page, but the cut of units
+    pointing past the new end stopped at the empty last file, so the full file before it kept units pointing
+    at records that no longer exist (verify ``cq-dangling``; the model test's ``powerloss`` seed 1015)."""
+    cfg = _cfg(mappedFileSizeConsumeQueue=10 * 20)
+    store = tmp_path / "store"
+    with MessageStore.open(str(store), cfg) as s:
+        offs = [s.put(Message("Busy", bytes([65 + i % 26]) * 900, tags="TagB")).commit_log_offset for i in range(24)]
+        assert s.wait_dispatched()
+        assert s.max_offset_in_queue("Busy", 0) == 24
+    qdir = store / "consumequeue" / "Busy" / "0"
+    assert sorted(p.name for p in qdir.iterdir()) == [f"{n:020d}" for n in (0, 200, 400)]
+    _zero(qdir / f"{400:020d}", 0, 200)  # the newest queue file's page was lost: units 20.. gone
+    page = offs[14] // 4096 * 4096  # a commitlog page lost between pages that reached the disk
+    segment = store / "commitlog" / f"{0:020d}"
+    _zero(segment, page, page + 4096)
+    torn = next(i for i in range(24) if offs[i] + 1000 > page)  # the first record the lost page reaches
+    assert offs[torn] < offs[14] < offs[19]
+    cp = bytearray((store / "checkpoint").read_bytes())
+    cp[0:24] = bytes(24)  # no thorough flush covered the records after the lost page
+    (store / "checkpoint").write_bytes(bytes(cp))
+    rebooted(store)
+    with MessageStore.open(str(store), cfg, start_services=False) as s:
+        assert s.recovery_report.process_offset == offs[torn]
+        assert s.max_offset_in_queue("Busy", 0) == torn  # units torn.. pointed past the recovered end
+        r = s.get("Busy", 0, torn - 1, 1)
+        assert r.status is GetMessageStatus.FOUND and r.messages[0].commit_log_offset == offs[torn - 1]
+    with MessageStore.open(str(store), cfg) as s:
+        r = s.put(Message("Busy", b"after", tags="TagB"))
+        assert r.ok and (r.queue_offset, r.commit_log_offset) == (torn, offs[torn])
+        assert s.wait_dispatched()
+        r = s.get("Busy", 0, torn, 2)
+        assert r.status is GetMessageStatus.FOUND and [m.body for m in r.messages] == [b"after"]
+    with MessageStore.open(str(store), cfg, read_only=True) as ro:
+        report = verify_store(ro)
+        assert report["ok"], report
+
+
+def test_queue_cut_after_blank_units_is_rebuilt_from_the_records(tmp_path):
+    """A queue whose first units are blank (records retention removed, as a rebuild writes them) and whose unit
+    3 then took a later unit's value (two units swapped): recovery cut the queue at unit 3 and took the blank
+    unit before it for the end of a record at commitlog offset 2147483647 (offset 0 + size 0x7FFFFFFF), so it
+    re-placed nothing: every later offset read as OFFSET_OVERFLOW_BADLY (the model test's mixed profile,
+    seed 2002).  The end of the queue's records is the last unit that points at one."""
+    cfg = _cfg()
+    store = tmp_path / "store"
+    with MessageStore.open(str(store), cfg) as s:
+        offs = [s.put(Message("Busy", bytes([65 + i % 26]) * 2000, tags="TagB")).commit_log_offset for i in range(40)]
+        assert s.wait_dispatched()
+    seg1 = 64 * 1024
+    first = next(i for i, o in enumerate(offs) if o >= seg1)
+    (store / "commitlog" / f"{0:020d}").unlink()  # retention removed the first segment
+    cq = store / "consumequeue" / "Busy" / "0" / f"{0:020d}"
+    data = bytearray(cq.read_bytes())
+    blank = UNIT.pack(0, 0x7FFFFFFF, 0)
+    for i in range(first):
+        data[i * 20:(i + 1) * 20] = blank  # what a rebuild writes for records retention removed
+    a, b = 3 * 20, (first + 2) * 20
+    data[a:a + 20], data[b:b + 20] = data[b:b + 20], data[a:a + 20]  # two units swapped
+    cq.write_bytes(bytes(data))
+    with MessageStore.open(str(store), cfg) as s:
+        for i in range(first, 40):
+            r = s.get("Busy", 0, i, 1)
+            assert r.status is GetMessageStatus.FOUND, (i, r.status, r.min_offset, r.max_offset)
+            assert r.messages[0].commit_log_offset == offs[i]
+        r = s.put(Message("Busy", b"after", tags="TagB"))
+        assert r.ok and r.queue_offset == 40

@@ -132,10 +132,10 @@ choices change: re-check this list when the test changes.
 Still open (issue 24's fixes landed; these ops still find defects, so they are not in the default PROFILES; run
 them with ROCKETSTORE_MODEL_OPS, e.g. ``ROCKETSTORE_MODEL_OPS=all``):
 
-- ``powerloss`` / 1015 (``put,kill,powerloss,powerloss_dirent,recover``): after a power-loss image with later pages
-  kept (keep=0.7), verify reports ``cq-dangling`` units pointing at commitlog offsets with no record below the
-  recovered end.
-- ``powerloss`` needs more seeds before it joins a profile: 75 s from seed 7000 pass, / 1015 above does not.
+- ``cq_damage`` after ``retention`` (``put,kill,powerloss,recover,retention,reimport,index_damage,rm_cq,cq_damage``
+  / 1006, 1010, 2020, 2100, 2103): ``verify --repair`` removes the files of a queue whose records all expired, and
+  the next put takes queue offset 0 again (``put acknowledged with queue offset Quiet-3@0, the model expects 9``);
+  / 2027: the same after ``rm_cq`` of such a queue (the registry knows the queue, not its end).
 - ``truncate`` (all ops but ``repair_int,tier_upload,tier_fault``) / 4002: a truncate of the last segment after a
   power loss and a reimport leaves ``quarantined commitlog__...: stray file moved aside at open``.
 - ``repair_int`` (``put,retention,repair_int,tier_upload,tier_fault``) / 1008: a repair rolled back after SIGINT
@@ -155,7 +155,13 @@ Fixed since the first run of this test (they must fail again if put back): ``rm_
 after a clean stop whose records all lie before the re-checked segment: the store now keeps a durable queue
 registry); ``cq_damage`` / 2002 (a torn queue whose first records expired was refilled by appending, not placing);
 ``repair_int`` on a tiered store (smoke seed 7 with all ops: repair rebuilt from the local commitlog only);
-``powerloss`` / 1009, 1005 (a record torn after its body accepted).
+``powerloss`` / 1009, 1005 (a record torn after its body accepted); ``powerloss`` / 1015
+(``put,kill,powerloss,powerloss_dirent,recover``, keep=0.7, may need ROCKETSTORE_MODEL_REPEAT=5: the cut of units past
+the recovered commitlog end stopped at an empty last queue file, verify ``cq-dangling``);
+``put,kill,powerloss,recover,retention,reimport,index_damage,rm_cq,cq_damage`` / 2002 (two units swapped after blank
+ones: the queue was cut and rebuilt from commitlog offset 0 + 0x7FFFFFFF, so ``get Busy-0 @146:
+OFFSET_OVERFLOW_BADLY``).  ``put,kill,powerloss,powerloss_dirent,recover`` passes seeds 1000-1077, 3000-3061,
+7000-7068 and 9000 on for 280 s.
 
 Not reached (the ops exist, the state did not occur in the runs above): item 5 (``cq_damage`` blanks units; no
 MESSAGE_WAS_REMOVING seen), item 12 (``retention`` runs an overtaken consumer, same store and

@@ -564,14 +564,12 @@ def unit_mismatch(store: "MessageStore", cq, idx: int, off: int, size: int, tags
     pos = off - seg.file_from_offset
     if not 0 < size <= store.commitlog.file_size - pos:
         return f"has size {size}, which runs past its segment"
-    try:
-        msg = codec.decode(seg.mm, pos, pos + size, check_crc=True, read_body=False)
-    except codec.RecordError as e:
-        return f"points at no intact record of that size ({e})"
-    if msg.commit_log_offset != off:
-        return f"points at a stale copy of the record at {msg.commit_log_offset}"
-    if msg.size != size:
-        return f"has size {size}, its record {msg.size}"
+    # The one trusted-record check (codec.check with base): a stale copy or a torn tail is no record.
+    total, msg, reason = codec.check(seg.mm, pos, pos + size, check_crc=True, base=seg.file_from_offset)
+    if msg is None:
+        return f"points at no intact record of that size ({reason or 'a blank record'})"
+    if total != size:
+        return f"has size {size}, its record {total}"
     if (msg.topic, msg.queue_id, msg.queue_offset) != (cq.topic, cq.queue_id, idx):
         return f"points at the record of {msg.topic}-{msg.queue_id} offset {msg.queue_offset}"
     txn = msg.sys_flag & codec.TRANSACTION_MASK

@@ -295,8 +295,8 @@ class ConsumeQueue:
                             (f.file_from_offset + ordered) // CQ_STORE_UNIT_SIZE)
                 valid = ordered
                 last = _UNIT.unpack_from(f.mm, valid - CQ_STORE_UNIT_SIZE) if valid else None
-            if last is not None:
-                max_phy = last[0] + last[1]
+            # the end of the last record a unit points at: blank units (expired or lost records) point at none
+            max_phy = prev_end if last is not None else max_phy
             if valid == self.file_size and idx + 1 < len(files):
                 idx += 1
                 continue
@@ -305,7 +305,7 @@ class ConsumeQueue:
         if self._data_after(idx, valid, thorough=check_from is not None):
             if max_phy < 0 and idx > 0:
                 before = _UNIT.unpack_from(files[idx - 1].mm, self.file_size - CQ_STORE_UNIT_SIZE)
-                max_phy = before[0] + before[1] if before[0] >= 0 and before[1] > 0 else -1
+                max_phy = before[0] + before[1] if before[0] >= 0 and 0 < before[1] < 0x7FFFFFFF else -1
             self.rebuild_from = max(max_phy, 0)
             self.hole_at = cut // CQ_STORE_UNIT_SIZE
             self.lost_units = self._last_unit_beyond(idx, valid)
@@ -385,6 +385,16 @@ class ConsumeQueue:
                     f.destroy()
                 continue
             valid, _ = _valid_prefix(f.mm, self.file_size)
+            if valid == 0 and len(self.queue.files) > 1:
+                # An empty last file (a power loss kept none of its units, or recovery cut the queue at its
+                # start) says nothing about the file before it, whose units may point past ``phy`` too: drop
+                # it (the next unit creates it again) and look there.
+                self.queue.files.remove(f)
+                if self.queue.read_only:
+                    f.close()
+                else:
+                    f.destroy()
+                continue
             # the units before the cut are ascending: find the first one at or past ``phy``
             lo, hi = 0, valid // CQ_STORE_UNIT_SIZE
             while lo < hi:
@@ -394,9 +404,11 @@ class ConsumeQueue:
                 else:
                     lo = mid + 1
             p = lo * CQ_STORE_UNIT_SIZE
-            if p:
-                off, size, _ = _UNIT.unpack_from(f.mm, p - CQ_STORE_UNIT_SIZE)
-                self.max_physic_offset = off + size
+            for q in range(p - CQ_STORE_UNIT_SIZE, -1, -CQ_STORE_UNIT_SIZE):  # the last unit with a record
+                off, size, _ = _UNIT.unpack_from(f.mm, q)
+                if size != 0x7FFFFFFF:  # (a blank unit points at none: its offset and size are no end)
+                    self.max_physic_offset = off + size
+                    break
             if not self.queue.read_only:
                 f.zero_from(p, max(wrote, valid))  # stale units must not come back once the queue grows again
             f.set_positions(p)
