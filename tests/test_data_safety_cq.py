@@ -9,6 +9,7 @@ expired keeps its offsets: the next put never reuses one (data-safety rules 2 an
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 from rocketstore import GetMessageStatus, Message, MessageStore
 from rocketstore.config import StoreConfig
 from rocketstore.consume_queue import CQ_STORE_UNIT_SIZE, PRE_BLANK_UNIT
-from rocketstore.errors import CorruptRecordError
+from rocketstore.errors import CorruptRecordError, StoreLoadError
 
 SEGMENT = 64 * 1024
 CQ_FILE = 200  # ten units a consume-queue file
@@ -170,3 +171,93 @@ def test_blank_units_whose_records_expired_read_as_removed(tmp_path):
         assert store.get("Q", 0, i - 1, 32).status is GetMessageStatus.OFFSET_TOO_SMALL
         got = _read_all(store, "Q", 0, i)
         assert [m.queue_offset for m in got] == [r.queue_offset for r in q0[i:]]
+
+
+# ---------------------------------------------------------------- a queue whose records all expired keeps its offsets
+
+def _quiet_queue_expired(tmp_path: Path) -> Path:
+    """Quiet-0 got three messages at the start, Busy-0 the rest; retention removed the first segment, and with
+    it every record of Quiet-0 (its last consume-queue file stays, as RocketMQ never deletes a queue's last)."""
+    path = tmp_path / "s"
+    with MessageStore.open(str(path), _config()) as store:
+        for i in range(3):
+            assert store.put(Message("Quiet", b"q%d" % i, queue_id=0)).queue_offset == i
+        for i in range(300):
+            assert store.put(Message("Busy", f"{i:05d}".encode() * 50, queue_id=0, keys=f"k{i}")).ok
+    _expire_first_segments(path, 1)
+    return path
+
+
+@pytest.mark.parametrize("how", ["rm-cq", "verify-repair"])
+def test_a_queue_whose_records_expired_never_hands_their_offsets_out_again(tmp_path, how):
+    """Model seed 5002 (``retention`` then ``repair_int``) and 6013 with every op (``retention``, ``truncate``,
+    ``rm_cq``): a queue rebuilt from the commitlog after its records expired (its directory lost, or rebuilt by
+    ``verify --repair``) started at 0 again, and the next put took queue offset 0, which an expired message
+    had: one queue offset given to two messages.  The registry keeps each queue's next offset, written before
+    retention deletes a segment."""
+    from conftest import run_cli
+    path = _quiet_queue_expired(tmp_path)
+    if how == "rm-cq":
+        shutil.rmtree(path / "consumequeue" / "Quiet")
+    else:  # a damaged record elsewhere: verify --repair rebuilds the consume queues from the commitlog
+        seg = sorted((path / "commitlog").iterdir())[0]
+        with MessageStore.open(str(path), _config(), read_only=True) as store:
+            phy = store.get("Busy", 0, store.min_offset_in_queue("Busy", 0) + 3, 1).messages[0].commit_log_offset
+        with open(seg, "r+b") as fh:
+            fh.seek(phy - int(seg.name) + 100)  # a body byte
+            b = fh.read(1)
+            fh.seek(-1, 1)
+            fh.write(bytes([b[0] ^ 1]))
+        r = run_cli("verify", "--repair", path)
+        assert r.returncode in (0, 1), r.stderr.decode()
+    with MessageStore.open(str(path), _config()) as store:
+        assert store.max_offset_in_queue("Quiet", 0) in (0, 3)
+        r = store.put(Message("Quiet", b"after", queue_id=0))
+        assert r.ok and r.queue_offset == 3
+        store.wait_dispatched()
+        assert store.get("Quiet", 0, 3, 1).messages[0].body == b"after"
+        assert store.get("Quiet", 0, 0, 1).status is GetMessageStatus.OFFSET_TOO_SMALL
+
+
+# ---------------------------------------------------------------- the queue registry
+
+@pytest.mark.parametrize("line", ["Busy-0 3", "Busy/x 3", "Busy/0 -4", "Busy/0 3 extra", "/0 3"])
+def test_a_malformed_queue_registry_is_refused_naming_file_and_line(tmp_path, line):
+    """A registry line that does not parse was skipped silently: a queue it named was forgotten (its lost
+    directory read as an empty queue).  Now the open refuses, naming the file and the line, before any change."""
+    from conftest import run_cli
+    path = tmp_path / "s"
+    _fill(path, 4)
+    reg = path / "config" / "consumeQueues.registry"
+    good = reg.read_text()
+    assert good == "Q/0 0\nQ/1 0\n"  # (next offsets are written at an open and before retention)
+    reg.write_text(good + line + "\n")
+    with pytest.raises(StoreLoadError, match=r"consumeQueues\.registry line 3: .*damaged"):
+        MessageStore.open(str(path), _config())
+    r = run_cli("recover", path)
+    assert r.returncode == 2 and b"consumeQueues.registry line 3" in r.stderr and b"Traceback" not in r.stderr
+    assert reg.read_text() == good + line + "\n"
+
+
+def test_the_queue_registry_is_written_only_when_it_changes(tmp_path, monkeypatch):
+    """The registry was read back from disk on every write; it is kept in memory, and a put to a queue it
+    already holds writes nothing."""
+    import rocketstore.store as store_mod
+    path = tmp_path / "s"
+    _fill(path, 4)
+    MessageStore.open(str(path), _config()).close()  # writes the queues' next offsets (2 and 2)
+    writes = []
+    real = store_mod.write_file_durably
+    monkeypatch.setattr(store_mod, "write_file_durably", lambda p, data: (writes.append(p), real(p, data)))
+    reads = []
+    real_read = store_mod._read_utf8
+    monkeypatch.setattr(store_mod, "_read_utf8", lambda p: (reads.append(p), real_read(p))[1])
+    with MessageStore.open(str(path), _config()) as store:
+        assert not [w for w in writes if w.endswith("consumeQueues.registry")]  # unchanged since the last open
+        reads.clear()
+        store.put(Message("Q", b"x", queue_id=0))
+        store.put(Message("New", b"y", queue_id=0))
+        store.wait_dispatched()
+        assert len([w for w in writes if w.endswith("consumeQueues.registry")]) == 1  # the new queue only
+        assert not [r for r in reads if r.endswith("consumeQueues.registry")]  # kept in memory, not read back
+    assert (path / "config" / "consumeQueues.registry").read_text() == "New/0 0\nQ/0 2\nQ/1 2\n"

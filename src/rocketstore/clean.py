@@ -130,6 +130,8 @@ class CleanService(ServiceThread):
                 # store read-only rather than lose it).
                 log.info("%s expired but is not in the tier %s yet; kept", f.path, tier.loc.uri)
                 break
+            if not deleted:  # the queue offsets of the records about to go must outlive them (queue registry)
+                store.save_queue_registry()
             if not f.destroy(cfg.destroyMapedFileIntervalForcibly, now=store.clock()):
                 break
             deleted.append(f)

@@ -93,7 +93,10 @@ class MessageStore:
         self.allow_quarantine = allow_quarantine
         self._quarantine = QuarantinePlan(root, allow_quarantine)  # carried out once loading has seen every file
         self.queues_to_rebuild: list[str] = []  # "topic/queueId" that recovery refills from the commitlog
-        self._registry: set[tuple[str, int]] | None = None  # the queues known to exist (paths.queue_registry)
+        # the queues known to exist and the queue offset each one's next put may not go below (paths.queue_registry)
+        self._registry: dict[tuple[str, int], int] | None = None
+        self._registry_text: str | None = None  # what the registry file holds (written by this store)
+        self._registry_lock = threading.Lock()
         self._queue_starts: dict[tuple[str, int], tuple[tuple[int, int | None], tuple[str, int, int]]] = {}
         self.clock = clock
         self.running_flags = RunningFlags()
@@ -236,7 +239,8 @@ class MessageStore:
         self.recovery_report.index_files_dropped = dropped
         if not ro:
             self._refill_lost_queues(loaded)
-            self._write_queue_registry()
+            self._keep_registered_offsets()
+            self._write_queue_registry(offsets=True)
         self._finish_queue_rebuild()
         if reindex:
             self._reindex_lost_entries(reindex_from)
@@ -415,7 +419,7 @@ class MessageStore:
         queue (a queue lost whole), each unit placed at its record's own queue
         offset (a record lost leaves a blank unit, never a shifted offset).
         """
-        lost = sorted((self._registry or set()) - loaded)  # registered, directory gone: rebuilt, never empty
+        lost = sorted(set(self._registry or ()) - loaded)  # registered, directory gone: rebuilt, never empty
         for key, cq in self._cq_table.items():
             if key in loaded or key in lost:
                 continue
@@ -480,30 +484,70 @@ class MessageStore:
             ends.append(cq.max_physic_offset if cq is not None else -1)
         return min(ends)
 
-    def _read_queue_registry(self, loaded: set[tuple[str, int]]) -> set[tuple[str, int]]:
-        """The queues the store created (config/consumeQueues.registry); a store without one (older, or written
-        by RocketMQ) starts it from the directories it has.  A registered queue whose directory is gone is
-        rebuilt from the commitlog by _refill_lost_queues: a lost directory is not an empty queue (rule 4)."""
+    def _read_queue_registry(self, loaded: set[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        """The queues the store created, each with a queue offset its next put may not go below
+        (config/consumeQueues.registry, one ``TOPIC/QUEUEID NEXTOFFSET`` a line; a line without an offset, as
+        the first version wrote, says 0).  A store without one (older, or written by RocketMQ) starts it from
+        the directories it has.  A registered queue whose directory is gone is rebuilt from the commitlog by
+        _refill_lost_queues (a lost directory is not an empty queue, rule 4), and one whose records all
+        expired keeps its offsets (:meth:`_keep_registered_offsets`).  A line that does not parse refuses the
+        open, naming the file and the line: guessing would forget a queue or hand out its offsets again."""
         text = _read_utf8(self.paths.queue_registry)
         if text is None:
-            return set(loaded)
-        out: set[tuple[str, int]] = set()
-        for line in text.splitlines():
-            topic, _, qid = line.rpartition("/")
-            if topic and qid.lstrip("-").isdigit():
-                out.add((topic, int(qid)))
+            if os.path.exists(self.paths.queue_registry):
+                raise StoreLoadError(f"{self.paths.queue_registry}: not UTF-8 text; the queue registry is damaged "
+                                     "(remove it to start it again from the consume-queue directories)")
+            return {key: 0 for key in loaded}
+        self._registry_text = text
+        out: dict[tuple[str, int], int] = {}
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            name, _, nxt = line.partition(" ")
+            topic, _, qid = name.rpartition("/")
+            if not topic or not qid.lstrip("-").isdigit() or not (nxt == "" or nxt.isdigit()) or int(qid) > 2 ** 31 - 1:
+                raise StoreLoadError(f"{self.paths.queue_registry} line {n}: {line[:80]!r} is not "
+                                     "'TOPIC/QUEUEID NEXTOFFSET'; the queue registry is damaged (remove it to start it "
+                                     "again from the consume-queue directories)")
+            out[(topic, int(qid))] = max(out.get((topic, int(qid)), 0), int(nxt or 0))
         return out
 
-    def _write_queue_registry(self) -> None:
-        """Make the registry hold every queue of the table, durably (atomic replace, fsync), when it grew."""
+    def _keep_registered_offsets(self) -> None:
+        """A queue left with no unit (its records all expired, then its directory was lost, or a rebuild found
+        none of them in the commitlog) takes its next queue offset from the registry, never 0 again: the
+        offsets its expired records had are not handed out a second time (rule 2).  A queue that still has
+        units is left alone: its units reach past every expired record."""
+        for key, nxt in (self._registry or {}).items():
+            cq = self._cq_table.get(key)
+            if nxt <= self.topic_queue_table.get(key, 0) or (cq is not None and cq.max_offset_in_queue > 0):
+                continue
+            log.warning("%s-%d has no unit left, but the queue registry says its records reached queue offset %d "
+                        "(expired or lost): new messages take queue offsets from %d", key[0], key[1], nxt - 1, nxt)
+            self.topic_queue_table[key] = nxt
+
+    def save_queue_registry(self) -> None:
+        """Write the registry with every queue's next queue offset (before retention deletes segments: the
+        offsets of the records it removes must outlive them)."""
+        self._write_queue_registry(offsets=True)
+
+    def _write_queue_registry(self, offsets: bool = False) -> None:
+        """Make the registry hold every queue of the table, durably (atomic replace, fsync), when it changed;
+        ``offsets``: with each queue's next queue offset too.  The registry is kept in memory: only a change is
+        written."""
         if self._registry is None:
             return
-        have = _read_utf8(self.paths.queue_registry)
-        self._registry |= set(self._cq_table)
-        text = "".join(f"{t}/{q}\n" for t, q in sorted(self._registry))
-        if have != text:
-            os.makedirs(os.path.dirname(self.paths.queue_registry), exist_ok=True)
-            write_file_durably(self.paths.queue_registry, text.encode("utf-8"))
+        with self._registry_lock:
+            reg = dict(self._registry)
+            for key in list(self._cq_table):
+                reg.setdefault(key, 0)
+                if offsets:
+                    reg[key] = max(reg[key], self.topic_queue_table.get(key, 0))
+            text = "".join(f"{t}/{q} {n}\n" for (t, q), n in sorted(reg.items()))
+            if text != self._registry_text:
+                os.makedirs(os.path.dirname(self.paths.queue_registry), exist_ok=True)
+                write_file_durably(self.paths.queue_registry, text.encode("utf-8"))
+                self._registry_text = text
+            self._registry = reg
 
     def _load_consume_queues(self) -> None:
         root = self.paths.consumequeue
