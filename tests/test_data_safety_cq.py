@@ -261,3 +261,25 @@ def test_the_queue_registry_is_written_only_when_it_changes(tmp_path, monkeypatc
         assert len([w for w in writes if w.endswith("consumeQueues.registry")]) == 1  # the new queue only
         assert not [r for r in reads if r.endswith("consumeQueues.registry")]  # kept in memory, not read back
     assert (path / "config" / "consumeQueues.registry").read_text() == "New/0 0\nQ/0 2\nQ/1 2\n"
+
+
+def test_a_read_only_open_names_a_lost_queue_directory(basic_copy):
+    """``rm -r consumequeue/TopicC`` then a read-only open (``get``, a follower): the registry was read by
+    writable opens only, so the reader answered NO_MESSAGE_IN_QUEUE for 604 messages in the commitlog.  It
+    names the loss; ``recover`` rebuilds the queue and the same read returns the messages."""
+    from conftest import run_cli
+    MessageStore.open(str(basic_copy)).close()  # a writable open starts the registry from the directories
+    shutil.rmtree(basic_copy / "consumequeue" / "TopicC")
+    with MessageStore.open(str(basic_copy), read_only=True) as store:
+        with pytest.raises(CorruptRecordError, match=r"consumequeue/TopicC/0: .*registry.*directory is gone"):
+            store.get("TopicC", 0, 0, 4)
+        with pytest.raises(CorruptRecordError, match="TopicC/0"):
+            store.max_offset_in_queue("TopicC", 0)
+        assert store.get("TopicA", 0, 0, 1).status is GetMessageStatus.FOUND  # other queues read
+    r = run_cli("get", basic_copy, "--topic", "TopicC", "--queue-id", "0", "--offset", "0")
+    assert r.returncode == 2 and b"directory is gone" in r.stderr and b"Traceback" not in r.stderr
+    assert run_cli("recover", basic_copy).returncode == 0
+    with MessageStore.open(str(basic_copy), read_only=True) as store:
+        r = store.get("TopicC", 0, 0, 4)
+        assert r.status is GetMessageStatus.FOUND and [m.queue_offset for m in r.messages] == [0, 1, 2, 3]
+        assert store.max_offset_in_queue("TopicC", 0) == 604

@@ -97,6 +97,7 @@ class MessageStore:
         self._registry: dict[tuple[str, int], int] | None = None
         self._registry_text: str | None = None  # what the registry file holds (written by this store)
         self._registry_lock = threading.Lock()
+        self.lost_queues: set[tuple[str, int]] = set()  # read-only: registered queues whose directory is gone
         self._queue_starts: dict[tuple[str, int], tuple[tuple[int, int | None], tuple[str, int, int]]] = {}
         self.clock = clock
         self.running_flags = RunningFlags()
@@ -231,6 +232,8 @@ class MessageStore:
         loaded = set(self._cq_table)
         if not ro:
             self._registry = self._read_queue_registry(loaded)
+        else:  # a reader cannot rebuild a lost queue: it names the loss (missing is not empty)
+            self.lost_queues = set(self._read_queue_registry(loaded)) - loaded
         for name in self.queues_to_rebuild:  # a rebuild places each unit at its record's queue offset
             topic, _, qid = name.rpartition("/")
             if (cq := self._cq_table.get((topic, int(qid)))) is not None:
@@ -683,6 +686,8 @@ class MessageStore:
         return self.reput.wait_dispatched(self.confirm_offset(), timeout)
 
     def min_offset_in_queue(self, topic: str, queue_id: int) -> int:
+        if self.lost_queues and (topic, queue_id) in self.lost_queues:
+            raise self._lost_queue_error(topic, queue_id)
         cq = self._cq_table.get((topic, queue_id))
         if cq is not None and cq.blank_min is not None:
             self.settle_queue_min(cq)
@@ -690,6 +695,8 @@ class MessageStore:
         return self.queue_min_with_tier(topic, queue_id, lo) if self.tier is not None else lo
 
     def max_offset_in_queue(self, topic: str, queue_id: int) -> int:
+        if self.lost_queues and (topic, queue_id) in self.lost_queues:
+            raise self._lost_queue_error(topic, queue_id)
         cq = self._cq_table.get((topic, queue_id))
         return cq.max_offset_in_queue if cq else 0
 
@@ -886,6 +893,8 @@ class MessageStore:
             raise StoreClosedError(f"{self.root}: store is closed")
         if isinstance(tag_filter, str):
             tag_filter = parse_tag_filter(tag_filter)
+        if self.lost_queues and (topic, queue_id) in self.lost_queues:
+            raise self._lost_queue_error(topic, queue_id)
         cq = self._cq_table.get((topic, queue_id))
         if cq is None:
             return GetMessageResult(GetMessageStatus.NO_MESSAGE_IN_QUEUE, 0, 0, 0)
@@ -1135,6 +1144,12 @@ class MessageStore:
         what = "it is a blank unit" if blank else "that lies below the commitlog's minimum"
         return None, _lost_unit(cq, cq_file, topic, queue_id, index, phy, size,
                                 f"{what} and {why}: a lost unit or damage, not known to be retention")
+
+    def _lost_queue_error(self, topic: str, queue_id: int) -> CorruptRecordError:
+        d = os.path.join(self.paths.consumequeue, topic, str(queue_id))
+        return CorruptRecordError(f"{d}: consume queue {topic}/{queue_id} is in the queue registry but its directory "
+                                  "is gone (a lost consume queue, not an empty one); a writable open (rocketstore "
+                                  "recover) rebuilds it from the commitlog", path=d)
 
     def settle_queue_min(self, cq: ConsumeQueue) -> None:
         """Move a queue's minimum past the blank units it rests on whose records retention removed.
