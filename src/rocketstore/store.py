@@ -26,7 +26,7 @@ from .config import SYNC_FLUSH, StoreConfig, total_memory_bytes
 from .storage.consume_queue import CQ_STORE_UNIT_SIZE, LOWER, ConsumeQueue
 from .services.dispatch import HAND_OVER_LIMIT, ReputMessageService
 from .format.encoder import MessageEncoder
-from .errors import CommitLogWriteError, CorruptRecordError, ReadOnlyStoreError, StoreClosedError, StoreLoadError
+from .errors import CommitLogWriteError, CorruptRecordError, ReadOnlyStoreError, StoreClosedError, StoreError, StoreLoadError
 from .services.flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeService, GroupCommitService
 from .storage.geometry import STORE_CONF, reserved_bytes, store_config
 from .paths import StorePaths
@@ -84,7 +84,13 @@ class MessageStore:
         self.files.apply_topic_retention = self.apply_topic_retention
         self.allow_quarantine = allow_quarantine
         self._quarantine = QuarantinePlan(root, allow_quarantine)  # carried out once loading has seen every file
-        self._registry: set[tuple[str, int]] | None = None  # the queues known to exist (paths.queue_registry)
+        # the queues known to exist and the queue offset each one's next put may not go below (paths.queue_registry)
+        self._registry: dict[tuple[str, int], int] | None = None
+        self._registry_text: str | None = None  # what the registry file holds (written by this store)
+        self._registry_lock = threading.Lock()
+        self.lost_queues: set[tuple[str, int]] = set()  # read-only: registered queues whose directory is gone
+        self._queue_starts: dict[tuple[str, int], tuple[tuple[int, int | None], tuple[str, int, int]]] = {}
+        self.files.save_queue_registry = self.save_queue_registry
         self.closed = False
         self._store_lock: StoreLock | None = None
         self._services: list[Any] = []
@@ -210,6 +216,8 @@ class MessageStore:
         loaded = set(self._cq_table)
         if not ro:
             self._registry = self._read_queue_registry(loaded)
+        else:  # a reader cannot rebuild a lost queue: it names the loss (missing is not empty)
+            self.lost_queues = set(self._read_queue_registry(loaded)) - loaded
         for name in self.queues_to_rebuild:  # a rebuild places each unit at its record's queue offset
             topic, _, qid = name.rpartition("/")
             if (cq := self._cq_table.get((topic, int(qid)))) is not None:
@@ -218,7 +226,8 @@ class MessageStore:
         self.recovery_report.index_files_dropped = dropped
         if not ro:
             self._refill_lost_queues(loaded)
-            self._write_queue_registry()
+            self._keep_registered_offsets()
+            self._write_queue_registry(offsets=True)
         self._finish_queue_rebuild()
         if reindex:
             self._reindex_lost_entries(reindex_from)
@@ -397,7 +406,7 @@ class MessageStore:
         queue (a queue lost whole), each unit placed at its record's own queue
         offset (a record lost leaves a blank unit, never a shifted offset).
         """
-        lost = sorted((self._registry or set()) - loaded)  # registered, directory gone: rebuilt, never empty
+        lost = sorted(set(self._registry or ()) - loaded)  # registered, directory gone: rebuilt, never empty
         for key, cq in self._cq_table.items():
             if key in loaded or key in lost:
                 continue
@@ -462,30 +471,70 @@ class MessageStore:
             ends.append(cq.max_physic_offset if cq is not None else -1)
         return min(ends)
 
-    def _read_queue_registry(self, loaded: set[tuple[str, int]]) -> set[tuple[str, int]]:
-        """The queues the store created (config/consumeQueues.registry); a store without one (older, or written
-        by RocketMQ) starts it from the directories it has.  A registered queue whose directory is gone is
-        rebuilt from the commitlog by _refill_lost_queues: a lost directory is not an empty queue (rule 4)."""
+    def _read_queue_registry(self, loaded: set[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        """The queues the store created, each with a queue offset its next put may not go below
+        (config/consumeQueues.registry, one ``TOPIC/QUEUEID NEXTOFFSET`` a line; a line without an offset, as
+        the first version wrote, says 0).  A store without one (older, or written by RocketMQ) starts it from
+        the directories it has.  A registered queue whose directory is gone is rebuilt from the commitlog by
+        _refill_lost_queues (a lost directory is not an empty queue, rule 4), and one whose records all
+        expired keeps its offsets (:meth:`_keep_registered_offsets`).  A line that does not parse refuses the
+        open, naming the file and the line: guessing would forget a queue or hand out its offsets again."""
         text = _read_utf8(self.paths.queue_registry)
         if text is None:
-            return set(loaded)
-        out: set[tuple[str, int]] = set()
-        for line in text.splitlines():
-            topic, _, qid = line.rpartition("/")
-            if topic and qid.lstrip("-").isdigit():
-                out.add((topic, int(qid)))
+            if os.path.exists(self.paths.queue_registry):
+                raise StoreLoadError(f"{self.paths.queue_registry}: not UTF-8 text; the queue registry is damaged "
+                                     "(remove it to start it again from the consume-queue directories)")
+            return {key: 0 for key in loaded}
+        self._registry_text = text
+        out: dict[tuple[str, int], int] = {}
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            name, _, nxt = line.partition(" ")
+            topic, _, qid = name.rpartition("/")
+            if not topic or not qid.lstrip("-").isdigit() or not (nxt == "" or nxt.isdigit()) or int(qid) > 2 ** 31 - 1:
+                raise StoreLoadError(f"{self.paths.queue_registry} line {n}: {line[:80]!r} is not "
+                                     "'TOPIC/QUEUEID NEXTOFFSET'; the queue registry is damaged (remove it to start it "
+                                     "again from the consume-queue directories)")
+            out[(topic, int(qid))] = max(out.get((topic, int(qid)), 0), int(nxt or 0))
         return out
 
-    def _write_queue_registry(self) -> None:
-        """Make the registry hold every queue of the table, durably (atomic replace, fsync), when it grew."""
+    def _keep_registered_offsets(self) -> None:
+        """A queue left with no unit (its records all expired, then its directory was lost, or a rebuild found
+        none of them in the commitlog) takes its next queue offset from the registry, never 0 again: the
+        offsets its expired records had are not handed out a second time (rule 2).  A queue that still has
+        units is left alone: its units reach past every expired record."""
+        for key, nxt in (self._registry or {}).items():
+            cq = self._cq_table.get(key)
+            if nxt <= self.topic_queue_table.get(key, 0) or (cq is not None and cq.max_offset_in_queue > 0):
+                continue
+            log.warning("%s-%d has no unit left, but the queue registry says its records reached queue offset %d "
+                        "(expired or lost): new messages take queue offsets from %d", key[0], key[1], nxt - 1, nxt)
+            self.topic_queue_table[key] = nxt
+
+    def save_queue_registry(self) -> None:
+        """Write the registry with every queue's next queue offset (before retention deletes segments: the
+        offsets of the records it removes must outlive them)."""
+        self._write_queue_registry(offsets=True)
+
+    def _write_queue_registry(self, offsets: bool = False) -> None:
+        """Make the registry hold every queue of the table, durably (atomic replace, fsync), when it changed;
+        ``offsets``: with each queue's next queue offset too.  The registry is kept in memory: only a change is
+        written."""
         if self._registry is None:
             return
-        have = _read_utf8(self.paths.queue_registry)
-        self._registry |= set(self._cq_table)
-        text = "".join(f"{t}/{q}\n" for t, q in sorted(self._registry))
-        if have != text:
-            os.makedirs(os.path.dirname(self.paths.queue_registry), exist_ok=True)
-            write_file_durably(self.paths.queue_registry, text.encode("utf-8"))
+        with self._registry_lock:
+            reg = dict(self._registry)
+            for key in list(self._cq_table):
+                reg.setdefault(key, 0)
+                if offsets:
+                    reg[key] = max(reg[key], self.topic_queue_table.get(key, 0))
+            text = "".join(f"{t}/{q} {n}\n" for (t, q), n in sorted(reg.items()))
+            if text != self._registry_text:
+                os.makedirs(os.path.dirname(self.paths.queue_registry), exist_ok=True)
+                write_file_durably(self.paths.queue_registry, text.encode("utf-8"))
+                self._registry_text = text
+            self._registry = reg
 
     def _load_consume_queues(self) -> None:
         root = self.paths.consumequeue
@@ -599,11 +648,17 @@ class MessageStore:
         return self.reput.wait_dispatched(self.files.confirm_offset(), timeout)
 
     def min_offset_in_queue(self, topic: str, queue_id: int) -> int:
+        if self.lost_queues and (topic, queue_id) in self.lost_queues:
+            raise self._lost_queue_error(topic, queue_id)
         cq = self._cq_table.get((topic, queue_id))
+        if cq is not None and cq.blank_min is not None:
+            self.settle_queue_min(cq)
         lo = cq.min_offset_in_queue if cq else 0
         return self.queue_min_with_tier(topic, queue_id, lo) if self.tier is not None else lo
 
     def max_offset_in_queue(self, topic: str, queue_id: int) -> int:
+        if self.lost_queues and (topic, queue_id) in self.lost_queues:
+            raise self._lost_queue_error(topic, queue_id)
         cq = self._cq_table.get((topic, queue_id))
         return cq.max_offset_in_queue if cq else 0
 
@@ -781,9 +836,13 @@ class MessageStore:
             raise StoreClosedError(f"{self.root}: store is closed")
         if isinstance(tag_filter, str):
             tag_filter = parse_tag_filter(tag_filter)
+        if self.lost_queues and (topic, queue_id) in self.lost_queues:
+            raise self._lost_queue_error(topic, queue_id)
         cq = self._cq_table.get((topic, queue_id))
         if cq is None:
             return GetMessageResult(GetMessageStatus.NO_MESSAGE_IN_QUEUE, 0, 0, 0)
+        if cq.blank_min is not None:
+            self.settle_queue_min(cq)
         lo, hi = cq.offset_range()
         if hi == 0:
             return GetMessageResult(GetMessageStatus.NO_MESSAGE_IN_QUEUE, 0, lo, hi)
@@ -851,8 +910,8 @@ class MessageStore:
                     if seg is None or pos + size > seg.wrote_position:
                         damage = None
                         if size == BLANK_UNIT_SIZE:  # a unit naming no record: retention's doing, or damage
-                            msg, damage = self._blank_unit_record(cq, f, idx - 1, read_body, topic, topic_bytes,
-                                                                  queue_id)
+                            msg, damage = self._gone_unit_record(cq, f, idx - 1, phy, size, read_body, topic,
+                                                                 topic_bytes, queue_id)
                             if msg is None and damage is None:
                                 if not n:
                                     status = GetMessageStatus.MESSAGE_WAS_REMOVING
@@ -863,12 +922,20 @@ class MessageStore:
                                 break
                         elif seg is None and self.commitlog.in_tier(phy):  # uploaded, and gone from local disk
                             msg = self._tier_unit(phy, size, read_body, topic, topic_bytes, queue_id, idx - 1)
-                        elif seg is None and phy < self.commitlog.min_offset():  # expired: its segment is gone
-                            if not n:
-                                status = GetMessageStatus.MESSAGE_WAS_REMOVING
-                            skip_file_start = phy - phy % self.commitlog.file_size
-                            skip_file_end = skip_file_start + self.commitlog.file_size
-                            continue
+                        elif seg is None and phy < self.commitlog.min_offset():  # expired, unless the unit is damaged
+                            msg, damage = self._gone_unit_record(cq, f, idx - 1, phy, size, read_body, topic,
+                                                                 topic_bytes, queue_id)
+                            if msg is None and damage is None:
+                                if not n:
+                                    status = GetMessageStatus.MESSAGE_WAS_REMOVING
+                                if phy >= 0:
+                                    skip_file_start = phy - phy % self.commitlog.file_size
+                                    skip_file_end = skip_file_start + self.commitlog.file_size
+                                continue
+                            if msg is not None and n and total + msg.size > byte_cap:
+                                idx -= 1
+                                full = True
+                                break
                         else:
                             # Not expired, yet no record there: a damaged unit, whose record may still be found.
                             msg = self._misplaced_unit_record(cq, idx - 1, phy, size, read_body, topic, topic_bytes,
@@ -945,20 +1012,27 @@ class MessageStore:
                 return t, q, i
         return None
 
-    def _blank_unit_record(self, cq: ConsumeQueue, cq_file: Any, index: int, read_body: bool, topic: str,
-                           topic_bytes: bytes, queue_id: int) -> tuple[MessageExt | None, CorruptRecordError | None]:
-        """What a get makes of unit ``index`` when it is blank (0, 2147483647): (its record, None) when the
-        record is found after all, (None, None) when retention removed it, else (None, the error naming it).
+    def _gone_unit_record(self, cq: ConsumeQueue, cq_file: Any, index: int, phy: int, size: int, read_body: bool,
+                          topic: str, topic_bytes: bytes, queue_id: int
+                          ) -> tuple[MessageExt | None, CorruptRecordError | None]:
+        """What a get makes of unit ``index`` when it names no record the store holds: a blank unit (0,
+        2147483647), or one pointing below the local commitlog (and not into the tier).  (its record, None)
+        when the record is found after all, (None, None) when retention removed it, else (None, the error
+        naming the damage).
 
-        Blank units stand for records that are gone: below a queue's first
+        Blank units stand for records that are gone: before a queue's first
         message, or written by a rebuild for queue offsets no record was found
-        for.  Records are in commitlog order, so this unit's record lay after
-        the record of the last unit before it that names one: only when that
-        one lies below the lowest readable offset (the local commitlog's, or
-        the tier's) can retention have removed it.  Otherwise the record should
-        still be there: a damaged unit, not an expired message.
+        for; a unit pointing below the commitlog's minimum names an expired
+        record.  But a unit can be damaged into either shape.  Records are in
+        commitlog order, so this unit's record lay between the records of the
+        units around it that name one: when the next one's lies below the
+        lowest readable offset, it is gone; when the previous one's ends inside
+        the store, it must be there; in between it is looked for by a walk of
+        the trusted records from the local minimum: the queue's first record
+        there tells whether this one lay below it (removed) or not.
         """
         floor = self.min_readable_offset()
+        local_min = self.commitlog.min_offset()
         prev_end = 0  # no unit before it names a record: its record lay anywhere from the log's start
         for i in range(index - 1, max(cq.min_offset_in_queue, index - BLANK_LOOK_BACK) - 1, -1):
             unit = cq.get_unit(i)
@@ -967,16 +1041,191 @@ class MessageStore:
             if unit[0] >= 0 and 0 < unit[1] < BLANK_UNIT_SIZE:
                 prev_end = unit[0] + unit[1]
                 break
-        if prev_end < floor:
-            return None, None
-        msg = self._misplaced_unit_record(cq, index, 0, BLANK_UNIT_SIZE, read_body, topic, topic_bytes, queue_id,
-                                          after=prev_end)
-        if msg is not None:
-            return msg, None
-        return None, _lost_unit(cq, cq_file, topic, queue_id, index, 0, BLANK_UNIT_SIZE,
-                                f"it is a blank unit, yet its record lay at or after commitlog offset {prev_end}, "
-                                f"which the store still holds (lowest readable offset {floor}): a lost unit, "
-                                "not retention")
+        next_index, next_start = _next_naming_unit(cq, index)
+        if next_start is not None and prev_end <= next_start <= floor:
+            return None, None  # it lay before a record retention removed
+        blank = size == BLANK_UNIT_SIZE
+        if prev_end >= local_min:  # it lay after a record the store holds: it must be there
+            msg = self._misplaced_unit_record(cq, index, phy, size, read_body, topic, topic_bytes, queue_id,
+                                              after=prev_end)
+            if msg is not None:
+                return msg, None
+            what = "it is a blank unit" if blank else "that lies below the commitlog's minimum"
+            return None, _lost_unit(cq, cq_file, topic, queue_id, index, phy, size,
+                                    f"{what}, yet its record lay at or after commitlog offset {prev_end}, which the "
+                                    f"store still holds (lowest readable offset {floor}): a lost unit, not "
+                                    "retention")
+        if floor < local_min:  # the tier holds [floor, local_min): its own unit says where the record is
+            msg, expired = self._tier_queue_record(topic, topic_bytes, queue_id, index, read_body)
+            if msg is not None:
+                return msg, None
+            if expired:
+                return None, None
+        verdict, at, first = self.queue_start(topic, queue_id, local_min)
+        if verdict == "found" and next_start is not None and (at > next_start or first > next_index):
+            verdict = "damaged"  # the queue's "first" record contradicts the next unit: one of them is damaged
+        if verdict == "found" and index >= first:  # it lay after the queue's first record the store holds
+            if index > first:
+                verdict, at, qoff = self._queue_record_from(at, topic_bytes, queue_id, index)
+                if verdict == "found" and qoff > index:
+                    verdict = "after"
+            if verdict == "found":
+                msg = self._decode_at(at, read_body, topic, topic_bytes, queue_id, index)
+                if msg is not None:
+                    return msg, None
+                verdict = "damaged"
+            elif verdict != "damaged" and verdict != "far":
+                verdict = "lost"
+        elif verdict in ("found", "end") and floor == local_min:
+            return None, None  # the queue's records in the commitlog start past it: it lay below the minimum
+        why = {"found": f"the tier does not hold it and the queue's first record from the local minimum {local_min} "
+                        f"(at {at}) comes after it",
+               "end": f"no record of the queue follows the local minimum {local_min} and the tier does not hold it",
+               "lost": f"its record is not among the queue's records after its first one (at {at})",
+               "damaged": f"the walk of the commitlog looking for its record met a damaged record at {at}",
+               "far": f"its record was not found within {MISPLACED_SEARCH_BYTES} bytes of the walk's start"}[verdict]
+        what = "it is a blank unit" if blank else "that lies below the commitlog's minimum"
+        return None, _lost_unit(cq, cq_file, topic, queue_id, index, phy, size,
+                                f"{what} and {why}: a lost unit or damage, not known to be retention")
+
+    def _lost_queue_error(self, topic: str, queue_id: int) -> CorruptRecordError:
+        d = os.path.join(self.paths.consumequeue, topic, str(queue_id))
+        return CorruptRecordError(f"{d}: consume queue {topic}/{queue_id} is in the queue registry but its directory "
+                                  "is gone (a lost consume queue, not an empty one); a writable open (rocketstore "
+                                  "recover) rebuilds it from the commitlog", path=d)
+
+    def settle_queue_min(self, cq: ConsumeQueue) -> None:
+        """Move a queue's minimum past the blank units it rests on whose records retention removed.
+
+        ConsumeQueue.correct_min_offset leaves the minimum on a blank unit it
+        cannot judge (no unit before it in the file names an expired record,
+        or the one that does ends before the minimum while the next one's
+        record is kept): before a queue's first message, or a unit lost or
+        damaged whose record may be intact.  The queue's first record in the
+        commitlog (:meth:`queue_start`) decides: blank units below its queue
+        offset lay below the minimum.  Any doubt (a tier below the local
+        segments, a damaged record on the way) keeps the minimum where it is,
+        so that reads of those units decide, naming any damage.
+        """
+        blank = cq.blank_min
+        cq.blank_min = None
+        if blank is None or self.min_readable_offset() != self.commitlog.min_offset():
+            return
+        at, naming = blank
+        verdict, _phy, first = self.queue_start(cq.topic, cq.queue_id)
+        if verdict != "found" or first <= at or (naming is not None and first > naming):
+            return  # (past the next unit naming a record: that record's queue offset is damaged)
+        target = first if naming is None or first < naming else naming
+        if target * CQ_STORE_UNIT_SIZE > cq.min_logic_offset:
+            log.info("%s-%d: units %d..%d are blank and the queue's first record in the commitlog is at queue "
+                     "offset %d: its minimum moves to %d", cq.topic, cq.queue_id, at, target - 1, first, target)
+            cq.min_logic_offset = target * CQ_STORE_UNIT_SIZE
+
+    def queue_start(self, topic: str, queue_id: int, local_min: int | None = None) -> tuple[str, int, int]:
+        """(verdict, commitlog offset, queue offset) of the queue's first trusted record at or after the local
+        commitlog minimum, from a walk of the records there (see :meth:`_queue_record_from`), kept until the
+        minimum moves (or, when none was found, the log grows): the truth a blank unit at a queue's start, or
+        one after its last expired unit, is judged by."""
+        if local_min is None:
+            local_min = self.commitlog.min_offset()
+        key = (topic, queue_id)
+        stamp = (local_min, None)
+        hit = self._queue_starts.get(key)
+        if hit is not None and hit[0] in (stamp, (local_min, self.commitlog.max_offset())):
+            return hit[1]
+        try:
+            topic_bytes = topic.encode("utf-8")
+        except UnicodeEncodeError:
+            return "end", local_min, 0
+        found = self._queue_record_from(local_min, topic_bytes, queue_id, 0)
+        if found[0] != "found":
+            stamp = (local_min, self.commitlog.max_offset())
+        self._queue_starts[key] = (stamp, found)
+        return found
+
+    def _decode_at(self, phy: int, read_body: bool, topic: str, topic_bytes: bytes, queue_id: int, index: int
+                   ) -> MessageExt | None:
+        seg = self.commitlog.queue.find(phy)
+        if seg is None or not seg.hold():
+            return None
+        try:
+            pos = phy - seg.file_from_offset
+            size = codec.read_total_size(seg.mm, pos)
+            if size <= 0 or pos + size > seg.wrote_position:
+                return None
+            return codec.decode_unit(seg.mm, pos, size, read_body, topic, topic_bytes, queue_id, index)
+        finally:
+            seg.release()
+
+    def _tier_queue_record(self, topic: str, topic_bytes: bytes, queue_id: int, index: int, read_body: bool
+                           ) -> tuple[MessageExt | None, bool]:
+        """(the record the tier's own unit ``index`` of the queue names, or None; whether the tier's queue
+        starts past ``index``, so that the record was removed from the tier too)."""
+        t = self.tier
+        if t is None or t.fault is not None or t.reader is None or t.manifest is None:
+            return None, False
+        rng = t.manifest.queue_range(topic, queue_id)
+        if rng is None:
+            return None, False
+        if index < rng[0]:
+            return None, True
+        if index >= rng[1]:
+            return None, False
+        try:
+            units = t.reader.units(topic, queue_id, index, 1)
+            if not units or not 0 < units[0][1] < BLANK_UNIT_SIZE:
+                return None, False
+            phy, size, _ = units[0]
+            if self.commitlog.in_tier(phy):
+                return self._tier_unit(phy, size, read_body, topic, topic_bytes, queue_id, index), False
+            return self.local_unit_record(phy, size, read_body, topic, topic_bytes, queue_id, index), False
+        except StoreError:
+            return None, False
+
+    def _queue_record_from(self, start: int, topic_bytes: bytes, queue_id: int, index: int
+                           ) -> tuple[str, int, int]:
+        """Walk the trusted records from commitlog offset ``start`` (where a record or a segment begins) to the
+        first of the queue whose queue offset is ``index`` or more.
+
+        ("found", its offset, its queue offset); ("end", the log's end, -1)
+        when the log ends first; ("damaged", offset, -1) at a record that fails
+        its checks, or zeros inside the written records; ("far", offset, -1)
+        past MISPLACED_SEARCH_BYTES.
+        """
+        cl = self.commitlog
+        end, stop, off = cl.max_offset(), start + MISPLACED_SEARCH_BYTES, start
+        while off < end:
+            if off >= stop:
+                return "far", off, -1
+            seg = cl.queue.find(off)
+            if seg is None or not seg.hold():
+                return "damaged", off, -1
+            try:
+                base, mm = seg.file_from_offset, seg.mm
+                nxt = off
+                for pos, rsize, parsed, _problem in codec.walk(mm, off - base, seg.wrote_position, check_crc=False,
+                                                               parsed=True, base=base):
+                    if parsed is None:
+                        if rsize == 0:  # the blank record that ends a segment
+                            nxt = seg.end_offset
+                            break
+                        return "damaged", base + pos, -1
+                    nxt = base + pos + rsize
+                    h, tp, tl, _ = parsed
+                    if h[3] == queue_id and h[5] >= index and h[7] & codec.TRANSACTION_MASK in _QUEUED_TXN and \
+                            mm[tp:tp + tl] == topic_bytes:
+                        return "found", base + pos, h[5]
+                    if nxt >= stop:
+                        return "far", nxt, -1
+                else:
+                    if nxt < min(seg.end_offset, end):  # zeros inside the written records: cannot see past them
+                        return "damaged", nxt, -1
+            finally:
+                seg.release()
+            if nxt <= off:
+                return "damaged", off, -1
+            off = nxt
+        return "end", end, -1
 
     def _misplaced_unit_record(self, cq: ConsumeQueue, index: int, phy: int, size: int, read_body: bool,
                                topic: str, topic_bytes: bytes, queue_id: int, after: int | None = None
@@ -1445,6 +1694,22 @@ def _records_not_held(commitlog: CommitLog, held: dict[tuple[bytes, int], int]) 
             if nxt is None:
                 break
             pos = nxt
+
+
+def _next_naming_unit(cq: ConsumeQueue, index: int) -> tuple[int, int | None]:
+    """(queue offset, commitlog offset) of the first unit after ``index`` that names a record (blank units
+    stepped over, at most BLANK_LOOK_BACK of them), or (-1, None)."""
+    hi = min(cq.max_offset_in_queue, index + 1 + BLANK_LOOK_BACK)
+    for i in range(index + 1, hi):
+        try:
+            unit = cq.get_unit(i)
+        except ValueError:  # a file retention closed meanwhile
+            return -1, None
+        if unit is None:
+            return -1, None
+        if unit[0] >= 0 and 0 < unit[1] < BLANK_UNIT_SIZE:
+            return i, unit[0]
+    return -1, None
 
 
 def _lost_unit(cq: ConsumeQueue, cq_file: Any, topic: str, queue_id: int, unit: int, phy: int, size: int,

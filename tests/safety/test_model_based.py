@@ -143,9 +143,11 @@ them with ROCKETSTORE_MODEL_OPS, e.g. ``ROCKETSTORE_MODEL_OPS=all``):
   record, so the walk loses the messages after it; / 1002: the model drops a message a stale copy overwrote
   locally although the tier holds it intact (the model is too strict there); / 1018: an overtaken follower
   ``Consumer`` stops at a damaged record that a rolled-back repair left. (Repair of a tiered store rebuilding only
-  from the local commitlog, smoke seed 7 with all ops, is fixed.) ``cq_damage`` / 5002: after retention, a rebuilt
-  queue forgets offsets whose records expired and the next put reuses them.
-- ``cq_damage`` / 6013: blank units after expired ones read as ``OFFSET_TOO_SMALL`` before the repair.
+  from the local commitlog, smoke seed 7 with all ops, is fixed.)
+- ``cq_damage`` (``put,kill,recover,retention,rm_cq,cq_damage,reimport``) / 6042: two units swapped after retention,
+  the open (recovery's order check) cuts Busy-2 at the swapped unit and cannot rebuild it ("units 3..34 are not in
+  the commitlog recovery checked from 65536"): ``get Busy-2 @28: OFFSET_OVERFLOW_BADLY (queue 3..3)`` before the
+  repair.
 - ``index_damage`` with a tier (``put,kill,recover,retention,reimport,index_damage,tier_upload,tier_fault`` /
   1027): the index is rebuilt from the local commitlog only; keys of tier-held records are not found.
 - ``truncate`` / 1020: verify reported a lost index after a refused open of a truncated only segment (the refusal,
@@ -154,6 +156,10 @@ them with ROCKETSTORE_MODEL_OPS, e.g. ``ROCKETSTORE_MODEL_OPS=all``):
 Fixed since the first run of this test (they must fail again if put back): ``rm_cq`` / 1004 (a directory removed
 after a clean stop whose records all lie before the re-checked segment: the store now keeps a durable queue
 registry); ``cq_damage`` / 2002 (a torn queue whose first records expired was refilled by appending, not placing);
+``cq_damage`` / 6013 (``put,kill,recover,retention,rm_cq,cq_damage,reimport``: a blank unit after the expired ones
+read as OFFSET_TOO_SMALL before the repair); ``cq_damage`` / 5002 and ``rm_cq`` / 6013 (all ops but
+``powerloss,powerloss_dirent``: a queue rebuilt after its records expired, by ``verify --repair`` or after ``rm_cq``,
+handed their queue offsets out again; the queue registry now keeps each queue's next offset);
 ``repair_int`` on a tiered store (smoke seed 7 with all ops: repair rebuilt from the local commitlog only);
 ``powerloss`` / 1009, 1005 (a record torn after its body accepted); ``powerloss`` / 1015
 (``put,kill,powerloss,powerloss_dirent,recover``, keep=0.7, may need ROCKETSTORE_MODEL_REPEAT=5: the cut of units past

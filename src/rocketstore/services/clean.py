@@ -98,7 +98,7 @@ class CleanService(ServiceThread):
         return any(int(h) == hour for h in self.files.config.deleteWhen.split(";") if h.strip())
 
     def clean_commitlog(self) -> list[str]:
-        files, cfg = self.files, self.files.config
+        cfg = self.files.config
         time_up = self.is_time_to_delete()
         verdict = self.disk_guard.check()
         manual = self.manual_delete_rounds > 0
@@ -132,6 +132,8 @@ class CleanService(ServiceThread):
                 # store read-only rather than lose it).
                 log.info("%s expired but is not in the tier %s yet; kept", f.path, tier.loc.uri)
                 break
+            if not deleted:  # the queue offsets of the records about to go must outlive them (queue registry)
+                files.save_queue_registry()
             if not f.destroy(cfg.destroyMapedFileIntervalForcibly, now=files.clock()):
                 break
             deleted.append(f)

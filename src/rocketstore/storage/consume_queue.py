@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 CQ_STORE_UNIT_SIZE = 20
 _UNIT = struct.Struct(">qiq")
-PRE_BLANK_UNIT = _UNIT.pack(0, 0x7FFFFFFF, 0)
+BLANK_SIZE = 0x7FFFFFFF  # the size of a blank unit: it names no record
+PRE_BLANK_UNIT = _UNIT.pack(0, BLANK_SIZE, 0)
 
 _ZERO_UNIT = bytes(CQ_STORE_UNIT_SIZE)
 MIN_RECORD_BYTES = 88  # no commitlog record is shorter than its fixed fields (a rebuild's bound on a gap)
@@ -142,6 +143,9 @@ class ConsumeQueue:
         self.blank_units: list[tuple[int, int]] = []  # (first, last) unit ranges _pad wrote
         self.gap_at: int | None = None  # the unit where put_unit first wrote a record of a later queue offset
         self._time_cache: dict[str, tuple[int, int]] = {}
+        # (queue offset, first unit after it naming a record or None) when the minimum rests on a blank unit
+        # whose record retention may or may not have removed: the store settles it (MessageStore.settle_queue_min)
+        self.blank_min: tuple[int, int | None] | None = None
 
     def load(self, on_bad_file=None) -> None:
         self.queue.load(on_bad_file=on_bad_file)
@@ -418,33 +422,84 @@ class ConsumeQueue:
         return before - self.max_offset_in_queue
 
     def correct_min_offset(self, min_commit_log_offset: int) -> None:
-        """Move ``min_logic_offset`` to the first unit at or above the commitlog minimum."""
+        """Move ``min_logic_offset`` just past the last unit whose record lies below the commitlog minimum.
+
+        Blank units (0, 2147483647) name no record: one after the last expired
+        unit may stand for a record that is still in the commitlog (a damaged
+        or lost unit), so it stays inside the queue and a read of it decides
+        (see MessageStore.get); only units pointing at a record tell how far
+        retention reached.  Units are in commitlog order, so the first unit
+        whose next record-naming unit points at or above the minimum is found
+        by a binary search that steps over blank units.
+        """
+        self._correct_min_offset(min_commit_log_offset)
+        self._note_blank_min()
+
+    def _correct_min_offset(self, min_commit_log_offset: int) -> None:
         files = self.queue.files
         if not files or self.min_logic_offset >= self.queue.max_offset():
             return
-        last = self.last_unit()
-        if last is not None and last[0] < min_commit_log_offset:
-            self.min_logic_offset = self.queue.max_offset()
+        last = self._last_naming_unit()
+        if last is not None and last[1] < min_commit_log_offset:
+            self.min_logic_offset = max(self.min_logic_offset, (last[0] + 1) * CQ_STORE_UNIT_SIZE)
             return
         first = files[0]
-        start = self.min_logic_offset - first.file_from_offset
-        clamped = start < 0
-        start = max(0, start)
+        start = max(0, self.min_logic_offset - first.file_from_offset)
         end = first.wrote_position
         if start + CQ_STORE_UNIT_SIZE > end:
             return
-        if not clamped and _UNIT.unpack_from(first.mm, start)[0] >= min_commit_log_offset:
+        mm, hi = first.mm, end // CQ_STORE_UNIT_SIZE
+        lo = start // CQ_STORE_UNIT_SIZE
+
+        def kept(i: int) -> bool:  # the first unit from i naming a record points at or above the minimum
+            for p in range(i * CQ_STORE_UNIT_SIZE, end, CQ_STORE_UNIT_SIZE):
+                off, size, _ = _UNIT.unpack_from(mm, p)
+                if 0 < size < BLANK_SIZE:
+                    return off >= min_commit_log_offset
+            return True
+
+        if not kept(lo):
+            lo += 1
+            while lo < hi:  # the first i in (lo - 1, hi] that is kept
+                mid = (lo + hi) // 2
+                if kept(mid):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            if lo * CQ_STORE_UNIT_SIZE >= end:
+                return  # every unit of the first file points below: it goes next (RocketMQ leaves the minimum)
+        self.min_logic_offset = max(self.min_logic_offset, first.file_from_offset + lo * CQ_STORE_UNIT_SIZE)
+
+    def _note_blank_min(self) -> None:
+        """Set :attr:`blank_min` when the unit at the minimum is blank, else clear it."""
+        self.blank_min = None
+        pos = self.min_logic_offset
+        f = self.queue.find(pos)
+        if f is None:
             return
-        lo, hi = start // CQ_STORE_UNIT_SIZE, end // CQ_STORE_UNIT_SIZE  # first unit >= min in [lo, hi)
-        found = None
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if _UNIT.unpack_from(first.mm, mid * CQ_STORE_UNIT_SIZE)[0] >= min_commit_log_offset:
-                found, hi = mid, mid
-            else:
-                lo = mid + 1
-        if found is not None:
-            self.min_logic_offset = first.file_from_offset + found * CQ_STORE_UNIT_SIZE
+        p, end = pos - f.file_from_offset, f.wrote_position
+        if p < 0 or p + CQ_STORE_UNIT_SIZE > end or _UNIT.unpack_from(f.mm, p)[1] != BLANK_SIZE:
+            return
+        naming = None
+        for q in range(p, end, CQ_STORE_UNIT_SIZE):
+            off, size, _ = _UNIT.unpack_from(f.mm, q)
+            if 0 < size < BLANK_SIZE:
+                naming = (f.file_from_offset + q) // CQ_STORE_UNIT_SIZE
+                break
+        self.blank_min = (pos // CQ_STORE_UNIT_SIZE, naming)
+
+    def _last_naming_unit(self) -> tuple[int, int] | None:
+        """(queue offset, commitlog offset) of the last unit that names a record (blank units skipped), looked
+        for in the last file holding units, or None."""
+        for f in reversed(self.queue.files):
+            if f.wrote_position < CQ_STORE_UNIT_SIZE:
+                continue
+            for p in range(f.wrote_position - CQ_STORE_UNIT_SIZE, -1, -CQ_STORE_UNIT_SIZE):
+                off, size, _ = _UNIT.unpack_from(f.mm, p)
+                if 0 < size < BLANK_SIZE:
+                    return (f.file_from_offset + p) // CQ_STORE_UNIT_SIZE, off
+            return None
+        return None
 
     # ------------------------------------------------------------ writing (dispatch)
     def put_unit(self, offset: int, size: int, tags_code: int, cq_offset: int) -> bool:

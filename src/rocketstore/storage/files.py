@@ -59,6 +59,9 @@ class StoreFiles:
         # Per-topic logical retention (topicRetentionMs) needs a time lookup that reaches the tier: the facade
         # sets it; without it nothing moves.
         self.apply_topic_retention: Callable[[], dict[QueueKey, int]] = lambda: {}
+        # Before retention deletes a segment, the facade saves each queue's next offset (the queue registry), so a
+        # queue left with no unit never hands the offsets of its expired records out again.
+        self.save_queue_registry: Callable[[], None] = lambda: None
         self.sync_flush = False  # a GroupCommitService runs: dispatch follows the flushed end, not the written one
         self.recovery_report: Any = None  # recovery/recover.py's RecoveryReport, once the store has recovered
 
