@@ -97,3 +97,90 @@ def test_index_rebuild_with_the_tier_down_refuses_then_finishes(tmp_path):
     with MessageStore.open(str(store_path), start_services=False) as store:
         assert _unfound(store) == []
     assert not (store_path / "index.rebuild").exists()
+
+
+def _golden_with_tier(tmp_path: Path) -> tuple[Path, Path]:
+    store = copy_store(golden_store("basic"), tmp_path / "store")
+    tier = tmp_path / "tier"
+    (store / "broker.conf").write_text(GOLDEN_CONF + f"tieredStoreUri=file://{tier}\nfileReservedTime=0\n"
+                                       "tieredStoreFileReservedTime=0\n")
+    return store, tier
+
+
+def _in_segment(n: int) -> dict:
+    """A golden message in the middle of segment ``n`` (bodies of more than 4 bytes: one can be flipped)."""
+    cands = [e for e in EXPECTED if n * SEG <= e["commitLogOffset"] < (n + 1) * SEG]
+    return cands[len(cands) // 2]
+
+
+def _walk(store: MessageStore) -> tuple[list[int], list[int]]:
+    """store.messages(skip_damaged=True), the walk of ``dump --skip-damaged``: (messages, damage) offsets."""
+    good, bad = [], []
+    for off, _size, m, _problem in store.messages(skip_damaged=True):
+        (good if m is not None else bad).append(off)
+    return good, bad
+
+
+def test_a_segment_with_a_damaged_record_is_not_uploaded(tmp_path):
+    """Model seed 1008: a repair rolled back after Ctrl-C left a damaged record; ``tier upload`` sealed that
+    segment into the tier and retention deleted the local copy (which repair could have mended).  The upload
+    must refuse it (and every later segment: the tier has no gaps), say so in one line and in ``tier status``,
+    and go on once ``verify --repair`` has mended the segment."""
+    store_path, tier = _golden_with_tier(tmp_path)
+    victim = _in_segment(1)
+    flip_body_bit(store_path, victim["commitLogOffset"], f"commitlog/{SEG:020d}")
+    r = run_cli("tier", "upload", store_path)
+    assert r.returncode == 2, r.stderr
+    err = r.stderr.decode()
+    assert len(err.splitlines()) == 1 and f"{SEG:020d} at file position {victim['commitLogOffset'] - SEG}" in err \
+        and "verify --repair" in err and "Traceback" not in err, err
+    manifest = json.loads((tier / "tier.json").read_bytes())
+    assert [s["name"] for s in manifest["commitlog"]] == [f"{0:020d}"]
+    r = run_cli("tier", "status", store_path, "--format", "json")
+    assert r.returncode == 1 and "body CRC" in json.loads(r.stdout)["uploadBlocked"], r.stdout
+    with MessageStore.open(str(store_path), start_services=False) as store:
+        _free_local(store)
+        assert store.min_phy_offset() == SEG  # the damaged segment stays, for repair
+        assert store.tier.upload_blocked is None  # (no round in this open yet)
+    r = run_cli("verify", "--repair", store_path)
+    assert b"Traceback" not in r.stderr, r.stderr
+    r = run_cli("tier", "upload", store_path)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((tier / "tier.json").read_bytes())
+    assert len(manifest["commitlog"]) == 3
+    with MessageStore.open(str(store_path), start_services=False) as store:
+        _free_local(store)
+        assert store.min_phy_offset() == 3 * SEG
+        good, bad = _walk(store)
+    want = sorted(e["commitLogOffset"] for e in EXPECTED if e is not victim)
+    assert bad == [] and [o for o in good if o in set(want)] == want
+
+
+def test_a_walk_resumes_after_damage_in_a_tier_segment(tmp_path):
+    """Damage already in the tier (an object damaged there, or uploaded by an older version): the walk names it
+    once and goes on with the next trusted record, as over local segments.  It ended there, losing the
+    2,000-odd messages after it, local ones included."""
+    store_path, tier = _tiered(tmp_path)
+    victim = _in_segment(1)
+    flip_body_bit(tier, victim["commitLogOffset"], f"commitlog/{SEG:020d}")
+    with MessageStore.open(str(store_path), read_only=True) as store:
+        good, bad = _walk(store)
+    assert bad == [victim["commitLogOffset"]]
+    assert good == sorted(e["commitLogOffset"] for e in EXPECTED if e is not victim)
+    r = run_cli("dump", store_path, "--skip-damaged")
+    assert r.returncode == 1 and b"Traceback" not in r.stderr, r.stderr
+    assert len(r.stdout.splitlines()) == len(EXPECTED) - 1
+
+
+def test_a_resync_in_the_tier_reaches_the_next_segment_and_the_local_ones(tmp_path):
+    """Damage whose segment holds no trusted record after it (the last record before the blank, or zeros to the
+    end): the walk resumes at the next tier segment, and after the tier's last one at the local segments."""
+    store_path, tier = _tiered(tmp_path)
+    last_in_0 = max((e for e in EXPECTED if e["commitLogOffset"] < SEG), key=lambda e: e["commitLogOffset"])
+    last_in_2 = max((e for e in EXPECTED if e["commitLogOffset"] < 3 * SEG), key=lambda e: e["commitLogOffset"])
+    flip_body_bit(tier, last_in_0["commitLogOffset"])
+    flip_body_bit(tier, last_in_2["commitLogOffset"], f"commitlog/{2 * SEG:020d}")
+    with MessageStore.open(str(store_path), read_only=True) as store:
+        good, bad = _walk(store)
+    assert bad == [last_in_0["commitLogOffset"], last_in_2["commitLogOffset"]]
+    assert good == sorted(e["commitLogOffset"] for e in EXPECTED if e not in (last_in_0, last_in_2))
