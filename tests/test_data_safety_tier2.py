@@ -184,3 +184,38 @@ def test_a_resync_in_the_tier_reaches_the_next_segment_and_the_local_ones(tmp_pa
         good, bad = _walk(store)
     assert bad == [last_in_0["commitLogOffset"], last_in_2["commitLogOffset"]]
     assert good == sorted(e["commitLogOffset"] for e in EXPECTED if e not in (last_in_0, last_in_2))
+
+
+def test_a_follower_consumer_names_damage_a_writer_left_and_reads_on(tmp_path):
+    """Model seed 1018: a read-only follower ``Consumer`` of a directory another store writes, with a damaged
+    record in the middle (a repair rolled back after Ctrl-C left it).  Its view stopped at the damage and it
+    polled empty forever while the writer went on: a silent stop.  The invariant: the read of that offset
+    raises an error naming the damage, the messages after it (and those put later) are read."""
+    from rocketstore import Message, StoreConfig
+    from rocketstore.consumer import Consumer
+    from rocketstore.errors import CorruptRecordError
+    root = tmp_path / "store"
+    cfg = StoreConfig(mappedFileSizeCommitLog=64 * 1024, mappedFileSizeConsumeQueue=200, maxHashSlotNum=32,
+                      maxIndexNum=128)
+    with MessageStore.open(str(root), cfg) as writer:
+        for i in range(20):
+            assert writer.put(Message("Busy", b"m%d|" % i + bytes(50), queue_id=0)).ok
+        writer.wait_dispatched()
+        writer.flush_commitlog(0, True)
+        victim = writer.get("Busy", 0, 5, 1).messages[0].commit_log_offset
+        flip_body_bit(root, victim)
+        got: list[int] = []
+        with Consumer(str(root), "g", "Busy", poll_interval=0.01) as c:
+            with pytest.raises(CorruptRecordError, match=f"at offset {victim}.*body CRC mismatch"):
+                for _ in range(50):
+                    got += [m.queue_offset for m in c.poll(0.02)]
+            assert got == [0, 1, 2, 3, 4]
+            for i in range(20, 25):
+                assert writer.put(Message("Busy", b"m%d|" % i + bytes(50), queue_id=0)).ok
+            writer.wait_dispatched()
+            c.seek(0, 6)  # the operator skips the damaged message
+            for _ in range(50):
+                got += [m.queue_offset for m in c.poll(0.02)]
+                if got[-1] == 24:
+                    break
+    assert got == [0, 1, 2, 3, 4] + list(range(6, 25))

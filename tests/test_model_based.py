@@ -510,6 +510,9 @@ class Run:
         self.damaged_phys.add(m.phy)
         self.lost_slots.add(m.slot)
         self.model.drop_many([m], "damage")
+        tm = self.tier_manifest()
+        if tm and f"{m.phy - m.phy % size:020d}" in {x["name"] for x in tm["commitlog"]}:
+            self.model.tier_copies[m.spec.uid] = m  # the tier's copy is intact: it may be read again
         self.quarantine_explained = True
 
     def op_repair_int(self) -> None:
@@ -631,6 +634,10 @@ class Run:
         tombstones = [(d["topic"], d["queueId"], d["queueOffset"]) for d in lines if d.get("tags") == LOST_TAG]
         lines = [d for d in lines if d.get("topic") != FILLER_TOPIC and d.get("tags") != LOST_TAG]
         uids = [uid_of(_dump_body(d)) for d in lines]
+        for d, u in zip(lines, uids):
+            if u in self.model.tier_copies:  # (the last check's walk revives these; a dump may read them first)
+                self.model.revive(u)
+                self.lost_slots.discard((d["topic"], d["queueId"], d["queueOffset"]))
         strangers = [(d.get("topic"), d.get("queueId"), d.get("queueOffset"), d.get("commitLogOffset"))
                      for d, u in zip(lines, uids) if u not in self.model.msgs and u not in self.model.pending]
         if strangers:
@@ -659,6 +666,7 @@ class Run:
                 self.fail(f"dump misses acknowledged {m.slot} uid {m.spec.uid}")
         self.damaged_phys.clear()
         self.lost_slots.clear()
+        self.model.tier_copies.clear()  # a new store and tier
         for key in sorted(set(self.model.queue_keys()) | {(t, q) for t, q, _ in tombstones}):
             slots: list[tuple[int, Msg | None]] = [(m.qoff, m) for m in self.model.in_queue(*key)]
             slots += [(o, None) for t, q, o in tombstones if (t, q) == key]
@@ -833,6 +841,8 @@ class Checker:
                     self.fail(f"{where}: queue offset {slot} given to two messages (uids {slots[slot]} and {uid})")
                 slots[slot] = uid
                 mm = self.model.msgs.get(uid)
+                if mm is None and uid in self.model.tier_copies:  # damaged locally, read from the tier's copy
+                    mm = self._revive(uid, off)
                 if mm is None and uid in self.model.pending:  # a put in flight that made it: adopt it
                     spec, how = self.model.pending.pop(uid)
                     p = self.model.ack([spec], m.queue_offset, f"{how} (in flight, found after recovery)")
@@ -865,6 +875,13 @@ class Checker:
             if not self.run.tier_down:
                 self.fail(f"{where}: acknowledged uid {m.spec.uid} at {m.slot} ({m.how}) is not in the commitlog "
                           f"walk (min offset {store.min_readable_offset()}, max {store.max_phy_offset()})")
+
+    def _revive(self, uid: int, off: int) -> Msg:
+        mm = self.model.revive(uid)
+        self.run.lost_slots.discard(mm.slot)
+        self.run.damaged_phys.discard(off)
+        self.run.note(f"  uid {uid} {mm.slot} is read again from the tier's intact copy at {off}")
+        return mm
 
     # ------------------------------------------------------------ reads: get, tag filter, query, consumer
     def reads(self, store: MessageStore, where: str) -> None:
