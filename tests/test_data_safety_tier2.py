@@ -68,13 +68,18 @@ def _unfound(store: MessageStore) -> list[tuple[int, str]]:
 
 
 @pytest.mark.parametrize("which", [0, -1])
-def test_index_rebuild_reads_the_records_only_the_tier_holds(tmp_path, which):
+@pytest.mark.parametrize("unclean", [False, True])
+def test_index_rebuild_reads_the_records_only_the_tier_holds(tmp_path, which, unclean):
     """Model seed 1027: an index file damaged (indexCount 40000) is rebuilt on the next writable open.  The
     rebuild walked the local commitlog only, so the 1,002 tier-held records whose index file was never
     uploaded were unfindable by key.  Damaging the first file (the tier holds its copy) or the second (it
-    does not): every key is found."""
+    does not): every key is found.  Seed 1093: found after an unclean stop of another boot, recovery indexed
+    the local records first, and the rebuild could no longer add the tier's before them."""
     store_path, _tier = _tiered(tmp_path)
     _damage_index_count(store_path, which)
+    if unclean:
+        (store_path / "abort").write_text("")
+        (store_path / "abort.bootid").write_text("another-boot")
     with MessageStore.open(str(store_path), start_services=False) as store:
         assert _unfound(store) == []
     with MessageStore.open(str(store_path), read_only=True) as store:

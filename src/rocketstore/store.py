@@ -273,9 +273,13 @@ class MessageStore:
         """
         index = self.index_service
         if self.config.messageIndexEnable:
-            if not self.recovery_report.abnormal and index.resume_offset() > start:
+            lowest = self._unindexed_from()
+            from_tier = max(start, lowest) < self.commitlog.min_offset()  # records only the tier holds first
+            if index.resume_offset() > start and (not self.recovery_report.abnormal or from_tier):
+                # Recovery indexed records the index must hold after ones it still lacks: past the queues' end
+                # after a clean stop, or (it reads local segments only) the local records after the tier's.
                 index.truncate(start + 1, lambda off: self.commitlog.pickup_store_timestamp(off, 0))
-            start = max(index.resume_offset(), self._unindexed_from())
+            start = max(index.resume_offset(), lowest)
             from .dispatch import CommitLogDispatcher
             dispatcher = CommitLogDispatcher(self)
             n = 0
