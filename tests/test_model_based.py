@@ -138,16 +138,9 @@ them with ROCKETSTORE_MODEL_OPS, e.g. ``ROCKETSTORE_MODEL_OPS=all``):
 - ``powerloss`` needs more seeds before it joins a profile: 75 s from seed 7000 pass, / 1015 above does not.
 - ``truncate`` (all ops but ``repair_int,tier_upload,tier_fault``) / 4002: a truncate of the last segment after a
   power loss and a reimport leaves ``quarantined commitlog__...: stray file moved aside at open``.
-- ``repair_int`` (``put,retention,repair_int,tier_upload,tier_fault``) / 1008: a repair rolled back after SIGINT
-  leaves the damage, ``tier upload`` then uploads the damaged segment and the tier reader's scan stops at its bad
-  record, so the walk loses the messages after it; / 1002: the model drops a message a stale copy overwrote
-  locally although the tier holds it intact (the model is too strict there); / 1018: an overtaken follower
-  ``Consumer`` stops at a damaged record that a rolled-back repair left. (Repair of a tiered store rebuilding only
-  from the local commitlog, smoke seed 7 with all ops, is fixed.) ``cq_damage`` / 5002: after retention, a rebuilt
-  queue forgets offsets whose records expired and the next put reuses them.
+- ``cq_damage`` / 5002: after retention, a rebuilt queue forgets offsets whose records expired and the next put
+  reuses them.
 - ``cq_damage`` / 6013: blank units after expired ones read as ``OFFSET_TOO_SMALL`` before the repair.
-- ``index_damage`` with a tier (``put,kill,recover,retention,reimport,index_damage,tier_upload,tier_fault`` /
-  1027): the index is rebuilt from the local commitlog only; keys of tier-held records are not found.
 - ``truncate`` / 1020: verify reported a lost index after a refused open of a truncated only segment (the refusal,
   a geometry conflict, is fixed: the segment is extended as a torn last segment; re-check this seed).
 
@@ -155,7 +148,15 @@ Fixed since the first run of this test (they must fail again if put back): ``rm_
 after a clean stop whose records all lie before the re-checked segment: the store now keeps a durable queue
 registry); ``cq_damage`` / 2002 (a torn queue whose first records expired was refilled by appending, not placing);
 ``repair_int`` on a tiered store (smoke seed 7 with all ops: repair rebuilt from the local commitlog only);
-``powerloss`` / 1009, 1005 (a record torn after its body accepted).
+``powerloss`` / 1009, 1005 (a record torn after its body accepted); with a tier
+(``put,retention,repair_int,tier_upload,tier_fault`` unless said): ``repair_int`` / 1008 (a repair rolled back
+after SIGINT left a damaged record, ``tier upload`` sealed that segment into the tier and the walk lost every
+message after the bad record: uploads now refuse a segment failing the trusted walk, and a walk resyncs past
+damage in a tier segment), / 1018 (an overtaken follower ``Consumer`` stopped silently at such a record: its view
+now goes past damage and the read names it), / 1002 (the model dropped a message a stale copy overwrote locally
+although the tier held it intact: the model now lets such a message come back from the tier); ``index_damage``
+(``put,kill,recover,retention,reimport,index_damage,tier_upload,tier_fault`` / 1027; with ``repair_int`` too /
+1093 after an unclean stop): the index rebuilt from the local commitlog only, keys of tier-held records not found.
 
 Not reached (the ops exist, the state did not occur in the runs above): item 5 (``cq_damage`` blanks units; no
 MESSAGE_WAS_REMOVING seen), item 12 (``retention`` runs an overtaken consumer, same store and
