@@ -224,3 +224,26 @@ def test_a_follower_consumer_names_damage_a_writer_left_and_reads_on(tmp_path):
                 if got[-1] == 24:
                     break
     assert got == [0, 1, 2, 3, 4] + list(range(6, 25))
+
+
+@pytest.mark.xfail(strict=True, reason="open: verify --repair rewrites the local copy of a segment the tier holds "
+                   "intact (a tombstone, and an index without the message's keys); once retention deletes the "
+                   "local copy, reads go to the tier's intact record, which no key finds (model seed 1148)")
+def test_repair_of_a_tier_held_segment_keeps_the_tier_copy_findable(tmp_path):
+    """A record damaged in the local copy of a segment the tier already holds intact: the commitlog (local plus
+    tier) still has the message.  After ``verify --repair`` and retention, ``get`` returns the tier's record, and
+    a query by its key must find it too (repair should take the record from the tier, not tombstone it)."""
+    store_path, _tier = _golden_with_tier(tmp_path)
+    with MessageStore.open(str(store_path), start_services=False) as s:
+        assert upload_round(s)["segments"] == 3
+    victim = _in_segment(2)  # past the index file the tier holds (records up to 1838741)
+    flip_body_bit(store_path, victim["commitLogOffset"], f"commitlog/{2 * SEG:020d}")
+    r = run_cli("verify", "--repair", store_path)
+    assert b"Traceback" not in r.stderr, r.stderr
+    with MessageStore.open(str(store_path), start_services=False) as store:
+        _free_local(store)
+        assert store.min_phy_offset() == 3 * SEG
+        got = store.get(victim["topic"], victim["queueId"], victim["queueOffset"], 1).messages
+        assert [m.commit_log_offset for m in got] == [victim["commitLogOffset"]]
+        hits = store.query(victim["topic"], victim["properties"]["UNIQ_KEY"], 4).messages
+        assert victim["commitLogOffset"] in [m.commit_log_offset for m in hits]

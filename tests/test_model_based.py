@@ -141,6 +141,11 @@ them with ROCKETSTORE_MODEL_OPS, e.g. ``ROCKETSTORE_MODEL_OPS=all``):
 - ``cq_damage`` / 5002: after retention, a rebuilt queue forgets offsets whose records expired and the next put
   reuses them.
 - ``cq_damage`` / 6013: blank units after expired ones read as ``OFFSET_TOO_SMALL`` before the repair.
+- ``repair_int`` with a tier (``put,kill,recover,retention,reimport,repair_int,tier_upload,tier_fault,index_damage``
+  / 1148): ``verify --repair`` tombstones a record damaged in the local copy of a segment the tier holds intact
+  (and rebuilds the index without its keys); after retention reads go to the tier's intact record, which
+  ``query`` does not find (test_data_safety_tier2, xfail).  / 1102 (a queue whose records all expired forgets its
+  end after a repair) is the class of ``cq_damage`` / 5002.
 - ``truncate`` / 1020: verify reported a lost index after a refused open of a truncated only segment (the refusal,
   a geometry conflict, is fixed: the segment is extended as a torn last segment; re-check this seed).
 
