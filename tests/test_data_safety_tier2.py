@@ -5,18 +5,19 @@
 - A sealed segment with a damaged record is never uploaded: damage sealed into the tier could not be repaired
   there (model seed 1008).  A walk that meets damage already in the tier resumes after it, as the local walk
   does, instead of losing every message after one bad record.
+- A read-only follower goes past a damaged record in the middle of the log: the read of it names the damage,
+  the messages after it are read (model seed 1018).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from conftest import GOLDEN_CONF, copy_store, flip_body_bit, golden_expected, golden_store, run_cli
-from rocketstore import MessageStore, codec
+from rocketstore import MessageStore
 from rocketstore.errors import StoreError
 from rocketstore.tier.upload import upload_round
 
