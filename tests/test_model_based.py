@@ -146,6 +146,9 @@ them with ROCKETSTORE_MODEL_OPS, e.g. ``ROCKETSTORE_MODEL_OPS=all``):
   (and rebuilds the index without its keys); after retention reads go to the tier's intact record, which
   ``query`` does not find (test_data_safety_tier2, xfail).  / 1102 (a queue whose records all expired forgets its
   end after a repair) is the class of ``cq_damage`` / 5002.
+- ``tier_fault`` (same ops) / 1204: the local manifest damaged and the tier down, its ``.bak`` a generation old
+  (lacking the last segment uploaded): ``get Busy-0 @92`` answers MESSAGE_WAS_REMOVING for a local unit whose record
+  was deleted locally on the tier's word (below ``localDeletedEnd``); it should raise the tier fault.
 - ``truncate`` / 1020: verify reported a lost index after a refused open of a truncated only segment (the refusal,
   a geometry conflict, is fixed: the segment is extended as a torn last segment; re-check this seed).
 
