@@ -265,26 +265,55 @@ class MessageStore:
         """
         index = self.index_service
         if self.config.messageIndexEnable:
-            if not self.recovery_report.abnormal and index.resume_offset() > start:
+            lowest = self._unindexed_from()
+            from_tier = max(start, lowest) < self.commitlog.min_offset()  # records only the tier holds first
+            if index.resume_offset() > start and (not self.recovery_report.abnormal or from_tier):
+                # Recovery indexed records the index must hold after ones it still lacks: past the queues' end
+                # after a clean stop, or (it reads local segments only) the local records after the tier's.
                 index.truncate(start + 1, lambda off: self.commitlog.pickup_store_timestamp(off, 0))
-            start = max(index.resume_offset(), self.commitlog.min_offset())
+            start = max(index.resume_offset(), lowest)
             from .services.dispatch import CommitLogDispatcher
             dispatcher = CommitLogDispatcher(self.files)
             n = 0
-            for off, _size, msg, problem in self.messages(start, read_body=False, skip_damaged=True):
-                if msg is None:
-                    log.warning("index rebuild: %s; not indexed", problem)
-                    continue
-                if msg.commit_log_offset != off or msg.sys_flag & codec.TRANSACTION_MASK == \
-                        codec.TRANSACTION_ROLLBACK:
-                    continue
-                dispatcher.dispatch(msg, index=True, queue=False)
-                n += 1
+            try:
+                for off, _size, msg, problem in self.messages(start, read_body=False, skip_damaged=True):
+                    if msg is None:
+                        log.warning("index rebuild: %s; not indexed", problem)
+                        continue
+                    if msg.commit_log_offset != off or msg.sys_flag & codec.TRANSACTION_MASK == \
+                            codec.TRANSACTION_ROLLBACK:
+                        continue
+                    dispatcher.dispatch(msg, index=True, queue=False)
+                    n += 1
+            except TierError as e:
+                # Entries go in commitlog order: the tier's records cannot be indexed after the local ones, so
+                # nothing is indexed past them and the marker stays for the next open (missing is not empty).
+                index.flush()
+                raise StoreLoadError(f"{self.paths.index_rebuild}: the index rebuild must read the records the "
+                                     f"tier holds from commitlog offset {start} (their index files are lost): {e}; "
+                                     "a writable open with the tier reachable finishes it") from None
             index.flush()
             log.warning("index entries rebuilt from the commitlog for %d records from offset %d (damaged: %s)", n,
                         start, ", ".join(index.damaged) or "an unfinished rebuild")
         index.damaged.clear()
         os.unlink(self.paths.index_rebuild)
+
+    def _unindexed_from(self) -> int:
+        """Where the records no index file holds may start, for a rebuild of lost index entries.
+
+        The commitlog is local segments plus the tier's (data-safety rule 1): a
+        rebuild from the local start alone leaves the keys of tier-held records
+        unfindable when their index file was lost before it was uploaded.  The
+        index files the tier holds cover its records up to the highest end
+        offset among them (uploads go in order), so the rebuild starts there,
+        or at the tier's start; records below that are read from the tier.
+        """
+        local = self.commitlog.min_offset()
+        lowest = self.commitlog.min_offset_with_tier()
+        if lowest >= local or self.tier is None or self.tier.manifest is None:
+            return local
+        covered = max((f.end_phy_offset for f in self.tier.manifest.index), default=0)
+        return min(local, max(lowest, covered))
 
     def _on_bad_file(self, path: str, reason: str) -> None:
         """A bad file: refuse when read-only; when writable, plan to move it to quarantine/ (rocketstore
@@ -1519,6 +1548,11 @@ class MessageStore:
     def _next_record_after(self, offset: int, check_crc: bool) -> int | None:
         """The commitlog offset of the first intact record after ``offset``, up to the log's end, or None."""
         queue = self.commitlog.queue
+        if self.commitlog._in_tier(offset):  # damage in a segment only the tier holds: resync there
+            after = self.tier.reader.next_record_after(offset, check_crc=check_crc)
+            if queue.files and after >= self.commitlog.min_offset():
+                return self.commitlog.min_offset()
+            return after if after < self.tier.manifest.end_offset else None
         f = queue.find(offset)
         pos = offset - f.file_from_offset + 1 if f is not None else 0
         while f is not None and f.hold():

@@ -14,6 +14,13 @@ instead moves the view's ends forward, checking only what is new:
   shared mapping) fails that check and waits for the next call, so a reader
   never skips a message because it read a half-written unit.
 
+Damage is not a record still being copied: bytes that are no trusted record with
+a trusted record after them (the writer appends in order, so it has finished
+with them) are a damaged record.  The view goes on past it, and so does each
+queue past the unit pointing at it, so a read there raises an error naming the
+damage and the messages after it are read: a follower never stops silently at
+damage a writer (or a rolled-back repair) left behind.
+
 The maps are shared with the writer (``MAP_SHARED``), so the bytes are the
 writer's; a segment the writer deletes stays readable through the mapping.
 """
@@ -24,6 +31,7 @@ import logging
 import os
 import struct
 import time
+import weakref
 from collections.abc import Callable, Iterable
 
 from .format import codec
@@ -33,6 +41,8 @@ from .store import MessageStore
 
 log = logging.getLogger(__name__)
 _UNIT = struct.Struct(">qiq")
+# Per read-only store: commitlog offsets of the damaged records its view went past (offset -> reason).
+_DAMAGE: "weakref.WeakKeyDictionary[MessageStore, dict[int, str]]" = weakref.WeakKeyDictionary()
 
 
 def extend_view(store: MessageStore, topics: Iterable[str] | None = None) -> bool:
@@ -48,13 +58,14 @@ def extend_view(store: MessageStore, topics: Iterable[str] | None = None) -> boo
         raise ValueError(f"{store.root}: extend_view is for read-only stores (a writer sees its own puts)")
     log_queue = store.commitlog.queue
     log_min = log_queue.min_offset()
-    grew = _extend_commitlog(log_queue)
+    damage = _DAMAGE.setdefault(store, {})
+    grew = _extend_commitlog(log_queue, damage)
     end = store.commitlog.max_offset()
     new_min = log_queue.min_offset()
     moved = new_min != log_min
     for cq in _queues(store, topics):
         first = cq.queue.first()
-        grew |= _extend_consume_queue(store, cq, end, new_min)
+        grew |= _extend_consume_queue(store, cq, end, new_min, damage)
         if cq.queue.first() is not first and not moved:
             cq.correct_min_offset(new_min)
             grew = True
@@ -144,19 +155,28 @@ def _overtaken(queue: MappedFileQueue) -> MappedFile | None:
     return None
 
 
-def _extend_commitlog(queue: MappedFileQueue) -> bool:
+def _extend_commitlog(queue: MappedFileQueue, damage: dict[int, str]) -> bool:
     f = queue.last() or _next_file(queue) or _overtaken(queue)
     grew = False
     while f is not None:
         pos = f.wrote_position
         while pos < f.file_size:
-            size, msg, _reason = codec.check(f.mm, pos, f.file_size, check_crc=True, parsed=True,
-                                             base=f.file_from_offset)  # a trusted record only
+            size, msg, reason = codec.check(f.mm, pos, f.file_size, check_crc=True, parsed=True,
+                                            base=f.file_from_offset)  # a trusted record only
             if size == 0:  # blank: the rest of the segment is unused
                 pos = f.file_size
                 break
             if msg is None:
-                break  # not (yet) a whole record: the writer may be copying it
+                after = _past_damage(f, pos)
+                if after is None:
+                    break  # not (yet) a whole record: the writer may be copying it
+                where = f.file_from_offset + pos
+                if where not in damage:
+                    damage[where] = f"{f.path} at file position {pos}: {reason}"
+                    log.warning("%s; the view goes on at file position %d (a read there names the damage)",
+                                damage[where], after)
+                pos = after
+                continue
             pos += size
         if pos != f.wrote_position:
             f.set_positions(pos)
@@ -165,6 +185,16 @@ def _extend_commitlog(queue: MappedFileQueue) -> bool:
             break
         f = _next_file(queue) or _overtaken(queue)
     return grew
+
+
+def _past_damage(f: MappedFile, pos: int) -> int | None:
+    """Where the view goes on when the bytes at ``pos`` are a damaged record rather than one the writer is
+    still copying: the next trusted record after them (or the blank that ends the segment), which the writer,
+    appending in order, can only have written once it was done with ``pos``.  None: wait (nothing written
+    there yet, or no trusted record after it: the tail the writer is copying)."""
+    if f.mm[pos:pos + 8] == bytes(8):
+        return None  # nothing written yet (the usual end of the view): no search through the unused rest
+    return codec.find_record(f.mm, pos, f.file_size, f.file_from_offset, check_crc=True)
 
 
 def _queues(store: MessageStore, topics: Iterable[str] | None) -> list[ConsumeQueue]:
@@ -185,7 +215,8 @@ def _queues(store: MessageStore, topics: Iterable[str] | None) -> list[ConsumeQu
     return out
 
 
-def _extend_consume_queue(store: MessageStore, cq: ConsumeQueue, log_end: int, log_min: int) -> bool:
+def _extend_consume_queue(store: MessageStore, cq: ConsumeQueue, log_end: int, log_min: int,
+                          damage: dict[int, str]) -> bool:
     queue = cq.queue
     f = queue.last() or _next_file(queue) or _rebased(cq)
     grew = False
@@ -197,7 +228,8 @@ def _extend_consume_queue(store: MessageStore, cq: ConsumeQueue, log_end: int, l
             # a unit whose record retention removed cannot be checked, and is never read: the queue's
             # minimum moves past it (extend_view)
             gone = 0 <= phy and 0 < size and phy + size <= log_min
-            if not gone and not _unit_agrees(store, cq, index, phy, size, tags, log_end):
+            # a unit pointing at a damaged record the view went past is kept: its read names the damage
+            if not gone and phy not in damage and not _unit_agrees(store, cq, index, phy, size, tags, log_end):
                 break
             pos += CQ_STORE_UNIT_SIZE
         if pos != f.wrote_position:

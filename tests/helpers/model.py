@@ -125,6 +125,9 @@ class Model:
     pending: dict[int, tuple[Spec, str]] = field(default_factory=dict)  # put but not acknowledged: may be present
     removed_below: int = 0  # commitlog offset below which retention removed data
     floor: dict[tuple[str, int], int] = field(default_factory=dict)  # per queue: offsets below went by retention
+    # Messages dropped because their local record was damaged while the tier already held their segment intact:
+    # once retention deletes the local copy, reads go to the tier, and the message is there again.
+    tier_copies: dict[int, Msg] = field(default_factory=dict)
     next_uid: int = 1
 
     def slot_owner(self) -> dict[tuple[str, int, int], Msg]:
@@ -170,6 +173,17 @@ class Model:
             rest = [x.qoff for x in self.msgs.values() if (x.spec.topic, x.spec.qid) == key]
             lost = min(m.qoff for m in gone if (m.spec.topic, m.spec.qid) == key)
             self.next_off[key] = max(self.floor.get(key, 0), max(rest) + 1 if rest else lost)
+
+    def revive(self, uid: int) -> Msg | None:
+        """A message of :attr:`tier_copies` read back (from the tier's intact copy): held again, at its offset."""
+        m = self.tier_copies.pop(uid, None)
+        if m is None:
+            return None
+        self.msgs[uid] = m
+        m.required = True
+        key = (m.spec.topic, m.spec.qid)
+        self.next_off[key] = max(self.next_off.get(key, 0), m.qoff + 1)
+        return m
 
     def queue_keys(self) -> list[tuple[str, int]]:
         return sorted({(m.spec.topic, m.spec.qid) for m in self.msgs.values()} | set(self.next_off))

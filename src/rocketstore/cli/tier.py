@@ -40,11 +40,18 @@ def tier_status(store: MessageStore) -> dict[str, Any]:
         {f"{q}/{f.name}": cq_size for q, files in m.consumequeue.items() for f in files} if m else {})
     row("index", {os.path.basename(f.path): len(f.mm) for f in store.index_service.files},
         {i.name: index_file_size(store.config.maxHashSlotNum, store.config.maxIndexNum) for i in m.index} if m else {})
+    blocked = tier.upload_blocked
+    if blocked is None:  # a read-only open runs no upload round: look at the next segment to upload
+        from .tier.upload import upload_blocker
+        sealed = store.commitlog.queue.files[:-1]
+        nxt = [f for f in sealed if f.file_from_offset == m.end_offset] if m is not None and m.commitlog else \
+            sealed[:1]
+        blocked = upload_blocker(nxt[0]) if nxt else None
     sealed_pending = sum(1 for f in store.commitlog.queue.files[:-1]
                          if not tier.has_segment(f.file_from_offset, seg_size))
     return {"store": store.root, **tier.status(), "localMinOffset": store.min_phy_offset(),
             "maxOffset": store.max_phy_offset(), "readableFrom": store.min_readable_offset(),
-            "sealedNotUploaded": sealed_pending, "files": rows}
+            "sealedNotUploaded": sealed_pending, "files": rows, "uploadBlocked": blocked}
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -55,10 +62,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         print(f"tier {st['uri']}  offsets [{st['minOffset']}, {st['endOffset']})  local from {st['localMinOffset']}"
               f"  max {st['maxOffset']}  sealed segments not uploaded: {st['sealedNotUploaded']}"
-              + (f"  ERROR: {st['error']}" if st["error"] else ""))
+              + (f"  ERROR: {st['error']}" if st["error"] else "")
+              + (f"  UPLOAD BLOCKED: {st['uploadBlocked']}" if st["uploadBlocked"] else ""))
         print_rows(st["files"], ("kind", "localOnly", "both", "tierOnly", "localOnlyBytes", "bothBytes",
                                  "tierOnlyBytes"), args.format)
-    return 1 if st["error"] else 0
+    return 1 if st["error"] or st["uploadBlocked"] else 0
 
 
 def cmd_upload(args: argparse.Namespace) -> int:
@@ -71,6 +79,8 @@ def cmd_upload(args: argparse.Namespace) -> int:
         store.commitlog.flush(0)
         done = upload_round(store)
         emit({"store": store.root, "uploaded": done, **store.tier.status()})
+        if store.tier.upload_blocked is not None:
+            raise CliError(store.tier.upload_blocked)
     return 0
 
 
@@ -79,7 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     tsub = tier.add_subparsers(dest="tier_command", metavar="TIER_COMMAND", required=True)
     for name, handler, text in (
             ("status", cmd_status, "what is local, in the tier, or both, per kind of file (exit 1 when the tier "
-             "cannot be read or is refused)"),
+             "cannot be read or is refused, or a damaged segment blocks uploads)"),
             ("upload", cmd_upload, "upload every sealed segment (and its queue and index files) now, with the "
              "store closed to other writers")):
         p = tsub.add_parser(name, help=text, description=text)

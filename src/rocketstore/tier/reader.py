@@ -23,6 +23,8 @@ from .objectstore import ObjectStore, TierError
 BLOCK = 256 * 1024
 CACHE_BLOCKS = 64  # 16 MiB
 SCAN_WINDOW = 4 * 1024 * 1024
+RESYNC_WINDOW = 32 * 1024 * 1024  # bytes searched at a time for the next trusted record after damage
+RESYNC_OVERLAP = 8 * 1024 * 1024  # more than a record's largest size (maxMessageSize 4 MiB): none is cut twice
 _UNIT = struct.Struct(">qiq")
 _HEADER = struct.Struct(">qqqqii")
 _ENTRY = struct.Struct(">iqii")
@@ -165,6 +167,30 @@ class TierReader:
                     break
                 pos = nxt
             offset = seg.base + file_size
+
+    def next_record_after(self, offset: int, *, check_crc: bool = True) -> int:
+        """Where a walk resumes after the damage it met at ``offset``: the first trusted record after it in
+        the same segment (:func:`codec.find_record`, as the local walk resynchronises), else the next
+        segment's start (the manifest's end after the last), which the walk then checks in turn.
+
+        The damaged record is named by the walk; what follows it is still the tier's to give, so a walk
+        that stopped there would lose every intact message after one bad record."""
+        seg = self._segment(offset)
+        key = segment_key(seg.name)
+        pos = offset - seg.base + 1
+        while pos < seg.size:
+            n = min(RESYNC_WINDOW, seg.size - pos)
+            buf = self.read(key, pos, n)
+            if not buf:
+                break
+            # (a blank record counts only where it ends the segment, that is, where ``buf`` reaches the end)
+            found = codec.find_record(buf, 0, len(buf), seg.base + pos, check_crc=check_crc)
+            if found is not None:
+                return seg.base + pos + found
+            if pos + len(buf) >= seg.size:
+                break
+            pos += max(len(buf) - RESYNC_OVERLAP, 1)  # a record the window cut is found in the next one
+        return seg.base + seg.size
 
     # ------------------------------------------------------------ consume queues
     def units(self, topic: str, queue_id: int, index: int, count: int) -> list[tuple[int, int, int]]:

@@ -66,6 +66,9 @@ class TieredStorage:
         self.manifest: TierManifest | None = None
         self.reader: TierReader | None = None
         self.error: str | None = None  # the last failure to reach or trust the tier
+        # Why the last upload round stopped before a sealed segment: a damaged record in it (local damage,
+        # never sealed into the tier).  Retention keeps that segment and every later one until it is mended.
+        self.upload_blocked: str | None = None
         # Why reads of the tier must fail: there is no manifest this store can trust (tier.json missing, older
         # than the store published, malformed, or another store's; the local copy lost).  Reads below the local
         # disk raise it, naming the manifest, rather than answer from an empty or stale list.
@@ -535,6 +538,7 @@ class TieredStorage:
     def status(self) -> dict[str, Any]:
         m = self.manifest
         return {"uri": self.loc.uri, "storeId": self.store_id, "error": self.error, "fault": self.fault,
+                "uploadBlocked": self.upload_blocked,
                 "generation": m.generation if m else None, "publishedGeneration": self.known_generation,
                 "localDeletedEnd": self.deleted_end,
                 "minOffset": m.min_offset if m else None, "endOffset": m.end_offset if m else None,

@@ -1,7 +1,10 @@
 """TierUploadService: copies sealed files to the tier, oldest first, and publishes each in the manifest.
 
 A commitlog segment is sealed when a later segment exists and the flush has
-passed its end (a torn, unflushed segment is never uploaded).  Segments go up
+passed its end (a torn, unflushed segment is never uploaded), and it passes
+a trusted walk: damage sealed into the tier could not be repaired there, so a
+segment with a damaged record stays local (and blocks the ones after it)
+until ``verify --repair`` mends it.  Segments go up
 in offset order with no gap, so the tier is one continuous offset range.  A
 consume-queue file goes up when it is full and its last unit's record is in
 the tier; an index file when it is no longer the one being written and its
@@ -18,7 +21,7 @@ import logging
 import os
 import struct
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..format import codec
 from ..storage.consume_queue import CQ_STORE_UNIT_SIZE
@@ -43,6 +46,7 @@ class TierUploadService(ServiceThread):
         super().__init__(store.config.tieredStoreUploadInterval / 1000.0, initial_delay=0.5)
         self.store = store
         self._last_error: str | None = None
+        self._last_blocked: str | None = None
 
     def run_once(self) -> None:
         try:
@@ -54,6 +58,10 @@ class TierUploadService(ServiceThread):
             self.store.tier.error = str(e)
         else:
             self._last_error = None
+        blocked = self.store.tier.upload_blocked
+        if blocked is not None and blocked != self._last_blocked:  # once, not every round
+            log.error("tier upload: %s", blocked)
+        self._last_blocked = blocked
 
 
 def upload_round(store: "MessageStore", max_segments: int | None = None) -> dict[str, int]:
@@ -87,6 +95,7 @@ def _upload_segments(store: "MessageStore", m: TierManifest, max_segments: int |
     assert tier is not None
     files = list(cl.queue.files)
     flushed = cl.queue.flushed_where
+    tier.upload_blocked = None
     n = 0
     for f in files[:-1]:
         if f.file_from_offset < m.end_offset:
@@ -95,7 +104,13 @@ def _upload_segments(store: "MessageStore", m: TierManifest, max_segments: int |
             tier.error = (f"{tier.loc.uri}: the tier ends at {m.end_offset} but the next local segment is "
                           f"{f.path}; a segment was deleted before it was uploaded, uploads stopped")
             raise TierError(tier.error)
-        if flushed < f.end_offset or not f.hold():
+        if flushed < f.end_offset:
+            break
+        why = upload_blocker(f)
+        if why is not None:  # (the upload service logs it, the CLI raises it)
+            tier.upload_blocked = why
+            break
+        if not f.hold():
             break
         try:
             first_ts = codec.read_store_timestamp(f.mm, 0) if f.wrote_position >= codec.PREFIX_SIZE + 8 else 0
@@ -111,6 +126,45 @@ def _upload_segments(store: "MessageStore", m: TierManifest, max_segments: int |
         if max_segments is not None and n >= max_segments:
             break
     return n
+
+
+def upload_blocker(f: Any) -> str | None:
+    """Why sealed segment ``f`` (a MappedFile) must not go to the tier, or None: a damaged record in it."""
+    if not f.hold():
+        return None
+    try:
+        damage = segment_damage(f.mm, f.file_size, f.file_from_offset)
+    finally:
+        f.release()
+    if damage is None:
+        return None
+    return (f"{f.path} at file position {damage[0]} (commitlog offset {f.file_from_offset + damage[0]}): "
+            f"{damage[1]}; the segment is not uploaded, nor any after it (the tier has no gaps), until rocketstore "
+            "verify --repair mends it: damage sealed into the tier could not be repaired there")
+
+
+def segment_damage(buf: Any, size: int, base: int) -> tuple[int, str] | None:
+    """The first damage in a sealed segment that has intact records after it, as (file position, reason), or
+    None.  A trusted walk (data-safety rule 1: magic, sizes, PHYSICALOFFSET, BODYCRC) of ``buf[:size]``; it
+    ends well at the blank record that closes the segment, or at zeros with no trusted record after them."""
+    pos = 0
+    while pos < size:
+        pos = codec.scan_records(buf, pos, size, size, base=base, check_crc=True)[0]
+        if pos >= size:
+            return None
+        n, msg, reason = codec.check(buf, pos, size, check_crc=True, base=base)
+        if n == 0:
+            return None  # the blank record: the segment's end
+        if msg is not None:  # accepted by the full check (the fast loop is stricter on a few shapes): go on
+            pos += n
+            continue
+        if buf[pos:pos + 8] == bytes(8):
+            after = codec.find_record(buf, pos, size, base, check_crc=True)
+            if after is None:
+                return None  # zeros to the end: no record lost
+            return pos, f"zeros where a record should be, with a record at file position {after} after them"
+        return pos, reason or "not a record"
+    return None
 
 
 def _upload_queue_files(store: "MessageStore", m: TierManifest) -> int:
