@@ -951,6 +951,14 @@ class MessageStore:
                                 break
                         elif seg is None and self.commitlog.in_tier(phy):  # uploaded, and gone from local disk
                             msg = self._tier_unit(phy, size, read_body, topic, topic_bytes, queue_id, idx - 1)
+                        elif seg is None and self.tier is not None and self.tier.fault is not None and \
+                                phy < self.tier.deleted_end:  # deleted on the tier's word; no manifest to trust
+                            if n:
+                                idx -= 1
+                                full = True
+                                break
+                            raise TierError(f"{topic}-{queue_id} offset {idx - 1}: its record at commitlog offset "
+                                            f"{phy} was moved to the tier, but {self.tier.fault}")
                         elif seg is None and phy < self.commitlog.min_offset():  # expired, unless the unit is damaged
                             msg, damage = self._gone_unit_record(cq, f, idx - 1, phy, size, read_body, topic,
                                                                  topic_bytes, queue_id)
