@@ -48,3 +48,7 @@ class ConfigError(StoreError):
 
 class CliError(StoreError):
     """A user error on the command line: printed as one line, exit status 2."""
+
+
+class TierError(StoreError):
+    """The tier (bucket) could not be read or written; the message names the URI and key."""

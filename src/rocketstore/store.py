@@ -11,86 +11,56 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from itertools import islice
 from time import perf_counter
 from typing import Any, Callable, Iterator
 
+from .config import SYNC_FLUSH, StoreConfig
+from .errors import CommitLogWriteError, ReadOnlyStoreError, StoreClosedError, StoreLoadError
 from .format import codec
-from .storage.checkpoint import StoreCheckpoint
-from .services.clean import CleanService, DiskGuard, DiskGuardService, disk_usage_ratio
 from .format.codec import MessageExt
-from .storage.commitlog import CommitLog
-from .config import SYNC_FLUSH, StoreConfig, total_memory_bytes
-from .storage.consume_queue import CQ_STORE_UNIT_SIZE, LOWER, ConsumeQueue
-from .services.dispatch import HAND_OVER_LIMIT, ReputMessageService
 from .format.encoder import MessageEncoder
-from .errors import CommitLogWriteError, CorruptRecordError, ReadOnlyStoreError, StoreClosedError, StoreError, StoreLoadError
-from .services.flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeService, GroupCommitService
-from .storage.geometry import STORE_CONF, reserved_bytes, store_config
+from .format.message import (DEFAULT_STORE_HOST, GetMessageResult, Message, PutMessageResult, PutMessageStatus,
+                             QueryMessageResult, host_tuple)
 from .paths import StorePaths
-from .storage.consumer_offsets import lowest_committed_offsets
-from .storage.files import StoreFiles
-from .storage.index import IndexService
-from .storage.jsonfile import write_file_durably
-from .format.message import (DEFAULT_STORE_HOST, GetMessageResult, GetMessageStatus, Message, PutMessageResult,
-                             PutMessageStatus, QueryMessageResult, host_tuple, illegal_topic, parse_tag_filter)
+from .recovery.load import StoreLoader, boot_id
+from .services.clean import CleanService, DiskGuard, DiskGuardService, disk_usage_ratio
+from .services.dispatch import HAND_OVER_LIMIT, ReputMessageService
+from .services.flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeService, GroupCommitService
 from .services.metrics import SAMPLE_EVERY, MetricsService, StoreMetrics, snapshot as metrics_snapshot
-from .storage.quarantine import QuarantinePlan, extend_torn_last_segment, file_kind
-from .recovery.recover import RecoveryReport, queues_with_records_before, recover
-from .storage.running_flags import RunningFlags
-from .storage.store_lock import StoreLock
-from .tier.objectstore import TierError
-from .tier.tiered import TieredStorage
-from .tier.upload import TierUploadService
 from .services.warm_ahead import WarmAheadService
+from .storage.consume_queue import LOWER, ConsumeQueue
+from .storage.consumer_offsets import lowest_committed_offsets
+from .storage.files import InFiles, StoreFiles
+from .storage.geometry import STORE_CONF, reserved_bytes, store_config
+from .storage.jsonfile import write_file_durably
+from .storage.read import StoreReader
+from .storage.store_lock import StoreLock
+from .tier.upload import TierUploadService
 
 log = logging.getLogger(__name__)
-# How far a get walks the commitlog for the record of a unit whose offset was damaged (see
-# MessageStore._misplaced_unit_record): a few RocketMQ maximum-size messages.
-MISPLACED_SEARCH_BYTES = 16 << 20
-BLANK_UNIT_SIZE = 0x7FFFFFFF  # the size of a blank consume-queue unit (PRE_BLANK_UNIT): it names no record
-BLANK_LOOK_BACK = 65536  # units a get looks back over for the last one before a blank unit that names a record
-
-
-class _InFiles:
-    """A MessageStore attribute that lives in its StoreFiles (one copy of each open file and table)."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name.lstrip("_")
-
-    def __get__(self, store: Any, owner: type | None = None) -> Any:
-        return self if store is None else getattr(store.files, self.name)
-
-    def __set__(self, store: Any, value: Any) -> None:
-        setattr(store.files, self.name, value)
 
 
 class MessageStore:
     """An open store.  Use :meth:`open`; it is a context manager."""
 
     # The open files and the tables over them live in self.files (StoreFiles): one copy, given to the services.
-    paths, root, config, read_only, clock, sleep = (_InFiles() for _ in range(6))
-    running_flags, flush_error, commitlog, checkpoint, index_service, tier = (_InFiles() for _ in range(6))
-    topic_queue_table, queues_to_rebuild, recovery_report, _cq_table, _cq_lock = (_InFiles() for _ in range(5))
+    paths, root, config, read_only, clock, sleep = (InFiles() for _ in range(6))
+    running_flags, flush_error, commitlog, checkpoint, index_service, tier = (InFiles() for _ in range(6))
+    topic_queue_table, queues_to_rebuild, recovery_report, _cq_table, _cq_lock, closed = (InFiles() for _ in range(6))
+    last_exit_ok, abort_file_present, process_crash_only, lost_queues = (InFiles() for _ in range(4))
 
     def __init__(self, root: str, config: StoreConfig, *, read_only: bool = False,
                  clock: Callable[[], float] = time.time, start_services: bool = True,
                  disk_usage: Callable[[str], float] | None = None, sleep: Callable[[float], None] = time.sleep,
                  allow_quarantine: bool = False, repairing: bool = False) -> None:
         self.files = StoreFiles(StorePaths(root), config, read_only=read_only, clock=clock, sleep=sleep)
-        self.files.on_new_queue = self._on_new_queue
         self.files.apply_topic_retention = self.apply_topic_retention
+        self.reader = StoreReader(self.files)
+        self.loader = StoreLoader(self.files, self.reader, allow_quarantine)
+        self.files.on_new_queue = self.loader.on_new_queue
+        self.files.save_queue_registry = self.loader.save_queue_registry
         self.allow_quarantine = allow_quarantine
-        self._quarantine = QuarantinePlan(root, allow_quarantine)  # carried out once loading has seen every file
-        # the queues known to exist and the queue offset each one's next put may not go below (paths.queue_registry)
-        self._registry: dict[tuple[str, int], int] | None = None
-        self._registry_text: str | None = None  # what the registry file holds (written by this store)
-        self._registry_lock = threading.Lock()
-        self.lost_queues: set[tuple[str, int]] = set()  # read-only: registered queues whose directory is gone
-        self._queue_starts: dict[tuple[str, int], tuple[tuple[int, int | None], tuple[str, int, int]]] = {}
-        self.files.save_queue_registry = self.save_queue_registry
         self.closed = False
         self._store_lock: StoreLock | None = None
         self._services: list[Any] = []
@@ -98,7 +68,6 @@ class MessageStore:
         self.group_commit: GroupCommitService | None = None
         self.disk_guard = DiskGuard(self.files, disk_usage or disk_usage_ratio)
         self.clean_service = CleanService(self.files, self.disk_guard)
-        self._ram = total_memory_bytes()
         self.metrics = StoreMetrics()
         self.encoder = MessageEncoder.for_config(config)
 
@@ -115,7 +84,7 @@ class MessageStore:
         if not read_only:
             self._acquire_lock()
         try:
-            self._load()
+            self.loader.load()
             if not read_only and start_services:
                 self._start()
         except BaseException:
@@ -175,416 +144,13 @@ class MessageStore:
             self._store_lock.release()
             self._store_lock = None
 
-    def _load(self) -> None:
-        cfg, ro = self.config, self.read_only
-        self.last_exit_ok = not os.path.exists(self.paths.abort)
-        self.abort_file_present = not self.last_exit_ok
-        # After a crash of the process alone (same OS boot), every byte written through the maps is intact,
-        # so the index files need not be dropped and rebuilt; after a reboot or power loss they may be torn.
-        self.process_crash_only = self.abort_file_present and _boot_id() is not None and \
-            _read_text(self.paths.abort_boot) == _boot_id()
-        if not ro:
-            os.makedirs(self.paths.commitlog, exist_ok=True)
-            os.makedirs(self.paths.consumequeue, exist_ok=True)
-        self.commitlog = CommitLog(self.paths.commitlog, cfg.mappedFileSizeCommitLog, read_only=ro, clock=self.clock,
-                                   warm=cfg.warmMapedFileEnable, gather_all=cfg.flushDiskType == SYNC_FLUSH)
-        unfinished = _read_text(self.paths.cq_rebuild)
-        if unfinished is not None:
-            if ro:
-                raise StoreLoadError(f"{self.paths.cq_rebuild}: the rebuild of consume queues {unfinished.split()} "
-                                     "has not finished; a writable open (rocketstore recover) finishes it")
-            self.queues_to_rebuild += unfinished.split()
-        self._extend_torn_last_segment()
-        self.commitlog.load(on_bad_file=self._on_bad_file)
-        if cfg.tieredStoreUri:
-            self.tier = TieredStorage(self.root, cfg, read_only=ro)
-            self.tier.refresh(quiet=True)  # a tier that cannot be reached is recorded, not fatal: local data stays readable
-            self.commitlog.tier = self.tier
-        self._load_consume_queues()
-        self._check_quarantine()  # before the checkpoint and the index are touched
-        if not ro:
-            self._refill_lost_first_files()
-        self.checkpoint = StoreCheckpoint.load(self.paths.checkpoint, read_only=ro, on_bad=self._on_bad_file)
-        self.index_service = IndexService(self.paths.index, cfg.maxHashSlotNum, cfg.maxIndexNum, read_only=ro,
-                                          clock=self.clock, on_file_full=self._on_index_file_full)
-        dropped = self.index_service.load(self.last_exit_ok or ro or self.process_crash_only,
-                                          self.checkpoint.indexMsgTimestamp,
-                                          on_bad_file=self._on_bad_index_file)
-        reindex = self._plan_reindex()
-        self._move_to_quarantine()
-        reindex_from = self.index_service.resume_offset()
-        loaded = set(self._cq_table)
-        if not ro:
-            self._registry = self._read_queue_registry(loaded)
-        else:  # a reader cannot rebuild a lost queue: it names the loss (missing is not empty)
-            self.lost_queues = set(self._read_queue_registry(loaded)) - loaded
-        for name in self.queues_to_rebuild:  # a rebuild places each unit at its record's queue offset
-            topic, _, qid = name.rpartition("/")
-            if (cq := self._cq_table.get((topic, int(qid)))) is not None:
-                cq.pad_gaps = True
-        self.recovery_report = recover(self, self.last_exit_ok)
-        self.recovery_report.index_files_dropped = dropped
-        if not ro:
-            self._refill_lost_queues(loaded)
-            self._keep_registered_offsets()
-            self._write_queue_registry(offsets=True)
-        self._finish_queue_rebuild()
-        if reindex:
-            self._reindex_lost_entries(reindex_from)
-        self.commitlog.confirm_offset = self.commitlog.max_offset()
-
-    def _plan_reindex(self) -> bool:
-        """Whether index entries were lost with a damaged index file (moved to quarantine, the files after it
-        dropped) or by an unfinished rebuild: a marker that says so is made durable before any file moves,
-        so a crash before the rebuild ends leaves it to the next writable open (missing is not empty)."""
-        unfinished = os.path.exists(self.paths.index_rebuild)
-        index = self.index_service
-        if not index.files and not index.damaged and self.config.messageIndexEnable and \
-                self.commitlog.max_offset() > self.commitlog.min_offset():
-            # Dispatch makes an index file for the first record, and retention never deletes the last one:
-            # no index file beside records means the index was lost, not that no record has a key.
-            index.damaged[self.paths.index] = "no index file, yet the commitlog holds records (a lost index)"
-        if not (unfinished or index.damaged):
-            return False
-        if self.read_only:
-            if not unfinished:
-                return False  # a query raises, naming the damaged file
-            raise StoreLoadError(f"{self.paths.index_rebuild}: the rebuild of index entries has not finished; a "
-                                 "writable open (rocketstore recover) finishes it")
-        if self.index_service.damaged:
-            write_file_durably(self.paths.index_rebuild, ("\n".join(self.index_service.damaged) + "\n").encode())
-        return True
-
-    def _reindex_lost_entries(self, start: int) -> None:
-        """Index again every record from ``start`` (where the index files kept end) to the log's end.
-
-        Only records the index lacks are offered: after a clean shutdown
-        recovery indexes just the records past the consume queues' end, so any
-        it added are taken back first (entries go in commitlog order).  Walks
-        trusted records only (a stale copy at the wrong position is skipped).
-        """
-        index = self.index_service
-        if self.config.messageIndexEnable:
-            lowest = self._unindexed_from()
-            from_tier = max(start, lowest) < self.commitlog.min_offset()  # records only the tier holds first
-            if index.resume_offset() > start and (not self.recovery_report.abnormal or from_tier):
-                # Recovery indexed records the index must hold after ones it still lacks: past the queues' end
-                # after a clean stop, or (it reads local segments only) the local records after the tier's.
-                index.truncate(start + 1, lambda off: self.commitlog.pickup_store_timestamp(off, 0))
-            start = max(index.resume_offset(), lowest)
-            from .services.dispatch import CommitLogDispatcher
-            dispatcher = CommitLogDispatcher(self.files)
-            n = 0
-            try:
-                for off, _size, msg, problem in self.messages(start, read_body=False, skip_damaged=True):
-                    if msg is None:
-                        log.warning("index rebuild: %s; not indexed", problem)
-                        continue
-                    if msg.commit_log_offset != off or msg.sys_flag & codec.TRANSACTION_MASK == \
-                            codec.TRANSACTION_ROLLBACK:
-                        continue
-                    dispatcher.dispatch(msg, index=True, queue=False)
-                    n += 1
-            except TierError as e:
-                # Entries go in commitlog order: the tier's records cannot be indexed after the local ones, so
-                # nothing is indexed past them and the marker stays for the next open (missing is not empty).
-                index.flush()
-                raise StoreLoadError(f"{self.paths.index_rebuild}: the index rebuild must read the records the "
-                                     f"tier holds from commitlog offset {start} (their index files are lost): {e}; "
-                                     "a writable open with the tier reachable finishes it") from None
-            index.flush()
-            log.warning("index entries rebuilt from the commitlog for %d records from offset %d (damaged: %s)", n,
-                        start, ", ".join(index.damaged) or "an unfinished rebuild")
-        index.damaged.clear()
-        os.unlink(self.paths.index_rebuild)
-
-    def _unindexed_from(self) -> int:
-        """Where the records no index file holds may start, for a rebuild of lost index entries.
-
-        The commitlog is local segments plus the tier's (data-safety rule 1): a
-        rebuild from the local start alone leaves the keys of tier-held records
-        unfindable when their index file was lost before it was uploaded.  The
-        index files the tier holds cover its records up to the highest end
-        offset among them (uploads go in order), so the rebuild starts there,
-        or at the tier's start; records below that are read from the tier.
-        """
-        local = self.commitlog.min_offset()
-        lowest = self.commitlog.min_offset_with_tier()
-        if lowest >= local or self.tier is None or self.tier.manifest is None:
-            return local
-        covered = max((f.end_phy_offset for f in self.tier.manifest.index), default=0)
-        return min(local, max(lowest, covered))
-
-    def _on_bad_file(self, path: str, reason: str) -> None:
-        """A bad file: refuse when read-only; when writable, plan to move it to quarantine/ (rocketstore
-        extension), done by :meth:`_move_to_quarantine` once loading has seen every file."""
-        if self.read_only:
-            raise StoreLoadError(f"{path}: {reason}")
-        self._quarantine.moves.append((path, reason))
-
     def _check_repair_marker(self) -> None:
         if os.path.exists(self.paths.repair_marker):
             _repair_marker_gate(self.root, self.config, self.read_only)
 
-    def _extend_torn_last_segment(self) -> None:
-        """A short last segment holding records is torn, not a stray: extended (writable) or refused (read-only)
-        before it loads, never moved to quarantine/ (see quarantine.extend_torn_last_segment)."""
-        extend_torn_last_segment(self.paths.commitlog, self.config.mappedFileSizeCommitLog, self.read_only)
-
-    def _on_bad_index_file(self, path: str, reason: str) -> None:
-        """A damaged index file is a cache of the commitlog: a writable open moves it to quarantine/ and
-        rebuilds its entries (:meth:`_reindex_lost_entries`); a reader goes on without it (a query raises,
-        naming it) rather than refuse reads that need no index.  A stray file is refused as before."""
-        name = os.path.basename(path)
-        if self.read_only and len(name) == 17 and name.isdigit():
-            log.info("%s: %s; its keys cannot be found until a writable open (rocketstore recover) rebuilds "
-                     "the index", path, reason)  # (a query raises, and verify reports it, naming it)
-            return
-        self._on_bad_file(path, reason)
-
-    def _check_quarantine(self) -> None:
-        self._quarantine.check(self.commitlog.queue.files, self.commitlog.file_size)
-
-    def _move_to_quarantine(self) -> None:
-        """Carry out the quarantine plan, after a marker naming the queues to refill is durable."""
-        self._check_quarantine()
-        if self.queues_to_rebuild:
-            self.queues_to_rebuild = list(dict.fromkeys(self.queues_to_rebuild))
-            with open(self.paths.cq_rebuild, "w", encoding="utf-8") as fh:  # until recovery has refilled them
-                fh.write("\n".join(self.queues_to_rebuild) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-        if self.paths.checkpoint in self._quarantine.carry_out():
-            self.checkpoint.flush()  # a fresh one where the bad one was
-
-    def _finish_queue_rebuild(self) -> None:
-        """Make the refilled queues durable, then drop the marker that made recovery start where they end."""
-        if self.read_only or not self.queues_to_rebuild:
-            return
-        report = self.recovery_report
-        for name in self.queues_to_rebuild:
-            topic, _, qid = name.rpartition("/")
-            cq = self._cq_table.get((topic, int(qid)))
-            if cq is not None:
-                cq.flush(0)
-                key = f"{cq.topic}-{cq.queue_id}"
-                if cq.blank_units and report is not None and key not in report.not_rebuilt:  # gaps, placed
-                    report.not_rebuilt[key] = "; ".join(f"units {a}..{b} have no record in the commitlog "
-                                                        "(written as blank units)" for a, b in cq.blank_units)
-                    log.error("rebuilding %s: %s", key, report.not_rebuilt[key])
-        os.unlink(self.paths.cq_rebuild)
-        log.warning("consume queues %s rebuilt from the commitlog", ", ".join(self.queues_to_rebuild))
-
-    def _rebuild_queue(self, cq: ConsumeQueue, bad: list[tuple[str, str]]) -> None:
-        """A queue with a file of the wrong size or a hole: the odd files go to quarantine, the files from the
-        first bad one on are dropped, and recovery refills the queue from the commitlog where what is kept
-        ends (dispatch only appends to a queue, so a hole would never fill), placing each unit at its
-        record's queue offset (``pad_gaps``: a record lost leaves a blank unit, not a shifted offset)."""
-        if self.read_only:
-            path, reason = bad[0]
-            raise StoreLoadError(f"{path}: {reason}; a writable open (rocketstore recover) rebuilds "
-                                 f"{cq.topic}/{cq.queue_id} from the commitlog")
-        first_bad = min((int(os.path.basename(p)) for p, _ in bad if file_kind(self.root, p)), default=-1)
-        for path, reason in bad:
-            name = os.path.basename(path)
-            if file_kind(self.root, path) and os.path.getsize(path) == cq.file_size and int(name) % cq.file_size == 0:
-                self._quarantine.deletes.append(path)  # sound, cut off by the hole: refilled, not quarantined
-            else:
-                self._on_bad_file(path, reason)
-        for f in [f for f in cq.queue.files if f.file_from_offset > first_bad]:
-            cq.queue.files.remove(f)
-            f.close()
-            self._quarantine.deletes.append(f.path)
-        self.queues_to_rebuild.append(f"{cq.topic}/{cq.queue_id}")
-
-    def _refill_lost_first_files(self) -> None:
-        """Queues whose first units were lost, not expired: their records are still in the commitlog.
-
-        A queue starting past unit 0 looks like retention deleted its first
-        files; it did only if the records those units pointed at are below the
-        commitlog's minimum.  When one is still there, the queue is rebuilt
-        from the commitlog (every file goes and recovery refills it).
-        """
-        min_phy = self.commitlog.min_offset()
-        firsts: dict[tuple[str, int], tuple[int, int]] = {}
-        for key, cq in self._cq_table.items():
-            if f"{key[0]}/{key[1]}" in self.queues_to_rebuild:
-                continue
-            first = cq.first_unit()
-            if first is not None and first[1] > 0 and first[0] > min_phy:
-                firsts[key] = first
-            elif not cq.queue.files:  # a queue directory without a file: any record of it was lost
-                firsts[key] = (codec.NO_INDEX, codec.NO_INDEX)
-        for topic, qid in sorted(queues_with_records_before(self, firsts)):
-            cq = self._cq_table[(topic, qid)]
-            start = firsts[(topic, qid)][1]
-            log.warning("%s-%d %s, but records of it are still in the commitlog (a lost queue file, not "
-                        "retention); rebuilding it from the commitlog", topic, qid,
-                        "has no file" if start == codec.NO_INDEX else f"starts at unit {start}")
-            self._rebuild_queue(cq, [])
-
-    def _refill_lost_queues(self, loaded: set[tuple[str, int]]) -> None:
-        """Rebuild, before any read or put, the queues whose consume-queue directory was lost.
-
-        Recovery offers the records from the segment where it starts, so it
-        creates a queue it found no directory for at the first of its records
-        there: one starting past queue offset 0 lost the units of its earlier
-        records (retention never deletes a queue's last file, so its directory
-        stays while it has records).  Such a queue is dropped and filled again
-        from the commitlog's first record, with every record in no consume
-        queue (a queue lost whole), each unit placed at its record's own queue
-        offset (a record lost leaves a blank unit, never a shifted offset).
-        """
-        lost = sorted(set(self._registry or ()) - loaded)  # registered, directory gone: rebuilt, never empty
-        for key, cq in self._cq_table.items():
-            if key in loaded or key in lost:
-                continue
-            first = cq.first_unit()
-            if first is not None and first[1] > 0 and first[0] > self.commitlog.min_offset():
-                lost.append(key)
-        if not lost or not self.commitlog.queue.files:
-            return
-        names = [f"{t}/{q}" for t, q in sorted(lost)]
-        log.warning("consume queues %s had no directory and start past queue offset 0 while the commitlog holds "
-                    "earlier records (a lost consume-queue directory); rebuilding them from the commitlog",
-                    ", ".join(names))
-        self.queues_to_rebuild = list(dict.fromkeys(self.queues_to_rebuild + names))
-        write_file_durably(self.paths.cq_rebuild, ("\n".join(self.queues_to_rebuild) + "\n").encode())
-        for key in lost:
-            cq = self._cq_table.pop(key, None)
-            if cq is None:
-                continue
-            for f in list(cq.queue.files):
-                cq.queue.files.remove(f)
-                f.destroy()
-            cq.close()
-        from .services.dispatch import CommitLogDispatcher
-        dispatcher = CommitLogDispatcher(self.files)
-        dispatched_before = self.checkpoint.logics_dispatched
-        held = {}
-        for (t, q) in self._cq_table:
-            try:
-                held[(t.encode("utf-8"), q)] = codec.NO_INDEX  # every record of a queue kept is skipped
-            except UnicodeEncodeError:
-                pass
-        refilled: set[ConsumeQueue] = set()
-        for mm, pos, size in _records_not_held(self.commitlog, held):
-            msg = codec.decode(mm, pos, pos + size, read_body=False)
-            key = (msg.topic, msg.queue_id)
-            if key not in self._cq_table:
-                if illegal_topic(msg.topic) is not None:
-                    continue  # (dispatch leaves such a record out of the queues, and says so)
-                if key not in lost:
-                    lost.append(key)
-                    log.warning("%s-%d: records in the commitlog but no consume queue (a lost directory); "
-                                "rebuilding it", *key)
-                    self.queues_to_rebuild.append(f"{key[0]}/{key[1]}")
-                self.find_consume_queue(*key).pad_gaps = True  # place each unit at its queue offset
-            cq = self._cq_table[key]
-            dispatcher.dispatch(msg, index=False, queue=True)
-            refilled.add(cq)
-        self.checkpoint.logics_dispatched = dispatched_before
-        for cq in refilled:
-            cq.pad_gaps = False
-        self.files.recover_topic_queue_table()
-
-    def refill_from(self) -> int | None:
-        """The commitlog offset from which recovery must offer every record: where the shortest queue being
-        rebuilt ends (-1: from the first segment); None when no queue is being rebuilt."""
-        if not self.queues_to_rebuild:
-            return None
-        ends = []
-        for name in self.queues_to_rebuild:
-            topic, _, qid = name.rpartition("/")
-            cq = self._cq_table.get((topic, int(qid)))
-            ends.append(cq.max_physic_offset if cq is not None else -1)
-        return min(ends)
-
-    def _read_queue_registry(self, loaded: set[tuple[str, int]]) -> dict[tuple[str, int], int]:
-        """The queues the store created, each with a queue offset its next put may not go below
-        (config/consumeQueues.registry, one ``TOPIC/QUEUEID NEXTOFFSET`` a line; a line without an offset, as
-        the first version wrote, says 0).  A store without one (older, or written by RocketMQ) starts it from
-        the directories it has.  A registered queue whose directory is gone is rebuilt from the commitlog by
-        _refill_lost_queues (a lost directory is not an empty queue, rule 4), and one whose records all
-        expired keeps its offsets (:meth:`_keep_registered_offsets`).  A line that does not parse refuses the
-        open, naming the file and the line: guessing would forget a queue or hand out its offsets again."""
-        text = _read_utf8(self.paths.queue_registry)
-        if text is None:
-            if os.path.exists(self.paths.queue_registry):
-                raise StoreLoadError(f"{self.paths.queue_registry}: not UTF-8 text; the queue registry is damaged "
-                                     "(remove it to start it again from the consume-queue directories)")
-            return {key: 0 for key in loaded}
-        self._registry_text = text
-        out: dict[tuple[str, int], int] = {}
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            name, _, nxt = line.partition(" ")
-            topic, _, qid = name.rpartition("/")
-            if not topic or not qid.lstrip("-").isdigit() or not (nxt == "" or nxt.isdigit()) or int(qid) > 2 ** 31 - 1:
-                raise StoreLoadError(f"{self.paths.queue_registry} line {n}: {line[:80]!r} is not "
-                                     "'TOPIC/QUEUEID NEXTOFFSET'; the queue registry is damaged (remove it to start it "
-                                     "again from the consume-queue directories)")
-            out[(topic, int(qid))] = max(out.get((topic, int(qid)), 0), int(nxt or 0))
-        return out
-
-    def _keep_registered_offsets(self) -> None:
-        """A queue left with no unit (its records all expired, then its directory was lost, or a rebuild found
-        none of them in the commitlog) takes its next queue offset from the registry, never 0 again: the
-        offsets its expired records had are not handed out a second time (rule 2).  A queue that still has
-        units is left alone: its units reach past every expired record."""
-        for key, nxt in (self._registry or {}).items():
-            cq = self._cq_table.get(key)
-            if nxt <= self.topic_queue_table.get(key, 0) or (cq is not None and cq.max_offset_in_queue > 0):
-                continue
-            log.warning("%s-%d has no unit left, but the queue registry says its records reached queue offset %d "
-                        "(expired or lost): new messages take queue offsets from %d", key[0], key[1], nxt - 1, nxt)
-            self.topic_queue_table[key] = nxt
-
     def save_queue_registry(self) -> None:
-        """Write the registry with every queue's next queue offset (before retention deletes segments: the
-        offsets of the records it removes must outlive them)."""
-        self._write_queue_registry(offsets=True)
-
-    def _write_queue_registry(self, offsets: bool = False) -> None:
-        """Make the registry hold every queue of the table, durably (atomic replace, fsync), when it changed;
-        ``offsets``: with each queue's next queue offset too.  The registry is kept in memory: only a change is
-        written."""
-        if self._registry is None:
-            return
-        with self._registry_lock:
-            reg = dict(self._registry)
-            for key in list(self._cq_table):
-                reg.setdefault(key, 0)
-                if offsets:
-                    reg[key] = max(reg[key], self.topic_queue_table.get(key, 0))
-            text = "".join(f"{t}/{q} {n}\n" for (t, q), n in sorted(reg.items()))
-            if text != self._registry_text:
-                os.makedirs(os.path.dirname(self.paths.queue_registry), exist_ok=True)
-                write_file_durably(self.paths.queue_registry, text.encode("utf-8"))
-                self._registry_text = text
-            self._registry = reg
-
-    def _load_consume_queues(self) -> None:
-        root = self.paths.consumequeue
-        if not os.path.isdir(root):
-            return
-        for topic in sorted(os.listdir(root)):
-            tdir = os.path.join(root, topic)
-            if not os.path.isdir(tdir):
-                continue
-            for qid in sorted(os.listdir(tdir)):
-                if not qid.lstrip("-").isdigit() or not os.path.isdir(os.path.join(tdir, qid)):
-                    continue
-                cq = ConsumeQueue(root, topic, int(qid), self.config.mappedFileSizeConsumeQueue, read_only=self.read_only)
-                bad: list[tuple[str, str]] = []
-                cq.load(on_bad_file=lambda path, reason: bad.append((path, reason)))
-                if any(file_kind(self.root, path) for path, _ in bad):
-                    self._rebuild_queue(cq, bad)
-                else:
-                    for path, reason in bad:
-                        self._on_bad_file(path, reason)
-                self._cq_table[(topic, int(qid))] = cq
+        """See StoreLoader.save_queue_registry."""
+        return self.loader.save_queue_registry()
 
     def apply_topic_retention(self) -> dict[tuple[str, int], int]:
         """Per-topic logical retention (topicRetentionMs): advance a queue's minimum past messages older
@@ -629,7 +195,7 @@ class MessageStore:
             with open(self.paths.abort, "rb") as fh:
                 previous = fh.read()
         # Durable before the first put is taken: a power cut must not lose the mark that says "recover".
-        boot = _boot_id()
+        boot = boot_id()
         if boot is not None:
             write_file_durably(self.paths.abort_boot, boot.encode("ascii"))
         with open(self.paths.abort_bak, "wb") as fh:
@@ -639,10 +205,6 @@ class MessageStore:
     # ------------------------------------------------------------ queues
     def find_consume_queue(self, topic: str, queue_id: int) -> ConsumeQueue:
         return self.files.find_consume_queue(topic, queue_id)
-
-    def _on_new_queue(self, key: tuple[str, int]) -> None:
-        if self._registry is not None and key not in self._registry:
-            self._write_queue_registry()
 
     def consume_queues(self) -> list[ConsumeQueue]:
         return self.files.consume_queues()
@@ -677,19 +239,10 @@ class MessageStore:
         return self.reput.wait_dispatched(self.files.confirm_offset(), timeout)
 
     def min_offset_in_queue(self, topic: str, queue_id: int) -> int:
-        if self.lost_queues and (topic, queue_id) in self.lost_queues:
-            raise self._lost_queue_error(topic, queue_id)
-        cq = self._cq_table.get((topic, queue_id))
-        if cq is not None and cq.blank_min is not None:
-            self.settle_queue_min(cq)
-        lo = cq.min_offset_in_queue if cq else 0
-        return self.queue_min_with_tier(topic, queue_id, lo) if self.tier is not None else lo
+        return self.reader.min_offset_in_queue(topic, queue_id)
 
     def max_offset_in_queue(self, topic: str, queue_id: int) -> int:
-        if self.lost_queues and (topic, queue_id) in self.lost_queues:
-            raise self._lost_queue_error(topic, queue_id)
-        cq = self._cq_table.get((topic, queue_id))
-        return cq.max_offset_in_queue if cq else 0
+        return self.reader.max_offset_in_queue(topic, queue_id)
 
     # ------------------------------------------------------------ writing
     def _check_writable(self) -> str | None:
@@ -774,7 +327,7 @@ class MessageStore:
         timed = not n & _UNSAMPLED
         t0 = perf_counter() if timed else 0.0
         key = (topic, queue_id)
-        assigns = records[0][6] & codec.TRANSACTION_MASK in _QUEUED_TXN
+        assigns = records[0][6] & codec.TRANSACTION_MASK in codec.QUEUED_TXN
         commitlog = self.commitlog
         with commitlog.put_lock:
             t1 = perf_counter() if timed else 0.0
@@ -822,12 +375,6 @@ class MessageStore:
         return result
 
     # ------------------------------------------------------------ flushing
-    def _on_index_file_full(self, full: Any) -> None:
-        def run() -> None:
-            full.flush()
-            self.checkpoint.indexMsgTimestamp = full.end_timestamp
-            self.files.flush_checkpoint()
-        threading.Thread(target=run, name="IndexFlush", daemon=True).start()
 
     # ------------------------------------------------------------ retention
     def delete_expired_commit_log(self) -> list[str]:
@@ -845,752 +392,50 @@ class MessageStore:
     def get(self, topic: str, queue_id: int, offset: int, max_msgs: int = 32,
             tag_filter: set[int] | str | None = None, max_total_bytes: int = 128 * 1024 * 1024,
             read_body: bool = True) -> GetMessageResult:
-        """Read through the consume queue (RocketMQ's getMessage).  ``tag_filter``: tag hash codes, a
-        subscription expression (``"TagA"``, ``"TagA || TagB"``, ``"*"``) or None.
-
-        A unit whose record is damaged (does not decode, or its body fails
-        BODYCRC when bodies are read) or is not the record the unit claims
-        (topic, queue id, queue offset, size) is never returned nor skipped:
-        the call returns the messages before it (FOUND, ``next_begin_offset``
-        at that unit), and a call starting at it raises
-        :class:`CorruptRecordError` naming the segment file and offset.  A unit whose own size or
-        offset was damaged still reads its intact record (see :meth:`_misplaced_unit_record`).
-
-        Consumers call this in a loop, so the fixed cost of a call weighs about as
-        much as the per-message cost: units are read in blocks of one unpack each,
-        ``min``/``max`` are written as comparisons (each builtin call costs more
-        than the test), and :func:`codec.decode_unit` builds the messages.
-        """
-        if self.closed:
-            raise StoreClosedError(f"{self.root}: store is closed")
-        if isinstance(tag_filter, str):
-            tag_filter = parse_tag_filter(tag_filter)
-        if self.lost_queues and (topic, queue_id) in self.lost_queues:
-            raise self._lost_queue_error(topic, queue_id)
-        cq = self._cq_table.get((topic, queue_id))
-        if cq is None:
-            return GetMessageResult(GetMessageStatus.NO_MESSAGE_IN_QUEUE, 0, 0, 0)
-        if cq.blank_min is not None:
-            self.settle_queue_min(cq)
-        lo, hi = cq.offset_range()
-        if hi == 0:
-            return GetMessageResult(GetMessageStatus.NO_MESSAGE_IN_QUEUE, 0, lo, hi)
-        if offset < lo:
-            if self.tier is not None:
-                return self._get_from_tier(topic, queue_id, offset, max_msgs, tag_filter, read_body, lo, hi)
-            return GetMessageResult(GetMessageStatus.OFFSET_TOO_SMALL, lo, lo, hi)
-        if offset == hi:
-            return GetMessageResult(GetMessageStatus.OFFSET_OVERFLOW_ONE, offset, lo, hi)
-        if offset > hi:
-            return GetMessageResult(GetMessageStatus.OFFSET_OVERFLOW_BADLY, hi, lo, hi)
-        f = cq.hold_file_at(offset)
-        if f is None:
-            units_per_file = cq.file_size // CQ_STORE_UNIT_SIZE
-            nxt = offset + units_per_file - offset % units_per_file
-            return GetMessageResult(GetMessageStatus.OFFSET_FOUND_NULL, nxt, lo, hi)
-        status = GetMessageStatus.NO_MATCHED_MESSAGE
-        out: list[MessageExt] = []
-        n = total = 0  # messages and bytes in ``out``
-        cfg = self.config
-        max_pull = (100 if max_total_bytes < 100 else  # clamp to [100, 128 MiB]
-                    128 * 1024 * 1024 if max_total_bytes > 128 * 1024 * 1024 else max_total_bytes)
-        count_cap, byte_cap = max_msgs, max_pull  # narrowed once the first message says hot or cold
-        span = max_msgs * CQ_STORE_UNIT_SIZE  # units looked at: at least maxFilterMessageSize worth
-        if span < cfg.maxFilterMessageSize:
-            span = cfg.maxFilterMessageSize
-        stop_idx = offset + -(-span // CQ_STORE_UNIT_SIZE)
-        if stop_idx > hi:
-            stop_idx = hi
-        skip_file_start = skip_file_end = -1
-        seg, seg_start, seg_end, mm = None, 0, -1, None  # the commitlog segment held while reading from it
-        decode_unit = codec.decode_unit
-        topic_bytes = topic.encode("utf-8")
-        read_units = cq.read_units
-        idx = offset  # the next unit; where the next call begins
-        want = max_msgs if max_msgs > 1 else 1  # units in the first block: what an unfiltered call takes
-        try:
-            while idx < stop_idx:
-                block = read_units(f, idx, stop_idx - idx if stop_idx - idx < want else want)
-                if not block:
-                    break
-                want = cq.UNITS_PER_READ
-                full = False
-                it = iter(block)
-                for phy, size, tags in zip(it, it, it):
-                    if n and (n >= count_cap or total + size > byte_cap and size != BLANK_UNIT_SIZE):
-                        full = True
-                        break
-                    idx += 1
-                    if tag_filter is not None and _signed32(tags) not in tag_filter and size != BLANK_UNIT_SIZE:
-                        if not n:
-                            status = GetMessageStatus.NO_MATCHED_MESSAGE
-                        continue
-                    if skip_file_start <= phy < skip_file_end and size != BLANK_UNIT_SIZE:  # its segment is gone
-                        continue
-                    if not (seg_start <= phy < seg_end):
-                        if seg is not None:
-                            seg.release()
-                        seg = self.commitlog.queue.find(phy)
-                        if seg is None or not seg.hold():
-                            seg, seg_start, seg_end, mm = None, 0, -1, None
-                        else:
-                            seg_start, seg_end, mm = seg.file_from_offset, seg.end_offset, seg.mm
-                    pos = phy - seg_start
-                    if seg is None or pos + size > seg.wrote_position:
-                        damage = None
-                        if size == BLANK_UNIT_SIZE:  # a unit naming no record: retention's doing, or damage
-                            msg, damage = self._gone_unit_record(cq, f, idx - 1, phy, size, read_body, topic,
-                                                                 topic_bytes, queue_id)
-                            if msg is None and damage is None:
-                                if not n:
-                                    status = GetMessageStatus.MESSAGE_WAS_REMOVING
-                                continue
-                            if msg is not None and n and total + msg.size > byte_cap:  # (the cap test above
-                                idx -= 1                                                # could not know its size)
-                                full = True
-                                break
-                        elif seg is None and self.commitlog.in_tier(phy):  # uploaded, and gone from local disk
-                            msg = self._tier_unit(phy, size, read_body, topic, topic_bytes, queue_id, idx - 1)
-                        elif seg is None and self.tier is not None and self.tier.fault is not None and \
-                                phy < self.tier.deleted_end:  # deleted on the tier's word; no manifest to trust
-                            if n:
-                                idx -= 1
-                                full = True
-                                break
-                            raise TierError(f"{topic}-{queue_id} offset {idx - 1}: its record at commitlog offset "
-                                            f"{phy} was moved to the tier, but {self.tier.fault}")
-                        elif seg is None and phy < self.commitlog.min_offset():  # expired, unless the unit is damaged
-                            msg, damage = self._gone_unit_record(cq, f, idx - 1, phy, size, read_body, topic,
-                                                                 topic_bytes, queue_id)
-                            if msg is None and damage is None:
-                                if not n:
-                                    status = GetMessageStatus.MESSAGE_WAS_REMOVING
-                                if phy >= 0:
-                                    skip_file_start = phy - phy % self.commitlog.file_size
-                                    skip_file_end = skip_file_start + self.commitlog.file_size
-                                continue
-                            if msg is not None and n and total + msg.size > byte_cap:
-                                idx -= 1
-                                full = True
-                                break
-                        else:
-                            # Not expired, yet no record there: a damaged unit, whose record may still be found.
-                            msg = self._misplaced_unit_record(cq, idx - 1, phy, size, read_body, topic, topic_bytes,
-                                                              queue_id)
-                            if msg is None:
-                                damage = _lost_unit(cq, f, topic, queue_id, idx - 1, phy, size,
-                                                    "its segment is not in the commitlog" if seg is None else
-                                                    f"it reaches past the written end of {seg.path}")
-                        if damage is not None:
-                            if n:  # return what was read; the next call starts at the damaged unit and raises
-                                idx -= 1
-                                full = True
-                                break
-                            raise damage
-                        if msg is not None:
-                            size, phy = msg.size, msg.commit_log_offset
-                    else:
-                        msg = decode_unit(mm, pos, size, read_body, topic, topic_bytes, queue_id, idx - 1)
-                    if msg is None and seg is not None:
-                        msg = self._misplaced_unit_record(cq, idx - 1, phy, size, read_body, topic, topic_bytes,
-                                                          queue_id)
-                        if msg is not None:
-                            size, phy = msg.size, msg.commit_log_offset
-                    if msg is None:
-                        if n:  # return what was read; the next call starts at the damaged unit and raises
-                            idx -= 1
-                            full = True
-                            break
-                        if seg is None:
-                            raise self._tier_damaged(phy, size, topic, queue_id, idx - 1)
-                        raise _damaged_unit(seg, pos, size, cq, f, topic, queue_id, idx - 1, read_body)
-                    if not n:
-                        # "In memory" (within 40 % of RAM of the log's end): 32 messages / 256 KiB a call,
-                        # else 8 / 64 KiB.
-                        in_mem = (self.commitlog.max_offset() - phy
-                                  <= self._ram * cfg.accessMessageInMemoryMaxRatio // 100)
-                        cap = cfg.maxTransferCountOnMessageInMemory if in_mem else cfg.maxTransferCountOnMessageInDisk
-                        if cap < count_cap:
-                            count_cap = cap
-                        cap = cfg.maxTransferBytesOnMessageInMemory if in_mem else cfg.maxTransferBytesOnMessageInDisk
-                        if cap < byte_cap:
-                            byte_cap = cap
-                        status = GetMessageStatus.FOUND
-                    out.append(msg)
-                    n += 1
-                    total += size
-                if full or (n and n >= count_cap):  # the next unit would stop the call: do not read it
-                    break
-        finally:
-            f.release()
-            if seg is not None:
-                seg.release()
-        return GetMessageResult(status, idx, lo, hi, out)
-
-    def queue_claiming(self, phy: int, topic: str, queue_id: int, queue_offset: int, sys_flag: int
-                       ) -> tuple[str, int, int] | None:
-        """(topic, queue id, queue offset) of another queue's unit pointing at the record at ``phy`` when the
-        record's own queue (``topic``, ``queue_id``) has no unit ``queue_offset`` pointing there; else None.
-
-        Dispatch writes a unit from its record's fields, so such a unit means
-        the record's topic, queue id or queue offset was changed since (no CRC
-        covers them): reading or dispatching it as it reads would misroute the
-        message.  PREPARED and ROLLBACK records have no unit: never claimed.
-        """
-        if sys_flag & codec.TRANSACTION_MASK not in (codec.TRANSACTION_NOT_TYPE, codec.TRANSACTION_COMMIT):
-            return None
-        own = self._cq_table.get((topic, queue_id))
-        if own is not None and 0 <= queue_offset < 1 << 58:
-            unit = own.get_unit(queue_offset)
-            if unit is not None and unit[0] == phy:
-                return None
-        for (t, q), cq in list(self._cq_table.items()):  # its own queue too: at another offset
-            if (i := cq.unit_pointing_at(phy)) is not None:
-                return t, q, i
-        return None
-
-    def _gone_unit_record(self, cq: ConsumeQueue, cq_file: Any, index: int, phy: int, size: int, read_body: bool,
-                          topic: str, topic_bytes: bytes, queue_id: int
-                          ) -> tuple[MessageExt | None, CorruptRecordError | None]:
-        """What a get makes of unit ``index`` when it names no record the store holds: a blank unit (0,
-        2147483647), or one pointing below the local commitlog (and not into the tier).  (its record, None)
-        when the record is found after all, (None, None) when retention removed it, else (None, the error
-        naming the damage).
-
-        Blank units stand for records that are gone: before a queue's first
-        message, or written by a rebuild for queue offsets no record was found
-        for; a unit pointing below the commitlog's minimum names an expired
-        record.  But a unit can be damaged into either shape.  Records are in
-        commitlog order, so this unit's record lay between the records of the
-        units around it that name one: when the next one's lies below the
-        lowest readable offset, it is gone; when the previous one's ends inside
-        the store, it must be there; in between it is looked for by a walk of
-        the trusted records from the local minimum: the queue's first record
-        there tells whether this one lay below it (removed) or not.
-        """
-        floor = self.min_readable_offset()
-        local_min = self.commitlog.min_offset()
-        prev_end = 0  # no unit before it names a record: its record lay anywhere from the log's start
-        for i in range(index - 1, max(cq.min_offset_in_queue, index - BLANK_LOOK_BACK) - 1, -1):
-            unit = cq.get_unit(i)
-            if unit is None:
-                break
-            if unit[0] >= 0 and 0 < unit[1] < BLANK_UNIT_SIZE:
-                prev_end = unit[0] + unit[1]
-                break
-        next_index, next_start = _next_naming_unit(cq, index)
-        if next_start is not None and prev_end <= next_start <= floor:
-            return None, None  # it lay before a record retention removed
-        blank = size == BLANK_UNIT_SIZE
-        if prev_end >= local_min:  # it lay after a record the store holds: it must be there
-            msg = self._misplaced_unit_record(cq, index, phy, size, read_body, topic, topic_bytes, queue_id,
-                                              after=prev_end)
-            if msg is not None:
-                return msg, None
-            what = "it is a blank unit" if blank else "that lies below the commitlog's minimum"
-            return None, _lost_unit(cq, cq_file, topic, queue_id, index, phy, size,
-                                    f"{what}, yet its record lay at or after commitlog offset {prev_end}, which the "
-                                    f"store still holds (lowest readable offset {floor}): a lost unit, not "
-                                    "retention")
-        if floor < local_min:  # the tier holds [floor, local_min): its own unit says where the record is
-            msg, expired = self._tier_queue_record(topic, topic_bytes, queue_id, index, read_body)
-            if msg is not None:
-                return msg, None
-            if expired:
-                return None, None
-        verdict, at, first = self.queue_start(topic, queue_id, local_min)
-        if verdict == "found" and next_start is not None and (at > next_start or first > next_index):
-            verdict = "damaged"  # the queue's "first" record contradicts the next unit: one of them is damaged
-        if verdict == "found" and index >= first:  # it lay after the queue's first record the store holds
-            if index > first:
-                verdict, at, qoff = self._queue_record_from(at, topic_bytes, queue_id, index)
-                if verdict == "found" and qoff > index:
-                    verdict = "after"
-            if verdict == "found":
-                msg = self._decode_at(at, read_body, topic, topic_bytes, queue_id, index)
-                if msg is not None:
-                    return msg, None
-                verdict = "damaged"
-            elif verdict != "damaged" and verdict != "far":
-                verdict = "lost"
-        elif verdict in ("found", "end") and floor == local_min:
-            return None, None  # the queue's records in the commitlog start past it: it lay below the minimum
-        why = {"found": f"the tier does not hold it and the queue's first record from the local minimum {local_min} "
-                        f"(at {at}) comes after it",
-               "end": f"no record of the queue follows the local minimum {local_min} and the tier does not hold it",
-               "lost": f"its record is not among the queue's records after its first one (at {at})",
-               "damaged": f"the walk of the commitlog looking for its record met a damaged record at {at}",
-               "far": f"its record was not found within {MISPLACED_SEARCH_BYTES} bytes of the walk's start"}[verdict]
-        what = "it is a blank unit" if blank else "that lies below the commitlog's minimum"
-        return None, _lost_unit(cq, cq_file, topic, queue_id, index, phy, size,
-                                f"{what} and {why}: a lost unit or damage, not known to be retention")
-
-    def _lost_queue_error(self, topic: str, queue_id: int) -> CorruptRecordError:
-        d = os.path.join(self.paths.consumequeue, topic, str(queue_id))
-        return CorruptRecordError(f"{d}: consume queue {topic}/{queue_id} is in the queue registry but its directory "
-                                  "is gone (a lost consume queue, not an empty one); a writable open (rocketstore "
-                                  "recover) rebuilds it from the commitlog", path=d)
+        """See StoreReader.get."""
+        return self.reader.get(topic, queue_id, offset, max_msgs, tag_filter, max_total_bytes, read_body)
 
     def settle_queue_min(self, cq: ConsumeQueue) -> None:
-        """Move a queue's minimum past the blank units it rests on whose records retention removed.
-
-        ConsumeQueue.correct_min_offset leaves the minimum on a blank unit it
-        cannot judge (no unit before it in the file names an expired record,
-        or the one that does ends before the minimum while the next one's
-        record is kept): before a queue's first message, or a unit lost or
-        damaged whose record may be intact.  The queue's first record in the
-        commitlog (:meth:`queue_start`) decides: blank units below its queue
-        offset lay below the minimum.  Any doubt (a tier below the local
-        segments, a damaged record on the way) keeps the minimum where it is,
-        so that reads of those units decide, naming any damage.
-        """
-        blank = cq.blank_min
-        cq.blank_min = None
-        if blank is None or self.min_readable_offset() != self.commitlog.min_offset():
-            return
-        at, naming = blank
-        verdict, _phy, first = self.queue_start(cq.topic, cq.queue_id)
-        if verdict != "found" or first <= at or (naming is not None and first > naming):
-            return  # (past the next unit naming a record: that record's queue offset is damaged)
-        target = first if naming is None or first < naming else naming
-        if target * CQ_STORE_UNIT_SIZE > cq.min_logic_offset:
-            log.info("%s-%d: units %d..%d are blank and the queue's first record in the commitlog is at queue "
-                     "offset %d: its minimum moves to %d", cq.topic, cq.queue_id, at, target - 1, first, target)
-            cq.min_logic_offset = target * CQ_STORE_UNIT_SIZE
+        """Move a queue's minimum past the blank units it rests on whose records retention removed."""
+        return self.reader.settle_queue_min(cq)
 
     def queue_start(self, topic: str, queue_id: int, local_min: int | None = None) -> tuple[str, int, int]:
-        """(verdict, commitlog offset, queue offset) of the queue's first trusted record at or after the local
-        commitlog minimum, from a walk of the records there (see :meth:`_queue_record_from`), kept until the
-        minimum moves (or, when none was found, the log grows): the truth a blank unit at a queue's start, or
-        one after its last expired unit, is judged by."""
-        if local_min is None:
-            local_min = self.commitlog.min_offset()
-        key = (topic, queue_id)
-        stamp = (local_min, None)
-        hit = self._queue_starts.get(key)
-        if hit is not None and hit[0] in (stamp, (local_min, self.commitlog.max_offset())):
-            return hit[1]
-        try:
-            topic_bytes = topic.encode("utf-8")
-        except UnicodeEncodeError:
-            return "end", local_min, 0
-        found = self._queue_record_from(local_min, topic_bytes, queue_id, 0)
-        if found[0] != "found":
-            stamp = (local_min, self.commitlog.max_offset())
-        self._queue_starts[key] = (stamp, found)
-        return found
-
-    def _decode_at(self, phy: int, read_body: bool, topic: str, topic_bytes: bytes, queue_id: int, index: int
-                   ) -> MessageExt | None:
-        seg = self.commitlog.queue.find(phy)
-        if seg is None or not seg.hold():
-            return None
-        try:
-            pos = phy - seg.file_from_offset
-            size = codec.read_total_size(seg.mm, pos)
-            if size <= 0 or pos + size > seg.wrote_position:
-                return None
-            return codec.decode_unit(seg.mm, pos, size, read_body, topic, topic_bytes, queue_id, index)
-        finally:
-            seg.release()
-
-    def _tier_queue_record(self, topic: str, topic_bytes: bytes, queue_id: int, index: int, read_body: bool
-                           ) -> tuple[MessageExt | None, bool]:
-        """(the record the tier's own unit ``index`` of the queue names, or None; whether the tier's queue
-        starts past ``index``, so that the record was removed from the tier too)."""
-        t = self.tier
-        if t is None or t.fault is not None or t.reader is None or t.manifest is None:
-            return None, False
-        rng = t.manifest.queue_range(topic, queue_id)
-        if rng is None:
-            return None, False
-        if index < rng[0]:
-            return None, True
-        if index >= rng[1]:
-            return None, False
-        try:
-            units = t.reader.units(topic, queue_id, index, 1)
-            if not units or not 0 < units[0][1] < BLANK_UNIT_SIZE:
-                return None, False
-            phy, size, _ = units[0]
-            if self.commitlog.in_tier(phy):
-                return self._tier_unit(phy, size, read_body, topic, topic_bytes, queue_id, index), False
-            return self.local_unit_record(phy, size, read_body, topic, topic_bytes, queue_id, index), False
-        except StoreError:
-            return None, False
-
-    def _queue_record_from(self, start: int, topic_bytes: bytes, queue_id: int, index: int
-                           ) -> tuple[str, int, int]:
-        """Walk the trusted records from commitlog offset ``start`` (where a record or a segment begins) to the
-        first of the queue whose queue offset is ``index`` or more.
-
-        ("found", its offset, its queue offset); ("end", the log's end, -1)
-        when the log ends first; ("damaged", offset, -1) at a record that fails
-        its checks, or zeros inside the written records; ("far", offset, -1)
-        past MISPLACED_SEARCH_BYTES.
-        """
-        cl = self.commitlog
-        end, stop, off = cl.max_offset(), start + MISPLACED_SEARCH_BYTES, start
-        while off < end:
-            if off >= stop:
-                return "far", off, -1
-            seg = cl.queue.find(off)
-            if seg is None or not seg.hold():
-                return "damaged", off, -1
-            try:
-                base, mm = seg.file_from_offset, seg.mm
-                nxt = off
-                for pos, rsize, parsed, _problem in codec.walk(mm, off - base, seg.wrote_position, check_crc=False,
-                                                               parsed=True, base=base):
-                    if parsed is None:
-                        if rsize == 0:  # the blank record that ends a segment
-                            nxt = seg.end_offset
-                            break
-                        return "damaged", base + pos, -1
-                    nxt = base + pos + rsize
-                    h, tp, tl, _ = parsed
-                    if h[3] == queue_id and h[5] >= index and h[7] & codec.TRANSACTION_MASK in _QUEUED_TXN and \
-                            mm[tp:tp + tl] == topic_bytes:
-                        return "found", base + pos, h[5]
-                    if nxt >= stop:
-                        return "far", nxt, -1
-                else:
-                    if nxt < min(seg.end_offset, end):  # zeros inside the written records: cannot see past them
-                        return "damaged", nxt, -1
-            finally:
-                seg.release()
-            if nxt <= off:
-                return "damaged", off, -1
-            off = nxt
-        return "end", end, -1
-
-    def _misplaced_unit_record(self, cq: ConsumeQueue, index: int, phy: int, size: int, read_body: bool,
-                               topic: str, topic_bytes: bytes, queue_id: int, after: int | None = None
-                               ) -> MessageExt | None:
-        """The record unit ``index`` means when the record at its offset ``phy`` is not it, or None.
-
-        A bit flip in a unit's size or offset must not cost the intact message
-        (a get would stop at it until ``verify --repair``), nor hand out another
-        one.  Only a record that names itself as this unit's is taken: its
-        topic, queue id and queue offset, a PHYSICALOFFSET equal to its position
-        (and its body CRC when bodies are read).  Looked for at ``phy`` by the
-        record's own TOTALSIZE (the unit's size damaged), then walking the
-        records from the end of the previous unit's record up to the next
-        unit's offset, at most ``MISPLACED_SEARCH_BYTES`` (its offset damaged).
-        """
-        try:
-            prev = cq.get_unit(index - 1) if index > 0 else None
-            nxt = cq.get_unit(index + 1)
-        except ValueError:  # a neighbouring queue file retention closed meanwhile: no bounds to walk between
-            prev = nxt = None
-        starts = [phy]
-        if after is not None:  # where the record of the last unit before it naming one ends
-            starts.append(after)
-        elif prev is not None and prev[0] >= 0 and 0 < prev[1] < 0x7FFFFFFF:
-            starts.append(prev[0] + prev[1])
-        hi = nxt[0] if nxt is not None and nxt[0] >= 0 and 0 < nxt[1] < 0x7FFFFFFF else None
-        for k, start in enumerate(starts):
-            seg = self.commitlog.queue.find(start)
-            if seg is None or not seg.hold():
-                continue
-            try:
-                base = seg.file_from_offset
-                limit = seg.wrote_position
-                stop = limit
-                if k:  # the walk between the neighbours' records
-                    stop = min(limit, start - base + MISPLACED_SEARCH_BYTES, limit if hi is None else hi - base)
-                records = codec.walk(seg.mm, start - base, stop, check_crc=False, parsed=True)
-                for pos, rsize, parsed, _ in (records if k else islice(records, 1)):  # k == 0: the one at phy
-                    if parsed is None or rsize <= 0:
-                        break
-                    h = parsed[0]
-                    if h[6] == base + pos and h[3] == queue_id and h[5] == index:
-                        msg = codec.decode_unit(seg.mm, pos, rsize, read_body, topic, topic_bytes, queue_id, index)
-                        if msg is not None:
-                            log.warning("%s-%d: unit %d says (%d, %d) but its record is at %d, %d bytes: a damaged "
-                                        "unit (verify --repair rebuilds the queue)", topic, queue_id, index, phy,
-                                        size, base + pos, rsize)
-                            return msg
-                        # else another topic's record of the same queue id and offset, or this one damaged
-            finally:
-                seg.release()
-        return None
+        """See StoreReader.queue_start."""
+        return self.reader.queue_start(topic, queue_id, local_min)
 
     # ------------------------------------------------------------ reading from the tier
-    def _tier_unit(self, phy: int, size: int, read_body: bool, topic: str, topic_bytes: bytes, queue_id: int,
-                   queue_offset: int) -> MessageExt | None:
-        """The record of a unit whose segment is only in the tier (None when it is not the unit's record)."""
-        buf, _ = self.tier.reader.record_bytes(phy, size)
-        if len(buf) < size:
-            return None
-        return codec.decode_unit(buf, 0, size, read_body, topic, topic_bytes, queue_id, queue_offset)
-
-    def _tier_damaged(self, phy: int, size: int, topic: str, queue_id: int, queue_offset: int) -> CorruptRecordError:
-        reader = self.tier.reader
-        seg = reader.manifest.segment_for(phy)
-        where = reader.where(f"commitlog/{seg.name}") if seg else self.tier.loc.uri
-        return CorruptRecordError(f"{where} at offset {phy}: the record is not the one {topic}-{queue_id} unit "
-                                  f"{queue_offset} points at ({size} bytes), or its body fails BODYCRC",
-                                  path=where, offset=phy)
 
     def queue_min_with_tier(self, topic: str, queue_id: int, local_min: int) -> int:
-        """A queue's lowest readable offset: where its consume-queue files in the tier begin, when lower.
-
-        With no manifest to trust (see TieredStorage.fault) after the store deleted local segments on the
-        tier's word, the tier may hold any of the queue's older messages: 0, where a read then raises the
-        fault, rather than a local minimum that would have a consumer skip them unawares."""
-        t = self.tier
-        if t is None:
-            return local_min
-        if t.fault is not None and t.deleted_end > 0:
-            return 0
-        rng = t.manifest.queue_range(topic, queue_id) if t.manifest is not None else None
-        return rng[0] if rng is not None and rng[0] < local_min else local_min
-
-    def _get_from_tier(self, topic: str, queue_id: int, offset: int, max_msgs: int, tag_filter: set[int] | None,
-                       read_body: bool, lo: int, hi: int) -> GetMessageResult:
-        """get() below the local consume queue: units from the tier's queue files, records from wherever they are.
-
-        Cold reads take RocketMQ's on-disk caps (maxTransferCountOnMessageInDisk / ...BytesOnMessageInDisk).
-        A tier whose manifest cannot be trusted (missing, stale, lost locally) raises, naming the manifest:
-        below the local disk is where the tier's messages are, not "too small".
-        """
-        t = self.tier
-        if t.fault is not None:
-            raise TierError(f"{topic}-{queue_id} offset {offset} lies below the local consume queue (from {lo}) and "
-                            f"is read from the tier, but {t.fault}")
-        reader = t.reader
-        if reader is None:  # this store never published a manifest: nothing was moved to the tier
-            return GetMessageResult(GetMessageStatus.OFFSET_TOO_SMALL, lo, lo, hi)
-        rng = reader.manifest.queue_range(topic, queue_id)
-        tier_lo = rng[0] if rng is not None and rng[0] < lo else lo
-        if offset < tier_lo:
-            return GetMessageResult(GetMessageStatus.OFFSET_TOO_SMALL, tier_lo, tier_lo, hi)
-        if rng is None or offset >= rng[1]:  # between the tier's last file and the local first: none there
-            return GetMessageResult(GetMessageStatus.OFFSET_FOUND_NULL, lo, tier_lo, hi)
-        cfg = self.config
-        count_cap = min(max_msgs, cfg.maxTransferCountOnMessageInDisk) or 1
-        byte_cap = cfg.maxTransferBytesOnMessageInDisk
-        topic_bytes = topic.encode("utf-8")
-        out: list[MessageExt] = []
-        total = 0
-        idx = offset
-        status = GetMessageStatus.NO_MATCHED_MESSAGE
-        stop = min(rng[1], lo if lo > offset else rng[1])
-        while idx < stop and len(out) < count_cap:
-            units = reader.units(topic, queue_id, idx, min(stop - idx, max(max_msgs, 32)))
-            if not units:
-                break
-            for phy, size, tags in units:
-                if out and (len(out) >= count_cap or total + size > byte_cap):
-                    return GetMessageResult(GetMessageStatus.FOUND, idx, tier_lo, hi, out)
-                if tag_filter is not None and _signed32(tags) not in tag_filter:
-                    idx += 1
-                    continue
-                if self.commitlog.in_tier(phy):
-                    msg = self._tier_unit(phy, size, read_body, topic, topic_bytes, queue_id, idx)
-                else:
-                    msg = self.local_unit_record(phy, size, read_body, topic, topic_bytes, queue_id, idx)
-                if msg is None:
-                    if out:
-                        return GetMessageResult(GetMessageStatus.FOUND, idx, tier_lo, hi, out)
-                    raise self._tier_damaged(phy, size, topic, queue_id, idx)
-                out.append(msg)
-                total += size
-                status = GetMessageStatus.FOUND
-                idx += 1
-        return GetMessageResult(status, idx, tier_lo, hi, out)
+        """A queue's lowest readable offset: where its consume-queue files in the tier begin, when lower."""
+        return self.reader.queue_min_with_tier(topic, queue_id, local_min)
 
     def local_unit_record(self, phy: int, size: int, read_body: bool, topic: str, topic_bytes: bytes, queue_id: int,
                           queue_offset: int) -> MessageExt | None:
-        """The record a consume-queue unit points at in the local segments, or None when it is not there whole
-        or is not the unit's record (codec.decode_unit's check: topic, queue id, queue offset, size)."""
-        f = self.commitlog.queue.find(phy)
-        if f is None or not f.hold():
-            return None
-        try:
-            pos = phy - f.file_from_offset
-            if pos + size > f.wrote_position:
-                return None
-            return codec.decode_unit(f.mm, pos, size, read_body, topic, topic_bytes, queue_id, queue_offset)
-        finally:
-            f.release()
+        """See StoreReader.local_unit_record."""
+        return self.reader.local_unit_record(phy, size, read_body, topic, topic_bytes, queue_id, queue_offset)
 
     def look(self, commit_log_offset: int, *, read_body: bool = True) -> MessageExt:
-        """The message at a commitlog offset (RocketMQ's lookMessageByOffset).
-
-        Raises :class:`CorruptRecordError` (file and offset) when no record
-        decodes there or, reading the body, the body fails its BODYCRC.
-        """
-        return self.commitlog.read_message(commit_log_offset, read_body=read_body, check_crc=read_body)
+        """The message at a commitlog offset (RocketMQ's lookMessageByOffset)."""
+        return self.reader.look(commit_log_offset, read_body=read_body)
 
     def query(self, topic: str, key: str, max_num: int = 32, begin: int = 0, end: int = 2 ** 63 - 1,
               *, read_body: bool = True) -> QueryMessageResult:
-        """Messages by key or UNIQ_KEY through the index (RocketMQ's queryMessage): newest hits, ascending.
-
-        The index holds only hashes, so, as RocketMQ's client does after the
-        broker answers, a hit is kept only when its topic is ``topic`` and
-        ``key`` is one of its KEYS or its UNIQ_KEY (hash collisions and stale
-        entries are dropped).  A kept hit whose body fails its BODYCRC, or an
-        entry pointing at bytes that are no record, raises
-        :class:`CorruptRecordError` naming the file and offset.
-        """
-        limit = min(max_num, self.config.maxMsgsNumBatch)
-        offsets, last_ts, last_phy = self.index_service.query_offset(topic, key, limit, begin, end)
-        if self.tier is not None and self.tier.reader is not None and len(offsets) < limit:
-            local = {os.path.basename(f.path) for f in self.index_service.files}
-            more = self.tier.reader.select(f"{topic}#{key}", limit - len(offsets), begin, end, local)
-            offsets = list(dict.fromkeys(offsets + more))
-        offsets.sort()
-        msgs, phys = [], []
-        for off in offsets:
-            f = self.commitlog.queue.find(off)
-            if f is None or not f.hold():
-                if self.commitlog.in_tier(off):  # uploaded and gone from local disk
-                    m = self.commitlog.tier.reader.read_message(off, read_body=read_body, check_crc=read_body)
-                    if m.topic == topic and (key == m.uniq_key or key in (m.keys or "").split(" ")):
-                        msgs.append(m)
-                        phys.append(off)
-                continue  # else the segment was deleted (retention): RocketMQ skips such entries too
-            try:
-                pos = off - f.file_from_offset
-                if pos + 4 > f.wrote_position:
-                    continue
-                m = _indexed_record(f, pos, read_body)
-                if m.topic != topic or (key != m.uniq_key and key not in (m.keys or "").split(" ")):
-                    log.debug("%s: index hit at offset %d is %s, not %s#%s (hash collision)",
-                              self.paths.index, off, m.topic, topic, key)
-                    continue
-                claim = self.queue_claiming(off, m.topic, m.queue_id, m.queue_offset, m.sys_flag)
-                if claim is not None:
-                    raise CorruptRecordError(
-                        f"{f.path} at offset {off} (file position {pos}): damaged record: it says "
-                        f"{m.topic}/{m.queue_id} offset {m.queue_offset}, but consume queue {claim[0]}/{claim[1]} "
-                        f"offset {claim[2]} points at it (its header changed since; verify --repair restores it); "
-                        f"found through the index by {topic}#{key}", path=f.path, offset=off)
-                if read_body and m.body and codec.body_crc(m.body) != m.body_crc:
-                    raise CorruptRecordError(f"{f.path} at offset {off} (file position {pos}): damaged record: "
-                                             f"body CRC mismatch (stored {m.body_crc}, computed "
-                                             f"{codec.body_crc(m.body)}); found through the index by "
-                                             f"{topic}#{key}", path=f.path, offset=off)
-            finally:
-                f.release()
-            msgs.append(m)
-            phys.append(off)
-        if not msgs:
-            last_ts = last_phy = 0
-        return QueryMessageResult(phys, msgs, last_ts, last_phy)
+        """Messages by key or UNIQ_KEY through the index (RocketMQ's queryMessage): newest hits, ascending."""
+        return self.reader.query(topic, key, max_num, begin, end, read_body=read_body)
 
     def offset_by_time(self, topic: str, queue_id: int, timestamp: int, boundary: str = LOWER) -> int:
         """Queue offset by store time (RocketMQ's getOffsetInQueueByTime)."""
-        cq = self._cq_table.get((topic, queue_id))
-        if cq is None:
-            return 0
-        local = cq.offset_by_time(timestamp, boundary, self.commitlog.pickup_store_timestamp,
-                                  self.commitlog.min_offset_with_tier())
-        t = self.tier
-        rng = t.manifest.queue_range(topic, queue_id) if t is not None and t.reader is not None else None
-        lo = cq.min_offset_in_queue
-        if rng is None or rng[0] >= lo:
-            return local
-        first = cq.get_unit(lo)
-        if first is not None and timestamp >= self.commitlog.pickup_store_timestamp(first[0], first[1]):
-            return local
-        return self._tier_offset_by_time(topic, queue_id, timestamp, boundary, rng[0], min(rng[1], lo))
-
-    def _tier_offset_by_time(self, topic: str, queue_id: int, timestamp: int, boundary: str, lo: int,
-                             hi: int) -> int:
-        """offset_by_time over queue offsets [lo, hi) held by the tier: a binary search on store times."""
-        reader = self.tier.reader
-
-        def time_at(i: int) -> int:
-            unit = reader.units(topic, queue_id, i, 1)
-            return self.commitlog.pickup_store_timestamp(unit[0][0], unit[0][1]) if unit else -1
-
-        if boundary == LOWER:  # the first offset stored at or after ``timestamp``
-            a, b = lo, hi
-            while a < b:
-                mid = (a + b) // 2
-                if time_at(mid) >= timestamp:
-                    b = mid
-                else:
-                    a = mid + 1
-            return a
-        a, b = lo, hi  # UPPER: the last offset stored at or before ``timestamp``
-        while a < b:
-            mid = (a + b) // 2
-            if time_at(mid) <= timestamp:
-                a = mid + 1
-            else:
-                b = mid
-        return max(lo, a - 1)
+        return self.reader.offset_by_time(topic, queue_id, timestamp, boundary)
 
     def messages(self, from_offset: int = -1, *, read_body: bool = True, check_crc: bool | None = None,
                  drop_cache: bool = False, skip_damaged: bool = False
                  ) -> Iterator[tuple[int, int, MessageExt | None, str | None]]:
-        """Every trusted record in commitlog order (including ones in no consume queue); see CommitLog.scan.
-
-        Only trusted records are messages (data-safety rule 1): magic, sizes,
-        PHYSICALOFFSET equal to the position, and BODYCRC (``check_crc``
-        defaults to True, bodies read or not: a walk hands its messages to
-        ``import``, which would replay a damaged one).  A damaged record or a
-        stale copy of one is yielded once as (offset, size, None, problem naming
-        file and position) and ends the walk, unless ``skip_damaged``: then the
-        walk resumes at the next trusted record after it (:func:`codec.find_record`).
-        """
-        check = True if check_crc is None else check_crc
-        if not skip_damaged:
-            return self.commitlog.scan(from_offset, read_body=read_body, check_crc=check, drop_cache=drop_cache)
-        return self._messages_resync(from_offset, read_body, check, drop_cache)
-
-    def _messages_resync(self, offset: int, read_body: bool, check_crc: bool, drop_cache: bool
-                         ) -> Iterator[tuple[int, int, MessageExt | None, str | None]]:
-        while offset is not None:
-            damaged = None
-            for item in self.commitlog.scan(offset, read_body=read_body, check_crc=check_crc, drop_cache=drop_cache):
-                yield item
-                if item[2] is None:
-                    damaged = item[0]
-            offset = None if damaged is None else self._next_record_after(damaged, check_crc)
-
-    def _next_record_after(self, offset: int, check_crc: bool) -> int | None:
-        """The commitlog offset of the first intact record after ``offset``, up to the log's end, or None."""
-        queue = self.commitlog.queue
-        if self.commitlog._in_tier(offset):  # damage in a segment only the tier holds: resync there
-            after = self.tier.reader.next_record_after(offset, check_crc=check_crc)
-            if queue.files and after >= self.commitlog.min_offset():
-                return self.commitlog.min_offset()
-            return after if after < self.tier.manifest.end_offset else None
-        f = queue.find(offset)
-        pos = offset - f.file_from_offset + 1 if f is not None else 0
-        while f is not None and f.hold():
-            try:
-                found = codec.find_record(f.mm, pos, f.wrote_position, f.file_from_offset, check_crc=check_crc)
-            finally:
-                f.release()
-            if found is not None:
-                return f.file_from_offset + found
-            f, pos = queue.find(f.end_offset), 0
-        return None
+        """Every trusted record in commitlog order (including ones in no consume queue); see CommitLog.scan."""
+        return self.reader.messages(from_offset, read_body=read_body, check_crc=check_crc, drop_cache=drop_cache, skip_damaged=skip_damaged)
 
     def seek_offset(self, topic: str | None = None, from_time: int | None = None) -> int:
-        """Where a scan for a topic and/or from a store time can start, found through the consume queues.
-
-        The lowest commitlog offset among the matching queues' first units at or
-        after ``from_time`` (or their first units).  Records in no consume queue
-        (PREPARED/ROLLBACK transaction halves) before that point are skipped.
-        """
-        if topic is None and from_time is None:
-            return self.min_readable_offset()
-        best = None
-        for (t, qid), cq in list(self._cq_table.items()):
-            if topic is not None and t != topic:
-                continue
-            idx = cq.min_offset_in_queue if from_time is None else self.offset_by_time(t, qid, from_time, LOWER)
-            unit = cq.get_unit(idx)
-            if unit is not None and (best is None or unit[0] < best):
-                best = unit[0]
-        return self.max_phy_offset() if best is None else max(best, self.min_readable_offset())
+        """Where a scan for a topic and/or from a store time can start, found through the consume queues."""
+        return self.reader.seek_offset(topic, from_time)
 
     def consumer_offsets(self, problems: list[str] | None = None) -> dict[tuple[str, int], int]:
         """Lowest committed offset per queue over all groups (see consumer_offsets.lowest_committed_offsets)."""
@@ -1651,12 +496,7 @@ class MessageStore:
             self._release_lock()
 
     def _close_files(self) -> None:
-        for attr in ("commitlog", "index_service"):
-            obj = getattr(self, attr, None)
-            if obj is not None:
-                obj.close()
-        for cq in self._cq_table.values():
-            cq.close()
+        self.files.close()
 
 
 def _repair_marker_gate(root: str, config: StoreConfig | None, read_only: bool) -> None:
@@ -1672,120 +512,12 @@ def _repair_marker_gate(root: str, config: StoreConfig | None, read_only: bool) 
     finish_interrupted_repair(root, config)
 
 
-def _boot_id() -> str | None:
-    return _read_text("/proc/sys/kernel/random/boot_id")
-
-
-def _read_utf8(path: str) -> str | None:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return fh.read()
-    except (OSError, ValueError):
-        return None
-
-
-def _read_text(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii") as fh:
-            return fh.read().strip()
-    except (OSError, ValueError):
-        return None
-
-
-def _damaged_unit(seg: Any, pos: int, size: int, cq: ConsumeQueue, cq_file: Any, topic: str, queue_id: int,
-                  unit: int, check_crc: bool) -> CorruptRecordError:
-    """The error for a consume-queue unit whose record is damaged or is another queue's (the slow path)."""
-    phy = seg.file_from_offset + pos
-    where = (f"{seg.path} at offset {phy} (file position {pos}), read through consume queue {topic}/{queue_id} "
-             f"offset {unit} ({cq_file.path} position {unit * CQ_STORE_UNIT_SIZE % cq.file_size})")
-    try:
-        m = codec.decode(seg.mm, pos, pos + size, check_crc=check_crc, read_body=False)
-    except codec.RecordError as e:
-        return CorruptRecordError(f"{where}: damaged record: {e}", path=seg.path, offset=phy)
-    return CorruptRecordError(
-        f"{where}: the record there is {m.topic}/{m.queue_id} offset {m.queue_offset}, {m.size} bytes, "
-        f"not the unit's {topic}/{queue_id} offset {unit}, {size} bytes", path=seg.path, offset=phy)
-
-
-def _records_not_held(commitlog: CommitLog, held: dict[tuple[bytes, int], int]) -> Iterator[tuple[Any, int, int]]:
-    """(segment map, position, size) of every trusted NOT_TYPE/COMMIT record, in commitlog order, whose queue
-    ``held`` does not cover (see :func:`codec.scan_records`), from the first segment to the log's end; a
-    damaged record is stepped over to the next intact one."""
-    file_size = commitlog.file_size
-    for f in list(commitlog.queue.files):
-        mm, base, pos, stop = f.mm, f.file_from_offset, 0, f.wrote_position
-        while pos < stop:
-            pos, _last, _n, wanted = codec.scan_records(mm, pos, stop, file_size, base=base, check_crc=True,
-                                                        held=held)
-            for w in wanted:
-                yield mm, w, codec.read_total_size(mm, w)
-            if pos >= stop:
-                break
-            item = next(codec.walk(mm, pos, file_size, check_crc=True, parsed=True, base=base), None)
-            if item is None or item[1] == 0:  # zeros or the blank record: the end of this segment's records
-                break
-            if item[2] is not None:  # a trusted record after all (scan_records left it)
-                h, tp, tl, _ = item[2]
-                if h[7] & codec.TRANSACTION_MASK in _QUEUED_TXN and \
-                        held.get((bytes(mm[tp:tp + tl]), h[3]), -1) != codec.NO_INDEX:
-                    yield mm, pos, item[1]
-                pos += item[1]
-                continue
-            nxt = codec.find_record(mm, pos + 1, stop, base, check_crc=True)
-            log.warning("%s at file position %d: %s; stepped over", f.path, pos, item[3] or "damaged record")
-            if nxt is None:
-                break
-            pos = nxt
-
-
-def _next_naming_unit(cq: ConsumeQueue, index: int) -> tuple[int, int | None]:
-    """(queue offset, commitlog offset) of the first unit after ``index`` that names a record (blank units
-    stepped over, at most BLANK_LOOK_BACK of them), or (-1, None)."""
-    hi = min(cq.max_offset_in_queue, index + 1 + BLANK_LOOK_BACK)
-    for i in range(index + 1, hi):
-        try:
-            unit = cq.get_unit(i)
-        except ValueError:  # a file retention closed meanwhile
-            return -1, None
-        if unit is None:
-            return -1, None
-        if unit[0] >= 0 and 0 < unit[1] < BLANK_UNIT_SIZE:
-            return i, unit[0]
-    return -1, None
-
-
-def _lost_unit(cq: ConsumeQueue, cq_file: Any, topic: str, queue_id: int, unit: int, phy: int, size: int,
-               why: str) -> CorruptRecordError:
-    """The error for a consume-queue unit whose record is not where it says and was not removed by retention."""
-    return CorruptRecordError(
-        f"consume queue {topic}/{queue_id} offset {unit} ({cq_file.path} position "
-        f"{unit * CQ_STORE_UNIT_SIZE % cq.file_size}) says commitlog offset {phy}, {size} bytes, but {why}; the "
-        f"message is not returned nor skipped (rocketstore verify --repair rebuilds the queue from the commitlog)",
-        path=cq_file.path, offset=phy)
-
-
-def _indexed_record(f: Any, pos: int, read_body: bool) -> MessageExt:
-    """The record an index entry points at (position ``pos`` of segment ``f``); its CRC is not checked yet."""
-    try:
-        return codec.decode(f.mm, pos, f.wrote_position, read_body=read_body)
-    except codec.RecordError as e:
-        raise CorruptRecordError(f"{f.path} at offset {f.file_from_offset + pos} (file position {pos}): an index "
-                                 f"entry points here but no record decodes: {e}", path=f.path,
-                                 offset=f.file_from_offset + pos) from None
-
-
-def _signed32(v: int) -> int:
-    v &= 0xFFFFFFFF
-    return v - 0x100000000 if v & 0x80000000 else v
-
-
 def _wait_store_msg_ok(m: Message) -> bool:
     v = m.properties.get("WAIT") if m.properties_string is None else codec.parse_properties(
         m.properties_string).get("WAIT")
     return v is None or v.lower() == "true"
 
 
-_QUEUED_TXN = (codec.TRANSACTION_NOT_TYPE, codec.TRANSACTION_COMMIT)
 _UNSAMPLED = SAMPLE_EVERY - 1
 
 

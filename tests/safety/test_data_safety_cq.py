@@ -242,7 +242,7 @@ def test_a_malformed_queue_registry_is_refused_naming_file_and_line(tmp_path, li
 def test_the_queue_registry_is_written_only_when_it_changes(tmp_path, monkeypatch):
     """The registry was read back from disk on every write; it is kept in memory, and a put to a queue it
     already holds writes nothing."""
-    import rocketstore.store as store_mod
+    import rocketstore.recovery.load as store_mod  # the queue registry is the loader's
     path = tmp_path / "s"
     _fill(path, 4)
     MessageStore.open(str(path), _config()).close()  # writes the queues' next offsets (2 and 2)

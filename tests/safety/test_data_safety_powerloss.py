@@ -93,7 +93,7 @@ def test_quiet_queue_is_rebuilt_after_a_power_loss(tmp_path):
         r = store.put(Message("Quiet", b"after"))
         assert r.ok and r.queue_offset == 3  # never a queue offset given twice
     with MessageStore.open(str(image), cfg, read_only=True) as ro:
-        assert verify_store(ro)["ok"]
+        assert verify_store(ro.files)["ok"]
 
 
 def test_quiet_queue_with_the_index_found_by_key_and_offset(tmp_path):
@@ -231,7 +231,7 @@ def test_tail_units_checked_after_a_crash_of_the_process_alone(tmp_path):
             assert r.status is GetMessageStatus.FOUND and r.messages[0].queue_offset == qoff
         assert s.max_offset_in_queue("TopicA", 1) == changed[("TopicA", 1)][3] + 1
     with MessageStore.open(str(store), str(conf), read_only=True) as ro:
-        assert verify_store(ro)["ok"]
+        assert verify_store(ro.files)["ok"]
 
 
 def test_unclean_start_syncs_what_the_crashed_process_left_in_the_page_cache(tmp_path):
@@ -353,7 +353,7 @@ def test_units_past_the_recovered_end_are_cut_behind_an_empty_last_queue_file(tm
         r = s.get("Busy", 0, torn, 2)
         assert r.status is GetMessageStatus.FOUND and [m.body for m in r.messages] == [b"after"]
     with MessageStore.open(str(store), cfg, read_only=True) as ro:
-        report = verify_store(ro)
+        report = verify_store(ro.files)
         assert report["ok"], report
 
 

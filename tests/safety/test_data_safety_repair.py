@@ -284,7 +284,7 @@ def test_a_repair_interrupted_at_any_step_is_rolled_back_or_finished_by_the_next
     else:
         assert _tree(basic_copy / "commitlog") != damaged
     with MessageStore.open(str(basic_copy), read_only=True) as store:
-        assert verify_store(store)["problems"] == []
+        assert verify_store(store.files)["problems"] == []
     _readable_except(basic_copy, bad["commitLogOffset"])
 
 

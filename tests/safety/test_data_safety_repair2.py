@@ -112,7 +112,7 @@ def test_verify_counts_a_stale_record_copy_as_damage_not_as_a_record(basic_copy)
         data[src["commitLogOffset"]:src["commitLogOffset"] + src["size"]]
     seg.write_bytes(bytes(data))
     with MessageStore.open(str(basic_copy), golden_config(), read_only=True) as store:
-        res = verify_store(store)
+        res = verify_store(store.files)
     assert not res["ok"]
     bad = [f for f in res["problems"] if f.get("kind") == "bad-record"]
     assert [f["offset"] for f in bad] == [dst["commitLogOffset"]], bad

@@ -154,7 +154,7 @@ def run_case(tmp: Path, kind: str, i: int) -> tuple[Mutation, dict[str, list[str
             return mut, out
         with store:
             unreadable(store, "after recover")
-            first = unexplained_findings(verify_store(store), g, mut)
+            first = unexplained_findings(verify_store(store.files), g, mut)
             if not first:
                 unfindable(store, "after recover (verify clean)")
                 return mut, out

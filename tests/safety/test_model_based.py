@@ -1068,7 +1068,7 @@ class Checker:
         from rocketstore.recovery.verify import verify_store
         try:
             with MessageStore.open(str(self.run.path), self.run.cfg(), read_only=True) as ro:
-                result = verify_store(ro)
+                result = verify_store(ro.files)
         except StoreError as e:
             if self.strict:
                 self.fail(f"{where}: verify's read-only open refused: {type(e).__name__}: {e}")

@@ -177,7 +177,7 @@ def run_round(tmp: Path, seed: int, dir_entries: bool = False) -> tuple[int, lis
     finally:
         store.close()
     with MessageStore.open(str(image), writer_config(seed), read_only=True) as ro:
-        result = verify_store(ro)
+        result = verify_store(ro.files)
     if not result["ok"]:
         problems.append(f"{where}: verify after recovery found {len(result['problems'])} problem(s): "
                         f"{result['problems'][:3]}")

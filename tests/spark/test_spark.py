@@ -297,7 +297,7 @@ def test_export_to_parquet_round_trips_through_append(spark, tmp_path):
         .write.format("rocketstore").mode("append").save(str(plain))
     assert _same_messages(rs(spark, str(plain)).collect(), golden_expected("basic"))
     with MessageStore.open(str(plain), read_only=True) as store:
-        assert verify_store(store)["ok"]
+        assert verify_store(store.files)["ok"]
         assert {q["topic"] for q in store.state()["queues"]} == {"TopicA", "TopicB", "TopicC"}
 
 
@@ -564,7 +564,7 @@ def test_stream_from_a_timestamp(spark, tmp_path):
 def test_verify_job_has_the_findings_of_rocketstore_verify(spark, tmp_path):
     from rocketstore.spark import jobs
     with MessageStore.open(BASIC, read_only=True) as store:
-        assert jobs.verify(spark, BASIC) == verify_store(store)
+        assert jobs.verify(spark, BASIC) == verify_store(store.files)
     bad = copy_store(golden_store("basic"), tmp_path / "bad")
     seg = Path(sorted(glob.glob(f"{bad}/commitlog/*"))[1])
     data = bytearray(seg.read_bytes())
@@ -576,7 +576,7 @@ def test_verify_job_has_the_findings_of_rocketstore_verify(spark, tmp_path):
     cq.write_bytes(bytes(data))
     got = jobs.verify(spark, str(bad))
     with MessageStore.open(str(bad), read_only=True) as store:
-        want = verify_store(store)
+        want = verify_store(store.files)
     assert got == want and not got["ok"]
     assert {p["kind"] for p in got["problems"]} >= {"bad-record", "cq-mismatch"}
 
@@ -599,7 +599,7 @@ def test_rebuild_job_gives_rocketmqs_consume_queues_and_an_index_that_answers_ev
             raw, _, _ = store.index_service.query_offset(q["topic"], q["key"], min(q["maxNum"], 64), q["begin"],
                                                          q["end"])
             assert raw == q["indexServiceQueryOffset_phyOffsets"]
-        assert verify_store(store)["ok"]
+        assert verify_store(store.files)["ok"]
     # Over damaged files (geometry measured from them), with the store locked against writers meanwhile.
     cq = Path(max(glob.glob(f"{store_dir}/consumequeue/TopicA/2/*")))
     cq.write_bytes(bytes(200) + cq.read_bytes()[200:])

@@ -232,7 +232,7 @@ def test_commit_killed_midway_leaves_every_queue_a_prefix(tmp_path):
     with MessageStore.open(str(root), cfg) as store:
         assert not store.last_exit_ok
         # A record the kill tore (its put never returned) is cut by recovery, which verify names as torn-tail.
-        problems = [f for f in verify_store(store)["problems"] if f["kind"] != "torn-tail"]
+        problems = [f for f in verify_store(store.files)["problems"] if f["kind"] != "torn-tail"]
         assert not problems, problems[:5]
         total = 0
         for q in range(3):

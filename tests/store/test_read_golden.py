@@ -221,7 +221,7 @@ def _reference_get_units(store, cq, f, offset, lo, hi, max_msgs, tag_filter, max
 
     from rocketstore.format import codec
     from rocketstore.format.message import GetMessageResult
-    from rocketstore.store import _signed32
+    from rocketstore.storage.read import _signed32
     S = GetMessageStatus
     base = f.file_from_offset
     units = ((p // 20,) + struct.unpack_from(">qiq", f.mm, p - base)
@@ -261,7 +261,7 @@ def _reference_get_units(store, cq, f, offset, lo, hi, max_msgs, tag_filter, max
             nxt = idx
             break
         if not out:
-            in_mem = clog.max_offset() - phy <= store._ram * cfg.accessMessageInMemoryMaxRatio // 100
+            in_mem = clog.max_offset() - phy <= store.reader._ram * cfg.accessMessageInMemoryMaxRatio // 100
             count_cap = min(max_msgs, cfg.maxTransferCountOnMessageInMemory if in_mem
                             else cfg.maxTransferCountOnMessageInDisk)
             byte_cap = min(max_pull, cfg.maxTransferBytesOnMessageInMemory if in_mem

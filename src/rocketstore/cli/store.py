@@ -166,7 +166,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         with open_read_only(args) as store:
             total = sum(f.file_size for f in store.commitlog.queue.files)
             with progress_bar(total, "verify", unit="B") as bar:
-                result = verify_store(store, bar)
+                result = verify_store(store.files, bar)
     if args.json:
         emit(result)
     else:

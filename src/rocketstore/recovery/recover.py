@@ -62,7 +62,7 @@ from ..services.dispatch import CommitLogDispatcher
 from ..errors import CommitLogDamagedError
 
 if TYPE_CHECKING:
-    from ..store import MessageStore
+    from ..storage.files import StoreFiles
 
 log = logging.getLogger(__name__)
 PROGRESS_INTERVAL_S = 3.0
@@ -99,31 +99,33 @@ class RecoveryReport:
                 "indexEntriesRemoved": self.index_entries_removed, "seconds": round(self.seconds, 3)}
 
 
-def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
+def recover(files: "StoreFiles", last_exit_ok: bool, refill_from: int | None = None) -> RecoveryReport:
+    """Bring the loaded files to a consistent state (see the module's docstring); ``refill_from``: the commitlog
+    offset from which lost queue files are refilled (StoreLoader.refill_from), None when none are."""
     t0 = time.monotonic()
     report = RecoveryReport(abnormal=not last_exit_ok)
-    commitlog = store.commitlog
-    writable = not store.read_only
-    files = commitlog.queue.files
-    index_enabled = store.config.messageIndexEnable
-    index = store.index_service
-    cp_start = _checkpoint_start(store) if report.abnormal and files else None
+    commitlog = files.commitlog
+    writable = not files.read_only
+    segments = commitlog.queue.files
+    index_enabled = files.config.messageIndexEnable
+    index = files.index_service
+    cp_start = _checkpoint_start(files) if report.abnormal and segments else None
     # After a power loss (not a crash of the process alone) a consume-queue file may survive as zeros below
     # valid units; every file whose units may point into the range recovery re-checks is checked for that.
     check_from = None
-    if writable and report.abnormal and files and not getattr(store, "process_crash_only", False):
-        check_from = files[cp_start].file_from_offset if cp_start is not None else 0
+    if writable and report.abnormal and segments and not getattr(files, "process_crash_only", False):
+        check_from = segments[cp_start].file_from_offset if cp_start is not None else 0
     max_cq = min_cq = -1  # the highest and the lowest end of a queue
     rebuild_from = None
     full_tail = None  # the lowest end of a queue whose last file is full: a file after it may be lost
     tail_cut: dict = {}  # queue -> (whether a hole was cut first, commitlog offsets of the tail units cut)
-    for cq in store.consume_queues():
+    for cq in files.consume_queues():
         report.deleted_files += cq.recover(check_from)
-        if writable and files and (report.abnormal or cq.rebuild_from is not None):  # (no segment: nothing to check)
+        if writable and segments and (report.abnormal or cq.rebuild_from is not None):  # (no segment: nothing to check)
             # After every unclean start (and at a hole) the queue's last units are checked against their
             # records: a torn page can leave a unit that looks valid with a wrong size or tagsCode.
             holed = cq.rebuild_from is not None
-            cut = _drop_mismatched_tail(store, cq)
+            cut = _drop_mismatched_tail(files, cq)
             if cut:
                 tail_cut[cq] = (holed, cut)
         max_cq = max(max_cq, cq.max_physic_offset)
@@ -134,28 +136,27 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
         if cq.rebuild_from is not None and writable:
             report.queues_rebuilt[f"{cq.topic}-{cq.queue_id}"] = cq.hole_at
             rebuild_from = cq.rebuild_from if rebuild_from is None else min(rebuild_from, cq.rebuild_from)
-    if not files:
+    if not segments:
         if writable:
-            for cq in store.consume_queues():
+            for cq in files.consume_queues():
                 cq.queue.truncate_dirty(0)
-        store.files.recover_topic_queue_table()
+        files.recover_topic_queue_table()
         return report
-    start_idx = _start_file(store, last_exit_ok, max_cq, min_cq, cp_start)
+    start_idx = _start_file(files, last_exit_ok, max_cq, min_cq, cp_start)
     if rebuild_from is not None:
-        start_idx = min(start_idx, _file_index(files, rebuild_from))
+        start_idx = min(start_idx, _file_index(segments, rebuild_from))
     if full_tail is not None:  # its next records are offered again, so a lost last file is refilled
-        start_idx = min(start_idx, _file_index(files, full_tail))
-    refill = store.refill_from()  # rocketstore: queues that lost files are refilled from where they end
-    if refill is not None:
-        start_idx = min(start_idx, _file_index(files, refill))
+        start_idx = min(start_idx, _file_index(segments, full_tail))
+    if refill_from is not None:
+        start_idx = min(start_idx, _file_index(segments, refill_from))
     if writable and index_enabled:
-        index.truncate(codec.NO_INDEX, _store_time(store))  # what a crash left past the entry count
+        index.truncate(codec.NO_INDEX, _store_time(files))  # what a crash left past the entry count
         if report.abnormal:  # the index resumes at its last entry, also when files newer were dropped
-            start_idx = min(start_idx, _file_index(files, index.resume_offset()))
-    start = files[start_idx]
+            start_idx = min(start_idx, _file_index(segments, index.resume_offset()))
+    start = segments[start_idx]
     report.start_offset = start.file_from_offset
-    dispatcher = CommitLogDispatcher(store) if writable else None
-    check_crc = store.config.checkCRCOnRecover
+    dispatcher = CommitLogDispatcher(files) if writable else None
+    check_crc = files.config.checkCRCOnRecover
     last_valid = start.file_from_offset if report.abnormal else commitlog.max_offset()
     process = start.file_from_offset
     next_log = time.monotonic() + PROGRESS_INTERVAL_S
@@ -168,7 +169,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     # What the scan may skip: records their consume queue already holds, and records below where the index
     # must resume.  Both bounds only grow while recovery dispatches, so these snapshots never skip a record
     # the exact per-record rules below would dispatch; those rules still decide for every record offered.
-    held = _held_by_queues(store) if dispatcher is not None else None
+    held = _held_by_queues(files) if dispatcher is not None else None
     index_from = codec.NO_INDEX
     if dispatcher is not None and index_enabled:
         index_from = index.resume_offset() if report.abnormal else max(index.resume_offset(), max_cq + 1)
@@ -184,7 +185,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
         phy = h[6]
         to_index = (report.abnormal or phy > max_cq) and index_enabled and \
             h[7] & codec.TRANSACTION_MASK != codec.TRANSACTION_ROLLBACK and phy >= index.resume_offset()
-        to_queue = _queue_needs(store, mm, parsed, size, topics, deltas)
+        to_queue = _queue_needs(files, mm, parsed, size, topics, deltas)
         if to_queue:
             key = (topics[mm[parsed[1]:parsed[1] + parsed[2]]], h[3])
             if h[5] > seen_qoff.get(key, -1):
@@ -202,14 +203,14 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
 
     # A queue whose tail units were lost (zeroed, torn) ends before records the scan may start after: the scan
     # would append its later records at the wrong unit (a gap).  Its end and length before the scan tell.
-    before = {cq: (cq.max_physic_offset, cq.max_offset_in_queue) for cq in store.consume_queues()}
+    before = {cq: (cq.max_physic_offset, cq.max_offset_in_queue) for cq in files.consume_queues()}
     for cq in before:
         cq.gap_at = None
     rescanned = False
     while True:  # the scan; once more, from further back, when a queue's lost tail lies before where it began
         idx = start_idx
         while True:
-            f = files[idx]
+            f = segments[idx]
             mm, end, base = f.mm, 0, f.file_from_offset  # end: where the valid records of this file end
             stop = None
             blank = False
@@ -218,7 +219,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
                 # First the records the consume queues point at (and hold), checked in vectorised passes.
                 from ..storage import queue_checked
                 pos, last, n = queue_checked.checked_prefix(
-                    mm, 0, file_size, base=base, units=queue_checked.units_by_queue(store, base, base + file_size),
+                    mm, 0, file_size, base=base, units=queue_checked.units_by_queue(files, base, base + file_size),
                     check_crc=check_crc, held=held, index_from=index_from,
                     progress=lambda at, base=base, path=f.path: progress(base + at, path))
             if n:
@@ -264,7 +265,7 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
             if stop is not None:
                 report.stopped_because = f"{f.path} at file position {end}: {stop}"
                 break
-            if not blank or idx + 1 >= len(files):  # only a blank record leads on to the next segment
+            if not blank or idx + 1 >= len(segments):  # only a blank record leads on to the next segment
                 break
             idx += 1
         if dispatcher is None or rescanned:
@@ -277,33 +278,33 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
         for cq in refill:
             cq.truncate_dirty_logic(report.start_offset)  # only the units this scan appended point there
             cq.pad_gaps = True  # placed at each record's own queue offset, never appended after the cut (rule 2)
-        start_idx = min(_file_index(files, before[cq][0]) if before[cq][0] >= 0 else 0 for cq in refill)
+        start_idx = min(_file_index(segments, before[cq][0]) if before[cq][0] >= 0 else 0 for cq in refill)
         log.warning("recovery: %s ended before the records of their next queue offsets (lost units); "
                     "offering the records again from %s", ", ".join(f"{cq.topic}-{cq.queue_id}" for cq in refill),
-                    files[start_idx].path)
-        report.start_offset = files[start_idx].file_from_offset
-        held = _held_by_queues(store)
+                    segments[start_idx].path)
+        report.start_offset = segments[start_idx].file_from_offset
+        held = _held_by_queues(files)
         if index_enabled:
             index_from = index.resume_offset() if report.abnormal else max(index.resume_offset(), max_cq + 1)
         for cq in before:
             cq.gap_at = None
     if writable and (report.stopped_because is not None or max_cq > process):
         if not report.abnormal:
-            _refuse_to_cut_intact_records(store, process, max_cq, report)
+            _refuse_to_cut_intact_records(files, process, max_cq, report)
         else:
-            _refuse_to_cut_flushed_records(store, process, max_cq, report)
+            _refuse_to_cut_flushed_records(files, process, max_cq, report)
     report.process_offset = process
     report.bytes_checked = process - report.start_offset
     report.confirm_offset = last_valid
     if writable:
-        store.checkpoint.confirmPhyOffset = last_valid
+        files.checkpoint.confirmPhyOffset = last_valid
     if dispatcher is not None:  # what was rebuilt is durable before the checkpoint can say so
-        for cq in store.consume_queues():
+        for cq in files.consume_queues():
             cq.flush_dirty()
         if report.abnormal:
-            _sync_written_before_crash(store, report.start_offset)
+            _sync_written_before_crash(files, report.start_offset)
     if max_cq >= process:
-        for cq in store.consume_queues():
+        for cq in files.consume_queues():
             n = cq.truncate_dirty_logic(process)
             if n:
                 report.queues_truncated[f"{cq.topic}-{cq.queue_id}"] = n
@@ -321,20 +322,20 @@ def recover(store: "MessageStore", last_exit_ok: bool) -> RecoveryReport:
     if writable and index_enabled:
         # Entries for records at or past the new end would answer for whatever is written there next, and
         # the index's end offset would make dispatch skip the new records.
-        report.index_entries_removed = index.truncate(process, _store_time(store))
+        report.index_entries_removed = index.truncate(process, _store_time(files))
     if writable:
-        for cq in store.consume_queues():
+        for cq in files.consume_queues():
             _check_rebuilt(cq, process, commitlog.min_offset(), report)
-    store.files.recover_topic_queue_table()
+    files.recover_topic_queue_table()
     if writable:
-        _next_offsets_past_records(store, seen_qoff)
+        _next_offsets_past_records(files, seen_qoff)
     report.seconds = time.monotonic() - t0
     if report.stopped_because and report.abnormal:
         log.warning("recovery truncated the commitlog at %d: %s", process, report.stopped_because)
     return report
 
 
-def _sync_written_before_crash(store: "MessageStore", start: int) -> None:
+def _sync_written_before_crash(files: "StoreFiles", start: int) -> None:
     """After an unclean stop, fdatasync what the crashed process may have left in the page cache only.
 
     Recovery takes the files it loads as flushed, so the flush services would never sync the bytes a
@@ -342,10 +343,10 @@ def _sync_written_before_crash(store: "MessageStore", start: int) -> None:
     goes on to count on them: the commitlog segments from where recovery started, and every consume-queue
     file with units pointing there.  After a reboot the files are already what the disk holds: cheap.
     """
-    for f in store.commitlog.queue.files:
+    for f in files.commitlog.queue.files:
         if f.end_offset > start:
             mapped_file.fdatasync(f.fd)
-    for cq in store.consume_queues():
+    for cq in files.consume_queues():
         for f in reversed(cq.queue.files):
             if f.wrote_position >= CQ_STORE_UNIT_SIZE:
                 off = struct.unpack_from(">q", f.mm, f.wrote_position - CQ_STORE_UNIT_SIZE)[0]
@@ -354,39 +355,39 @@ def _sync_written_before_crash(store: "MessageStore", start: int) -> None:
             mapped_file.fdatasync(f.fd)
 
 
-def _next_offsets_past_records(store: "MessageStore", seen_qoff: dict[tuple[str, int], int]) -> None:
+def _next_offsets_past_records(files: "StoreFiles", seen_qoff: dict[tuple[str, int], int]) -> None:
     """The next queue offset of a put is past the highest one a record of that queue holds, not only past the
     queue's last unit (data-safety rule 2): a queue whose units end lower lost them, and reusing those
     offsets would give one queue offset to two messages.  Dispatch then places the next units at their own
     offsets (blank units in between, which reads report), never appended at the queue's end."""
     for key, qoff in seen_qoff.items():
-        cq = store._cq_table.get(key)
-        have = store.topic_queue_table.get(key)
+        cq = files.cq_table.get(key)
+        have = files.topic_queue_table.get(key)
         if cq is None or have is None or qoff < have:
             continue
         log.error("%s-%d: its units end at queue offset %d, but the commitlog holds its record of queue offset %d; "
                   "new messages take queue offsets from %d", key[0], key[1], have, qoff, qoff + 1)
-        store.topic_queue_table[key] = qoff + 1
+        files.topic_queue_table[key] = qoff + 1
         cq.pad_gaps = True
 
 
-def _refuse_to_cut_intact_records(store: "MessageStore", process: int, max_cq: int, report: RecoveryReport) -> None:
+def _refuse_to_cut_intact_records(files: "StoreFiles", process: int, max_cq: int, report: RecoveryReport) -> None:
     """After a clean shutdown every record was flushed, so a scan that stops before the log's end (at a record
     that fails its checks, or at zero bytes the consume queues point past) met damage, not a torn tail.  When
     an intact record follows, truncating there would delete acknowledged messages (and zero them in the last
     segment): refuse the open before any commitlog byte changes; ``verify --repair`` keeps every valid record.
     """
-    nxt = _intact_record_after(store.commitlog, process)
+    nxt = _intact_record_after(files.commitlog, process)
     if nxt is None:
         return
     why = report.stopped_because or f"zero bytes at commitlog offset {process}, below the consume queues' end {max_cq}"
     raise CommitLogDamagedError(f"{why}: the store was shut down cleanly, yet its commitlog has damage here with an intact "
                          f"record after it (at commitlog offset {nxt}); recovery would truncate the log at "
                          f"{process} and lose every record after. No commitlog byte was changed: run `rocketstore verify "
-                         f"{store.root} --repair`, which keeps every valid record")
+                         f"{files.root} --repair`, which keeps every valid record")
 
 
-def _refuse_to_cut_flushed_records(store: "MessageStore", process: int, max_cq: int, report: RecoveryReport) -> None:
+def _refuse_to_cut_flushed_records(files: "StoreFiles", process: int, max_cq: int, report: RecoveryReport) -> None:
     """After an unclean stop, refuse to truncate at damage that is not a torn tail of unflushed writes.
 
     A crash of the process alone (same boot) loses no page, so damage with an intact record after it is
@@ -395,15 +396,15 @@ def _refuse_to_cut_flushed_records(store: "MessageStore", process: int, max_cq: 
     a thorough commitlog flush covered) was on disk, so the damage before it is no torn tail either.
     Otherwise the damage lies among records written after the last flush: truncating there is the torn tail.
     """
-    nxt = _intact_record_after(store.commitlog, process)
+    nxt = _intact_record_after(files.commitlog, process)
     if nxt is None:
         return
     why = report.stopped_because or f"zero bytes at commitlog offset {process}, below the consume queues' end {max_cq}"
-    if getattr(store, "process_crash_only", False):
+    if getattr(files, "process_crash_only", False):
         because = "only the process crashed (no page can be torn)"
     else:
-        flushed = store.checkpoint.physicMsgTimestamp
-        ts = store.commitlog.pickup_store_timestamp(nxt, 0)
+        flushed = files.checkpoint.physicMsgTimestamp
+        ts = files.commitlog.pickup_store_timestamp(nxt, 0)
         if not flushed or ts <= 0 or ts > flushed:
             return
         because = (f"the record after it was flushed before the power loss (store time {ts} is not after the "
@@ -411,7 +412,7 @@ def _refuse_to_cut_flushed_records(store: "MessageStore", process: int, max_cq: 
     raise CommitLogDamagedError(f"{why}: {because}, yet its commitlog has damage here with an intact record after "
                                 f"it (at commitlog offset {nxt}); recovery would truncate the log at {process} and "
                                 f"lose every record after. No commitlog byte was changed: run `rocketstore verify "
-                                f"{store.root} --repair`, which keeps every valid record")
+                                f"{files.root} --repair`, which keeps every valid record")
 
 
 def _intact_record_after(commitlog, offset: int) -> int | None:
@@ -433,9 +434,9 @@ def _intact_record_after(commitlog, offset: int) -> int | None:
     return None
 
 
-def _store_time(store: "MessageStore"):
+def _store_time(files: "StoreFiles"):
     """commitlog offset -> store time of the record there (-1 if none), for the index's end timestamp."""
-    return lambda offset: store.commitlog.pickup_store_timestamp(offset, 0)
+    return lambda offset: files.commitlog.pickup_store_timestamp(offset, 0)
 
 
 def _check_rebuilt(cq, process: int, min_phy: int, report: RecoveryReport) -> None:
@@ -459,7 +460,7 @@ def _check_rebuilt(cq, process: int, min_phy: int, report: RecoveryReport) -> No
         log.error("recovery could not rebuild %s: %s", name, report.not_rebuilt[name])
 
 
-def queues_with_records_before(store: "MessageStore", firsts: dict[tuple[str, int], tuple[int, int]]) \
+def queues_with_records_before(files: "StoreFiles", firsts: dict[tuple[str, int], tuple[int, int]]) \
         -> set[tuple[str, int]]:
     """The queues, given as (topic, queue id) -> (commitlog offset, queue offset) of their first unit, that
     have a record in the commitlog before that unit's record with a lower queue offset.
@@ -472,12 +473,12 @@ def queues_with_records_before(store: "MessageStore", firsts: dict[tuple[str, in
     found: set[tuple[str, int]] = set()
     if not firsts:
         return found
-    held: dict[tuple[bytes, int], int] = {key: codec.NO_INDEX for key in _held_by_queues(store)}
+    held: dict[tuple[bytes, int], int] = {key: codec.NO_INDEX for key in _held_by_queues(files)}
     for topic, qid in firsts:  # codec.scan_records hands back the records of these (and of unknown queues)
         held[(topic.encode("utf-8", "surrogatepass"), qid)] = -1
     stop_at = max(phy for phy, _ in firsts.values())
-    file_size = store.commitlog.file_size
-    for f in store.commitlog.queue.files:
+    file_size = files.commitlog.file_size
+    for f in files.commitlog.queue.files:
         base, mm, pos = f.file_from_offset, f.mm, 0
         if base >= stop_at:
             break
@@ -502,7 +503,7 @@ def queues_with_records_before(store: "MessageStore", firsts: dict[tuple[str, in
     return found
 
 
-def _drop_mismatched_tail(store: "MessageStore", cq) -> list[int]:
+def _drop_mismatched_tail(files: "StoreFiles", cq) -> list[int]:
     """Cut the units at the end of ``cq`` that are not valid units of their records; return the commitlog
     offsets they pointed at.
 
@@ -513,7 +514,7 @@ def _drop_mismatched_tail(store: "MessageStore", cq) -> list[int]:
     the queue is rebuilt from the end of the last valid unit: recovery offers every record from there and
     places each at its own queue offset (blank units for any really lost, never an append that shifts).
     """
-    min_phy = store.commitlog.min_offset()
+    min_phy = files.commitlog.min_offset()
     cut: list[int] = []
     while True:
         end = cq.queue.max_offset()  # past the last written unit (an empty last file: where it starts)
@@ -526,7 +527,7 @@ def _drop_mismatched_tail(store: "MessageStore", cq) -> list[int]:
         off, size, tags = unit
         if size == _BLANK_SIZE or 0 <= off < min_phy:
             break  # a blank unit, or a record retention removed: nothing left to check it against
-        why = unit_mismatch(store, cq, idx, off, size, tags)
+        why = unit_mismatch(files, cq, idx, off, size, tags)
         if why is None:
             break
         log.warning("%s-%d: unit %d (%d, %d, tagsCode %d) %s; cut, and rebuilt from the commitlog",
@@ -551,18 +552,18 @@ def _drop_mismatched_tail(store: "MessageStore", cq) -> list[int]:
 _BLANK_SIZE = 0x7FFFFFFF  # the size of a blank unit (PRE_BLANK_UNIT, or one standing for a lost record)
 
 
-def unit_mismatch(store: "MessageStore", cq, idx: int, off: int, size: int, tags: int) -> str | None:
+def unit_mismatch(files: "StoreFiles", cq, idx: int, off: int, size: int, tags: int) -> str | None:
     """Why (``off``, ``size``, ``tags``) is not a valid unit ``idx`` of ``cq``, or None when it is.
 
     Valid (data-safety rule 1): it points at a trusted record (magic, size in bounds, PHYSICALOFFSET equal to
     its position, BODYCRC) whose topic, queue id, queue offset and size agree with it, that a consume queue
     holds (NOT_TYPE or COMMIT), and whose tagsCode, derived from its TAGS as dispatch derives it, is ``tags``.
     """
-    seg = store.commitlog.queue.find(off) if off >= 0 else None
+    seg = files.commitlog.queue.find(off) if off >= 0 else None
     if seg is None:
         return f"points at commitlog offset {off}, in no segment"
     pos = off - seg.file_from_offset
-    if not 0 < size <= store.commitlog.file_size - pos:
+    if not 0 < size <= files.commitlog.file_size - pos:
         return f"has size {size}, which runs past its segment"
     # The one trusted-record check (codec.check with base): a stale copy or a torn tail is no record.
     total, msg, reason = codec.check(seg.mm, pos, pos + size, check_crc=True, base=seg.file_from_offset)
@@ -581,10 +582,10 @@ def unit_mismatch(store: "MessageStore", cq, idx: int, off: int, size: int, tags
     return None
 
 
-def _held_by_queues(store: "MessageStore") -> dict[tuple[bytes, int], int]:
+def _held_by_queues(files: "StoreFiles") -> dict[tuple[bytes, int], int]:
     """(topic as UTF-8, queue id) -> max physical offset of each consume queue, for :func:`codec.scan_records`."""
     held = {}
-    for (topic, qid), cq in store._cq_table.items():
+    for (topic, qid), cq in files.cq_table.items():
         try:
             held[(topic.encode("utf-8"), qid)] = cq.max_physic_offset
         except UnicodeEncodeError:  # a name no topic decodes to (lone surrogates): it holds nothing to skip
@@ -592,12 +593,12 @@ def _held_by_queues(store: "MessageStore") -> dict[tuple[bytes, int], int]:
     return held
 
 
-def _queue_needs(store: "MessageStore", mm, parsed: tuple, size: int, topics: dict[bytes, str],
+def _queue_needs(files: "StoreFiles", mm, parsed: tuple, size: int, topics: dict[bytes, str],
                  deltas: dict | None = None) -> bool:
     """Whether a record belongs in a consume queue that does not hold it yet (and names that queue truly).
 
     ``deltas``: per queue, the last queue-offset mismatch checked, so a run of records after a gap costs one
-    :meth:`MessageStore.queue_claiming` search, not one per record."""
+    :meth:`StoreFiles.queue_claiming` search, not one per record."""
     h, tp, tl, _ = parsed
     txn = h[7] & codec.TRANSACTION_MASK
     if txn != codec.TRANSACTION_NOT_TYPE and txn != codec.TRANSACTION_COMMIT:
@@ -606,7 +607,7 @@ def _queue_needs(store: "MessageStore", mm, parsed: tuple, size: int, topics: di
     topic = topics.get(raw)
     if topic is None:
         topic = topics[raw] = raw.decode("utf-8", "replace")
-    cq = store._cq_table.get((topic, h[3]))
+    cq = files.cq_table.get((topic, h[3]))
     if cq is not None and h[6] + size <= cq.max_physic_offset:
         return False
     if cq is None or h[5] != cq.max_offset_in_queue:  # a new queue, or not its next offset: a damaged header?
@@ -615,7 +616,7 @@ def _queue_needs(store: "MessageStore", mm, parsed: tuple, size: int, topics: di
             return True  # the same shift as the record before (a gap dispatch writes through): checked then
         if deltas is not None and cq is not None:
             deltas[cq] = delta
-        claim = store.queue_claiming(h[6], topic, h[3], h[5], h[7])
+        claim = files.queue_claiming(h[6], topic, h[3], h[5], h[7])
         if claim is not None:
             log.error("record at commitlog offset %d says %s-%d offset %d, but %s-%d unit %d points at it: its "
                       "header was damaged; not dispatched (verify --repair restores it)", h[6], topic, h[3], h[5],
@@ -634,44 +635,44 @@ def _zero_stale_tail(commitlog, offset: int) -> int:
     return 0 if f is None else f.zero_from(offset - f.file_from_offset)
 
 
-def _start_file(store: "MessageStore", last_exit_ok: bool, max_cq: int, min_cq: int, cp_start: int | None) -> int:
-    files = store.commitlog.queue.files
+def _start_file(files: "StoreFiles", last_exit_ok: bool, max_cq: int, min_cq: int, cp_start: int | None) -> int:
+    segments = files.commitlog.queue.files
     if last_exit_ok:
-        for i in range(len(files) - 1, -1, -1):
-            if files[i].file_from_offset <= max_cq:
+        for i in range(len(segments) - 1, -1, -1):
+            if segments[i].file_from_offset <= max_cq:
                 return i
         return 0
     if cp_start is not None:
         return cp_start
-    if not getattr(store, "process_crash_only", False):
+    if not getattr(files, "process_crash_only", False):
         # No point durable for every queue (logicsMsgTimestamp is 0 until a thorough flush of every consume
         # queue; the checkpoint may be lost): after a reboot or power loss a quiet queue's file may be zeros
         # whatever the busier queues reached.  Re-dispatch from the first segment, as RocketMQ does.
-        if files:
-            log.info("checkpoint times give no start segment; re-checking the commitlog from %s", files[0].path)
+        if segments:
+            log.info("checkpoint times give no start segment; re-checking the commitlog from %s", segments[0].path)
         return 0
     # After a crash of the process alone every unit written survives in the page cache, and dispatch runs in
     # commitlog order: a record no queue holds lies past every queue's end.  Start one segment before the
     # lowest queue end (the segment before covers a loss that spans a segment boundary).
-    start = max(0, _file_index(files, min_cq) - 1) if min_cq >= 0 else 0
-    if store.config.messageIndexEnable:
-        start = min(start, _file_index(files, store.index_service.resume_offset()))
+    start = max(0, _file_index(segments, min_cq) - 1) if min_cq >= 0 else 0
+    if files.config.messageIndexEnable:
+        start = min(start, _file_index(segments, files.index_service.resume_offset()))
     if start:
         log.info("checkpoint times give no start segment; starting at %s (consume queues reach %d)",
-                 files[start].path, max_cq)
+                 segments[start].path, max_cq)
     return start
 
 
-def _checkpoint_start(store: "MessageStore") -> int | None:
+def _checkpoint_start(files: "StoreFiles") -> int | None:
     """After a crash: the newest segment whose first record is older than the checkpoint's times (less
     3 s), where RocketMQ starts checking; None when no segment is."""
-    files = store.commitlog.queue.files
-    cp = store.checkpoint
+    segments = files.commitlog.queue.files
+    cp = files.checkpoint
     bound = cp.min_timestamp()
-    if store.config.messageIndexEnable and store.config.messageIndexSafe:
+    if files.config.messageIndexEnable and files.config.messageIndexSafe:
         bound = cp.min_timestamp_index()
-    for i in range(len(files) - 1, -1, -1):
-        mm = files[i].mm
+    for i in range(len(segments) - 1, -1, -1):
+        mm = segments[i].mm
         magic = int.from_bytes(mm[4:8], "big")
         if magic not in (codec.MAGIC_V1, codec.MAGIC_V2):
             continue
@@ -681,8 +682,8 @@ def _checkpoint_start(store: "MessageStore") -> int | None:
     return None
 
 
-def _file_index(files: list, offset: int) -> int:
-    for i in range(len(files) - 1, -1, -1):
-        if files[i].file_from_offset <= offset:
+def _file_index(segments: list, offset: int) -> int:
+    for i in range(len(segments) - 1, -1, -1):
+        if segments[i].file_from_offset <= offset:
             return i
     return 0

@@ -1168,7 +1168,7 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
         if dry_run:
             try:
                 with MessageStore.open(path, cfg, read_only=True) as store:
-                    result = verify_store(store)
+                    result = verify_store(store.files)
             except StoreError as e:  # e.g. a consume-queue file of the wrong size
                 result = {"ok": False, "segments": 0, "records": 0, "bytesChecked": 0, "consumeQueues": 0,
                           "consumeQueueUnits": 0, "indexFiles": 0, "indexEntries": 0,
@@ -1198,7 +1198,7 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
         _step("segments done")
         _rebuild(paths, cfg, marker, fd)
         with MessageStore.open(path, cfg, read_only=True) as store:
-            result = verify_store(store)
+            result = verify_store(store.files)
     report = marker["report"]
     result["lost"] = report["lost"]
     result["suspect"] = report["suspect"]

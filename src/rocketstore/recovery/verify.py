@@ -30,7 +30,7 @@ from typing import Any, Iterable, Iterator
 from ..format import codec
 from ..storage.consume_queue import CQ_STORE_UNIT_SIZE
 from ..storage.index import IndexFile, key_hashes
-from ..store import MessageStore
+from ..storage.files import StoreFiles
 
 
 def finding(kind: str, file: str, offset: int, detail: str) -> dict[str, Any]:
@@ -145,25 +145,25 @@ def resync(buf: Any, pos: int, limit: int, base: int) -> tuple[int, int] | None:
     return best
 
 
-def cross_check(store: MessageStore, records: Iterable[RecordSummary]) -> tuple[list[dict[str, Any]], dict[str, int]]:
+def cross_check(files: StoreFiles, records: Iterable[RecordSummary]) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Every CQ unit must point at a matching record; every queued record must have its unit; every index
     entry must point at a record holding a key of that hash, once; every indexed record's keys must be there."""
     by_offset = {r.offset: r for r in records}
     findings: list[dict[str, Any]] = []
     counts = {"units": 0, "indexEntries": 0}
     seen_units: set[int] = set()
-    for cq in store.consume_queues():
-        findings += _check_queue(store, cq, by_offset, seen_units, counts)
+    for cq in files.consume_queues():
+        findings += _check_queue(files, cq, by_offset, seen_units, counts)
     dispatched_txn = (codec.TRANSACTION_NOT_TYPE, codec.TRANSACTION_COMMIT)
     for r in by_offset.values():
         if r.sys_flag & codec.TRANSACTION_MASK in dispatched_txn and r.offset not in seen_units:
-            cq = store._cq_table.get((r.topic, r.queue_id))
+            cq = files.cq_table.get((r.topic, r.queue_id))
             if cq is not None and r.queue_offset < cq.min_offset_in_queue:
                 continue  # expired from the queue by retention
-            findings.append(finding("cq-missing", store.paths.commitlog, r.offset,
+            findings.append(finding("cq-missing", files.paths.commitlog, r.offset,
                                     f"record of {r.topic}-{r.queue_id} queue offset {r.queue_offset} "
                                     "has no consume-queue unit"))
-    findings += _check_index(store, by_offset, counts)
+    findings += _check_index(files, by_offset, counts)
     return findings, counts
 
 
@@ -171,14 +171,14 @@ _UNIT = struct.Struct(">qiq")
 PRE_BLANK_UNIT = (0, 0x7FFFFFFF, 0)  # what a queue starting past 0 is padded with below its min offset
 
 
-def _check_queue(store: MessageStore, cq: Any, by_offset: dict[int, RecordSummary], seen_units: set[int],
+def _check_queue(files: StoreFiles, cq: Any, by_offset: dict[int, RecordSummary], seen_units: set[int],
                  counts: dict[str, int]) -> list[dict[str, Any]]:
     """One consume queue's units against the records; a run of units whose records' QUEUEOFFSET differs from
     the unit's by the same amount (a record of the queue lost before them) is one ``cq-gap``."""
     findings: list[dict[str, Any]] = []
     gap: list[Any] = []  # [file, position, first unit, last unit, delta]
     name = f"{cq.topic}-{cq.queue_id}"
-    min_phy = store.min_phy_offset()
+    min_phy = files.min_phy_offset()
 
     def close_gap() -> None:
         if gap:
@@ -189,9 +189,9 @@ def _check_queue(store: MessageStore, cq: Any, by_offset: dict[int, RecordSummar
                                     f"whose queue offset is {delta:+d} from the unit's"))
             gap.clear()
 
-    files = list(cq.queue.files)
+    segments = list(cq.queue.files)
     live = False  # a unit pointing at or past the commitlog's start was seen: blank units after it are holes
-    for fi, f in enumerate(files):
+    for fi, f in enumerate(segments):
         mm = f.mm
         start = max(0, cq.min_logic_offset - f.file_from_offset)
         end = f.wrote_position - (f.wrote_position - start) % CQ_STORE_UNIT_SIZE if f.wrote_position > start else start
@@ -242,7 +242,7 @@ def _check_queue(store: MessageStore, cq: Any, by_offset: dict[int, RecordSummar
                     gap[:] = [f.path, f.file_from_offset + p, idx, idx, delta]
             else:
                 close_gap()
-        if fi == len(files) - 1 and end < f.file_size:
+        if fi == len(segments) - 1 and end < f.file_size:
             # Recovery ends a queue at its first invalid unit: units after it that still point at records of
             # this store were hidden by a hole (stale units past a truncated commitlog point past its end).
             tail = mm[end:f.file_size]
@@ -257,18 +257,18 @@ def _check_queue(store: MessageStore, cq: Any, by_offset: dict[int, RecordSummar
     return findings
 
 
-def _check_index(store: MessageStore, by_offset: dict[int, RecordSummary],
+def _check_index(files: StoreFiles, by_offset: dict[int, RecordSummary],
                  counts: dict[str, int]) -> list[dict[str, Any]]:
     """Index entries against the records: dangling, wrong key, the same (key hash, offset) more often than
     the record has that key (a duplicate), and keys of indexed records that have no entry."""
     findings: list[dict[str, Any]] = []
-    min_phy, max_phy = store.min_phy_offset(), store.max_phy_offset()
+    min_phy, max_phy = files.min_phy_offset(), files.max_phy_offset()
     seen: dict[tuple[int, int], int] = {}
-    files = store.index_service.files
+    segments = files.index_service.files
     findings += [finding("index-damaged", path, 0, f"{why}: its keys cannot be found (rocketstore recover "
                                                    "rebuilds the index from the commitlog)")
-                 for path, why in store.index_service.damaged.items()]
-    for f in files:
+                 for path, why in files.index_service.damaged.items()]
+    for f in segments:
         for n, (h, off, _diff, _prev) in enumerate(_entries(f), 1):
             if off < min_phy or off >= max_phy:
                 continue  # expired, or past a recovered end: queries skip these
@@ -286,11 +286,11 @@ def _check_index(store: MessageStore, by_offset: dict[int, RecordSummary],
                                             f"at {off} has that key ({c - 1})"))
         counts["indexEntries"] += max(0, f.index_count - 1)
         findings += _unreachable_entries(f)
-    if not store.config.messageIndexEnable:
+    if not files.config.messageIndexEnable:
         return findings
     # Records the index must cover: from the oldest index file's first entry (older files expire), or all
     # records when no index file holds an entry; ROLLBACK records are never indexed (RocketMQ's buildIndex).
-    used = [f for f in files if f.index_count > 1]
+    used = [f for f in segments if f.index_count > 1]
     covered_from = min(f.begin_phy_offset for f in used) if used else min_phy
     rollback = codec.TRANSACTION_ROLLBACK
     for r in by_offset.values():
@@ -302,7 +302,7 @@ def _check_index(store: MessageStore, by_offset: dict[int, RecordSummary],
         for h, want in Counter(hs).items():
             have = seen.get((h, off), 0)
             if have < want:
-                findings.append(finding("index-missing", store.paths.index, off,
+                findings.append(finding("index-missing", files.paths.index, off,
                                         f"record of {r.topic} at {off}: {want - have} index entr"
                                         f"{'y' if want - have == 1 else 'ies'} of key hash {h} missing"))
     return findings
@@ -366,19 +366,19 @@ def _quarantined(qroot: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
     return problems, kept
 
 
-def verify_store(store: MessageStore, progress: Any = None) -> dict[str, Any]:
+def verify_store(files: StoreFiles, progress: Any = None) -> dict[str, Any]:
     """Check everything; the result has ``ok`` and the list of ``problems``."""
     results = []
-    files = list(store.commitlog.queue.files)
-    for i, f in enumerate(files):
+    segments = list(files.commitlog.queue.files)
+    for i, f in enumerate(segments):
         results.append(check_segment(f.mm, f.path, f.file_from_offset, f.wrote_position, f.file_size,
-                                     i == len(files) - 1))
+                                     i == len(segments) - 1))
         if progress is not None:
             progress.update(f.file_size)
-    return verify_report(store, results)
+    return verify_report(files, results)
 
 
-def verify_report(store: MessageStore, results: list[SegmentResult]) -> dict[str, Any]:
+def verify_report(files: StoreFiles, results: list[SegmentResult]) -> dict[str, Any]:
     """The verify result from the per-segment checks (run here or on Spark executors, one per segment,
     in file order): adds the torn tail recovery found, the cross-checks and the quarantined files."""
     findings: list[dict[str, Any]] = []
@@ -388,16 +388,16 @@ def verify_report(store: MessageStore, results: list[SegmentResult]) -> dict[str
         findings += res.findings
         records += res.records
         checked += res.bytes_checked
-    report = store.recovery_report
+    report = files.recovery_report
     if report is not None and report.abnormal and report.stopped_because:
-        findings.append(finding("torn-tail", store.paths.commitlog, report.process_offset,
+        findings.append(finding("torn-tail", files.paths.commitlog, report.process_offset,
                                 f"{report.stopped_because} (recovery ends the commitlog here)"))
-    cross, counts = cross_check(store, records)
+    cross, counts = cross_check(files, records)
     findings += cross
-    stray, kept = _quarantined(store.paths.quarantine)
+    stray, kept = _quarantined(files.paths.quarantine)
     findings += stray
     findings.sort(key=lambda d: (d["kind"], d["file"], d["offset"]))
     return {"ok": not findings, "segments": len(results), "records": len(records), "bytesChecked": checked,
-            "consumeQueues": len(store.consume_queues()), "consumeQueueUnits": counts["units"],
-            "indexFiles": len(store.index_service.files), "indexEntries": counts["indexEntries"],
+            "consumeQueues": len(files.consume_queues()), "consumeQueueUnits": counts["units"],
+            "indexFiles": len(files.index_service.files), "indexEntries": counts["indexEntries"],
             "problems": findings, "kept": kept}

@@ -115,7 +115,7 @@ def verify(spark: Any, store_path: str, config: Any = None) -> dict[str, Any]:
         segs = _segment_list(store)
         sc = spark.sparkContext
         results = sc.parallelize(segs, max(1, len(segs))).map(_check_segment).collect() if segs else []
-        return verify_report(store, results)
+        return verify_report(store.files, results)
 
 
 # ---------------------------------------------------------------- rebuild

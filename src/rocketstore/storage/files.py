@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable
 
 from ..config import StoreConfig
+from ..format import codec
 from ..paths import StorePaths
 from .checkpoint import StoreCheckpoint
 from .commitlog import CommitLog
@@ -29,6 +30,20 @@ from .running_flags import RunningFlags
 log = logging.getLogger(__name__)
 
 QueueKey = tuple[str, int]
+
+
+class InFiles:
+    """An attribute of the facade, the reader or the loader that lives in their StoreFiles: one copy of each open
+    file and table, whoever holds the files."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name.lstrip("_")
+
+    def __get__(self, holder: Any, owner: type | None = None) -> Any:
+        return self if holder is None else getattr(holder.files, self.name)
+
+    def __set__(self, holder: Any, value: Any) -> None:
+        setattr(holder.files, self.name, value)
 
 
 class StoreFiles:
@@ -44,6 +59,13 @@ class StoreFiles:
         self.sleep = sleep
         self.running_flags = RunningFlags()
         self.flush_error: str | None = None
+        self.closed = False
+        # What the open found (recovery/load.py): no abort file = a clean shutdown; the abort file of this
+        # OS boot = only the process crashed (every byte written through the maps is intact).
+        self.last_exit_ok = True
+        self.abort_file_present = False
+        self.process_crash_only = False
+        self.lost_queues: set[QueueKey] = set()  # read-only open: registered queues whose directory is gone
         self.commitlog: CommitLog = None  # type: ignore[assignment]  # opened by MessageStore._load
         self.checkpoint: StoreCheckpoint = None  # type: ignore[assignment]
         self.index_service: IndexService = None  # type: ignore[assignment]
@@ -107,6 +129,28 @@ class StoreFiles:
         self.topic_queue_table = table
         self.apply_topic_retention()
 
+    def queue_claiming(self, phy: int, topic: str, queue_id: int, queue_offset: int, sys_flag: int
+                       ) -> tuple[str, int, int] | None:
+        """(topic, queue id, queue offset) of another queue's unit pointing at the record at ``phy`` when the
+        record's own queue (``topic``, ``queue_id``) has no unit ``queue_offset`` pointing there; else None.
+
+        Dispatch writes a unit from its record's fields, so such a unit means
+        the record's topic, queue id or queue offset was changed since (no CRC
+        covers them): reading or dispatching it as it reads would misroute the
+        message.  PREPARED and ROLLBACK records have no unit: never claimed.
+        """
+        if sys_flag & codec.TRANSACTION_MASK not in codec.QUEUED_TXN:
+            return None
+        own = self.cq_table.get((topic, queue_id))
+        if own is not None and 0 <= queue_offset < 1 << 58:
+            unit = own.get_unit(queue_offset)
+            if unit is not None and unit[0] == phy:
+                return None
+        for (t, q), cq in list(self.cq_table.items()):  # its own queue too: at another offset
+            if (i := cq.unit_pointing_at(phy)) is not None:
+                return t, q, i
+        return None
+
     # ------------------------------------------------------------ offsets
     def min_phy_offset(self) -> int:
         """The first offset of the local segments."""
@@ -140,3 +184,11 @@ class StoreFiles:
             self.checkpoint.flush()
         except OSError as e:
             log.error("%s: checkpoint flush failed: %s", self.paths.checkpoint, e)
+
+    def close(self) -> None:
+        """Unmap and close every open file (no flush: the facade flushes what a clean close needs first)."""
+        for obj in (self.commitlog, self.index_service):
+            if obj is not None:
+                obj.close()
+        for cq in self.cq_table.values():
+            cq.close()

@@ -19,15 +19,11 @@ from typing import Any
 from urllib.parse import urlparse
 
 from ..config import TierLocation
-from ..errors import ConfigError, StoreError
+from ..errors import ConfigError, TierError
 
 log = logging.getLogger(__name__)
 
 UPLOAD_CHUNK = 8 * 1024 * 1024  # bytes read from a segment per write to the upload stream
-
-
-class TierError(StoreError):
-    """The tier (bucket) could not be read or written; the message names the URI and key."""
 
 
 def require_pyarrow_fs(uri: str) -> Any:

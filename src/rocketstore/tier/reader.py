@@ -18,7 +18,8 @@ from ..storage.consume_queue import CQ_STORE_UNIT_SIZE
 from ..errors import CorruptRecordError
 from ..storage.index import ENTRY_SIZE, HEADER_SIZE, SLOT_SIZE, walk_chain
 from .manifest import TierManifest, TierSegment
-from .objectstore import ObjectStore, TierError
+from ..errors import TierError
+from .objectstore import ObjectStore
 
 BLOCK = 256 * 1024
 CACHE_BLOCKS = 64  # 16 MiB

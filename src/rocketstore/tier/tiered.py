@@ -40,7 +40,8 @@ from ..format import codec
 from ..errors import StoreLoadError
 from .manifest import GEOMETRY, MANIFEST, TierIndexFile, TierManifest, TierQueueFile, TierSegment
 from ..config import TierLocation
-from .objectstore import ObjectStore, TierError, require_pyarrow_fs
+from ..errors import TierError
+from .objectstore import ObjectStore, require_pyarrow_fs
 from .reader import TierReader, index_key, queue_key, segment_key
 
 if TYPE_CHECKING:

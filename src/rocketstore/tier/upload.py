@@ -27,7 +27,7 @@ from ..format import codec
 from ..storage.consume_queue import CQ_STORE_UNIT_SIZE
 from ..services.base import ServiceThread
 from .manifest import TierIndexFile, TierManifest, TierQueueFile, TierSegment
-from .objectstore import TierError
+from ..errors import TierError
 from .reader import index_key, queue_key, segment_key
 from .retention import expire_round
 
