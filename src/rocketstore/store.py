@@ -182,7 +182,7 @@ class MessageStore:
         self._services += [self.reput, FlushConsumeQueueService(self.files), CheckpointService(self.files)]
         self._services += [self.clean_service, DiskGuardService(self.disk_guard), MetricsService(self.root, self._metrics_snapshot)]
         if self.tier is not None:
-            self._services.append(TierUploadService(self))
+            self._services.append(TierUploadService(self.files))
         if cfg.warmAheadBytes > 0:
             self.commitlog.warmer = WarmAheadService(self.commitlog.queue, cfg.warmAheadBytes)
             self._services.append(self.commitlog.warmer)

@@ -11,7 +11,7 @@ import pytest
 
 from rocketstore import MessageStore, StoreConfig
 from rocketstore.format import codec
-from rocketstore.recovery.recover import recover as recovery
+from rocketstore.recovery import recover as recovery
 from conftest import GOLDEN_NAMES, copy_store, golden_expected, golden_store
 
 SEGMENT = 1048576

@@ -218,7 +218,7 @@ STEPS = ["marked", "kept", "written", "replaced", "segments done", "built", "que
 
 
 def _interrupt_at(monkeypatch, step: str) -> None:
-    from rocketstore.recovery.recover import repair
+    from rocketstore.recovery import repair
 
     def stop(name: str) -> None:
         if name.split(" ")[0] == step.split(" ")[0] and name.startswith(step):

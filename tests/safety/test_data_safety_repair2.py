@@ -30,7 +30,7 @@ def _tiered(basic_copy: Path, tmp_path: Path) -> tuple[Path, StoreConfig]:
                                             "fileReservedTime=0\ntieredStoreFileReservedTime=0\n")
     cfg = StoreConfig.load(str(basic_copy / "broker.conf"))
     with MessageStore.open(str(basic_copy), cfg, start_services=False) as store:
-        assert upload_round(store)["segments"] == 3
+        assert upload_round(store.files)["segments"] == 3
         for _ in range(10):
             store.clean_service.request_manual_delete()
             store.clean_service.clean_commitlog()

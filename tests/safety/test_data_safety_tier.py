@@ -46,7 +46,7 @@ def _tiered(tmp_path: Path, *, upload: bool = True) -> tuple[Path, Path]:
                                        "tieredStoreFileReservedTime=0\n")
     if upload:
         with MessageStore.open(str(store), start_services=False) as s:
-            done = upload_round(s)
+            done = upload_round(s.files)
             assert done["segments"] == 3
             _free_local(s)
             assert s.min_phy_offset() == 3 * SEG
@@ -92,7 +92,7 @@ def test_unmounted_tier_directory_is_an_error_not_an_empty_tier(tmp_path):
     assert r.returncode == 2 and b"does not exist" in r.stderr
     with MessageStore.open(str(store_path), start_services=False) as store:
         with pytest.raises(StoreError, match="does not exist"):
-            upload_round(store)
+            upload_round(store.files)
         _free_local(store)
         assert len(store.commitlog.queue.files) == 1
     assert not tier.exists()
@@ -136,7 +136,7 @@ def test_lost_tier_json_with_an_altered_object_still_local_is_not_republished(tm
     local disk must match its object by CRC-32 (an object altered in place, same size, does not)."""
     store_path, tier = _tiered(tmp_path, upload=False)
     with MessageStore.open(str(store_path), start_services=False) as s:
-        upload_round(s)
+        upload_round(s.files)
     (tier / MANIFEST).unlink()
     seg = tier / "commitlog" / "00000000000000000000"
     data = bytearray(seg.read_bytes())
@@ -150,7 +150,7 @@ def test_lost_tier_json_with_an_altered_object_still_local_is_not_republished(tm
         s.tier.objects.checksum = lambda key: reads.append(key) or real(key)
         for _ in range(3):  # the upload service's rounds: the tier is read back once, not every round
             with pytest.raises(StoreError, match="CRC-32"):
-                upload_round(s)
+                upload_round(s.files)
         assert reads == ["commitlog/00000000000000000000"]
         _free_local(s)
         assert len(s.commitlog.queue.files) == 4  # the good local copies stay
@@ -188,9 +188,9 @@ def test_an_older_or_emptied_tier_json_is_damage(tmp_path):
     locally on the manifest's word, is refused: reads raise, `tier upload` republishes the store's own."""
     store_path, tier = _tiered(tmp_path, upload=False)
     with MessageStore.open(str(store_path), start_services=False) as store:
-        upload_round(store, max_segments=1)
+        upload_round(store.files, max_segments=1)
         old = (tier / MANIFEST).read_bytes()
-        upload_round(store)
+        upload_round(store.files)
         _free_local(store)
         assert store.min_phy_offset() == 3 * SEG
     good = (tier / MANIFEST).read_bytes()
@@ -221,7 +221,7 @@ def test_file_tier_objects_and_manifest_are_fsynced(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "fsync", spy)
     with MessageStore.open(str(store_path), start_services=False) as store:
-        upload_round(store)
+        upload_round(store.files)
     # A rename follows the fsync of a temp file: the object's name, or its .tmp, was synced, then its directory.
     for rel in ("commitlog/00000000000000000000", "consumequeue/TopicA/0/00000000000000000000",
                 MANIFEST):
@@ -273,7 +273,7 @@ def test_an_upload_is_checked_by_checksum_before_local_deletion(tmp_path, s3_ser
     with MessageStore.open(str(store), start_services=False) as s:
         s.tier.objects.fs = _CorruptingFs(s.tier.objects.fs)
         with pytest.raises(StoreError, match="CRC-32"):
-            upload_round(s)
+            upload_round(s.files)
         assert s.tier.manifest is None or not s.tier.manifest.commitlog
         _free_local(s)
         assert len(s.commitlog.queue.files) == 4  # nothing deleted on the word of a damaged upload
@@ -364,7 +364,7 @@ def test_on_s3_a_lost_tier_json_is_an_error_then_rebuilt(tmp_path, s3_server):
     (store_path / "broker.conf").write_text(GOLDEN_CONF + "".join(f"{k}={v}\n" for k, v in conf.items())
                                             + "fileReservedTime=0\ntieredStoreFileReservedTime=0\n")
     with MessageStore.open(str(store_path), start_services=False) as s:
-        upload_round(s)
+        upload_round(s.files)
         _free_local(s)
     s3 = s3_server.client()
     before = json.loads(s3.get_object(Bucket=bucket, Key=f"p/q/{MANIFEST}")["Body"].read())
@@ -390,7 +390,7 @@ def test_a_publish_cut_short_leaves_the_bucket_behind_and_nothing_deleted(tmp_pa
     from rocketstore.tier.objectstore import ObjectStore, TierError
     store_path, tier = _tiered(tmp_path, upload=False)
     with MessageStore.open(str(store_path), start_services=False) as store:
-        upload_round(store, max_segments=1)
+        upload_round(store.files, max_segments=1)
         real = ObjectStore.put_bytes
         calls = []
 
@@ -400,7 +400,7 @@ def test_a_publish_cut_short_leaves_the_bucket_behind_and_nothing_deleted(tmp_pa
 
         monkeypatch.setattr(ObjectStore, "put_bytes", flaky)
         with pytest.raises(TierError, match="injected"):
-            upload_round(store, max_segments=1)
+            upload_round(store.files, max_segments=1)
         assert calls == [MANIFEST]
         _free_local(store)
         assert store.min_phy_offset() == 0  # while the bucket's manifest is in doubt, nothing is deleted
@@ -425,13 +425,13 @@ def test_a_new_store_makes_its_file_tier_directory_once(tmp_path):
     conf.write_text(f"tieredStoreUri=file://{tier}\nmappedFileSizeCommitLog=65536\n")
     with MessageStore.open(str(tmp_path / "store"), str(conf), start_services=False) as store:
         store.put(Message(topic="T", body=b"x"))
-        upload_round(store)
+        upload_round(store.files)
         assert json.loads((tier / MANIFEST).read_bytes())["generation"] == 1
     (tier / MANIFEST).unlink()
     tier.rmdir()
     with MessageStore.open(str(tmp_path / "store"), str(conf), start_services=False) as store:
         with pytest.raises(StoreError, match="does not exist"):
-            upload_round(store)
+            upload_round(store.files)
     assert not tier.exists()
 
 
@@ -515,7 +515,7 @@ def test_seeded_tier_faults_never_skip_an_acknowledged_message(tmp_path):
                 store.wait_dispatched()
             elif op == "upload":
                 try:
-                    upload_round(store)
+                    upload_round(store.files)
                 except (TierError, StoreError):
                     pass  # a tier fault: the round refuses, and nothing is deleted on its word
                 if (tier / MANIFEST).exists():
@@ -553,7 +553,7 @@ def test_seeded_tier_faults_never_skip_an_acknowledged_message(tmp_path):
         if tier.exists():
             store.tier.refresh(quiet=True)
             try:
-                upload_round(store)
+                upload_round(store.files)
             except TierError as e:  # a republish refused (e.g. an old tier.json and no local copy): say why
                 pytest.fail(f"seed {seed}: the final round failed: {e}")
         store.tier.refresh(quiet=True)
@@ -579,9 +579,9 @@ def test_no_republish_while_the_tier_cannot_be_reached(tmp_path):
         assert store.tier.republishable
         tier.rename(tmp_path / "away")
         with pytest.raises(StoreError, match="does not exist"):
-            upload_round(store)
+            upload_round(store.files)
         (tmp_path / "away").rename(tier)
-        upload_round(store)
+        upload_round(store.files)
         assert store.tier.fault is None and _read_all(store) == ALL
 
 

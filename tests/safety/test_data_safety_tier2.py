@@ -42,7 +42,7 @@ def _tiered(tmp_path: Path) -> tuple[Path, Path]:
     (store / "broker.conf").write_text(GOLDEN_CONF + f"tieredStoreUri=file://{tier}\nfileReservedTime=0\n"
                                        "tieredStoreFileReservedTime=0\n")
     with MessageStore.open(str(store), start_services=False) as s:
-        assert upload_round(s)["segments"] == 3
+        assert upload_round(s.files)["segments"] == 3
         _free_local(s)
         assert s.min_phy_offset() == 3 * SEG
         assert [i.end_phy_offset for i in s.tier.manifest.index] == [1838741]
@@ -236,7 +236,7 @@ def test_repair_of_a_tier_held_segment_keeps_the_tier_copy_findable(tmp_path):
     a query by its key must find it too (repair should take the record from the tier, not tombstone it)."""
     store_path, _tier = _golden_with_tier(tmp_path)
     with MessageStore.open(str(store_path), start_services=False) as s:
-        assert upload_round(s)["segments"] == 3
+        assert upload_round(s.files)["segments"] == 3
     victim = _in_segment(2)  # past the index file the tier holds (records up to 1838741)
     flip_body_bit(store_path, victim["commitLogOffset"], f"commitlog/{2 * SEG:020d}")
     r = run_cli("verify", "--repair", store_path)

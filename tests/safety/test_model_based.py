@@ -568,7 +568,7 @@ class Run:
         from rocketstore.tier.upload import upload_round
         n = self.rng.choice([1, 2, None])
         with self.open() as store:
-            done = upload_round(store, max_segments=n)
+            done = upload_round(store.files, max_segments=n)
         self.note(f"  tier upload {done}")
 
     def op_tier_fault(self) -> None:

@@ -47,7 +47,7 @@ def golden_tier(tmp_path_factory, s3_server):
     (store / "broker.conf").write_text(GOLDEN_CONF + "".join(f"{k}={v}\n" for k, v in conf.items())
                                        + "fileReservedTime=0\ntieredStoreFileReservedTime=0\n")
     with MessageStore.open(str(store), start_services=False) as st:
-        assert upload_round(st)["segments"] == 3
+        assert upload_round(st.files)["segments"] == 3
         _free_local(st)
         assert st.min_phy_offset() == 3 * MIB and st.min_readable_offset() == 0
     assert sorted(os.listdir(store / "commitlog")) == ["00000000000003145728"]
@@ -251,7 +251,7 @@ def _put(root: str, conf: Path, first: int, n: int) -> None:
 def _upload(root: str, conf: Path, free: bool) -> tuple[int, int]:
     """Upload what is sealed (and free the local copies): (tier end, first local offset)."""
     with MessageStore.open(root, str(conf), start_services=False) as st:
-        upload_round(st)
+        upload_round(st.files)
         if free:
             _free_local(st)
         return st.tier.manifest.end_offset, st.min_phy_offset()

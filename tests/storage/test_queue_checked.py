@@ -13,7 +13,7 @@ import pytest
 from rocketstore import MessageStore, StoreConfig
 from rocketstore.format import codec
 from rocketstore.storage import queue_checked
-from rocketstore.recovery.recover import recover as recovery
+from rocketstore.recovery import recover as recovery
 from conftest import GOLDEN_NAMES, copy_store, golden_store
 from recovery.test_recovery_scan import reference, scan_all
 

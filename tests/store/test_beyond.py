@@ -114,7 +114,7 @@ def test_stale_checkpoint_does_not_restart_from_file_zero(basic_copy):
 
 
 def test_recovery_progress_is_logged(basic_copy, caplog, monkeypatch):
-    from rocketstore.recovery.recover import recover as recovery
+    from rocketstore.recovery import recover as recovery
     monkeypatch.setattr(recovery, "PROGRESS_INTERVAL_S", 0.0)
     (basic_copy / "abort").write_text("1")
     (basic_copy / "checkpoint").write_bytes(bytes(4096))

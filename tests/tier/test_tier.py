@@ -58,7 +58,7 @@ def test_golden_store_reads_through_the_tier_after_retention(tmp_path, s3_server
     store_path, bucket, _ = _golden_tiered(tmp_path, s3_server)
     expected = sorted(golden_expected("basic"), key=lambda e: e["commitLogOffset"])
     with MessageStore.open(str(store_path), start_services=False) as store:
-        done = upload_round(store)
+        done = upload_round(store.files)
         assert done["segments"] == 3 and done["queueFiles"] > 0 and done["indexFiles"] == 1
         assert store.look(0).commit_log_offset == 0  # a read must release its segment, or retention waits
         _free_local(store)
@@ -134,14 +134,14 @@ def test_an_object_the_manifest_does_not_list_does_not_count(tmp_path, s3_server
 def test_a_tier_of_another_store_or_geometry_is_refused(tmp_path, s3_server):
     store_path, bucket, conf = _golden_tiered(tmp_path, s3_server)
     with MessageStore.open(str(store_path), start_services=False) as store:
-        upload_round(store)
+        upload_round(store.files)
     other = copy_store(golden_store("basic"), tmp_path / "other")
     (other / "broker.conf").write_text(GOLDEN_CONF + "".join(f"{k}={v}\n" for k, v in conf.items())
                                        + "fileReservedTime=0\n")
     with MessageStore.open(str(other), start_services=False) as store:
         assert "belongs to store" in store.tier.error
         with pytest.raises(Exception, match="belongs to store"):
-            upload_round(store)
+            upload_round(store.files)
         _free_local(store)
         assert len(store.commitlog.queue.files) == 4  # nothing freed on another store's manifest
     r = run_cli("tier", "upload", other)
@@ -168,7 +168,7 @@ def test_background_upload_then_restart_reads_everything(tmp_path, s3_server):
         store.wait_dispatched()
         from rocketstore.tier.upload import wait_uploaded
         sealed_end = store.commitlog.queue.files[-1].file_from_offset
-        assert wait_uploaded(store, sealed_end, timeout=60)
+        assert wait_uploaded(store.files, sealed_end, timeout=60)
         _free_local(store)
         assert store.min_phy_offset() > 0
     with MessageStore.open(root, str(conf)) as store:
@@ -229,7 +229,7 @@ def test_tier_retention_drops_the_oldest_segments(tmp_path, s3_server):
     expected = sorted(golden_expected("basic"), key=lambda e: e["commitLogOffset"])
     # The golden messages were stored days before the test runs: older than the one hour kept.
     with MessageStore.open(str(store_path), start_services=False) as store:
-        done = upload_round(store)
+        done = upload_round(store.files)
         assert (done["segments"], done["expiredSegments"]) == (3, 2)  # the newest tier segment stays
         _free_local(store)  # the local copies of segments the tier dropped may go too
         assert store.min_phy_offset() == 3 * 1048576
@@ -262,7 +262,7 @@ def test_bucket_down_at_open_fails_reads_loudly_and_hides_nothing(tmp_path, s3_s
     OFFSET_TOO_SMALL or a skipped message; once the bucket is back the same reads succeed."""
     store_path, bucket, conf = _golden_tiered(tmp_path, s3_server)
     with MessageStore.open(str(store_path), start_services=False) as store:
-        upload_round(store)
+        upload_round(store.files)
         _free_local(store)
     good = (store_path / "broker.conf").read_text()
     (store_path / "broker.conf").write_text(good.replace(s3_server.endpoint, "http://127.0.0.1:9"))
@@ -286,7 +286,7 @@ def test_recovery_after_a_crash_keeps_units_that_point_into_the_tier(tmp_path, s
     store_path, bucket, conf = _golden_tiered(tmp_path, s3_server)
     expected = sorted(golden_expected("basic"), key=lambda e: e["commitLogOffset"])
     with MessageStore.open(str(store_path), start_services=False) as store:
-        upload_round(store)
+        upload_round(store.files)
         _free_local(store)
     (store_path / "abort").write_bytes(b"")  # as a kill -9 leaves it
     with MessageStore.open(str(store_path)) as store:
@@ -306,7 +306,7 @@ def test_a_malformed_manifest_is_refused_with_its_name_and_the_store_stays_reada
     names the file, nothing is deleted on the strength of it, and `tier status` exits 1 with one line."""
     store_path, bucket, conf = _golden_tiered(tmp_path, s3_server)
     with MessageStore.open(str(store_path), start_services=False) as store:
-        upload_round(store)
+        upload_round(store.files)
     s3_server.client().put_object(Bucket=bucket, Key=f"stores/basic/{MANIFEST}", Body=b'{"format": "x"')
     (store_path / "config" / "tierManifest.json").write_text("not json")
     with MessageStore.open(str(store_path), start_services=False) as store:

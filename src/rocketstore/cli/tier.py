@@ -77,7 +77,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
         if store.tier.error is not None and not (store.tier.fault and store.tier.republishable):
             raise CliError(store.tier.error)  # (a lost or stale tier.json: upload_round republishes it)
         store.commitlog.flush(0)
-        done = upload_round(store)
+        done = upload_round(store.files)
         emit({"store": store.root, "uploaded": done, **store.tier.status()})
         if store.tier.upload_blocked is not None:
             raise CliError(store.tier.upload_blocked)

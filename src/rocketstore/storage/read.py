@@ -820,7 +820,7 @@ class StoreReader:
     def _next_record_after(self, offset: int, check_crc: bool) -> int | None:
         """The commitlog offset of the first intact record after ``offset``, up to the log's end, or None."""
         queue = self.commitlog.queue
-        if self.commitlog._in_tier(offset):  # damage in a segment only the tier holds: resync there
+        if self.commitlog.in_tier(offset):  # damage in a segment only the tier holds: resync there
             after = self.tier.reader.next_record_after(offset, check_crc=check_crc)
             if queue.files and after >= self.commitlog.min_offset():
                 return self.commitlog.min_offset()

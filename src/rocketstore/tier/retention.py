@@ -15,7 +15,7 @@ from .manifest import TierManifest
 from .reader import index_key, queue_key, segment_key
 
 if TYPE_CHECKING:
-    from ..store import MessageStore
+    from ..storage.files import StoreFiles
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +33,13 @@ def expired_segments(m: TierManifest, now_ms: int, reserved_hours: int) -> int:
     return n
 
 
-def expire_round(store: "MessageStore", now_ms: int) -> int:
+def expire_round(files: "StoreFiles", now_ms: int) -> int:
     """Drop expired segments (and the queue and index files wholly below them) from the tier; return the count
     of segments dropped.  Called with the tier's lock held, after the manifest was refreshed."""
-    tier = store.tier
+    tier = files.tier
     assert tier is not None and tier.manifest is not None
     m = tier.manifest
-    n = expired_segments(m, now_ms, store.config.tieredStoreFileReservedTime)
+    n = expired_segments(m, now_ms, files.config.tieredStoreFileReservedTime)
     if n == 0:
         return 0
     gone_segments = m.commitlog[:n]
@@ -47,10 +47,10 @@ def expire_round(store: "MessageStore", now_ms: int) -> int:
     kept = TierManifest(m.store_id, dict(m.geometry), m.commitlog[n:], {}, [], m.updated_at, m.generation)
     gone_objects = [segment_key(s.name) for s in gone_segments]
     reader = tier.reader
-    for q, files in m.consumequeue.items():
+    for q, segments in m.consumequeue.items():
         topic, _, qid = q.rpartition("/")
         live = []
-        for f in files:
+        for f in segments:
             if f.last_phy < new_min:
                 gone_objects.append(queue_key(topic, int(qid), f.name))
             else:
@@ -76,5 +76,5 @@ def expire_round(store: "MessageStore", now_ms: int) -> int:
     for key in gone_objects:
         tier.objects.delete(key)
     log.info("tier %s: %d segment(s) older than tieredStoreFileReservedTime=%dh deleted; the tier now starts at %d",
-             tier.loc.uri, n, store.config.tieredStoreFileReservedTime, new_min)
+             tier.loc.uri, n, files.config.tieredStoreFileReservedTime, new_min)
     return n

@@ -32,7 +32,7 @@ from .reader import index_key, queue_key, segment_key
 from .retention import expire_round
 
 if TYPE_CHECKING:
-    from ..store import MessageStore
+    from ..storage.files import StoreFiles
 
 log = logging.getLogger(__name__)
 
@@ -42,31 +42,31 @@ _UNIT = struct.Struct(">qiq")
 class TierUploadService(ServiceThread):
     name = "TierUploadService"
 
-    def __init__(self, store: "MessageStore") -> None:
-        super().__init__(store.config.tieredStoreUploadInterval / 1000.0, initial_delay=0.5)
-        self.store = store
+    def __init__(self, files: "StoreFiles") -> None:
+        super().__init__(files.config.tieredStoreUploadInterval / 1000.0, initial_delay=0.5)
+        self.files = files
         self._last_error: str | None = None
         self._last_blocked: str | None = None
 
     def run_once(self) -> None:
         try:
-            upload_round(self.store)
+            upload_round(self.files)
         except TierError as e:  # the tier is down: local files stay until it is back
             if str(e) != self._last_error:  # once per distinct failure, not every round
                 log.error("tier upload: %s", e)
             self._last_error = str(e)
-            self.store.tier.error = str(e)
+            self.files.tier.error = str(e)
         else:
             self._last_error = None
-        blocked = self.store.tier.upload_blocked
+        blocked = self.files.tier.upload_blocked
         if blocked is not None and blocked != self._last_blocked:  # once, not every round
             log.error("tier upload: %s", blocked)
         self._last_blocked = blocked
 
 
-def upload_round(store: "MessageStore", max_segments: int | None = None) -> dict[str, int]:
+def upload_round(files: "StoreFiles", max_segments: int | None = None) -> dict[str, int]:
     """Upload what is sealed and not yet in the tier; returns counts of objects uploaded by kind."""
-    tier = store.tier
+    tier = files.tier
     assert tier is not None
     with tier.lock:
         m = tier.refresh(quiet=True)
@@ -77,27 +77,27 @@ def upload_round(store: "MessageStore", max_segments: int | None = None) -> dict
         # A copy: segments are added to it before it is published, and readers must not see them until then.
         m = tier.new_manifest() if m is None else copy.deepcopy(m)
         done = {"segments": 0, "queueFiles": 0, "indexFiles": 0, "expiredSegments": 0}
-        done["segments"] = _upload_segments(store, m, max_segments)
+        done["segments"] = _upload_segments(files, m, max_segments)
         if done["segments"] or not m.updated_at:
             tier.publish(m)
-        done["queueFiles"] = _upload_queue_files(store, m)
-        done["indexFiles"] = _upload_index_files(store, m)
+        done["queueFiles"] = _upload_queue_files(files, m)
+        done["indexFiles"] = _upload_index_files(files, m)
         if done["queueFiles"] or done["indexFiles"]:
             tier.publish(m)
-        done["expiredSegments"] = expire_round(store, int(store.clock() * 1000))
+        done["expiredSegments"] = expire_round(files, int(files.clock() * 1000))
         if any(done.values()):
             log.info("tier %s: uploaded %s", tier.loc.uri, done)
         return done
 
 
-def _upload_segments(store: "MessageStore", m: TierManifest, max_segments: int | None) -> int:
-    tier, cl = store.tier, store.commitlog
+def _upload_segments(files: "StoreFiles", m: TierManifest, max_segments: int | None) -> int:
+    tier, cl = files.tier, files.commitlog
     assert tier is not None
-    files = list(cl.queue.files)
+    segments = list(cl.queue.files)
     flushed = cl.queue.flushed_where
     tier.upload_blocked = None
     n = 0
-    for f in files[:-1]:
+    for f in segments[:-1]:
         if f.file_from_offset < m.end_offset:
             continue
         if m.commitlog and f.file_from_offset != m.end_offset:
@@ -167,12 +167,12 @@ def segment_damage(buf: Any, size: int, base: int) -> tuple[int, str] | None:
     return None
 
 
-def _upload_queue_files(store: "MessageStore", m: TierManifest) -> int:
-    tier = store.tier
+def _upload_queue_files(files: "StoreFiles", m: TierManifest) -> int:
+    tier = files.tier
     assert tier is not None
     n = 0
-    size = store.config.mappedFileSizeConsumeQueue
-    for cq in store.consume_queues():
+    size = files.config.mappedFileSizeConsumeQueue
+    for cq in files.consume_queues():
         key = f"{cq.topic}/{cq.queue_id}"
         have = {f.name for f in m.consumequeue.get(key, [])}
         for f in list(cq.queue.files)[:-1]:
@@ -195,21 +195,21 @@ def _upload_queue_files(store: "MessageStore", m: TierManifest) -> int:
             if min_index is None:
                 continue  # every record it points at was gone before the tier began
             tier.objects.put_file(f.path, queue_key(cq.topic, cq.queue_id, name), size)
-            files = m.consumequeue.setdefault(key, [])
-            files.append(TierQueueFile(name, int(name) // CQ_STORE_UNIT_SIZE + min_index, len(units), last_phy))
-            files.sort(key=lambda x: int(x.name))
+            segments = m.consumequeue.setdefault(key, [])
+            segments.append(TierQueueFile(name, int(name) // CQ_STORE_UNIT_SIZE + min_index, len(units), last_phy))
+            segments.sort(key=lambda x: int(x.name))
             n += 1
     return n
 
 
-def _upload_index_files(store: "MessageStore", m: TierManifest) -> int:
-    tier, svc = store.tier, store.index_service
+def _upload_index_files(files: "StoreFiles", m: TierManifest) -> int:
+    tier, svc = files.tier, files.index_service
     assert tier is not None
     have = {f.name for f in m.index}
     with svc.lock:
-        files = list(svc.files[:-1])
+        segments = list(svc.files[:-1])
     n = 0
-    for f in files:
+    for f in segments:
         name = os.path.basename(f.path)
         if name in have:
             continue
@@ -226,11 +226,11 @@ def _upload_index_files(store: "MessageStore", m: TierManifest) -> int:
     return n
 
 
-def wait_uploaded(store: "MessageStore", offset: int, timeout: float = 30.0) -> bool:
+def wait_uploaded(files: "StoreFiles", offset: int, timeout: float = 30.0) -> bool:
     """Block until the tier holds every segment below ``offset`` (tests and ``tier upload --wait``)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        t = store.tier
+        t = files.tier
         if t is not None and t.manifest is not None and t.manifest.end_offset >= offset:
             return True
         time.sleep(0.05)
