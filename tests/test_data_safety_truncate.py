@@ -115,3 +115,23 @@ def test_a_store_whose_only_segment_lost_every_record_has_no_lost_index(tmp_path
         assert [m.body for m in store.query("T", "k-again", 4).messages] == [b"again"]
         assert verify_store(store)["problems"] == []
 
+
+
+def test_a_record_the_cut_went_through_after_its_body_is_not_read_as_whole(basic_copy: Path):
+    """Model seed 1004 (``put,kill,recover,retention,truncate,repair_int,reimport,rm_cq``): the last segment cut 5
+    bytes before the end of its second record (TopicA-1 @322, 673 bytes at 3149396), inside its properties,
+    which no CRC covers, and not at a page start (which codec.torn_tail would see).  Extended with zeros, the
+    record read as whole, with properties cut short, and the walk handed out a message that was cut."""
+    (basic_copy / "broker.conf").write_text(GOLDEN_CONF)
+    seg = basic_copy / "commitlog" / LAST
+    second = 3149396
+    os.truncate(seg, second + 673 - 5 - 3 * SEG)
+    r = run_cli("recover", basic_copy)
+    assert r.returncode == 0, r.stderr
+    with MessageStore.open(str(basic_copy), read_only=True) as store:
+        assert store.max_phy_offset() == second
+        assert [off for off, *_ in store.messages(3 * SEG, skip_damaged=True)] == [3 * SEG]
+        assert not store.get("TopicA", 1, 322, 1).messages
+        [m] = store.get("TopicB", 1, 373, 1).messages  # the record before the cut stays
+        assert m.commit_log_offset == 3 * SEG
+        assert verify_store(store)["problems"] == []

@@ -170,15 +170,39 @@ def extend_torn_last_segment(directory: str, file_size: int, read_only: bool) ->
         raise StoreLoadError(f"{path}: a torn last segment ({size} of {file_size} bytes) holding records from "
                              f"commitlog offset {first}; a writable open (rocketstore recover) extends it with zeros "
                              "and keeps its intact records")
+    base = int(os.path.basename(path))
     fd = os.open(path, os.O_RDWR)
     try:
         allocate(fd, file_size)
+        _unmake_cut_record(fd, base, size, file_size, path)
         os.fsync(fd)
     finally:
         os.close(fd)
     log.warning("%s: torn last segment of %d bytes (expected %d) holding records from commitlog offset %d; "
                 "extended with zeros, recovery keeps its intact records", path, size, file_size, first)
     return path
+
+
+def _unmake_cut_record(fd: int, base: int, size: int, file_size: int, path: str) -> None:
+    """The record the cut went through (it starts before ``size`` and ends after it) must not read as whole once
+    zeros extend it: no CRC covers its topic and properties, so a cut inside them leaves a record every check
+    accepts (a power cut tears at page starts, which codec.torn_tail sees; a cut file ends anywhere).  Its
+    TOTALSIZE and magic code are zeroed, so every walk ends the log there, as at any torn record."""
+    with mmap.mmap(fd, file_size) as mm:
+        for magic in _RECORD_MAGICS:
+            h = mm.find(magic, 4, size)
+            while h >= 0:
+                p = h - 4
+                total = int.from_bytes(mm[p:p + 4], "big", signed=True)
+                if p + 36 <= size < p + total <= file_size and \
+                        int.from_bytes(mm[p + 28:p + 36], "big", signed=True) == base + p and \
+                        codec.check(mm, p, file_size, check_crc=True, parsed=True, base=base)[1] is not None:
+                    mm[p:p + 8] = bytes(8)
+                    mm.flush()
+                    log.warning("%s: the record at commitlog offset %d (%d bytes) is cut at %d: its header is "
+                                "zeroed so that it never reads as whole", path, base + p, total, base + size)
+                    return
+                h = mm.find(magic, h + 1, size)
 
 
 class QuarantinePlan:
