@@ -136,8 +136,6 @@ them with ROCKETSTORE_MODEL_OPS, e.g. ``ROCKETSTORE_MODEL_OPS=all``):
   kept (keep=0.7), verify reports ``cq-dangling`` units pointing at commitlog offsets with no record below the
   recovered end.
 - ``powerloss`` needs more seeds before it joins a profile: 75 s from seed 7000 pass, / 1015 above does not.
-- ``truncate`` (all ops but ``repair_int,tier_upload,tier_fault``) / 4002: a truncate of the last segment after a
-  power loss and a reimport leaves ``quarantined commitlog__...: stray file moved aside at open``.
 - ``repair_int`` (``put,retention,repair_int,tier_upload,tier_fault``) / 1008: a repair rolled back after SIGINT
   leaves the damage, ``tier upload`` then uploads the damaged segment and the tier reader's scan stops at its bad
   record, so the walk loses the messages after it; / 1002: the model drops a message a stale copy overwrote
@@ -148,14 +146,16 @@ them with ROCKETSTORE_MODEL_OPS, e.g. ``ROCKETSTORE_MODEL_OPS=all``):
 - ``cq_damage`` / 6013: blank units after expired ones read as ``OFFSET_TOO_SMALL`` before the repair.
 - ``index_damage`` with a tier (``put,kill,recover,retention,reimport,index_damage,tier_upload,tier_fault`` /
   1027): the index is rebuilt from the local commitlog only; keys of tier-held records are not found.
-- ``truncate`` / 1020: verify reported a lost index after a refused open of a truncated only segment (the refusal,
-  a geometry conflict, is fixed: the segment is extended as a torn last segment; re-check this seed).
 
 Fixed since the first run of this test (they must fail again if put back): ``rm_cq`` / 1004 (a directory removed
 after a clean stop whose records all lie before the re-checked segment: the store now keeps a durable queue
 registry); ``cq_damage`` / 2002 (a torn queue whose first records expired was refilled by appending, not placing);
 ``repair_int`` on a tiered store (smoke seed 7 with all ops: repair rebuilt from the local commitlog only);
-``powerloss`` / 1009, 1005 (a record torn after its body accepted).
+``powerloss`` / 1009, 1005 (a record torn after its body accepted); ``truncate`` (all ops but
+``repair_int,tier_upload,tier_fault``) / 4002 (a last segment cut inside its first record moved aside as a stray:
+``quarantined commitlog__...``), ``truncate`` / 1020 (an empty log, all records cut off, reported as a lost index),
+``put,kill,recover,retention,truncate,repair_int,reimport,rm_cq`` / 1004 (a record cut inside its properties read
+as whole once the segment was extended).
 
 Not reached (the ops exist, the state did not occur in the runs above): item 5 (``cq_damage`` blanks units; no
 MESSAGE_WAS_REMOVING seen), item 12 (``retention`` runs an overtaken consumer, same store and
