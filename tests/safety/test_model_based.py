@@ -129,15 +129,9 @@ choices change: re-check this list when the test changes.
   record is not the one Busy-0 unit 30 points at (2147483647 bytes)" (seen once, not replayed): repair does not
   rebuild units of tier-held records.
 
-Still open (issue 24's fixes landed; these ops still find defects, so they are not in the default PROFILES; run
-them with ROCKETSTORE_MODEL_OPS, e.g. ``ROCKETSTORE_MODEL_OPS=all``):
+Still open (found by longer runs; the default PROFILES are the op sets whose seeds pass; run the rest with
+ROCKETSTORE_MODEL_OPS, e.g. ``ROCKETSTORE_MODEL_OPS=all``):
 
-- ``cq_damage`` after ``retention`` (``put,kill,powerloss,recover,retention,reimport,index_damage,rm_cq,cq_damage``
-  / 1006, 1010, 2020, 2100, 2103): ``verify --repair`` removes the files of a queue whose records all expired, and
-  the next put takes queue offset 0 again (``put acknowledged with queue offset Quiet-3@0, the model expects 9``);
-  / 2027: the same after ``rm_cq`` of such a queue (the registry knows the queue, not its end).
-- ``truncate`` (all ops but ``repair_int,tier_upload,tier_fault``) / 4002: a truncate of the last segment after a
-  power loss and a reimport leaves ``quarantined commitlog__...: stray file moved aside at open``.
 - ``cq_damage`` (``put,kill,recover,retention,rm_cq,cq_damage,reimport``) / 6042: two units swapped after retention,
   the open (recovery's order check) cuts Busy-2 at the swapped unit and cannot rebuild it ("units 3..34 are not in
   the commitlog recovery checked from 65536"): ``get Busy-2 @28: OFFSET_OVERFLOW_BADLY (queue 3..3)`` before the
@@ -145,13 +139,13 @@ them with ROCKETSTORE_MODEL_OPS, e.g. ``ROCKETSTORE_MODEL_OPS=all``):
 - ``repair_int`` with a tier (``put,kill,recover,retention,reimport,repair_int,tier_upload,tier_fault,index_damage``
   / 1148): ``verify --repair`` tombstones a record damaged in the local copy of a segment the tier holds intact
   (and rebuilds the index without its keys); after retention reads go to the tier's intact record, which
-  ``query`` does not find (test_data_safety_tier2, xfail).  / 1102 (a queue whose records all expired forgets its
-  end after a repair) is the class of ``cq_damage`` / 5002.
-- ``tier_fault`` (same ops) / 1204: the local manifest damaged and the tier down, its ``.bak`` a generation old
-  (lacking the last segment uploaded): ``get Busy-0 @92`` answers MESSAGE_WAS_REMOVING for a local unit whose record
-  was deleted locally on the tier's word (below ``localDeletedEnd``); it should raise the tier fault.
-- ``truncate`` / 1020: verify reported a lost index after a refused open of a truncated only segment (the refusal,
-  a geometry conflict, is fixed: the segment is extended as a torn last segment; re-check this seed).
+  ``query`` does not find (tests/safety/test_data_safety_tier2.py, xfail).
+- ``truncate`` twice (``put,kill,recover,truncate,repair_int`` / 8008, 1048): the first cut ends the log at the
+  segment's start and recovery zero-fills it; a second cut of that all-zero segment moves it aside (verify
+  ``quarantined``).  Nothing is lost (the file holds zeros), but verify is not clean.
+- ``repair_int`` + ``rm_cq`` (``put,kill,recover,retention,truncate,repair_int,reimport,rm_cq`` / 4015, 4020): the
+  rebuilt queue has a blank unit where the lost record was and the Consumer names it (CorruptRecordError) at the
+  queue slot; the model excuses only an error at the damaged record's commitlog offset.
 
 Fixed since the first run of this test (they must fail again if put back): ``rm_cq`` / 1004 (a directory removed
 after a clean stop whose records all lie before the re-checked segment: the store now keeps a durable queue
@@ -167,7 +161,7 @@ the recovered commitlog end stopped at an empty last queue file, verify ``cq-dan
 ``put,kill,powerloss,recover,retention,reimport,index_damage,rm_cq,cq_damage`` / 2002 (two units swapped after blank
 ones: the queue was cut and rebuilt from commitlog offset 0 + 0x7FFFFFFF, so ``get Busy-0 @146:
 OFFSET_OVERFLOW_BADLY``).  ``put,kill,powerloss,powerloss_dirent,recover`` passes seeds 1000-1077, 3000-3061,
-7000-7068 and 9000 on for 280 s. with a tier
+7000-7068 and 9000 on for 280 s.  With a tier
 (``put,retention,repair_int,tier_upload,tier_fault`` unless said): ``repair_int`` / 1008 (a repair rolled back
 after SIGINT left a damaged record, ``tier upload`` sealed that segment into the tier and the walk lost every
 message after the bad record: uploads now refuse a segment failing the trusted walk, and a walk resyncs past
@@ -175,7 +169,11 @@ damage in a tier segment), / 1018 (an overtaken follower ``Consumer`` stopped si
 now goes past damage and the read names it), / 1002 (the model dropped a message a stale copy overwrote locally
 although the tier held it intact: the model now lets such a message come back from the tier); ``index_damage``
 (``put,kill,recover,retention,reimport,index_damage,tier_upload,tier_fault`` / 1027; with ``repair_int`` too /
-1093 after an unclean stop): the index rebuilt from the local commitlog only, keys of tier-held records not found.
+1093 after an unclean stop): the index rebuilt from the local commitlog only, keys of tier-held records not found.; ``truncate`` (all ops but
+``repair_int,tier_upload,tier_fault``) / 4002 (a last segment cut inside its first record moved aside as a stray:
+``quarantined commitlog__...``), ``truncate`` / 1020 (an empty log, all records cut off, reported as a lost index),
+``put,kill,recover,retention,truncate,repair_int,reimport,rm_cq`` / 1004 (a record cut inside its properties read
+as whole once the segment was extended).
 
 Not reached (the ops exist, the state did not occur in the runs above): item 5 (``cq_damage`` blanks units; no
 MESSAGE_WAS_REMOVING seen), item 12 (``retention`` runs an overtaken consumer, same store and

@@ -181,7 +181,7 @@ class StoreLoader:
         unfinished = os.path.exists(self.paths.index_rebuild)
         index = self.index_service
         if not index.files and not index.damaged and self.config.messageIndexEnable and \
-                self.commitlog.max_offset() > self.commitlog.min_offset():
+                self._commitlog_starts_with_a_record():
             # Dispatch makes an index file for the first record, and retention never deletes the last one:
             # no index file beside records means the index was lost, not that no record has a key.
             index.damaged[self.paths.index] = "no index file, yet the commitlog holds records (a lost index)"
@@ -195,6 +195,15 @@ class StoreLoader:
         if self.index_service.damaged:
             write_file_durably(self.paths.index_rebuild, ("\n".join(self.index_service.damaged) + "\n").encode())
         return True
+
+    def _commitlog_starts_with_a_record(self) -> bool:
+        """Whether the first local segment starts with bytes a commitlog walk reads (not zeros).  Before recovery
+        the log ends where its files end, so a store whose records were all cut off (a segment of zeros, its
+        index files deleted with them) would otherwise count as holding records."""
+        for mf in self.commitlog.queue.files:
+            if mf.available:
+                return mf.mm[:8] != bytes(8)
+        return False
 
     def _reindex_lost_entries(self, start: int) -> None:
         """Index again every record from ``start`` (where the index files kept end) to the log's end.

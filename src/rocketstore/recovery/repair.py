@@ -97,7 +97,7 @@ from ..format import codec
 from ..config import StoreConfig
 from ..storage.consume_queue import CQ_STORE_UNIT_SIZE
 from ..errors import StoreError, StoreLoadError, StoreLockedError
-from ..storage.quarantine import extend_torn_last_segment, trusted_record_in
+from ..storage.quarantine import extend_torn_last_segment, record_start_in
 from ..storage.index import IndexService
 from ..format.message import illegal_topic
 from ..paths import StorePaths
@@ -533,7 +533,8 @@ def plan(path: str, file_size: int) -> list[DamagedSpan]:
         if size == 0 and i == len(names) - 1:
             continue
         last = i == len(names) - 1
-        if size != file_size and not (last and size < file_size and trusted_record_in(p, int(name)) is not None):
+        torn = last and size < file_size and record_start_in(p, int(name), file_size) is not None
+        if size != file_size and not torn:
             raise StoreLoadError(f"{p}: {size} bytes, expected {file_size}; repair refuses to guess its records "
                                  "(set mappedFileSizeCommitLog or move the file aside)")
         with open(p, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:

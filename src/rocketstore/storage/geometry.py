@@ -23,7 +23,7 @@ from ..paths import StorePaths
 from ..config import CQ_UNIT_SIZE, MIN_COMMITLOG_FILE_SIZE, PRESETS, StoreConfig, read_conf_file, write_preset
 from ..errors import ConfigError
 from .index import ENTRY_SIZE, HEADER_SIZE, SLOT_SIZE, index_file_size
-from .quarantine import trusted_record_in
+from .quarantine import record_start_in
 
 log = logging.getLogger(__name__)
 
@@ -116,15 +116,26 @@ def measure(root: str) -> dict[str, Measured]:
     return out
 
 
-def _without_torn_last_segment(m: Measured, file_size: int) -> Measured | None:
-    """``m`` without the last commitlog segment when it is shorter than ``file_size`` and holds a trusted record:
-    a torn last segment (also the only one), which the open extends with zeros (extend_torn_last_segment), is
-    no evidence of another geometry."""
+def _without_torn_last_segment(m: Measured, file_size: int | None = None) -> Measured | None:
+    """``m`` without the last commitlog segment when it is a torn last segment: shorter than ``file_size`` (when
+    None, the size the other segments have), in its place, holding or maybe holding records (the start of one
+    cut off counts: quarantine.record_start_in).  The open extends it with zeros (extend_torn_last_segment), so
+    it is no evidence of another geometry; the only segment is left in when ``file_size`` is None (nothing else
+    tells the size)."""
     paths = [p for ps in m.paths.values() for p in ps]
     last = max(paths, key=_name_offset)
+    if file_size is None:
+        others = Measured({s: [p for p in ps if p != last] for s, ps in m.paths.items() if ps != [last]})
+        if not others.paths:
+            return m
+        file_size = others.majority(lambda s: s >= MIN_COMMITLOG_FILE_SIZE)
+        if file_size is None:
+            return m
     size = os.path.getsize(last)
     base = _name_offset(last)
-    if not 0 < size < file_size or base % file_size or trusted_record_in(last, base) is None:
+    follows = [p for p in paths if _name_offset(p) == base - file_size]
+    if not 0 < size < file_size or base % file_size or (len(paths) > 1 and not follows) or \
+            record_start_in(last, base, file_size) is None:
         return m
     kept = {s: [p for p in ps if p != last] for s, ps in m.paths.items()}
     kept = {s: ps for s, ps in kept.items() if ps}
@@ -164,6 +175,8 @@ def resolve_geometry(root: str, config: StoreConfig, *, allow_quarantine: bool =
             if not m.agrees(value) and not allow_quarantine:
                 raise _contradiction(f"{key}={value}", explicit[key], m, value)
             continue
+        if kind == "commitlog":
+            m = _without_torn_last_segment(m) or m
         size = m.majority(usable)
         if size is None:
             raise _ambiguous(key, m)
