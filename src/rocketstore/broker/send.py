@@ -1,0 +1,204 @@
+"""Producing: SendMessage (each message through small steps), EndTransaction, RecallMessage, and moving messages
+to the dead letter queue (ForwardMessageToDeadLetterQueue and the pop service's dead letters)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import zlib
+from typing import Any
+
+
+from ..message import Message, PutMessageStatus
+from .dedup import digest
+from .convert import (DELAY, FIFO, GZIP, P_DLQ_MSG_ID, P_DLQ_TOPIC, P_ORIGIN_MSG_ID, P_RECONSUME, P_RETRY_TOPIC,
+                      TRANSACTION, TYPE_NAMES, BadMessage, Code, host_from, store_properties, ts_ms, validate)
+from .pop import DeadLetter, now_ms
+from .proto import pb, svc
+from .calls import (INTERNAL_CODE, MAX_SEND_MESSAGES, OK_CODE, PUB, PUT_CODES, Caller, guarded, inflate_budget,
+                    set_status)
+
+log = logging.getLogger(__name__)
+
+
+class Sending:
+    """The producing part of :class:`~rocketstore.broker.service.MessagingService`."""
+
+    @guarded(svc.SendMessageResponse)
+    async def SendMessage(self, request: Any, context: Any) -> Any:
+        resp = svc.SendMessageResponse()
+        caller = self._caller(context, resp.status)
+        if caller is None:
+            return resp
+        if not caller.client_id:
+            set_status(resp.status, Code.CLIENT_ID_REQUIRED, "x-mq-client-id is missing")
+            return resp
+        if not request.messages:
+            set_status(resp.status, Code.BAD_REQUEST, "no message to send")
+            return resp
+        if len(request.messages) > MAX_SEND_MESSAGES:
+            set_status(resp.status, Code.BAD_REQUEST, f"more than {MAX_SEND_MESSAGES} messages in one request")
+            return resp
+        peer = context.peer() or ""
+        max_body = self.broker.store.config.maxMessageSize
+        budget = [inflate_budget(max_body)]  # what the request's GZIP bodies may inflate to, together
+        for m in request.messages:
+            entry = resp.entries.add()
+            await self._send_one(caller, m, entry, peer, budget)
+        if len(resp.entries) == 1 or len({e.status.code for e in resp.entries}) == 1:
+            resp.status.CopyFrom(resp.entries[0].status)
+        else:
+            set_status(resp.status, Code.MULTIPLE_RESULTS, "entries have different results")
+        return resp
+
+    async def _send_one(self, caller: Caller, m: Any, entry: Any, peer: str, budget: list[int]) -> None:
+        sp = m.system_properties
+        entry.message_id = sp.message_id
+        name = self._resolve(caller, entry.status, m.topic, "Topic", PUB)
+        if name is None:
+            return
+        t = await self._topic_for(name, create=True, status=entry.status, send=True)
+        if t is None:
+            return
+        if not t.writable or t.write_queue_nums <= 0:
+            set_status(entry.status, Code.FORBIDDEN, f"topic {t.name} is not writable")
+            return
+        max_body = self.broker.store.config.maxMessageSize
+        try:
+            mtype, body = validate(m, max_body, budget[0])
+        except BadMessage as e:
+            if sp.body_encoding == GZIP:  # refused, but the inflating was done: it counts
+                budget[0] -= min(max_body, max(0, budget[0])) + 1
+            set_status(entry.status, e.code, str(e))
+            return
+        if sp.body_encoding == GZIP:
+            budget[0] -= len(body)
+        tname = TYPE_NAMES[mtype]
+        if tname not in t.accepts():
+            set_status(entry.status, Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE,
+                 f"topic {t.name} accepts {'/'.join(t.accepts())} messages, not {tname}")
+            return
+        now = now_ms()
+        deliver_at = ts_ms(sp.delivery_timestamp) if mtype == DELAY else 0
+        if deliver_at and deliver_at > now + self.cfg.maxDelayTime:
+            set_status(entry.status, Code.ILLEGAL_DELIVERY_TIME,
+                 f"delivery time is more than {self.cfg.maxDelayTime} ms ahead")
+            return
+        body_digest = digest(body)
+        seen = self.dedup.recent(t.name, sp.message_id, body_digest)
+        if seen is None and mtype != TRANSACTION and self.dedup.needs_lookup(t.name, sp.message_id):
+            off = await asyncio.get_running_loop().run_in_executor(self.broker.executor, self.dedup.stored,
+                                                                   t.name, sp.message_id, body)
+            seen = None if off is None else (off, "")
+        if seen is not None:  # a client resend of a message already stored
+            entry.offset, entry.transaction_id = seen
+            set_status(entry.status, Code.OK)
+            return
+        if mtype == FIFO:
+            qid = zlib.crc32(sp.message_group.encode("utf-8")) % t.write_queue_nums
+        else:
+            rr = self._rr.get(t.name)
+            if rr is None:
+                rr = self._rr[t.name] = itertools.count()
+            qid = next(rr) % t.write_queue_nums
+        born = ts_ms(sp.born_timestamp) if sp.HasField("born_timestamp") and sp.born_timestamp.seconds else now
+        msg = Message(topic=t.name, body=body, queue_id=qid, properties=store_properties(m, mtype),
+                      born_timestamp=born, born_host=host_from(sp.born_host, peer),
+                      store_host=self.broker.store_host)
+        txid = ""
+        if mtype == TRANSACTION:
+            res, txid = await self.broker.transactions.submit(msg)
+        elif deliver_at > now:
+            res = await self.broker.timer.submit(msg, deliver_at)
+        else:
+            res = await self.broker.put(msg)
+            if res.ok:
+                self.broker.notify(t.name, qid, sp.tag if sp.HasField("tag") else None)
+        code = PUT_CODES.get(res.status, INTERNAL_CODE)
+        if res.status is PutMessageStatus.MESSAGE_ILLEGAL and res.error and "maxMessageSize" in res.error:
+            code = Code.MESSAGE_BODY_TOO_LARGE
+        if code != OK_CODE:
+            set_status(entry.status, code, f"{res.status.value}: {res.error or ''}".strip(": "))
+            log.warning("send to %s failed: %s %s", t.name, res.status.value, res.error or "")
+            return
+        entry.offset = res.queue_offset if res.queue_offset >= 0 else 0
+        entry.transaction_id = txid
+        self.dedup.remember(t.name, sp.message_id, entry.offset, txid, body_digest)
+        set_status(entry.status, OK_CODE)
+
+    @guarded(svc.EndTransactionResponse)
+    async def EndTransaction(self, request: Any, context: Any) -> Any:
+        resp = svc.EndTransactionResponse()
+        caller = self._caller(context, resp.status)
+        topic = caller and self._resolve(caller, resp.status, request.topic, "Topic", PUB)
+        if topic is None:
+            return resp
+        if request.resolution not in pb.TransactionResolution.values() \
+                or request.source not in pb.TransactionSource.values():
+            set_status(resp.status, Code.BAD_REQUEST, f"unknown transaction resolution {request.resolution} "
+                                                f"or source {request.source}")
+            return resp
+        code, text = await self.broker.transactions.end(topic, request.message_id,
+                                                        request.transaction_id, request.resolution, request.source)
+        set_status(resp.status, code, text)
+        return resp
+
+    @guarded(svc.RecallMessageResponse)
+    async def RecallMessage(self, request: Any, context: Any) -> Any:
+        resp = svc.RecallMessageResponse()
+        set_status(resp.status, Code.UNSUPPORTED, "recalling delay messages is not supported")
+        return resp
+
+    async def _dead_letter(self, d: DeadLetter) -> bool:
+        pop = self.broker.pop
+        try:
+            m = self.broker.store.look(d.entry.phy)
+        except Exception as e:
+            log.error("message at %d for %s unreadable (%s); dropped instead of dead-lettered", d.entry.phy,
+                      d.group, e)
+            pop.finish_dlq(d, True)
+            return True
+        try:
+            dlq = await self.topics.ensure_dlq_topic(d.group)
+        except OSError as e:
+            log.error("cannot create the dead letter topic of %s: %s", d.group, e)
+            pop.finish_dlq(d, False)
+            return False
+        props = dict(m.properties)
+        uniq = props.get("UNIQ_KEY") or m.msg_id
+        props.setdefault(P_DLQ_TOPIC, d.topic)
+        props.setdefault(P_DLQ_MSG_ID, uniq)
+        props.setdefault(P_ORIGIN_MSG_ID, uniq)
+        props[P_RETRY_TOPIC] = d.topic
+        props[P_RECONSUME] = str(d.entry.attempts)
+        msg = Message(topic=dlq.name, body=m.body or b"", queue_id=0, properties=props, flag=m.flag,
+                      sys_flag=m.sys_flag & ~0xC, born_timestamp=m.born_timestamp,
+                      born_host=(m.born_addr, m.born_port), store_host=self.broker.store_host,
+                      reconsume_times=d.entry.attempts)
+        res = await self.broker.put(msg)
+        pop.finish_dlq(d, res.ok)
+        if res.ok:
+            log.info("message %s of %s moved to %s after %d deliveries", uniq, d.topic, dlq.name, d.entry.attempts)
+            self.broker.notify(dlq.name)
+        else:
+            log.error("moving message %s to %s failed: %s", uniq, dlq.name, res.status.value)
+        return res.ok
+
+    @guarded(svc.ForwardMessageToDeadLetterQueueResponse)
+    async def ForwardMessageToDeadLetterQueue(self, request: Any, context: Any) -> Any:
+        resp = svc.ForwardMessageToDeadLetterQueueResponse()
+        target = self._ack_target(request, context, resp.status)
+        if target is None:
+            return resp
+        d = self.broker.pop.take_for_dlq(*target, self._pop_handle(target, request.receipt_handle))
+        if d is None:
+            set_status(resp.status, Code.INVALID_RECEIPT_HANDLE, "receipt handle is unknown, expired or superseded")
+            return resp
+        if await self._dead_letter(d):
+            set_status(resp.status, Code.OK)
+        else:
+            set_status(resp.status, Code.INTERNAL_SERVER_ERROR, "could not write to the dead letter queue")
+        return resp
+
