@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-
 from ..message import PutMessageStatus
 from . import namespace as nsutil
 from .acl import AuthenticationError, AuthorizationError

@@ -7,7 +7,6 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
-
 from ..errors import CorruptRecordError
 from .convert import FIFO, Code, set_ts, to_pb
 from .pop import Delivery, TagFilter, now_ms
@@ -239,4 +238,3 @@ class Receiving:
         resp.receipt_handle = self.receipts.seal(*target, handle)
         set_status(resp.status, Code.OK)
         return resp
-

@@ -10,12 +10,12 @@ import time
 import zlib
 from typing import Any
 
-
-from ..message import Message, PutMessageStatus
+from ..message import Message, PutMessageResult, PutMessageStatus
 from .dedup import digest
 from .convert import (DELAY, FIFO, GZIP, P_DLQ_MSG_ID, P_DLQ_TOPIC, P_ORIGIN_MSG_ID, P_RECONSUME, P_RETRY_TOPIC,
                       TRANSACTION, TYPE_NAMES, BadMessage, Code, host_from, store_properties, ts_ms, validate)
 from .pop import DeadLetter, now_ms
+from .topics import TopicConfig
 from .proto import pb, svc
 from .calls import (INTERNAL_CODE, MAX_SEND_MESSAGES, OK_CODE, PUB, PUT_CODES, Caller, guarded, inflate_budget,
                     set_status)
@@ -54,79 +54,122 @@ class Sending:
         return resp
 
     async def _send_one(self, caller: Caller, m: Any, entry: Any, peer: str, budget: list[int]) -> None:
+        """One message of a SendMessage: each step fills ``entry.status`` and returns None when it refuses."""
         sp = m.system_properties
         entry.message_id = sp.message_id
-        name = self._resolve(caller, entry.status, m.topic, "Topic", PUB)
-        if name is None:
-            return
-        t = await self._topic_for(name, create=True, status=entry.status, send=True)
+        t = await self._send_target(caller, m.topic, entry.status)
         if t is None:
             return
-        if not t.writable or t.write_queue_nums <= 0:
-            set_status(entry.status, Code.FORBIDDEN, f"topic {t.name} is not writable")
+        now = now_ms()  # one clock reading for the delivery-time check, the born fallback and the routing
+        checked = self._checked_body(m, t, entry.status, budget, now)
+        if checked is None:
             return
+        mtype, body, deliver_at = checked
+        body_digest = digest(body)
+        if await self._already_stored(t, sp.message_id, mtype, body, body_digest, entry):
+            return
+        qid = self._choose_queue(t, mtype, sp)
+        msg = Message(topic=t.name, body=body, queue_id=qid, properties=store_properties(m, mtype),
+                      born_timestamp=self._born(sp, now), born_host=host_from(sp.born_host, peer),
+                      store_host=self.broker.store_host)
+        res, txid = await self._route(msg, mtype, deliver_at, now, sp)
+        if self._refused_by_store(res, t.name, entry.status):
+            return
+        entry.offset = res.queue_offset if res.queue_offset >= 0 else 0
+        entry.transaction_id = txid
+        self.dedup.remember(t.name, sp.message_id, entry.offset, txid, body_digest)
+        set_status(entry.status, OK_CODE)
+
+    async def _send_target(self, caller: Caller, topic: Any, status: Any) -> TopicConfig | None:
+        """ACL and topic: the caller may publish to the (auto-created) topic, and it takes writes."""
+        name = self._resolve(caller, status, topic, "Topic", PUB)
+        if name is None:
+            return None
+        t = await self._topic_for(name, create=True, status=status, send=True)
+        if t is None:
+            return None
+        if not t.writable or t.write_queue_nums <= 0:
+            set_status(status, Code.FORBIDDEN, f"topic {t.name} is not writable")
+            return None
+        return t
+
+    def _checked_body(self, m: Any, t: TopicConfig, status: Any, budget: list[int],
+                      now: int) -> tuple[int, bytes, int] | None:
+        """Validation: (message type, plain body, delivery time or 0), the GZIP budget charged for the inflating."""
+        sp = m.system_properties
         max_body = self.broker.store.config.maxMessageSize
         try:
             mtype, body = validate(m, max_body, budget[0])
         except BadMessage as e:
             if sp.body_encoding == GZIP:  # refused, but the inflating was done: it counts
                 budget[0] -= min(max_body, max(0, budget[0])) + 1
-            set_status(entry.status, e.code, str(e))
-            return
+            set_status(status, e.code, str(e))
+            return None
         if sp.body_encoding == GZIP:
             budget[0] -= len(body)
         tname = TYPE_NAMES[mtype]
         if tname not in t.accepts():
-            set_status(entry.status, Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE,
-                 f"topic {t.name} accepts {'/'.join(t.accepts())} messages, not {tname}")
-            return
-        now = now_ms()
+            set_status(status, Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE,
+                       f"topic {t.name} accepts {'/'.join(t.accepts())} messages, not {tname}")
+            return None
         deliver_at = ts_ms(sp.delivery_timestamp) if mtype == DELAY else 0
         if deliver_at and deliver_at > now + self.cfg.maxDelayTime:
-            set_status(entry.status, Code.ILLEGAL_DELIVERY_TIME,
-                 f"delivery time is more than {self.cfg.maxDelayTime} ms ahead")
-            return
-        body_digest = digest(body)
-        seen = self.dedup.recent(t.name, sp.message_id, body_digest)
-        if seen is None and mtype != TRANSACTION and self.dedup.needs_lookup(t.name, sp.message_id):
+            set_status(status, Code.ILLEGAL_DELIVERY_TIME,
+                       f"delivery time is more than {self.cfg.maxDelayTime} ms ahead")
+            return None
+        return mtype, body, deliver_at
+
+    async def _already_stored(self, t: TopicConfig, message_id: str, mtype: int, body: bytes, body_digest: Any,
+                              entry: Any) -> bool:
+        """Dedup: a client resend of a message already stored is answered with the first send's result."""
+        seen = self.dedup.recent(t.name, message_id, body_digest)
+        if seen is None and mtype != TRANSACTION and self.dedup.needs_lookup(t.name, message_id):
             off = await asyncio.get_running_loop().run_in_executor(self.broker.executor, self.dedup.stored,
-                                                                   t.name, sp.message_id, body)
+                                                                   t.name, message_id, body)
             seen = None if off is None else (off, "")
-        if seen is not None:  # a client resend of a message already stored
-            entry.offset, entry.transaction_id = seen
-            set_status(entry.status, Code.OK)
-            return
+        if seen is None:
+            return False
+        entry.offset, entry.transaction_id = seen
+        set_status(entry.status, Code.OK)
+        return True
+
+    def _choose_queue(self, t: TopicConfig, mtype: int, sp: Any) -> int:
+        """FIFO messages of one group share a queue (crc32 of the group); the rest go round-robin per topic."""
         if mtype == FIFO:
-            qid = zlib.crc32(sp.message_group.encode("utf-8")) % t.write_queue_nums
-        else:
-            rr = self._rr.get(t.name)
-            if rr is None:
-                rr = self._rr[t.name] = itertools.count()
-            qid = next(rr) % t.write_queue_nums
-        born = ts_ms(sp.born_timestamp) if sp.HasField("born_timestamp") and sp.born_timestamp.seconds else now
-        msg = Message(topic=t.name, body=body, queue_id=qid, properties=store_properties(m, mtype),
-                      born_timestamp=born, born_host=host_from(sp.born_host, peer),
-                      store_host=self.broker.store_host)
-        txid = ""
+            return zlib.crc32(sp.message_group.encode("utf-8")) % t.write_queue_nums
+        rr = self._rr.get(t.name)
+        if rr is None:
+            rr = self._rr[t.name] = itertools.count()
+        return next(rr) % t.write_queue_nums
+
+    @staticmethod
+    def _born(sp: Any, now: int) -> int:
+        return ts_ms(sp.born_timestamp) if sp.HasField("born_timestamp") and sp.born_timestamp.seconds else now
+
+    async def _route(self, msg: Message, mtype: int, deliver_at: int, now: int,
+                     sp: Any) -> tuple[PutMessageResult, str]:
+        """Routing: a transaction's half message, a delay message to the timer, the rest stored (and its receivers
+        woken); returns the store's result and the transaction id."""
         if mtype == TRANSACTION:
-            res, txid = await self.broker.transactions.submit(msg)
-        elif deliver_at > now:
-            res = await self.broker.timer.submit(msg, deliver_at)
-        else:
-            res = await self.broker.put(msg)
-            if res.ok:
-                self.broker.notify(t.name, qid, sp.tag if sp.HasField("tag") else None)
+            return await self.broker.transactions.submit(msg)
+        if deliver_at > now:
+            return await self.broker.timer.submit(msg, deliver_at), ""
+        res = await self.broker.put(msg)
+        if res.ok:
+            self.broker.notify(msg.topic, msg.queue_id, sp.tag if sp.HasField("tag") else None)
+        return res, ""
+
+    @staticmethod
+    def _refused_by_store(res: PutMessageResult, topic: str, status: Any) -> bool:
+        """Status mapping: the store's put status as the client's code; True (and logged) when it is not OK."""
         code = PUT_CODES.get(res.status, INTERNAL_CODE)
         if res.status is PutMessageStatus.MESSAGE_ILLEGAL and res.error and "maxMessageSize" in res.error:
             code = Code.MESSAGE_BODY_TOO_LARGE
-        if code != OK_CODE:
-            set_status(entry.status, code, f"{res.status.value}: {res.error or ''}".strip(": "))
-            log.warning("send to %s failed: %s %s", t.name, res.status.value, res.error or "")
-            return
-        entry.offset = res.queue_offset if res.queue_offset >= 0 else 0
-        entry.transaction_id = txid
-        self.dedup.remember(t.name, sp.message_id, entry.offset, txid, body_digest)
-        set_status(entry.status, OK_CODE)
+        if code == OK_CODE:
+            return False
+        set_status(status, code, f"{res.status.value}: {res.error or ''}".strip(": "))
+        log.warning("send to %s failed: %s %s", topic, res.status.value, res.error or "")
+        return True
 
     @guarded(svc.EndTransactionResponse)
     async def EndTransaction(self, request: Any, context: Any) -> Any:
@@ -201,4 +244,3 @@ class Sending:
         else:
             set_status(resp.status, Code.INTERNAL_SERVER_ERROR, "could not write to the dead letter queue")
         return resp
-

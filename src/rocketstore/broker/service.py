@@ -8,7 +8,6 @@ ForwardMessageToDeadLetterQueue, EndTransaction, QueryAssignment,
 NotifyClientTermination).
 """
 
-
 from __future__ import annotations
 
 import asyncio

@@ -6,7 +6,6 @@ import asyncio
 import logging
 from typing import Any, AsyncIterator
 
-
 from .convert import FIFO, Code
 from .proto import pb, svc
 from .topics import MAX_GROUP_LEN, illegal_name
