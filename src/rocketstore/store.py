@@ -238,6 +238,33 @@ class MessageStore:
             self.group_commit.wait_flushed(self.commitlog.max_offset(), timeout)
         return self.reput.wait_dispatched(self.files.confirm_offset(), timeout)
 
+    # The broker's loop puts and dispatches in one thread (ASYNC_FLUSH); these let it without reaching
+    # into the services.
+    @property
+    def puts_wait_for_flush(self) -> bool:
+        """True in SYNC_FLUSH: a put blocks on the group commit, so callers run it off their event loop."""
+        return self.group_commit is not None
+
+    def assist_dispatch(self, on: bool) -> None:
+        """A caller promises (or stops promising) to call :meth:`dispatch_ready` after its puts."""
+        if self.reput is not None:
+            self.reput.assisted = on and self.group_commit is None
+
+    def dispatch_ready(self) -> None:
+        """Dispatch the handed-over puts that are quick to place, in the caller's thread; the rest is left
+        to the dispatch thread, which is woken if this fails."""
+        if self.reput is None:
+            return
+        try:
+            self.reput.dispatch_ready()
+        except Exception:
+            log.exception("dispatching in the caller's thread failed; left to the dispatch thread")
+            self.reput.wakeup()
+
+    def dispatched_to(self, offset: int) -> bool:
+        """True once the consume queues hold every record before commitlog ``offset`` (or nothing dispatches)."""
+        return self.reput is None or self.reput.reput_from_offset >= offset
+
     def min_offset_in_queue(self, topic: str, queue_id: int) -> int:
         return self.reader.min_offset_in_queue(topic, queue_id)
 

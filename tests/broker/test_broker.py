@@ -18,7 +18,7 @@ pytest.importorskip("grpc")
 if importlib.util.find_spec("rocketmq") is None:  # not imported here: the client writes to ~/logs on import
     pytest.skip("rocketmq-python-client is not installed", allow_module_level=True)
 
-from rocketstore.broker.harness import BrokerProcess, collect, run_client, start_client  # noqa: E402
+from rocketstore.bench.broker_harness import BrokerProcess, collect, run_client, start_client  # noqa: E402
 
 FAST_CONF = {
     "transactionTimeOut": 1500,

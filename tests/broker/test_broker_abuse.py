@@ -20,7 +20,7 @@ grpc = pytest.importorskip("grpc")
 if importlib.util.find_spec("rocketmq") is None:
     pytest.skip("rocketmq-python-client is not installed", allow_module_level=True)
 
-from rocketstore.broker.harness import BrokerProcess  # noqa: E402
+from rocketstore.bench.broker_harness import BrokerProcess  # noqa: E402
 from rocketstore.broker.proto import pb, svc, svc_grpc  # noqa: E402
 
 C = pb.Code

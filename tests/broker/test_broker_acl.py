@@ -22,7 +22,7 @@ if importlib.util.find_spec("rocketmq") is None:
     pytest.skip("rocketmq-python-client is not installed", allow_module_level=True)
 
 from rocketstore.broker.acl import AccessControl, AclConfig, AuthenticationError, Resource, sign  # noqa: E402
-from rocketstore.broker.harness import BrokerProcess, run_client  # noqa: E402
+from rocketstore.bench.broker_harness import BrokerProcess, run_client  # noqa: E402
 from rocketstore.broker.proto import pb, svc, svc_grpc  # noqa: E402
 from rocketstore.errors import ConfigError  # noqa: E402
 

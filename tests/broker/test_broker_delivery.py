@@ -12,7 +12,7 @@ pytest.importorskip("grpc")
 if importlib.util.find_spec("rocketmq") is None:  # not imported here: the client writes to ~/logs on import
     pytest.skip("rocketmq-python-client is not installed", allow_module_level=True)
 
-from rocketstore.broker.harness import BrokerProcess, run_client, start_client  # noqa: E402
+from rocketstore.bench.broker_harness import BrokerProcess, run_client, start_client  # noqa: E402
 
 CONF = {"flushDiskType": "SYNC_FLUSH", "longPollingTimeout": 1000, "flushConsumerOffsetInterval": 200}
 

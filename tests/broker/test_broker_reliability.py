@@ -13,7 +13,7 @@ pytest.importorskip("grpc")
 if importlib.util.find_spec("rocketmq") is None:  # not imported here: the client writes to ~/logs on import
     pytest.skip("rocketmq-python-client is not installed", allow_module_level=True)
 
-from rocketstore.broker.harness import BrokerProcess, collect, run_client, start_client  # noqa: E402
+from rocketstore.bench.broker_harness import BrokerProcess, collect, run_client, start_client  # noqa: E402
 
 SYNC_CONF = {"flushDiskType": "SYNC_FLUSH", "transactionTimeOut": 1000, "transactionCheckInterval": 1000,
              "flushConsumerOffsetInterval": 200, "longPollingTimeout": 2000}

@@ -165,7 +165,7 @@ def test_headers_are_read_once_per_send(tmp_path):
 @pytest.mark.timeout(120)
 def test_bare_reference_server_serves_the_official_client(tmp_path):
     pytest.importorskip("rocketmq")
-    from rocketstore.broker.bench import bench_client_throughput
+    from rocketstore.bench.broker_client import bench_client_throughput
     d = bench_client_throughput(str(tmp_path / "bare"), 40, producers=1, consumers=1, consumer_threads=1,
                                 server="bare", timeout=90)
     assert d["server"] == "bare"

@@ -654,7 +654,7 @@ def test_cli_spark_subcommands(spark, tmp_path, capsys):
 
 
 def test_bench_function(spark, tmp_path):
-    from rocketstore.spark.bench import bench_spark_scan
+    from rocketstore.bench.spark_scan import bench_spark_scan
     r = bench_spark_scan(BASIC, str(tmp_path), spark=spark, repeats=1)
     assert r["rows"] == 3000 and r["rocketstoreRowsPerSec"] > 0 and r["parquetRowsPerSec"] > 0 and r["ratio"] > 0
 

@@ -203,7 +203,7 @@ def test_broker_answers_message_corrupted_naming_file_and_offset(tmp_path):
     pytest.importorskip("grpc")
     from broker.test_broker_bad_input import md, receive, send_req
 
-    from rocketstore.broker.harness import BrokerProcess
+    from rocketstore.bench.broker_harness import BrokerProcess
     from rocketstore.broker.proto import pb, svc_grpc
     import grpc
     root = tmp_path / "store"

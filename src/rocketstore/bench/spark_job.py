@@ -1,7 +1,7 @@
 """The Spark scan workload, run in its own process (one JVM, local[2]).
 
 ``python -m rocketstore.bench.spark_job STORE WORKDIR REPEATS`` runs
-:func:`rocketstore.spark.bench.bench_spark_scan` (a body-less scan through the
+:func:`rocketstore.bench.spark_scan.bench_spark_scan` (a body-less scan through the
 ``rocketstore`` data source against Spark over the same rows exported to
 Parquet, best of REPEATS after a warm-up) and prints ``DONE <json>``.  A
 process of its own keeps the JVM out of the suite and lets py-spy follow it.
@@ -26,7 +26,7 @@ def main(argv: list[str]) -> None:
     # Spark's Python workers must run this interpreter (the one that has rocketstore and its dependencies).
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    from rocketstore.spark.bench import bench_spark_scan
+    from rocketstore.bench.spark_scan import bench_spark_scan
     sys.stdout.write("DONE " + json.dumps(bench_spark_scan(store, workdir, repeats=repeats)) + "\n")
 
 

@@ -187,7 +187,7 @@ def memory(res: Results, workdir: str, mode: Mode) -> None:
 
 def spark_scan(res: Results, workdir: str, store_path: str | None, mode: Mode) -> None:
     """rocketstore's Spark scan (bodies left out) against Spark over the same rows exported to Parquet,
-    measured by :func:`rocketstore.spark.bench.bench_spark_scan` in a process of its own."""
+    measured by :func:`rocketstore.bench.spark_scan.bench_spark_scan` in a process of its own."""
     label = "Spark body-less scan, local[2] (rocketstore data source)"
     plabel = "Spark reading the same rows exported to Parquet, local[2]"
 
@@ -233,7 +233,7 @@ def spark_scan(res: Results, workdir: str, store_path: str | None, mode: Mode) -
 
 def broker_client(res: Results, workdir: str, mode: Mode) -> None:
     """The gRPC broker with the official Python client, then the bare reference server (grpc.aio answering the
-    same RPCs from memory) under the same load (:func:`rocketstore.broker.bench.bench_vs_bare`)."""
+    same RPCs from memory) under the same load (:func:`rocketstore.bench.broker_client.bench_vs_bare`)."""
     labels = {"produce": "gRPC broker: official Python client producers (4), send_async",
               "consume": "gRPC broker: official Python client SimpleConsumers, receive 32 + ack"}
     bare_labels = {"produce": "bare grpc.aio server, same RPCs answered from memory: producers (4), send_async",
@@ -248,9 +248,9 @@ def broker_client(res: Results, workdir: str, mode: Mode) -> None:
     if not mode.broker:
         return skip_all(f"not run in {mode.name} mode")
     try:
-        from rocketstore.broker.bench import bench_vs_bare
+        from rocketstore.bench.broker_client import bench_vs_bare
     except ImportError as e:
-        return skip_all(f"rocketstore.broker.bench is not importable ({e})")
+        return skip_all(f"rocketstore.bench.broker_client is not importable ({e})")
     bdir = os.path.join(workdir, "broker")
     os.makedirs(bdir, exist_ok=True)
     t0 = time.perf_counter()

@@ -79,8 +79,7 @@ class Broker:
         self._tasks = [loop.create_task(every(self.cfg.flushConsumerOffsetInterval / 1000, self.persist,
                                               "persisting consumer state"), name="persist"),
                        loop.create_task(every(1.0, self._housekeeping, "housekeeping"), name="housekeeping")]
-        if self.store.group_commit is None and self.store.reput is not None:
-            self.store.reput.assisted = True  # our puts are dispatched on the loop (see put)
+        self.store.assist_dispatch(True)  # our ASYNC_FLUSH puts are dispatched on the loop (see put)
         self.started = True
 
     async def stop(self) -> None:
@@ -88,8 +87,7 @@ class Broker:
         if not self.started:
             return
         self.started = False
-        if self.store.reput is not None:
-            self.store.reput.assisted = False
+        self.store.assist_dispatch(False)
         await cancel(*self._tasks)
         if self.timer:
             await self.timer.stop()
@@ -114,9 +112,9 @@ class Broker:
         on one flush; the dispatch thread follows the flushed end.
         """
         try:
-            if self.store.group_commit is None:
+            if not self.store.puts_wait_for_flush:
                 res = self.store.put(msg)
-                if not self._dispatch_due and self.store.reput is not None:
+                if not self._dispatch_due:
                     self._dispatch_due = True
                     asyncio.get_running_loop().call_soon(self._dispatch)
                 return res
@@ -128,11 +126,7 @@ class Broker:
 
     def _dispatch(self) -> None:
         self._dispatch_due = False
-        try:
-            self.store.reput.dispatch_ready()
-        except Exception:  # the dispatch thread does it instead (and logs what fails there)
-            log.exception("dispatching on the loop failed; left to the dispatch thread")
-            self.store.reput.wakeup()
+        self.store.dispatch_ready()  # what fails here is left to the dispatch thread
 
     # ------------------------------------------------------------ long polling
     def notify(self, topic: str, queue_id: int | None = None, tag: str | None = None) -> None:
@@ -147,8 +141,7 @@ class Broker:
                                                  time.monotonic() + DISPATCH_WAIT)
 
     def _wake(self, topic: str, queue_id: int | None, tag: str | None, end: int, give_up: float) -> None:
-        reput = self.store.reput
-        if reput is not None and reput.reput_from_offset < end and time.monotonic() < give_up:
+        if not self.store.dispatched_to(end) and time.monotonic() < give_up:
             asyncio.get_running_loop().call_later(0.001, self._wake, topic, queue_id, tag, end, give_up)
             return
         self.longpoll.notify(topic, queue_id, tag)

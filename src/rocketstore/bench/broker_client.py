@@ -9,7 +9,7 @@ messages / (last finish - go).  The server's CPU time per message of each phase
 is taken from /proc.
 
 :func:`bench_vs_bare` runs the same load against the bare reference server
-(:mod:`rocketstore.broker.bare`: grpc.aio answering from memory) right after
+(:mod:`rocketstore.bench.broker_bare`: grpc.aio answering from memory) right after
 the broker, so that the broker's rates can be given as a share of gRPC's own.
 """
 
@@ -21,7 +21,7 @@ import shutil
 import time
 from typing import Any
 
-from .harness import BareProcess, BrokerProcess, collect, start_client
+from .broker_harness import BareProcess, BrokerProcess, collect, start_client
 
 PRODUCER = '''
 import sys

@@ -9,7 +9,7 @@ Sent messages are kept in a deque per topic and handed out once; nothing is
 written, checked or persisted.  The broker's figure divided by this one is the
 share of gRPC's own throughput the broker keeps (issue 18's target: >= 0.8).
 
-Run as ``python -m rocketstore.broker.bare [--host H] [--port P]``; it prints
+Run as ``python -m rocketstore.bench.broker_bare [--host H] [--port P]``; it prints
 one JSON line with the port once listening, as ``rocketstore serve`` does.
 """
 
@@ -28,7 +28,7 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from .proto import Code, pb, svc, svc_grpc
+from ..broker.proto import Code, pb, svc, svc_grpc
 
 QUEUES = 8
 
@@ -177,7 +177,7 @@ class BareMessagingService(svc_grpc.MessagingServiceServicer):
 
 
 async def serve_bare(host: str, port: int) -> None:
-    from .server import KEEPALIVE_OPTIONS
+    from ..broker.server import KEEPALIVE_OPTIONS
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 * 1024 * 1024),
                                       ("grpc.max_send_message_length", -1), *KEEPALIVE_OPTIONS])
     port = server.add_insecure_port(f"{host}:{port}")
@@ -194,7 +194,7 @@ async def serve_bare(host: str, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rocketstore.broker.bare", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rocketstore.bench.broker_bare", description=__doc__.split("\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     args = ap.parse_args(argv)

@@ -153,10 +153,10 @@ class BrokerProcess:
 
 
 class BareProcess(BrokerProcess):
-    """The bare reference server (:mod:`rocketstore.broker.bare`) in a subprocess; ``store`` only places its log."""
+    """The bare reference server (:mod:`rocketstore.bench.broker_bare`) in a subprocess; ``store`` only places its log."""
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "rocketstore.broker.bare", "--host", "127.0.0.1", "--port", str(self.port)]
+        return [sys.executable, "-m", "rocketstore.bench.broker_bare", "--host", "127.0.0.1", "--port", str(self.port)]
 
 
 def client_script(body: str) -> str:

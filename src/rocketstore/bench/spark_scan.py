@@ -7,7 +7,7 @@ converted, as any query that uses them would).  Both are timed best of
 ``repeats`` after a warm-up run, and the CPU seconds of the Spark JVM and its
 Python workers are reported too, since wall time on a shared machine is noisy.
 
-    python -m rocketstore.spark.bench STORE [--workdir DIR] [--messages N]
+    python -m rocketstore.bench.spark_scan STORE [--workdir DIR] [--messages N]
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def bench_spark_scan(store_path: str, workdir: str, *, spark: Any = None, repeat
     Uses ``spark`` if given (its master is kept), else starts a local[2] session
     (stopped at the end).  The Parquet copy is written to ``workdir``.
     """
-    from . import jobs
+    from ..spark import jobs
     own = spark is None
     if own:
         spark = jobs.session("local[2]", {"spark.ui.enabled": "false", "spark.driver.memory": "2g"},
@@ -167,7 +167,7 @@ def _cores(master: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rocketstore.spark.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m rocketstore.bench.spark_scan", description=__doc__.splitlines()[0])
     p.add_argument("store", metavar="STORE", help="store to scan (created with --messages if given)")
     p.add_argument("--workdir", default=None, metavar="DIR")
     p.add_argument("--messages", type=int, default=None, help="first create a bench store of N messages")

@@ -1,0 +1,245 @@
+"""Producing: SendMessage (each message through small steps), EndTransaction, RecallMessage, and moving messages
+to the dead letter queue (ForwardMessageToDeadLetterQueue and the pop service's dead letters)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import zlib
+from typing import Any
+
+from ..format.message import Message, PutMessageResult, PutMessageStatus
+from .dedup import digest
+from .convert import (DELAY, FIFO, GZIP, P_DLQ_MSG_ID, P_DLQ_TOPIC, P_ORIGIN_MSG_ID, P_RECONSUME, P_RETRY_TOPIC,
+                      TRANSACTION, TYPE_NAMES, BadMessage, Code, host_from, store_properties, ts_ms, validate)
+from .pop import DeadLetter, now_ms
+from .topics import TopicConfig
+from .proto import pb, svc
+from .calls import (INTERNAL_CODE, MAX_SEND_MESSAGES, OK_CODE, PUB, PUT_CODES, Caller, guarded, inflate_budget,
+                    set_status)
+
+log = logging.getLogger(__name__)
+
+
+class Sending:
+    """The producing part of :class:`~rocketstore.broker.service.MessagingService`."""
+
+    @guarded(svc.SendMessageResponse)
+    async def SendMessage(self, request: Any, context: Any) -> Any:
+        resp = svc.SendMessageResponse()
+        caller = self._caller(context, resp.status)
+        if caller is None:
+            return resp
+        if not caller.client_id:
+            set_status(resp.status, Code.CLIENT_ID_REQUIRED, "x-mq-client-id is missing")
+            return resp
+        if not request.messages:
+            set_status(resp.status, Code.BAD_REQUEST, "no message to send")
+            return resp
+        if len(request.messages) > MAX_SEND_MESSAGES:
+            set_status(resp.status, Code.BAD_REQUEST, f"more than {MAX_SEND_MESSAGES} messages in one request")
+            return resp
+        peer = context.peer() or ""
+        max_body = self.broker.store.config.maxMessageSize
+        budget = [inflate_budget(max_body)]  # what the request's GZIP bodies may inflate to, together
+        for m in request.messages:
+            entry = resp.entries.add()
+            await self._send_one(caller, m, entry, peer, budget)
+        if len(resp.entries) == 1 or len({e.status.code for e in resp.entries}) == 1:
+            resp.status.CopyFrom(resp.entries[0].status)
+        else:
+            set_status(resp.status, Code.MULTIPLE_RESULTS, "entries have different results")
+        return resp
+
+    async def _send_one(self, caller: Caller, m: Any, entry: Any, peer: str, budget: list[int]) -> None:
+        """One message of a SendMessage: each step fills ``entry.status`` and returns None when it refuses."""
+        sp = m.system_properties
+        entry.message_id = sp.message_id
+        t = await self._send_target(caller, m.topic, entry.status)
+        if t is None:
+            return
+        now = now_ms()  # one clock reading for the delivery-time check, the born fallback and the routing
+        checked = self._checked_body(m, t, entry.status, budget, now)
+        if checked is None:
+            return
+        mtype, body, deliver_at = checked
+        body_digest = digest(body)
+        if await self._already_stored(t, sp.message_id, mtype, body, body_digest, entry):
+            return
+        qid = self._choose_queue(t, mtype, sp)
+        msg = Message(topic=t.name, body=body, queue_id=qid, properties=store_properties(m, mtype),
+                      born_timestamp=self._born(sp, now), born_host=host_from(sp.born_host, peer),
+                      store_host=self.broker.store_host)
+        res, txid = await self._route(msg, mtype, deliver_at, now, sp)
+        if self._refused_by_store(res, t.name, entry.status):
+            return
+        entry.offset = res.queue_offset if res.queue_offset >= 0 else 0
+        entry.transaction_id = txid
+        self.dedup.remember(t.name, sp.message_id, entry.offset, txid, body_digest)
+        set_status(entry.status, OK_CODE)
+
+    async def _send_target(self, caller: Caller, topic: Any, status: Any) -> TopicConfig | None:
+        """ACL and topic: the caller may publish to the (auto-created) topic, and it takes writes."""
+        name = self._resolve(caller, status, topic, "Topic", PUB)
+        if name is None:
+            return None
+        t = await self._topic_for(name, create=True, status=status, send=True)
+        if t is None:
+            return None
+        if not t.writable or t.write_queue_nums <= 0:
+            set_status(status, Code.FORBIDDEN, f"topic {t.name} is not writable")
+            return None
+        return t
+
+    def _checked_body(self, m: Any, t: TopicConfig, status: Any, budget: list[int],
+                      now: int) -> tuple[int, bytes, int] | None:
+        """Validation: (message type, plain body, delivery time or 0), the GZIP budget charged for the inflating."""
+        sp = m.system_properties
+        max_body = self.broker.store.config.maxMessageSize
+        try:
+            mtype, body = validate(m, max_body, budget[0])
+        except BadMessage as e:
+            if sp.body_encoding == GZIP:  # refused, but the inflating was done: it counts
+                budget[0] -= min(max_body, max(0, budget[0])) + 1
+            set_status(status, e.code, str(e))
+            return None
+        if sp.body_encoding == GZIP:
+            budget[0] -= len(body)
+        tname = TYPE_NAMES[mtype]
+        if tname not in t.accepts():
+            set_status(status, Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE,
+                       f"topic {t.name} accepts {'/'.join(t.accepts())} messages, not {tname}")
+            return None
+        deliver_at = ts_ms(sp.delivery_timestamp) if mtype == DELAY else 0
+        if deliver_at and deliver_at > now + self.cfg.maxDelayTime:
+            set_status(status, Code.ILLEGAL_DELIVERY_TIME,
+                       f"delivery time is more than {self.cfg.maxDelayTime} ms ahead")
+            return None
+        return mtype, body, deliver_at
+
+    async def _already_stored(self, t: TopicConfig, message_id: str, mtype: int, body: bytes, body_digest: Any,
+                              entry: Any) -> bool:
+        """Dedup: a client resend of a message already stored is answered with the first send's result."""
+        seen = self.dedup.recent(t.name, message_id, body_digest)
+        if seen is None and mtype != TRANSACTION and self.dedup.needs_lookup(t.name, message_id):
+            off = await asyncio.get_running_loop().run_in_executor(self.broker.executor, self.dedup.stored,
+                                                                   t.name, message_id, body)
+            seen = None if off is None else (off, "")
+        if seen is None:
+            return False
+        entry.offset, entry.transaction_id = seen
+        set_status(entry.status, Code.OK)
+        return True
+
+    def _choose_queue(self, t: TopicConfig, mtype: int, sp: Any) -> int:
+        """FIFO messages of one group share a queue (crc32 of the group); the rest go round-robin per topic."""
+        if mtype == FIFO:
+            return zlib.crc32(sp.message_group.encode("utf-8")) % t.write_queue_nums
+        rr = self._rr.get(t.name)
+        if rr is None:
+            rr = self._rr[t.name] = itertools.count()
+        return next(rr) % t.write_queue_nums
+
+    @staticmethod
+    def _born(sp: Any, now: int) -> int:
+        return ts_ms(sp.born_timestamp) if sp.HasField("born_timestamp") and sp.born_timestamp.seconds else now
+
+    async def _route(self, msg: Message, mtype: int, deliver_at: int, now: int,
+                     sp: Any) -> tuple[PutMessageResult, str]:
+        """Routing: a transaction's half message, a delay message to the timer, the rest stored (and its receivers
+        woken); returns the store's result and the transaction id."""
+        if mtype == TRANSACTION:
+            return await self.broker.transactions.submit(msg)
+        if deliver_at > now:
+            return await self.broker.timer.submit(msg, deliver_at), ""
+        res = await self.broker.put(msg)
+        if res.ok:
+            self.broker.notify(msg.topic, msg.queue_id, sp.tag if sp.HasField("tag") else None)
+        return res, ""
+
+    @staticmethod
+    def _refused_by_store(res: PutMessageResult, topic: str, status: Any) -> bool:
+        """Status mapping: the store's put status as the client's code; True (and logged) when it is not OK."""
+        code = PUT_CODES.get(res.status, INTERNAL_CODE)
+        if res.status is PutMessageStatus.MESSAGE_ILLEGAL and res.error and "maxMessageSize" in res.error:
+            code = Code.MESSAGE_BODY_TOO_LARGE
+        if code == OK_CODE:
+            return False
+        set_status(status, code, f"{res.status.value}: {res.error or ''}".strip(": "))
+        log.warning("send to %s failed: %s %s", topic, res.status.value, res.error or "")
+        return True
+
+    @guarded(svc.EndTransactionResponse)
+    async def EndTransaction(self, request: Any, context: Any) -> Any:
+        resp = svc.EndTransactionResponse()
+        caller = self._caller(context, resp.status)
+        topic = caller and self._resolve(caller, resp.status, request.topic, "Topic", PUB)
+        if topic is None:
+            return resp
+        if request.resolution not in pb.TransactionResolution.values() \
+                or request.source not in pb.TransactionSource.values():
+            set_status(resp.status, Code.BAD_REQUEST, f"unknown transaction resolution {request.resolution} "
+                                                f"or source {request.source}")
+            return resp
+        code, text = await self.broker.transactions.end(topic, request.message_id,
+                                                        request.transaction_id, request.resolution, request.source)
+        set_status(resp.status, code, text)
+        return resp
+
+    @guarded(svc.RecallMessageResponse)
+    async def RecallMessage(self, request: Any, context: Any) -> Any:
+        resp = svc.RecallMessageResponse()
+        set_status(resp.status, Code.UNSUPPORTED, "recalling delay messages is not supported")
+        return resp
+
+    async def _dead_letter(self, d: DeadLetter) -> bool:
+        pop = self.broker.pop
+        try:
+            m = self.broker.store.look(d.entry.phy)
+        except Exception as e:
+            log.error("message at %d for %s unreadable (%s); dropped instead of dead-lettered", d.entry.phy,
+                      d.group, e)
+            pop.finish_dlq(d, True)
+            return True
+        try:
+            dlq = await self.topics.ensure_dlq_topic(d.group)
+        except OSError as e:
+            log.error("cannot create the dead letter topic of %s: %s", d.group, e)
+            pop.finish_dlq(d, False)
+            return False
+        props = dict(m.properties)
+        uniq = props.get("UNIQ_KEY") or m.msg_id
+        props.setdefault(P_DLQ_TOPIC, d.topic)
+        props.setdefault(P_DLQ_MSG_ID, uniq)
+        props.setdefault(P_ORIGIN_MSG_ID, uniq)
+        props[P_RETRY_TOPIC] = d.topic
+        props[P_RECONSUME] = str(d.entry.attempts)
+        msg = Message(topic=dlq.name, body=m.body or b"", queue_id=0, properties=props, flag=m.flag,
+                      sys_flag=m.sys_flag & ~0xC, born_timestamp=m.born_timestamp,
+                      born_host=(m.born_addr, m.born_port), store_host=self.broker.store_host,
+                      reconsume_times=d.entry.attempts)
+        res = await self.broker.put(msg)
+        pop.finish_dlq(d, res.ok)
+        if res.ok:
+            log.info("message %s of %s moved to %s after %d deliveries", uniq, d.topic, dlq.name, d.entry.attempts)
+            self.broker.notify(dlq.name)
+        else:
+            log.error("moving message %s to %s failed: %s", uniq, dlq.name, res.status.value)
+        return res.ok
+
+    @guarded(svc.ForwardMessageToDeadLetterQueueResponse)
+    async def ForwardMessageToDeadLetterQueue(self, request: Any, context: Any) -> Any:
+        resp = svc.ForwardMessageToDeadLetterQueueResponse()
+        target = self._ack_target(request, context, resp.status)
+        if target is None:
+            return resp
+        d = self.broker.pop.take_for_dlq(*target, self._pop_handle(target, request.receipt_handle))
+        if d is None:
+            set_status(resp.status, Code.INVALID_RECEIPT_HANDLE, "receipt handle is unknown, expired or superseded")
+            return resp
+        if await self._dead_letter(d):
+            set_status(resp.status, Code.OK)
+        else:
+            set_status(resp.status, Code.INTERNAL_SERVER_ERROR, "could not write to the dead letter queue")
+        return resp
