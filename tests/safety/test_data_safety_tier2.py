@@ -207,7 +207,7 @@ def test_a_follower_consumer_names_damage_a_writer_left_and_reads_on(tmp_path):
         for i in range(20):
             assert writer.put(Message("Busy", b"m%d|" % i + bytes(50), queue_id=0)).ok
         writer.wait_dispatched()
-        writer.flush_commitlog(0, True)
+        writer.files.flush_commitlog(0, True)
         victim = writer.get("Busy", 0, 5, 1).messages[0].commit_log_offset
         flip_body_bit(root, victim)
         got: list[int] = []

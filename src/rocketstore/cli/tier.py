@@ -42,7 +42,7 @@ def tier_status(store: MessageStore) -> dict[str, Any]:
         {i.name: index_file_size(store.config.maxHashSlotNum, store.config.maxIndexNum) for i in m.index} if m else {})
     blocked = tier.upload_blocked
     if blocked is None:  # a read-only open runs no upload round: look at the next segment to upload
-        from .tier.upload import upload_blocker
+        from ..tier.upload import upload_blocker
         sealed = store.commitlog.queue.files[:-1]
         nxt = [f for f in sealed if f.file_from_offset == m.end_offset] if m is not None and m.commitlog else \
             sealed[:1]

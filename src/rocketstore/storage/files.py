@@ -66,6 +66,7 @@ class StoreFiles:
         self.abort_file_present = False
         self.process_crash_only = False
         self.lost_queues: set[QueueKey] = set()  # read-only open: registered queues whose directory is gone
+        self.lost_queues: set[QueueKey] = set()  # read-only open: registered queues whose directory is gone
         self.commitlog: CommitLog = None  # type: ignore[assignment]  # opened by MessageStore._load
         self.checkpoint: StoreCheckpoint = None  # type: ignore[assignment]
         self.index_service: IndexService = None  # type: ignore[assignment]

@@ -197,8 +197,8 @@ def _unmake_cut_record(fd: int, base: int, size: int, file_size: int, path: str)
                 if p + 36 <= size < p + total <= file_size and \
                         int.from_bytes(mm[p + 28:p + 36], "big", signed=True) == base + p and \
                         codec.check(mm, p, file_size, check_crc=True, parsed=True, base=base)[1] is not None:
-                    mm[p:p + 8] = bytes(8)
-                    mm.flush()
+                    os.pwrite(fd, bytes(8), p)  # through the file, so the power-loss model sees the sync
+                    os.fsync(fd)
                     log.warning("%s: the record at commitlog offset %d (%d bytes) is cut at %d: its header is "
                                 "zeroed so that it never reads as whole", path, base + p, total, base + size)
                     return

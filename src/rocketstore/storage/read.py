@@ -112,7 +112,7 @@ class StoreReader:
 
     # in StoreFiles (one copy of each open file and table)
     commitlog, config, root, paths, tier, index_service, _cq_table, closed = (InFiles() for _ in range(8))
-    lost_queues = (InFiles() for _ in range(1))
+    lost_queues = InFiles()
 
     def min_offset_in_queue(self, topic: str, queue_id: int) -> int:
         if self.lost_queues and (topic, queue_id) in self.lost_queues:
