@@ -63,7 +63,7 @@ def _own_names(tree: ast.AST) -> set[str]:
 
 def private_reads(root: Path) -> list[str]:
     """``file:line: name`` where a module reads a ``_private`` name that another module of the package defines
-    (and it does not): ``other._name`` or ``from .mod import _name``.  Private names of the standard library
+    (and it does not): ``other._name`` or ``from .mod import _name`` (``self._name`` is the object's own).  Private names of the standard library
     (argparse's ``_SubParsersAction``) are not the package's to police."""
     trees = {p: ast.parse(p.read_text(encoding="utf-8")) for p in modules(root)}
     own = {p: _own_names(t) for p, t in trees.items()}
@@ -72,8 +72,9 @@ def private_reads(root: Path) -> list[str]:
     for p, tree in trees.items():
         for n in ast.walk(tree):
             names = []
-            if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load):
-                names = [n.attr]
+            if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) and \
+                    not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")):
+                names = [n.attr]  # an object's own state (a mixin's self._x) is not another module's
             elif isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").startswith(root.name)):
                 names = [a.name for a in n.names]
             for name in names:

@@ -55,8 +55,8 @@ class MessageStore:
                  disk_usage: Callable[[str], float] | None = None, sleep: Callable[[float], None] = time.sleep,
                  allow_quarantine: bool = False, repairing: bool = False) -> None:
         self.files = StoreFiles(StorePaths(root), config, read_only=read_only, clock=clock, sleep=sleep)
-        self.files.apply_topic_retention = self.apply_topic_retention
         self.reader = StoreReader(self.files)
+        self.files.apply_topic_retention = self.reader.apply_topic_retention
         self.loader = StoreLoader(self.files, self.reader, allow_quarantine)
         self.files.on_new_queue = self.loader.on_new_queue
         self.files.save_queue_registry = self.loader.save_queue_registry
@@ -153,22 +153,8 @@ class MessageStore:
         return self.loader.save_queue_registry()
 
     def apply_topic_retention(self) -> dict[tuple[str, int], int]:
-        """Per-topic logical retention (topicRetentionMs): advance a queue's minimum past messages older
-        than its topic's limit.  Files are untouched; RocketMQ's rules still decide what is deleted."""
-        limits = self.config.topic_retention()
-        moved: dict[tuple[str, int], int] = {}
-        if not limits:
-            return moved
-        now_ms = int(self.clock() * 1000)
-        for (topic, qid), cq in list(self._cq_table.items()):
-            ms = limits.get(topic)
-            if ms is None:
-                continue
-            idx = self.offset_by_time(topic, qid, now_ms - ms, LOWER)
-            if idx > cq.retention_min_offset:
-                cq.retention_min_offset = idx
-                moved[(topic, qid)] = idx
-        return moved
+        """See StoreReader.apply_topic_retention."""
+        return self.reader.apply_topic_retention()
 
     def _start(self) -> None:
         cfg = self.config

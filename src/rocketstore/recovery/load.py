@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from contextlib import contextmanager
 from typing import Any, Iterator
 
-from ..config import SYNC_FLUSH
 from ..errors import StoreLoadError
 from ..errors import TierError
 from ..format import codec
@@ -22,6 +22,11 @@ from ..format.message import illegal_topic
 from ..storage.checkpoint import StoreCheckpoint
 from ..storage.commitlog import CommitLog
 from ..storage.consume_queue import ConsumeQueue
+from ..config import SYNC_FLUSH, StoreConfig
+from ..paths import StorePaths
+from ..services.flush import FlushConsumeQueueService
+from ..storage.geometry import store_config
+from ..storage.store_lock import StoreLock
 from ..storage.files import InFiles, StoreFiles
 from ..storage.index import IndexService
 from ..storage.jsonfile import write_file_durably
@@ -90,6 +95,11 @@ def _records_not_held(commitlog: CommitLog, held: dict[tuple[bytes, int], int]) 
 class StoreLoader:
     """Loads and recovers a store's files once, for MessageStore (and for repair's rebuild)."""
 
+    # in StoreFiles (one copy of each open file and table)
+    paths, root, config, read_only, clock, commitlog, checkpoint, index_service, tier = (InFiles() for _ in range(9))
+    topic_queue_table, queues_to_rebuild, recovery_report, _cq_table, last_exit_ok = (InFiles() for _ in range(5))
+    abort_file_present, process_crash_only, lost_queues = (InFiles() for _ in range(3))
+
     def __init__(self, files: StoreFiles, reader: StoreReader, allow_quarantine: bool = False) -> None:
         self.files = files
         self.reader = reader
@@ -110,11 +120,6 @@ class StoreLoader:
 
     def queue_claiming(self, *args: Any) -> tuple[str, int, int] | None:
         return self.files.queue_claiming(*args)
-
-    # in StoreFiles (one copy of each open file and table)
-    paths, root, config, read_only, clock, commitlog, checkpoint, index_service, tier = (InFiles() for _ in range(9))
-    topic_queue_table, queues_to_rebuild, recovery_report, _cq_table, last_exit_ok = (InFiles() for _ in range(5))
-    abort_file_present, process_crash_only, lost_queues = (InFiles() for _ in range(3))
 
     def load(self) -> None:
         cfg, ro = self.config, self.read_only
@@ -542,3 +547,31 @@ class StoreLoader:
             self.checkpoint.indexMsgTimestamp = full.end_timestamp
             self.files.flush_checkpoint()
         threading.Thread(target=run, name="IndexFlush", daemon=True).start()
+
+
+@contextmanager
+def loaded(root: str, config: StoreConfig, *, read_only: bool = False) -> Iterator[StoreFiles]:
+    """A store's files loaded and recovered, without the facade and its services: what repair needs for its
+    rebuild and for the verify after it.  Writable, it holds the store lock as MessageStore does, and before it
+    closes it flushes what a clean close of the facade flushes (queues, index, checkpoint)."""
+    files = StoreFiles(StorePaths(root), store_config(root, config), read_only=read_only)
+    reader = StoreReader(files)
+    loader = StoreLoader(files, reader)
+    files.on_new_queue = loader.on_new_queue
+    files.save_queue_registry = loader.save_queue_registry
+    files.apply_topic_retention = reader.apply_topic_retention
+    lock = None if read_only else StoreLock(root)
+    if lock is not None:
+        lock.acquire()
+    try:
+        loader.load()
+        yield files
+        if not read_only:
+            FlushConsumeQueueService(files).run_once(force=True)
+            files.index_service.flush()
+            files.flush_checkpoint()
+            files.commitlog.queue.discard_preallocated()
+    finally:
+        files.close()
+        if lock is not None:
+            lock.release()

@@ -102,7 +102,7 @@ from ..storage.index import IndexService
 from ..format.message import illegal_topic
 from ..paths import StorePaths
 from ..storage.geometry import store_config
-from ..store import MessageStore
+from .load import loaded
 from .verify import finding, resync, verify_store
 
 log = logging.getLogger(__name__)
@@ -1006,20 +1006,19 @@ def _rebuild(paths: StorePaths, cfg: StoreConfig, marker: dict[str, Any], lock_f
             os.replace(src, os.path.join(qdir, name))
     _fsync_dir(paths.root)
     _step("swapped")
-    store = MessageStore.open(paths.root, cfg, start_services=False, repairing=True)
     try:
-        for cq in store.consume_queues():
-            cq.flush(0)
-        store.index_service.flush()
-        report = store.recovery_report
-        store.checkpoint.confirmPhyOffset = report.confirm_offset if report else 0
-        if built["indexMsgTimestamp"]:
-            store.checkpoint.indexMsgTimestamp = built["indexMsgTimestamp"]
-        store.files.flush_checkpoint()
-        store.files.recover_topic_queue_table()
+        with loaded(paths.root, cfg) as files:  # recovery rebuilds what the swap left, as a writable open would
+            for cq in files.consume_queues():
+                cq.flush(0)
+            files.index_service.flush()
+            report = files.recovery_report
+            files.checkpoint.confirmPhyOffset = report.confirm_offset if report else 0
+            if built["indexMsgTimestamp"]:
+                files.checkpoint.indexMsgTimestamp = built["indexMsgTimestamp"]
+            files.flush_checkpoint()
+            files.recover_topic_queue_table()
     finally:
-        store.close()
-        if lock_fd is not None:  # the store's close dropped this process's record lock: hold it again
+        if lock_fd is not None:  # releasing the store lock dropped this process's record lock: hold it again
             import fcntl
             fcntl.lockf(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
     marker["phase"] = "finish"
@@ -1168,8 +1167,8 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
                         ", ".join(f"{k} reads {a!r}, its old consume-queue unit says {b!r}" for k, (a, b) in f.fields.items()))
         if dry_run:
             try:
-                with MessageStore.open(path, cfg, read_only=True) as store:
-                    result = verify_store(store.files)
+                with loaded(path, cfg, read_only=True) as files:
+                    result = verify_store(files)
             except StoreError as e:  # e.g. a consume-queue file of the wrong size
                 result = {"ok": False, "segments": 0, "records": 0, "bytesChecked": 0, "consumeQueues": 0,
                           "consumeQueueUnits": 0, "indexFiles": 0, "indexEntries": 0,
@@ -1198,8 +1197,8 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
         _write_marker(paths, marker)  # the segments are new from here: an interruption is finished, not undone
         _step("segments done")
         _rebuild(paths, cfg, marker, fd)
-        with MessageStore.open(path, cfg, read_only=True) as store:
-            result = verify_store(store.files)
+        with loaded(path, cfg, read_only=True) as files:
+            result = verify_store(files)
     report = marker["report"]
     result["lost"] = report["lost"]
     result["suspect"] = report["suspect"]

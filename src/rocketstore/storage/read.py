@@ -97,6 +97,10 @@ def _signed32(v: int) -> int:
 class StoreReader:
     """Reads over a store's open files; ``MessageStore`` delegates its read methods here."""
 
+    # in StoreFiles (one copy of each open file and table)
+    commitlog, config, root, paths, tier, index_service, _cq_table, closed = (InFiles() for _ in range(8))
+    lost_queues, clock = InFiles(), InFiles()
+
     def __init__(self, files: StoreFiles) -> None:
         self.files = files
         self._ram = total_memory_bytes()  # accessMessageInMemoryMaxRatio's base
@@ -109,10 +113,6 @@ class StoreReader:
 
     def max_phy_offset(self) -> int:
         return self.files.max_phy_offset()
-
-    # in StoreFiles (one copy of each open file and table)
-    commitlog, config, root, paths, tier, index_service, _cq_table, closed = (InFiles() for _ in range(8))
-    lost_queues = InFiles()
 
     def min_offset_in_queue(self, topic: str, queue_id: int) -> int:
         if self.lost_queues and (topic, queue_id) in self.lost_queues:
@@ -855,3 +855,21 @@ class StoreReader:
             if unit is not None and (best is None or unit[0] < best):
                 best = unit[0]
         return self.max_phy_offset() if best is None else max(best, self.min_readable_offset())
+
+    def apply_topic_retention(self) -> dict[tuple[str, int], int]:
+        """Per-topic logical retention (topicRetentionMs): advance a queue's minimum past messages older
+        than its topic's limit.  Files are untouched; RocketMQ's rules still decide what is deleted."""
+        limits = self.config.topic_retention()
+        moved: dict[tuple[str, int], int] = {}
+        if not limits:
+            return moved
+        now_ms = int(self.clock() * 1000)
+        for (topic, qid), cq in list(self._cq_table.items()):
+            ms = limits.get(topic)
+            if ms is None:
+                continue
+            idx = self.offset_by_time(topic, qid, now_ms - ms, LOWER)
+            if idx > cq.retention_min_offset:
+                cq.retention_min_offset = idx
+                moved[(topic, qid)] = idx
+        return moved
