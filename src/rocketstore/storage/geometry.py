@@ -23,7 +23,6 @@ from ..paths import StorePaths
 from ..config import CQ_UNIT_SIZE, MIN_COMMITLOG_FILE_SIZE, PRESETS, StoreConfig, read_conf_file, write_preset
 from ..errors import ConfigError
 from .index import ENTRY_SIZE, HEADER_SIZE, SLOT_SIZE, index_file_size
-from .quarantine import record_start_in
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +117,8 @@ def measure(root: str) -> dict[str, Measured]:
 
 def _without_torn_last_segment(m: Measured, file_size: int | None = None) -> Measured | None:
     """``m`` without the last commitlog segment when it is a torn last segment: shorter than ``file_size`` (when
-    None, the size the other segments have), in its place, holding or maybe holding records (the start of one
-    cut off counts: quarantine.record_start_in).  The open extends it with zeros (extend_torn_last_segment), so
+    None, the size the other segments have), in its place (zeros alone too: see quarantine.torn_last_segment).
+    The open extends it with zeros (extend_torn_last_segment), so
     it is no evidence of another geometry; the only segment is left in when ``file_size`` is None (nothing else
     tells the size)."""
     paths = [p for ps in m.paths.values() for p in ps]
@@ -134,8 +133,7 @@ def _without_torn_last_segment(m: Measured, file_size: int | None = None) -> Mea
     size = os.path.getsize(last)
     base = _name_offset(last)
     follows = [p for p in paths if _name_offset(p) == base - file_size]
-    if not 0 < size < file_size or base % file_size or (len(paths) > 1 and not follows) or \
-            record_start_in(last, base, file_size) is None:
+    if not 0 < size < file_size or base % file_size or (len(paths) > 1 and not follows):
         return m
     kept = {s: [p for p in ps if p != last] for s, ps in m.paths.items()}
     kept = {s: ps for s, ps in kept.items() if ps}

@@ -148,7 +148,10 @@ def torn_last_segment(directory: str, file_size: int) -> tuple[str, int] | None:
             (len(names) > 1 and int(names[-2]) + file_size != base):
         return None
     first = record_start_in(path, base, file_size)
-    return None if first is None else (path, first)
+    # In its place, a short last segment is the log's torn end even when it holds only zeros (a cut through a
+    # zero-filled end, or a segment recovery emptied): extended, recovery ends the log at its start; moved aside
+    # it would leave verify a "quarantined" file and hide nothing worth keeping.
+    return (path, base if first is None else first)
 
 
 def extend_torn_last_segment(directory: str, file_size: int, read_only: bool) -> str | None:
