@@ -1,0 +1,73 @@
+"""StoreCheckpoint on its own: write the five fields, flush, reload; the golden page round-trips byte for byte
+(cf. RocketMQ's StoreCheckpointTest)."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+
+import pytest
+from conftest import golden_store
+
+from rocketstore.errors import StoreLoadError
+from rocketstore.storage.checkpoint import CHECKPOINT_SIZE, StoreCheckpoint
+
+FIELDS = ("physicMsgTimestamp", "logicsMsgTimestamp", "indexMsgTimestamp", "masterFlushedOffset", "confirmPhyOffset")
+
+
+def test_write_flush_reload(tmp_path):
+    path = str(tmp_path / "checkpoint")
+    cp = StoreCheckpoint.load(path)  # missing: created, zeros
+    assert (tmp_path / "checkpoint").stat().st_size == CHECKPOINT_SIZE
+    assert cp.to_dict() == dict.fromkeys(FIELDS, 0)
+    values = dict(zip(FIELDS, (1795375975501, 1795375978312, 1795375976812, 7, 3711299)))
+    for k, v in values.items():
+        setattr(cp, k, v)
+    cp.flush()
+    data = (tmp_path / "checkpoint").read_bytes()
+    assert len(data) == CHECKPOINT_SIZE
+    assert struct.unpack_from(">5q", data) == tuple(values.values())  # big-endian longs at 0, 8, ..., 32
+    assert data[40:] == bytes(CHECKPOINT_SIZE - 40)
+    again = StoreCheckpoint.load(path)
+    assert again.to_dict() == values
+    assert again.min_timestamp() == 1795375975501 - 3000
+    assert again.min_timestamp_index() == 1795375975501 - 3000
+
+
+def test_read_only_load_of_a_missing_file_reads_zeros_and_creates_nothing(tmp_path):
+    cp = StoreCheckpoint.load(str(tmp_path / "checkpoint"), read_only=True)
+    assert cp.to_dict() == dict.fromkeys(FIELDS, 0)
+    cp.physicMsgTimestamp = 5
+    cp.flush()
+    assert not (tmp_path / "checkpoint").exists()
+
+
+@pytest.mark.parametrize("name", ["basic", "ipv6", "batch", "v2", "txn"])
+def test_golden_checkpoint_reloads_and_rewrites_byte_identical(tmp_path, name):
+    dst = tmp_path / "checkpoint"
+    shutil.copyfile(golden_store(name) / "checkpoint", dst)
+    before = dst.read_bytes()
+    cp = StoreCheckpoint.load(str(dst))
+    assert tuple(cp.to_dict().values()) == struct.unpack_from(">5q", before)
+    assert cp.physicMsgTimestamp > 0 and cp.logicsMsgTimestamp > 0
+    cp.flush()
+    assert dst.read_bytes() == before
+
+
+@pytest.mark.parametrize("size", [0, 40, CHECKPOINT_SIZE - 1, CHECKPOINT_SIZE + 1])
+def test_torn_checkpoint_is_refused_or_handed_to_on_bad(tmp_path, size):
+    path = tmp_path / "checkpoint"
+    path.write_bytes(b"\x01" * size)
+    with pytest.raises(StoreLoadError, match=f"checkpoint is {size} bytes, expected {CHECKPOINT_SIZE}"):
+        StoreCheckpoint.load(str(path))
+    seen = []
+
+    def quarantine(p: str, why: str) -> None:
+        seen.append(why)
+        path.rename(tmp_path / "checkpoint.bad")
+
+    cp = StoreCheckpoint.load(str(path), on_bad=quarantine)
+    assert seen and "expected 4096" in seen[0]
+    assert cp.to_dict() == dict.fromkeys(FIELDS, 0)  # nothing believed from the torn file
+    assert path.read_bytes() == bytes(CHECKPOINT_SIZE)  # moved aside, a fresh page written
+    assert (tmp_path / "checkpoint.bad").stat().st_size == size
