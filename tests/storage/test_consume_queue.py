@@ -152,3 +152,45 @@ def test_golden_consume_queues_hold_the_expected_units(name):
                 assert cq.get_unit(q) == u, (topic, qid, q)
         finally:
             cq.close()
+
+
+BLANK_BUG = ("a PRE_BLANK unit (offset 0, size 0x7FFFFFFF) is taken as the queue's last record: max_physic_offset "
+             "becomes 2147483647 and put_unit then drops every record below 2 GiB as a duplicate")
+
+
+def _started_past_zero(root) -> ConsumeQueue:
+    """A queue whose first message has queue offset 13 (units 10..12 of its first file are blank units)."""
+    cq = _queue(root)
+    for q in range(13, 18):
+        cq.put_unit(100 * q, 100, 0, q)
+    return cq
+
+
+@pytest.mark.xfail(strict=True, reason="truncate_dirty_logic: " + BLANK_BUG)
+def test_truncate_below_the_first_unit_of_a_queue_started_past_zero_then_refill(tmp_path):
+    cq = _started_past_zero(tmp_path)
+    assert cq.truncate_dirty_logic(1300) == 5  # recovery cut the commitlog at the queue's first record
+    assert cq.max_offset_in_queue == 13
+    cq.put_unit(1300, 100, 0, 13)  # re-dispatch of the record recovery kept offering again
+    try:
+        assert cq.max_physic_offset == 1400
+        assert cq.get_unit(13) == (1300, 100, 0)
+    finally:
+        cq.close()
+
+
+@pytest.mark.xfail(strict=True, reason="recover: " + BLANK_BUG)
+def test_reopen_of_a_queue_left_with_only_blank_units_then_refill(tmp_path):
+    cq = _started_past_zero(tmp_path)
+    cq.truncate_dirty_logic(1300)
+    cq.flush()
+    cq.close()
+    r = _queue(tmp_path)
+    r.recover()
+    assert r.max_offset_in_queue == 13
+    r.put_unit(1300, 100, 0, 13)
+    try:
+        assert r.max_physic_offset == 1400
+        assert r.get_unit(13) == (1300, 100, 0)
+    finally:
+        r.close()
