@@ -137,3 +137,24 @@ def test_destroy_waits_for_readers_but_unlinks_at_once(tmp_path):
     assert not mf.hold()  # no new reader
     mf.release()
     assert mf.closed
+
+
+def test_load_refuses_a_missing_middle_file(tmp_path):
+    q = MappedFileQueue(str(tmp_path), SIZE)
+    _fill(q, 3 * SIZE // 64, b"m" * 64)
+    q.close()
+    (tmp_path / file_name(SIZE)).unlink()
+    with pytest.raises(StoreLoadError, match=f"start offset {2 * SIZE} does not follow"):
+        MappedFileQueue(str(tmp_path), SIZE).load()
+
+
+def test_preallocated_next_file_is_handed_out_and_discarded_at_close(tmp_path):
+    q = MappedFileQueue(str(tmp_path), SIZE, preallocate=True)
+    f0 = q.last_for_append(0)
+    nxt = q.preallocated()
+    assert nxt is not None and nxt.file_from_offset == SIZE and q.next_file_reserved()
+    f0.append(b"p" * SIZE)
+    assert q.last_for_append(0) is nxt  # the roll takes the file made ahead
+    assert q.preallocated().file_from_offset == 2 * SIZE
+    q.close()
+    assert sorted(os.listdir(tmp_path)) == [file_name(0), file_name(SIZE)]  # the unused one is gone
