@@ -154,8 +154,6 @@ def test_golden_consume_queues_hold_the_expected_units(name):
             cq.close()
 
 
-BLANK_BUG = ("a PRE_BLANK unit (offset 0, size 0x7FFFFFFF) is taken as the queue's last record: max_physic_offset "
-             "becomes 2147483647 and put_unit then drops every record below 2 GiB as a duplicate")
 
 
 def _started_past_zero(root) -> ConsumeQueue:
@@ -166,7 +164,6 @@ def _started_past_zero(root) -> ConsumeQueue:
     return cq
 
 
-@pytest.mark.xfail(strict=True, reason="truncate_dirty_logic: " + BLANK_BUG)
 def test_truncate_below_the_first_unit_of_a_queue_started_past_zero_then_refill(tmp_path):
     cq = _started_past_zero(tmp_path)
     assert cq.truncate_dirty_logic(1300) == 5  # recovery cut the commitlog at the queue's first record
@@ -179,7 +176,6 @@ def test_truncate_below_the_first_unit_of_a_queue_started_past_zero_then_refill(
         cq.close()
 
 
-@pytest.mark.xfail(strict=True, reason="recover: " + BLANK_BUG)
 def test_reopen_of_a_queue_left_with_only_blank_units_then_refill(tmp_path):
     cq = _started_past_zero(tmp_path)
     cq.truncate_dirty_logic(1300)
