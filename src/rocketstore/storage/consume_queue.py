@@ -381,18 +381,11 @@ class ConsumeQueue:
             wrote = f.wrote_position
             f.set_positions(0)
             off0, size0, _ = _UNIT.unpack_from(f.mm, 0)
-            if off0 >= phy:
-                self.queue.files.remove(f)
-                if self.queue.read_only:
-                    f.close()
-                else:
-                    f.destroy()
-                continue
-            valid, _ = _valid_prefix(f.mm, self.file_size)
-            if valid == 0 and len(self.queue.files) > 1:
-                # An empty last file (a power loss kept none of its units, or recovery cut the queue at its
-                # start) says nothing about the file before it, whose units may point past ``phy`` too: drop
-                # it (the next unit creates it again) and look there.
+            valid = -1 if off0 >= phy else _valid_prefix(f.mm, self.file_size)[0]
+            # A file starting at or past ``phy`` goes whole; so does an empty last file (a power loss kept none of
+            # its units, or recovery cut the queue at its start), which says nothing about the file before it,
+            # whose units may point past ``phy`` too: dropped (the next unit creates it again), look there.
+            if valid < 0 or (valid == 0 and len(self.queue.files) > 1):
                 self.queue.files.remove(f)
                 if self.queue.read_only:
                     f.close()
