@@ -22,6 +22,7 @@ from typing import Callable
 from ..paths import StorePaths
 from ..config import CQ_UNIT_SIZE, MIN_COMMITLOG_FILE_SIZE, PRESETS, StoreConfig, read_conf_file, write_preset
 from ..errors import ConfigError
+from .quarantine import torn_last_segment
 from .index import ENTRY_SIZE, HEADER_SIZE, SLOT_SIZE, index_file_size
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,8 @@ def _without_torn_last_segment(m: Measured, file_size: int | None = None) -> Mea
     size = os.path.getsize(last)
     base = _name_offset(last)
     follows = [p for p in paths if _name_offset(p) == base - file_size]
-    if not 0 < size < file_size or base % file_size or (len(paths) > 1 and not follows):
+    if not 0 < size < file_size or base % file_size or (len(paths) > 1 and not follows) or \
+            torn_last_segment(os.path.dirname(last), file_size) is None:
         return m
     kept = {s: [p for p in ps if p != last] for s, ps in m.paths.items()}
     kept = {s: ps for s, ps in kept.items() if ps}

@@ -148,10 +148,20 @@ def torn_last_segment(directory: str, file_size: int) -> tuple[str, int] | None:
             (len(names) > 1 and int(names[-2]) + file_size != base):
         return None
     first = record_start_in(path, base, file_size)
-    # In its place, a short last segment is the log's torn end even when it holds only zeros (a cut through a
-    # zero-filled end, or a segment recovery emptied): extended, recovery ends the log at its start; moved aside
-    # it would leave verify a "quarantined" file and hide nothing worth keeping.
-    return (path, base if first is None else first)
+    if first is not None:
+        return path, first
+    # In its place, a short last segment of zeros alone is the log's torn end too (a cut through a zero-filled
+    # end, or a segment recovery emptied): extended, recovery ends the log at its start; moved aside it would
+    # leave verify a "quarantined" file and hide nothing.  Other bytes that start no record stay a stray.
+    return (path, base) if _all_zeros(path) else None
+
+
+def _all_zeros(path: str, chunk: int = 1 << 20) -> bool:
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            if block.count(0) != len(block):
+                return False
+    return True
 
 
 def extend_torn_last_segment(directory: str, file_size: int, read_only: bool) -> str | None:
