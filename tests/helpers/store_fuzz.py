@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rocketstore import GetMessageStatus, MessageStore
 from rocketstore.errors import StoreError
-from rocketstore.recovery.repair import LOST_PROPERTY, LOST_TAG
+from rocketstore.recovery.damage import LOST_PROPERTY, LOST_TAG
 
 KINDS = ("commitlog", "consumequeue", "index", "checkpoint", "json")
 OPS = ("bitflip", "run", "truncate", "zero_tail", "extend", "delete")

@@ -12,7 +12,7 @@ import pytest
 from conftest import GOLDEN_NAMES, copy_store, golden_expected, golden_store, run_cli
 from rocketstore.format import codec
 from rocketstore.format.message import parse_tag_filter
-from rocketstore.recovery.repair import FILLER_TOPIC, LOST_PROPERTY, LOST_TAG, MAX_FILLER_BYTES, filler_pieces, filler_record
+from rocketstore.recovery.damage import FILLER_TOPIC, LOST_PROPERTY, LOST_TAG, MAX_FILLER_BYTES, filler_pieces, filler_record
 from rocketstore.store import MessageStore
 
 SEG = 1048576
@@ -272,7 +272,7 @@ def test_repair_refuses_a_store_another_process_has_open(basic_copy):
 
 @pytest.mark.parametrize("topic", ["TopicB", "T" * 200])
 def test_tombstone_is_a_valid_record_of_the_lost_message_queue_offset(topic):
-    from rocketstore.recovery.repair import tombstone_record
+    from rocketstore.recovery.damage import tombstone_record
     lost = {"topic": topic, "queueId": 3, "queueOffset": 224, "commitLogOffset": 4242, "size": 700}
     rec = tombstone_record(700, lost, 4242, 1795375975099, "repair-1795611563933")
     n, msg, reason = codec.check(rec, 0, len(rec), check_crc=True)
@@ -285,7 +285,7 @@ def test_tombstone_is_a_valid_record_of_the_lost_message_queue_offset(topic):
 
 def test_a_long_damaged_span_gets_tombstones_of_the_lost_sizes_and_fillers_between():
     """Zeros over three records: one tombstone per record the old queues knew, each its record's size."""
-    from rocketstore.recovery.repair import DamagedSpan, layout
+    from rocketstore.recovery.damage import DamagedSpan, layout
     lost = [{"topic": "T", "queueId": 0, "queueOffset": q, "commitLogOffset": 1000 + 700 * q, "size": 500}
             for q in range(3)]
     span = DamagedSpan("seg", 900, 3000, "zero bytes", "filler", True, 1, lost)
@@ -346,7 +346,7 @@ def test_a_flipped_routing_field_is_reported_never_rewritten(basic_copy, field, 
 def test_a_routing_field_two_units_claim_is_left_as_it_reads(basic_copy):
     """When another unit points at the record too, repair cannot tell which is right: it restores nothing."""
     from rocketstore.config import golden_config
-    from rocketstore.recovery.repair import header_fixes
+    from rocketstore.recovery.damage import header_fixes
     e = next(x for x in golden_expected("basic") if x["topic"] == "TopicA" and x["queueId"] == 3
              and x["queueOffset"] == 204)
     _flip_header(basic_copy, e, 15, 0x01)  # now it reads TopicA-2

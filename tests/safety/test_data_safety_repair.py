@@ -445,7 +445,8 @@ def test_a_lost_small_last_message_keeps_its_queue_offset(tmp_path):
     """A lost record too small for a tombstone with its note was rewritten as a filler: its queue offset was
     left to the next put when it was the queue's last.  A tombstone tagged only takes its place now."""
     from conftest import flip_body_bit
-    from rocketstore.recovery.repair import LOST_TAG, repair_store
+    from rocketstore.recovery.repair import repair_store
+    from rocketstore.recovery.damage import LOST_TAG
     cfg = golden_config()
     path = tmp_path / "s"
     with MessageStore.open(str(path), cfg) as store:

@@ -198,7 +198,7 @@ from rocketstore import GetMessageStatus, MessageStore, StoreError
 from rocketstore.errors import CommitLogDamagedError
 from rocketstore.consumer import Consumer
 from rocketstore.format.message import parse_tag_filter
-from rocketstore.recovery.repair import FILLER_TOPIC, LOST_TAG
+from rocketstore.recovery.damage import FILLER_TOPIC, LOST_TAG
 
 CHILD = REPO / "tests" / "helpers" / "model.py"
 ALL_OPS = ["put", "kill", "powerloss", "powerloss_dirent", "recover", "retention", "repair_int", "tier_upload",
