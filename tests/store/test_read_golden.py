@@ -221,7 +221,7 @@ def _reference_get_units(store, cq, f, offset, lo, hi, max_msgs, tag_filter, max
 
     from rocketstore.format import codec
     from rocketstore.format.message import GetMessageResult
-    from rocketstore.storage.read import _signed32
+    from rocketstore.storage.read_units import signed32 as _signed32
     S = GetMessageStatus
     base = f.file_from_offset
     units = ((p // 20,) + struct.unpack_from(">qiq", f.mm, p - base)
