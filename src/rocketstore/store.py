@@ -286,7 +286,8 @@ class MessageStore:
         what a record must agree on with the store and the put: its topic and queue (a record whose own
         topic bytes are another topic's would sit in this topic's queue), sizes against the store's
         maxMessageSize, one transaction record alone; a writer with other limits cannot slip a record past."""
-        if self.closed or self.read_only or not self.running_flags.is_writeable():
+        files = self.files
+        if files.closed or files.read_only or not files.running_flags.is_writeable():
             return PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=self._check_writable())
         if not records:
             return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error="empty batch")
@@ -313,10 +314,11 @@ class MessageStore:
         return self._append(topic, queue_id, records, dispatch, store_timestamp, None, None)
 
     def _put(self, messages: list[Message], batch: bool) -> PutMessageResult:
-        if self.closed or self.read_only or not self.running_flags.is_writeable():
+        files = self.files  # the put path reads StoreFiles directly: no descriptor hop per attribute
+        if files.closed or files.read_only or not files.running_flags.is_writeable():
             why = self._check_writable()
             return PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=why)
-        now_ms = int(self.clock() * 1000)
+        now_ms = int(files.clock() * 1000)
         encode = self.encoder.encode
         try:
             # (one message without a comprehension: on 3.11 each one costs a function frame)
@@ -341,12 +343,14 @@ class MessageStore:
         t0 = perf_counter() if timed else 0.0
         key = (topic, queue_id)
         assigns = records[0][6] & codec.TRANSACTION_MASK in codec.QUEUED_TXN
-        commitlog = self.commitlog
+        files = self.files  # (no descriptor hop per attribute on the put path)
+        commitlog = files.commitlog
         with commitlog.put_lock:
             t1 = perf_counter() if timed else 0.0
-            if self.closed:
+            if files.closed:
                 raise StoreClosedError(f"{self.root}: store is closed")
-            qoff = self.topic_queue_table.get(key, 0) if assigns else None
+            table = files.topic_queue_table
+            qoff = table.get(key, 0) if assigns else None
             try:
                 wrote_offset, wrote_bytes, store_ts, offsets = commitlog.append(records, qoff, store_timestamp)
             except codec.MessageTooLarge as e:
@@ -360,7 +364,7 @@ class MessageStore:
                 return PutMessageResult(PutMessageStatus.CREATE_MAPPED_FILE_FAILED,
                                         error=f"cannot create commitlog segment {where}: {e.strerror or e}")
             if assigns:
-                self.topic_queue_table[key] = qoff + len(records)
+                table[key] = qoff + len(records)
             # Else the dispatcher decodes these records from the log: so too past HAND_OVER_LIMIT puts not yet
             # dispatched (a stalled flush under SYNC_FLUSH), which bounds what the hand-over holds in memory.
             if dispatch is not None and len(self.reput.handed_over) < HAND_OVER_LIMIT:
