@@ -56,10 +56,7 @@ class MessageStore:
                  allow_quarantine: bool = False, repairing: bool = False) -> None:
         self.files = StoreFiles(StorePaths(root), config, read_only=read_only, clock=clock, sleep=sleep)
         self.reader = StoreReader(self.files)
-        self.files.apply_topic_retention = self.reader.apply_topic_retention
         self.loader = StoreLoader(self.files, self.reader, allow_quarantine)
-        self.files.on_new_queue = self.loader.on_new_queue
-        self.files.save_queue_registry = self.loader.save_queue_registry
         self.allow_quarantine = allow_quarantine
         self.closed = False
         self._store_lock: StoreLock | None = None
@@ -148,14 +145,6 @@ class MessageStore:
         if os.path.exists(self.paths.repair_marker):
             _repair_marker_gate(self.root, self.config, self.read_only)
 
-    def save_queue_registry(self) -> None:
-        """See StoreLoader.save_queue_registry."""
-        return self.loader.save_queue_registry()
-
-    def apply_topic_retention(self) -> dict[tuple[str, int], int]:
-        """See StoreReader.apply_topic_retention."""
-        return self.reader.apply_topic_retention()
-
     def _start(self) -> None:
         cfg = self.config
         if cfg.flushDiskType == SYNC_FLUSH:
@@ -205,7 +194,7 @@ class MessageStore:
 
     def min_readable_offset(self) -> int:
         """The first offset a read can reach: the tier's start when a tier holds older segments."""
-        return self.commitlog.min_offset_with_tier()
+        return self.reader.min_readable_offset()
 
     def max_phy_offset(self) -> int:
         return self.files.max_phy_offset()
@@ -391,8 +380,6 @@ class MessageStore:
             metrics.record_put(t2 - t1, perf_counter() - t0)
         return result
 
-    # ------------------------------------------------------------ flushing
-
     # ------------------------------------------------------------ retention
     def delete_expired_commit_log(self) -> list[str]:
         """RocketMQ's deleteExpiredCommitLog: request 20 manual rounds and run the first one now."""
@@ -411,20 +398,6 @@ class MessageStore:
             read_body: bool = True) -> GetMessageResult:
         """See StoreReader.get."""
         return self.reader.get(topic, queue_id, offset, max_msgs, tag_filter, max_total_bytes, read_body)
-
-    def settle_queue_min(self, cq: ConsumeQueue) -> None:
-        """Move a queue's minimum past the blank units it rests on whose records retention removed."""
-        return self.reader.settle_queue_min(cq)
-
-    def queue_start(self, topic: str, queue_id: int, local_min: int | None = None) -> tuple[str, int, int]:
-        """See StoreReader.queue_start."""
-        return self.reader.queue_start(topic, queue_id, local_min)
-
-    # ------------------------------------------------------------ reading from the tier
-
-    def queue_min_with_tier(self, topic: str, queue_id: int, local_min: int) -> int:
-        """A queue's lowest readable offset: where its consume-queue files in the tier begin, when lower."""
-        return self.reader.queue_min_with_tier(topic, queue_id, local_min)
 
     def local_unit_record(self, phy: int, size: int, read_body: bool, topic: str, topic_bytes: bytes, queue_id: int,
                           queue_offset: int) -> MessageExt | None:

@@ -108,6 +108,10 @@ class StoreLoader:
         self._registry: dict[tuple[str, int], int] | None = None
         self._registry_text: str | None = None  # what the registry file holds (written by this store)
         self._registry_lock = threading.Lock()
+        # The hooks StoreFiles calls back: the registry is the loader's, per-topic retention a read's.
+        files.on_new_queue = self.on_new_queue
+        files.save_queue_registry = self.save_queue_registry
+        files.apply_topic_retention = reader.apply_topic_retention
 
     def find_consume_queue(self, topic: str, queue_id: int) -> ConsumeQueue:
         return self.files.find_consume_queue(topic, queue_id)
@@ -555,11 +559,7 @@ def loaded(root: str, config: StoreConfig, *, read_only: bool = False) -> Iterat
     rebuild and for the verify after it.  Writable, it holds the store lock as MessageStore does, and before it
     closes it flushes what a clean close of the facade flushes (queues, index, checkpoint)."""
     files = StoreFiles(StorePaths(root), store_config(root, config), read_only=read_only)
-    reader = StoreReader(files)
-    loader = StoreLoader(files, reader)
-    files.on_new_queue = loader.on_new_queue
-    files.save_queue_registry = loader.save_queue_registry
-    files.apply_topic_retention = reader.apply_topic_retention
+    loader = StoreLoader(files, StoreReader(files))
     lock = None if read_only else StoreLock(root)
     if lock is not None:
         lock.acquire()

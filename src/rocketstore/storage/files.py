@@ -47,7 +47,7 @@ class InFiles:
 
 
 class StoreFiles:
-    """What a store has open: set up by ``MessageStore`` while it loads, shared by every service."""
+    """What a store has open: set up by StoreLoader, shared by the facade, the reader and every service."""
 
     def __init__(self, paths: StorePaths, config: StoreConfig, *, read_only: bool = False,
                  clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep) -> None:
@@ -66,8 +66,7 @@ class StoreFiles:
         self.abort_file_present = False
         self.process_crash_only = False
         self.lost_queues: set[QueueKey] = set()  # read-only open: registered queues whose directory is gone
-        self.lost_queues: set[QueueKey] = set()  # read-only open: registered queues whose directory is gone
-        self.commitlog: CommitLog = None  # type: ignore[assignment]  # opened by MessageStore._load
+        self.commitlog: CommitLog = None  # type: ignore[assignment]  # opened by StoreLoader.load
         self.checkpoint: StoreCheckpoint = None  # type: ignore[assignment]
         self.index_service: IndexService = None  # type: ignore[assignment]
         self.tier: Any = None  # the TieredStorage (tier/), when tieredStoreUri is set
@@ -77,12 +76,12 @@ class StoreFiles:
         # While the store loads, queues named here are refilled from the commitlog by recovery: a unit is
         # placed at its record's queue offset (pad_gaps), never appended.
         self.queues_to_rebuild: list[str] = []
-        # Called with the key of each queue made after loading (the facade keeps the durable queue registry).
+        # Called with the key of each queue made after loading (StoreLoader keeps the durable queue registry).
         self.on_new_queue: Callable[[QueueKey], None] = lambda key: None
-        # Per-topic logical retention (topicRetentionMs) needs a time lookup that reaches the tier: the facade
-        # sets it; without it nothing moves.
+        # Per-topic logical retention (topicRetentionMs) needs a time lookup that reaches the tier: StoreLoader
+        # sets it to StoreReader's; without it nothing moves.
         self.apply_topic_retention: Callable[[], dict[QueueKey, int]] = lambda: {}
-        # Before retention deletes a segment, the facade saves each queue's next offset (the queue registry), so a
+        # Before retention deletes a segment, StoreLoader saves each queue's next offset (the queue registry), so a
         # queue left with no unit never hands the offsets of its expired records out again.
         self.save_queue_registry: Callable[[], None] = lambda: None
         self.sync_flush = False  # a GroupCommitService runs: dispatch follows the flushed end, not the written one
