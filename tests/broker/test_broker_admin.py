@@ -204,6 +204,18 @@ def test_stale_endpoint_file_is_ignored_and_token_is_required(tmp_path):
     refused("groups", store, "create", "G", match="no broker serves")
 
 
+@pytest.mark.timeout(60)
+def test_admin_port_off_keeps_the_offline_refusal(tmp_path):
+    store = str(tmp_path / "store")
+    b = BrokerProcess(store, conf=CONF, args=["--admin-port", "-1", "--topic", "T:1"])
+    b.start()
+    try:
+        assert not os.path.exists(os.path.join(store, "config", "admin.json"))
+        refused("reset-offset", store, "--group", "g", "--topic", "T", "--to-earliest", match="open by a running")
+    finally:
+        assert b.stop() == 0, b.tail_log()
+
+
 ACL = {"users": [{"username": "admin", "password": "asecret", "userType": "Super"},
                  {"username": "prod", "password": "psecret"}],
        "acls": [{"subject": "User:prod", "policies": [
