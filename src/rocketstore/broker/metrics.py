@@ -12,8 +12,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -51,41 +51,66 @@ class SnapshotCollector(Collector):
                 yield GaugeMetricFamily(name, doc, value=s[key])
 
 
+COUNTERS = (  # attribute, metric name (without _total), help
+    ("puts", "rocketstore_put_messages",
+     "Messages the broker stored (PUT_OK): sends, and delayed, transaction and dead-letter messages it moved"),
+    ("put_failures", "rocketstore_put_failures", "Puts the store did not answer PUT_OK"),
+    ("bytes_in", "rocketstore_put_bytes", "Body bytes of the messages stored"),
+    ("gets", "rocketstore_get_messages", "Messages delivered to consumers (redeliveries included)"),
+    ("bytes_out", "rocketstore_get_bytes", "Body bytes of the messages delivered"),
+)
+
+
+class CounterCollector(Collector):
+    """The broker's counters, read when the page is rendered."""
+
+    def __init__(self, metrics: "BrokerMetrics") -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        m = self.metrics
+        for attr, name, doc in COUNTERS:
+            yield CounterMetricFamily(name, doc, value=getattr(m, attr))
+        refusals = CounterMetricFamily("rocketstore_acl_refusals", "Requests refused by ACL, by reason",
+                                       labels=["reason"])
+        for reason, n in sorted(m.refusals.items()):
+            refusals.add_metric([reason], n)
+        yield refusals
+
+
 class BrokerMetrics:
-    """Counters of one broker and the page that shows them."""
+    """Counters of one broker and the page that shows them.
+
+    The counters are plain integers, counted on the broker's loop: a ``prometheus_client.Counter`` takes a
+    lock per increment, 1.6 us against 0.08 us for two per put (measured side by side, timeit); the
+    registry reads them through a collector when the page is rendered.
+    """
 
     def __init__(self) -> None:
+        self.puts = self.put_failures = self.bytes_in = self.gets = self.bytes_out = 0
+        self.refusals: dict[str, int] = {"unauthenticated": 0, "forbidden": 0}
+        self._refusal_lock = threading.Lock()  # admin refusals are counted in the HTTP threads
         self.registry = CollectorRegistry(auto_describe=True)
-        self.puts = Counter("rocketstore_put_messages", "Messages the broker stored (PUT_OK): sends, and delayed, transaction and dead-letter messages it moved",
-                            registry=self.registry)
-        self.put_failures = Counter("rocketstore_put_failures", "Puts the store did not answer PUT_OK",
-                                    registry=self.registry)
-        self.bytes_in = Counter("rocketstore_put_bytes", "Body bytes of the messages stored",
-                                registry=self.registry)
-        self.gets = Counter("rocketstore_get_messages", "Messages delivered to consumers", registry=self.registry)
-        self.bytes_out = Counter("rocketstore_get_bytes", "Body bytes of the messages delivered",
-                                 registry=self.registry)
-        self.acl_refusals = Counter("rocketstore_acl_refusals", "Requests refused by ACL, by reason",
-                                    ["reason"], registry=self.registry)
+        self.registry.register(CounterCollector(self))
         self.gauges = SnapshotCollector()
         self.registry.register(self.gauges)
         self._render_lock = threading.Lock()
 
     def refused(self, reason: str) -> None:
         """One ACL refusal: ``unauthenticated`` (UNAUTHORIZED) or ``forbidden`` (FORBIDDEN)."""
-        self.acl_refusals.labels(reason).inc()
+        with self._refusal_lock:
+            self.refusals[reason] = self.refusals.get(reason, 0) + 1
 
     def stored(self, ok: bool, body_bytes: int) -> None:
         if ok:
-            self.puts.inc()
-            self.bytes_in.inc(body_bytes)
+            self.puts += 1
+            self.bytes_in += body_bytes
         else:
-            self.put_failures.inc()
+            self.put_failures += 1
 
     def delivered(self, messages: int, body_bytes: int) -> None:
-        if messages:
-            self.gets.inc(messages)
-            self.bytes_out.inc(body_bytes)
+        self.gets += messages
+        self.bytes_out += body_bytes
 
     def render(self, take_snapshot: Callable[[], dict[str, Any]]) -> bytes:
         """The text exposition, with the gauges of a fresh snapshot (``take_snapshot`` runs on the loop)."""

@@ -236,7 +236,8 @@ def store_locked_offline(root: str) -> Iterator[None]:
         lock.acquire()
     except StoreLockedError:
         raise StoreLockedError(f"{paths.lock}: store is open by a running process (broker or writer); "
-                               "stop it first (a broker with its admin endpoint on, adminPort, is asked instead)") from None
+                               "stop it first (a broker with its admin endpoint on, adminPort, is asked "
+                               "instead)") from None
     try:
         yield
     finally:
