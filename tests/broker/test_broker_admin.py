@@ -24,7 +24,7 @@ if importlib.util.find_spec("rocketmq") is None:
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from rocketstore.bench.broker_harness import BrokerProcess, run_client  # noqa: E402
+from rocketstore.bench.broker_harness import BrokerProcess, run_client, start_client  # noqa: E402
 from rocketstore.broker.acl import sign  # noqa: E402
 from rocketstore.broker.metrics import BrokerMetrics  # noqa: E402
 from rocketstore.broker.proto import pb, svc, svc_grpc  # noqa: E402
@@ -172,6 +172,21 @@ def test_live_topics_lag_reset_and_metrics(tmp_path):
         assert client(b, CONSUME)[0]["got"] == bodies
         assert scrape(store)[("rocketstore_get_messages_total", ())] == 20
         assert ok("lag", store, "--group", "LiveG", "--json")["totalLag"] == 0
+
+        # Connected clients per group, while a consumer is connected.
+        proc = start_client(b.endpoint, textwrap.dedent('''
+            c = SimpleConsumer(cfg(), "LiveG", {"Live1": FilterExpression("*")}, await_duration=1); c.startup()
+            emit({"ready": True})
+            time.sleep(60)  # killed once the test has looked
+        '''), b.home)
+        try:
+            assert json.loads(proc.stdout.readline()) == {"ready": True}
+            clients = ok("groups", store, "clients", "LiveG", "--json")["clients"]
+            assert len(clients) == 1 and clients[0]["topics"] == ["Live1"] and clients[0]["alive"] is True
+            assert {g["group"]: g for g in ok("groups", store, "--json")["groups"]}["LiveG"]["clients"] == 1
+        finally:
+            proc.kill()
+            proc.wait()
 
         # By time, past the last message: every queue's end.
         future = datetime.fromtimestamp(4_000_000_000, timezone.utc).isoformat()
