@@ -296,3 +296,20 @@ def test_brokers_in_one_process_have_their_own_registries():
     text = b.render(lambda: {})
     assert b"rocketstore_put_messages_total 0.0" in text
     assert b"rocketstore_put_messages_total 1.0" in a.render(lambda: {})
+
+
+def test_offline_shift_by_and_dry_run(basic_copy):
+    """Offline (no broker): --shift-by moves from the committed offset, --dry-run writes nothing."""
+    cfg = basic_copy / "config"
+    cfg.mkdir(exist_ok=True)
+    (cfg / "consumerOffset.json").write_text(json.dumps({"offsetTable": {"TopicA@billing": {"0": 7}}}))
+    before = (cfg / "consumerOffset.json").read_bytes()
+    plan = ok("reset-offset", basic_copy, "--group", "billing", "--topic", "TopicA", "--queue-id", "0",
+              "--shift-by", "-3", "--dry-run", "--json")
+    assert plan["executed"] is False and plan["reset"][0]["oldOffset"] == 7 and plan["reset"][0]["newOffset"] == 4
+    assert (cfg / "consumerOffset.json").read_bytes() == before
+    done = ok("reset-offset", basic_copy, "--group", "billing", "--topic", "TopicA", "--queue-id", "0",
+              "--shift-by", "-100", "--json")
+    assert done["executed"] is True and done["reset"][0]["newOffset"] == done["reset"][0]["minOffset"]  # clamped
+    assert json.loads((cfg / "consumerOffset.json").read_text())["offsetTable"]["TopicA@billing"]["0"] == \
+        done["reset"][0]["minOffset"]
