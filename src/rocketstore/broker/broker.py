@@ -23,6 +23,7 @@ from ..format.message import Message, PutMessageResult, PutMessageStatus
 from .clients import ClientRegistry
 from .config import BrokerConfig
 from .longpoll import LongPolling
+from .metrics import BrokerMetrics, count_deliveries
 from ..storage.consumer_offsets import ConsumerOffsetManager
 from .pop import PopService
 from .tasks import cancel, every
@@ -56,6 +57,7 @@ class Broker:
         self.timer: TimerService | None = None
         self.transactions: TransactionService | None = None
         self.longpoll = LongPolling()
+        self.metrics = BrokerMetrics()
         self._tasks: list[asyncio.Task] = []
         self._persist_lock: asyncio.Lock | None = None
         self._pop_next_write = 0.0
@@ -70,6 +72,7 @@ class Broker:
                               auto_renew_ms=self.cfg.popAutoRenewInvisibleTime,
                               renew_ahead_ms=self.cfg.popRenewAheadTime, renew_max_ms=self.cfg.popRenewMaxTime,
                               max_span=self.cfg.popMaxSpan, on_visible=self.longpoll.notify_group)
+        count_deliveries(self.pop, self.metrics)
         self.timer = TimerService(self.store, self.config_dir, self.store_host, self.put, self.notify)
         self.transactions = TransactionService(self.store, self.offsets, self.cfg, self.store_host, self.put,
                                                self.notify, self.clients.send_to_producer)
@@ -117,12 +120,14 @@ class Broker:
                 if not self._dispatch_due:
                     self._dispatch_due = True
                     asyncio.get_running_loop().call_soon(self._dispatch)
-                return res
-            return await asyncio.get_running_loop().run_in_executor(self.executor, self.store.put, msg)
+            else:
+                res = await asyncio.get_running_loop().run_in_executor(self.executor, self.store.put, msg)
         except StoreError as e:
-            return PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=str(e))
+            res = PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=str(e))
         except RuntimeError as e:  # executor shut down
-            return PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=str(e))
+            res = PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=str(e))
+        self.metrics.stored(res.ok, len(msg.body))
+        return res
 
     def _dispatch(self) -> None:
         self._dispatch_due = False

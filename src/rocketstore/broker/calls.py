@@ -169,11 +169,13 @@ class Calls:
         except AuthenticationError as e:
             log.info("unauthenticated request from %s: %s", ip or "?", e)
             set_status(status, Code.UNAUTHORIZED, str(e))
+            self.broker.metrics.refused("unauthenticated")
             return None
         owner = self.owners.claim(cid, user) if cid else None
         if owner is not None:
             log.warning("user %s used client id %s of user %s; refused", user, cid, owner)
             set_status(status, Code.FORBIDDEN, f"client id {cid} belongs to another user")
+            self.broker.metrics.refused("forbidden")
             return None
         return Caller(user, cid, ns, ip)
 
@@ -193,6 +195,7 @@ class Calls:
         except AuthorizationError as e:
             log.info("refused: %s", e)
             set_status(status, Code.FORBIDDEN, str(e))
+            self.broker.metrics.refused("forbidden")
             return False
 
     def _resolve(self, caller: Caller, status: Any, res: Any, rtype: str, actions: tuple[str, ...]) -> str | None:

@@ -18,6 +18,10 @@ def _port(text: str) -> int:
     return v
 
 
+def _admin_port(text: str) -> int:
+    return -1 if text.strip() == "-1" else _port(text)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="serve the store to RocketMQ 5 clients over gRPC",
@@ -33,6 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="require signed requests and check permissions against the users and ACLs in "
                         "STORE/config/acl.json (or authConfigPath); sets authenticationEnabled and "
                         "authorizationEnabled")
+    p.add_argument("--admin-port", type=_admin_port, metavar="PORT",
+                   help="admin endpoint (live topics/groups/lag/reset-offset, /metrics) on adminHost (127.0.0.1) "
+                        "and this port (default adminPort: 0 picks a free one; -1 turns it off)")
     p.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain")
     p.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
     auto = p.add_mutually_exclusive_group()
@@ -58,6 +65,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     store_cfg, broker_cfg = load_broker_conf(args.config)
     if args.acl:
         broker_cfg = broker_cfg.replace(authenticationEnabled=True, authorizationEnabled=True)
+    if args.admin_port is not None:
+        broker_cfg = broker_cfg.replace(adminPort=args.admin_port)
     if args.auto_create is not None:
         broker_cfg = broker_cfg.replace(autoCreateTopicEnable=args.auto_create)
     topics = tuple(parse_topic_spec(s) for s in args.topic)

@@ -76,6 +76,10 @@ class BrokerConfig:
     authorizationEnabled: bool = False
     authConfigPath: str = ""
     authDateTimeSkew: int = 15 * 60 * 1000
+    # Admin endpoint (HTTP: the CLI's live verbs and /metrics) on adminHost:adminPort; 0 picks a free port,
+    # -1 turns it off.  Its address is written to <store>/config/admin.json while the broker runs.
+    adminHost: str = "127.0.0.1"
+    adminPort: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -102,6 +106,7 @@ class BrokerConfig:
             need(getattr(self, key) > 0, key, "must be positive")
         need(self.transactionCheckMax >= 1, "transactionCheckMax", "must be at least 1")
         need(1 <= self.storeThreads <= 512, "storeThreads", "must be in 1..512")
+        need(-1 <= self.adminPort <= 65535, "adminPort", "must be a port (0 picks a free one, -1 turns it off)")
         try:
             levels = self.delay_levels_seconds()
         except ValueError as e:

@@ -22,6 +22,7 @@ from ..config import StoreConfig
 from ..errors import CliError
 from ..store import MessageStore
 from .acl import AccessControl, load_access_control
+from .admin import AdminServer
 from .broker import Broker
 from .config import BrokerConfig
 from .receipts import ReceiptSigner, load_or_create_secret
@@ -123,6 +124,13 @@ async def _serve_store(server: Any, port: int, store: MessageStore, bcfg: Broker
     for g in opts.groups:
         broker.topics.put_group(g)
     await broker.start()
+    admin = None
+    if bcfg.adminPort >= 0:  # admin endpoint (live CLI verbs, /metrics): see broker/admin.py
+        try:
+            admin = AdminServer(broker, asyncio.get_running_loop(), bcfg.adminHost, bcfg.adminPort, access)
+        except BaseException:
+            await broker.stop()
+            raise
     service = MessagingService(broker, opts.host, port, receipts=receipts, access=access)
     wire.add_service(service, server, max_send_bytes=wire.soft_send_limit(store.config.maxMessageSize))
     stop = stop_event or asyncio.Event()
@@ -136,6 +144,8 @@ async def _serve_store(server: Any, port: int, store: MessageStore, bcfg: Broker
             pass  # not the main thread
     try:
         await server.start()
+        if admin is not None:
+            admin.start()
         log.info("serving apache.rocketmq.v2.MessagingService on %s (%s%s) for store %s",
                  bind_address(opts.host, port), "TLS" if opts.tls_cert else "plaintext",
                  "" if access is None else ", ACL on", opts.store)
@@ -146,6 +156,8 @@ async def _serve_store(server: Any, port: int, store: MessageStore, bcfg: Broker
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
+        if admin is not None:
+            admin.stop()
         await server.stop(opts.grace)
         await broker.stop()
 

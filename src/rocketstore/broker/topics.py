@@ -273,6 +273,14 @@ class TopicManager:
         self._write_topics(self._topics_doc())
         return t
 
+    def delete_topic(self, name: str) -> TopicConfig | None:
+        """Drop a topic's entry (the admin endpoint's deleteTopic); its messages stay until retention."""
+        t = self.topics.pop(name, None)
+        if t is not None:
+            self._topic_version += 1
+            self._write_topics(self._topics_doc())
+        return t
+
     def _topics_doc(self) -> dict[str, Any]:
         return {"dataVersion": _data_version(self._topic_version),
                 "topicConfigTable": {n: t.to_json() for n, t in sorted(self.topics.items())}}
@@ -354,6 +362,14 @@ class TopicManager:
         self.groups[g.name] = g
         self._group_version += 1
         self._write_groups(self._groups_doc())
+        return g
+
+    def delete_group(self, name: str) -> GroupConfig | None:
+        """Drop a group's entry (deleteSubscriptionGroup); its committed offsets are kept."""
+        g = self.groups.pop(name, None)
+        if g is not None:
+            self._group_version += 1
+            self._write_groups(self._groups_doc())
         return g
 
     def _groups_doc(self) -> dict[str, Any]:
