@@ -123,6 +123,7 @@ async def _serve_store(server: Any, port: int, store: MessageStore, bcfg: Broker
     for g in opts.groups:
         broker.topics.put_group(g)
     await broker.start()
+    broker.transactions.signer = receipts  # transaction ids sealed with the persistent secret
     service = MessagingService(broker, opts.host, port, receipts=receipts, access=access)
     wire.add_service(service, server, max_send_bytes=wire.soft_send_limit(store.config.maxMessageSize))
     stop = stop_event or asyncio.Event()
