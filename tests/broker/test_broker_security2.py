@@ -23,8 +23,11 @@ grpc = pytest.importorskip("grpc")
 from rocketstore.bench.broker_harness import BrokerProcess  # noqa: E402
 from rocketstore.broker.acl import sign  # noqa: E402
 from rocketstore.broker.proto import pb, svc, svc_grpc  # noqa: E402
+from rocketstore.broker.wire import hard_frame_limit  # noqa: E402
 
 C = pb.Code
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # (channels share a connection otherwise)
+FRAME = hard_frame_limit(4 * 1024 * 1024)  # the largest request frame at the default maxMessageSize
 
 ACL = {
     "users": [
@@ -74,7 +77,9 @@ def broker(tmp_path_factory):
     path = root / "acl.json"
     path.write_text(json.dumps(ACL))
     os.chmod(path, 0o600)
-    b = BrokerProcess(str(root / "store"), conf={"authConfigPath": str(path), "transactionTimeOut": 600000},
+    b = BrokerProcess(str(root / "store"), conf={"authConfigPath": str(path), "transactionTimeOut": 600000,
+                                                 "maxInflightRequestBytes": 2 * FRAME,
+                                                 "maxInflightRequestBytesPerConnection": FRAME},
                       args=["--acl", "--topic", "Secret:1:TRANSACTION", "--topic", "Mine:1:TRANSACTION"])
     b.start()
     b.acl_path = str(path)
@@ -125,3 +130,104 @@ def test_own_transaction_of_an_enumerating_user_still_works(stub):
     msg_id, txid = send_half(stub, "Mine", mallory)
     st = end(stub, mallory, "Mine", msg_id, txid)
     assert st.code == C.OK and st.message == "rolled back", st
+
+
+# ---------------------------------------------------------------- point 2: memory before authentication
+def memory_mb(pid: int) -> dict[str, int]:
+    out = {}
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            k, _, v = line.partition(":")
+            if k in ("VmRSS", "VmHWM"):
+                out[k] = int(v.split()[0]) // 1024
+    return out
+
+
+def test_unauthenticated_frames_are_refused_before_they_are_read(broker):
+    """32 threads (a channel each) sending 8.9 MB unsigned frames for 3 s: before the fix the broker read every
+    frame (+17 MB each, 561 MB at 32 clients, 1.35 GB at 128); now it answers UNAUTHORIZED from the metadata and
+    gRPC buffers no more than a stream's 64 KiB window of each."""
+    pid = broker.proc.pid
+    before = memory_mb(pid)
+    req = svc.SendMessageRequest()
+    m = req.messages.add()
+    m.topic.name, m.body = "Secret", b"x" * 8_900_000
+    bad = [("x-mq-client-id", "x@1"), ("x-mq-date-time", "20200101T000000Z"),
+           ("authorization", "MQv2-HMAC-SHA1 Credential=owner, SignedHeaders=x-mq-date-time, Signature=00")]
+    codes: dict[object, int] = {}
+    lock = threading.Lock()
+    stop_at = time.time() + 3
+
+    def attacker(meta) -> None:
+        ch = grpc.insecure_channel(broker.endpoint, options=[("grpc.max_send_message_length", -1)])
+        s = svc_grpc.MessagingServiceStub(ch)
+        while time.time() < stop_at:
+            try:
+                k = s.SendMessage(req, metadata=meta, timeout=10).status.code
+            except grpc.RpcError as e:
+                k = e.code()
+            with lock:
+                codes[k] = codes.get(k, 0) + 1
+        ch.close()
+
+    threads = [threading.Thread(target=attacker, args=(bad if i % 2 else [],)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    after = memory_mb(pid)
+    assert after["VmHWM"] - before["VmRSS"] < 100, (before, after)
+    assert after["VmHWM"] < 200, (before, after)
+    assert set(codes) == {C.UNAUTHORIZED} and sum(codes.values()) >= 32, codes
+
+
+def test_request_bytes_in_flight_are_capped_per_connection_and_overall(broker, stub):
+    """A call reserves the largest frame before its request is read.  A request that never arrives holds its
+    connection's whole allowance: the next call on that connection waits a second, then RESOURCE_EXHAUSTED; a
+    call on another connection still fits the overall cap, until that one is held too."""
+    owner = md("owner", "osecret", "owner@1@1@x")
+    held, calls = [], []
+    try:
+        for _ in range(2):
+            ch = grpc.insecure_channel(broker.endpoint, options=OWN_CONNECTION)
+            held.append(ch)
+            stalled = threading.Event()
+
+            def never(ev=stalled):
+                ev.wait(30)
+                return
+                yield  # noqa: unreachable (a generator that sends nothing until released)
+
+            call = ch.stream_unary("/apache.rocketmq.v2.MessagingService/SendMessage",
+                                   request_serializer=svc.SendMessageRequest.SerializeToString,
+                                   response_deserializer=svc.SendMessageResponse.FromString)
+            calls.append((call.future(never(), metadata=owner, timeout=30), stalled))
+            time.sleep(0.3)
+            s = svc_grpc.MessagingServiceStub(ch)
+            with pytest.raises(grpc.RpcError) as e:
+                send_half(s, "Secret", owner)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+            assert "maxInflightRequestBytes" in e.value.details()
+        # Both connections hold one frame each: the overall cap (two frames) is full for a third connection too.
+        assert not any(fut.done() for fut, _ in calls), "each stalled call holds its own connection's allowance"
+        with grpc.insecure_channel(broker.endpoint, options=OWN_CONNECTION) as ch3:
+            with pytest.raises(grpc.RpcError) as e:
+                send_half(svc_grpc.MessagingServiceStub(ch3), "Secret", owner)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # Releasing one stalled call frees its reservation: the third connection gets through.
+            calls[0][0].cancel()
+            calls[0][1].set()
+            time.sleep(0.3)
+            send_half(svc_grpc.MessagingServiceStub(ch3), "Secret", owner)
+    finally:
+        for fut, ev in calls:
+            ev.set()
+            fut.cancel()
+        for ch in held:
+            ch.close()
+    # All freed: the first connection works again.
+    ch = grpc.insecure_channel(broker.endpoint, options=OWN_CONNECTION)
+    try:
+        send_half(svc_grpc.MessagingServiceStub(ch), "Secret", owner)
+    finally:
+        ch.close()

@@ -76,6 +76,12 @@ class BrokerConfig:
     authorizationEnabled: bool = False
     authConfigPath: str = ""
     authDateTimeSkew: int = 15 * 60 * 1000
+    # Request bytes being read or handled at once, overall and per connection.  A call reserves the largest frame
+    # it could carry (grpc.max_receive_message_length) before its request is read, and waits up to a second for
+    # room; then it gets gRPC RESOURCE_EXHAUSTED.  Each must be at least that frame (~9 MiB at the default
+    # maxMessageSize).  Unauthenticated calls (ACL on) are refused before any of their bytes are read.
+    maxInflightRequestBytes: int = 256 * 1024 * 1024
+    maxInflightRequestBytesPerConnection: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
         self.validate()
@@ -101,6 +107,8 @@ class BrokerConfig:
                     "clientExpireTime", "maxDelayTime", "authDateTimeSkew"):
             need(getattr(self, key) > 0, key, "must be positive")
         need(self.transactionCheckMax >= 1, "transactionCheckMax", "must be at least 1")
+        need(self.maxInflightRequestBytes >= self.maxInflightRequestBytesPerConnection > 0,
+             "maxInflightRequestBytesPerConnection", "must be positive and at most maxInflightRequestBytes")
         need(1 <= self.storeThreads <= 512, "storeThreads", "must be in 1..512")
         try:
             levels = self.delay_levels_seconds()

@@ -19,9 +19,10 @@ from typing import Any, Callable
 import grpc
 
 from ..config import StoreConfig
-from ..errors import CliError
+from ..errors import CliError, ConfigError
 from ..store import MessageStore
 from .acl import AccessControl, load_access_control
+from .admission import AdmissionInterceptor, RequestBudget
 from .broker import Broker
 from .config import BrokerConfig
 from .receipts import ReceiptSigner, load_or_create_secret
@@ -36,6 +37,10 @@ KEEPALIVE_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.so_reuseport", 0),
+    # No bandwidth-delay probing: with it, gRPC grows a stream's receive window to megabytes and buffers a request
+    # nobody asked to read (a refused, unauthenticated 9 MB frame cost its full size).  Without it a stream gets
+    # window for the message its handler is reading, and 64 KiB otherwise.
+    ("grpc.http2.bdp_probe", 0),
 ]
 
 
@@ -79,7 +84,7 @@ async def serve_async(opts: ServeOptions, *, ready: Callable[[str, int], None] |
     bcfg = opts.broker_config or BrokerConfig()
     access = load_access_control(bcfg, opts.store)  # a bad ACL file stops us before the store is touched
     limit = wire.hard_frame_limit((opts.store_config or StoreConfig()).maxMessageSize)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
+    server = grpc.aio.server(interceptors=[admission_of(bcfg, access, limit)], options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", -1), *KEEPALIVE_OPTIONS])
     port = _bind(server, opts)
     store = MessageStore.open(opts.store, opts.store_config)
@@ -88,6 +93,16 @@ async def serve_async(opts: ServeOptions, *, ready: Callable[[str, int], None] |
     finally:
         store.close()
         log.info("store %s closed", opts.store)
+
+
+def admission_of(bcfg: BrokerConfig, access: AccessControl | None, frame_limit: int) -> AdmissionInterceptor:
+    """Authentication on metadata and the request byte caps, checked before a request is read."""
+    for key in ("maxInflightRequestBytes", "maxInflightRequestBytesPerConnection"):
+        if getattr(bcfg, key) < frame_limit:
+            raise ConfigError(f"{key}={getattr(bcfg, key)}: must be at least the largest request frame, "
+                              f"{frame_limit} bytes (2 x maxMessageSize + 1 MiB)")
+    budget = RequestBudget(bcfg.maxInflightRequestBytes, bcfg.maxInflightRequestBytesPerConnection)
+    return AdmissionInterceptor(access, budget, frame_limit)
 
 
 def _bind(server: Any, opts: ServeOptions) -> int:
