@@ -21,7 +21,9 @@ import pytest
 grpc = pytest.importorskip("grpc")
 
 from rocketstore.bench.broker_harness import BrokerProcess  # noqa: E402
-from rocketstore.broker.acl import sign  # noqa: E402
+from rocketstore.broker.acl import AclConfig, load_access_control, sign  # noqa: E402
+from rocketstore.broker.config import BrokerConfig  # noqa: E402
+from rocketstore.errors import ConfigError  # noqa: E402
 from rocketstore.broker.proto import pb, svc, svc_grpc  # noqa: E402
 from rocketstore.broker.wire import hard_frame_limit  # noqa: E402
 
@@ -231,3 +233,113 @@ def test_request_bytes_in_flight_are_capped_per_connection_and_overall(broker, s
         send_half(svc_grpc.MessagingServiceStub(ch), "Secret", owner)
     finally:
         ch.close()
+
+
+# ---------------------------------------------------------------- point 3: acl.json hygiene
+def _serve(tmp_path, acl_text: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "acl.json"
+    path.write_text(acl_text)
+    conf = tmp_path / "broker.conf"
+    conf.write_text(f"authenticationEnabled=true\nauthConfigPath={path}\n")
+    return subprocess.run([sys.executable, "-m", "rocketstore", "serve", str(tmp_path / "store"), "--port", "0",
+                           "--config", str(conf)], capture_output=True, text=True, timeout=30)
+
+
+def test_deeply_nested_acl_file_is_one_line_exit_2(tmp_path):
+    r = _serve(tmp_path, '{"users": ' + "[" * 100000 + "]" * 100000 + "}")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert "nested too deeply" in r.stderr and str(tmp_path / "acl.json") in r.stderr
+    assert "Traceback" not in r.stderr and "RecursionError" not in r.stderr
+    assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("doc, needles", [
+    ({"users": [{"username": "a", "password": "b"}], "acls": [{"subject": "User:a", "policies": ["x"]}]},
+     ("acls[0] (User:a).policies[0]", "must be an object", "'x'")),
+    ({"users": [{"username": "a", "password": "b"}, {"username": "root", "password": "r", "userTyp": "Super"}]},
+     ("users[1]", "unknown key 'userTyp'")),
+    ({"users": [{"username": "a", "password": "b"}], "acls": [{"subject": "User:a", "polices": []}]},
+     ("acls[0] (User:a)", "unknown key 'polices'")),
+    ({"users": [{"username": "a", "password": "b"}], "acls": [{"subject": "User:a", "policies": [
+        {"resource": "Topic:T", "actions": ["Pub"], "decision": "Allow", "sourceIp": ["10.0.0.0/8"]}]}]},
+     ("acls[0] (User:a).policies[0]", "unknown key 'sourceIp'")),
+    ({"users": [{"username": "a", "password": "b"}], "acls": [{"subject": "User:a", "policies": [
+        {"policyType": "Custom", "entries": [{"resource": "Topic:T", "actions": ["Pub"], "decision": "Allow",
+                                              "policyType": "Default"}]}]}]},
+     ("acls[0] (User:a).policies[0].entries[0]", "unknown key 'policyType'")),
+])
+def test_bad_acl_entries_are_refused_naming_key_and_entry(tmp_path, doc, needles):
+    path = tmp_path / "acl.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ConfigError) as e:
+        AclConfig.load(str(path))
+    for n in needles + (str(path),):
+        assert n in str(e.value), (n, str(e.value))
+
+
+def test_cli_refuses_an_unknown_user_key(tmp_path):
+    r = _serve(tmp_path, json.dumps({"users": [{"username": "a", "password": "b", "userTyp": "Super"}]}))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "userTyp" in r.stderr, r.stderr
+
+
+def test_readable_acl_file_is_warned_about(tmp_path, caplog):
+    path = tmp_path / "acl.json"
+    path.write_text(json.dumps(ACL))
+    cfg = BrokerConfig(authenticationEnabled=True, authConfigPath=str(path))
+    for mode, warned in ((0o600, False), (0o640, True), (0o604, True)):
+        os.chmod(path, mode)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="rocketstore.broker.acl"):
+            assert load_access_control(cfg, str(tmp_path)) is not None
+        hits = [r for r in caplog.records if "readable" in r.getMessage() and str(path) in r.getMessage()]
+        assert bool(hits) == warned, (oct(mode), [r.getMessage() for r in caplog.records])
+
+
+def _authenticates(stub, user: str, secret: str) -> bool:
+    req = svc.QueryRouteRequest()
+    req.topic.name = "Secret"
+    code = stub.QueryRoute(req, metadata=md(user, secret, f"{user}@1@1@x"), timeout=5).status.code
+    assert code in (C.OK, C.UNAUTHORIZED, C.FORBIDDEN), code
+    return code != C.UNAUTHORIZED
+
+
+def _wait(pred, seconds: float) -> bool:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if pred():
+            return True
+        time.sleep(0.2)
+    return pred()
+
+
+def test_acl_file_is_reloaded_on_change_and_on_sighup(broker, stub):
+    path = broker.acl_path
+    assert not _authenticates(stub, "late", "lsecret1")
+    doc = json.loads(json.dumps(ACL))
+    doc["users"].append({"username": "late", "password": "lsecret1"})
+    with open(path, "w") as fh:
+        fh.write(json.dumps(doc))
+    assert _wait(lambda: _authenticates(stub, "late", "lsecret1"), 6), "a changed file takes effect by itself"
+
+    # A bad file: logged naming the file, the ACL in force kept.
+    good = json.dumps(doc)
+    with open(path, "w") as fh:
+        fh.write(good.replace('"password": "lsecret1"', '"password": "lsecret1", "userTyp": "Super"'))
+    assert _wait(lambda: "ACL not reloaded" in broker.tail_log(), 6), broker.tail_log()
+    log_line = [ln for ln in broker.tail_log().splitlines() if "ACL not reloaded" in ln][-1]
+    assert path in log_line and "userTyp" in log_line
+    assert _authenticates(stub, "late", "lsecret1") and _authenticates(stub, "owner", "osecret")
+
+    # SIGHUP reads it even when size, mtime and inode look unchanged (a poll would not notice).
+    with open(path, "w") as fh:
+        fh.write(good)
+    assert _wait(lambda: broker.tail_log().count("ACL reloaded") >= 2, 6)
+    st = os.stat(path)
+    with open(path, "r+") as fh:
+        fh.write(good.replace("lsecret1", "lsecret2"))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    time.sleep(3)  # more than a poll: nothing changes by itself
+    assert _authenticates(stub, "late", "lsecret1") and not _authenticates(stub, "late", "lsecret2")
+    broker.proc.send_signal(signal.SIGHUP)
+    assert _wait(lambda: _authenticates(stub, "late", "lsecret2"), 5)
+    assert not _authenticates(stub, "late", "lsecret1"), "the old password (and its cached signatures) is gone"

@@ -27,10 +27,12 @@ from .broker import Broker
 from .config import BrokerConfig
 from .receipts import ReceiptSigner, load_or_create_secret
 from .service import MessagingService
+from .tasks import cancel, every
 from .topics import GroupConfig, TopicConfig
 from . import wire
 
 log = logging.getLogger(__name__)
+ACL_POLL = 2.0  # seconds between looks at the ACL file (it is also read again on SIGHUP)
 
 KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
@@ -95,6 +97,12 @@ async def serve_async(opts: ServeOptions, *, ready: Callable[[str, int], None] |
         log.info("store %s closed", opts.store)
 
 
+def _reload_acl(access: AccessControl) -> Callable[[], Any]:
+    async def step() -> None:
+        access.reload()
+    return step
+
+
 def admission_of(bcfg: BrokerConfig, access: AccessControl | None, frame_limit: int) -> AdmissionInterceptor:
     """Authentication on metadata and the request byte caps, checked before a request is read."""
     for key in ("maxInflightRequestBytes", "maxInflightRequestBytesPerConnection"):
@@ -150,6 +158,14 @@ async def _serve_store(server: Any, port: int, store: MessageStore, bcfg: Broker
             installed.append(sig)
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # not the main thread
+    acl_watch = None
+    if access is not None:
+        acl_watch = loop.create_task(every(ACL_POLL, _reload_acl(access), "ACL reload"), name="acl-reload")
+        try:
+            loop.add_signal_handler(signal.SIGHUP, access.reload, True)
+            installed.append(signal.SIGHUP)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
     try:
         await server.start()
         log.info("serving apache.rocketmq.v2.MessagingService on %s (%s%s) for store %s",
@@ -162,6 +178,7 @@ async def _serve_store(server: Any, port: int, store: MessageStore, bcfg: Broker
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
+        await cancel(acl_watch)
         await server.stop(opts.grace)
         await broker.stop()
 
