@@ -183,56 +183,63 @@ def test_unauthenticated_frames_are_refused_before_they_are_read(broker):
     assert set(codes) == {C.UNAUTHORIZED} and sum(codes.values()) >= 32, codes
 
 
+def _stall(ch, meta) -> tuple[object, threading.Event]:
+    """A SendMessage whose request never comes (until the event is set): it holds its reservation."""
+    ev = threading.Event()
+
+    def never():
+        ev.wait(30)
+        return
+        yield  # (a generator that sends nothing)
+
+    call = ch.stream_unary("/apache.rocketmq.v2.MessagingService/SendMessage",
+                           request_serializer=svc.SendMessageRequest.SerializeToString,
+                           response_deserializer=svc.SendMessageResponse.FromString)
+    return call.future(never(), metadata=meta, timeout=30), ev
+
+
 def test_request_bytes_in_flight_are_capped_per_connection_and_overall(broker, stub):
     """A call reserves the largest frame before its request is read.  A request that never arrives holds its
     connection's whole allowance: the next call on that connection waits a second, then RESOURCE_EXHAUSTED; a
-    call on another connection still fits the overall cap, until that one is held too."""
+    call on another connection still fits the overall cap, until that one is held too.  A call cancelled while
+    its request is being read gives its reservation back."""
     owner = md("owner", "osecret", "owner@1@1@x")
-    held, calls = [], []
+    chans = [grpc.insecure_channel(broker.endpoint, options=OWN_CONNECTION) for _ in range(3)]
+    calls = []
     try:
-        for _ in range(2):
-            ch = grpc.insecure_channel(broker.endpoint, options=OWN_CONNECTION)
-            held.append(ch)
-            stalled = threading.Event()
-
-            def never(ev=stalled):
-                ev.wait(30)
-                return
-                yield  # noqa: unreachable (a generator that sends nothing until released)
-
-            call = ch.stream_unary("/apache.rocketmq.v2.MessagingService/SendMessage",
-                                   request_serializer=svc.SendMessageRequest.SerializeToString,
-                                   response_deserializer=svc.SendMessageResponse.FromString)
-            calls.append((call.future(never(), metadata=owner, timeout=30), stalled))
+        for ch in chans[:2]:
+            calls.append(_stall(ch, owner))
             time.sleep(0.3)
-            s = svc_grpc.MessagingServiceStub(ch)
             with pytest.raises(grpc.RpcError) as e:
-                send_half(s, "Secret", owner)
+                send_half(svc_grpc.MessagingServiceStub(ch), "Secret", owner)
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
             assert "maxInflightRequestBytes" in e.value.details()
-        # Both connections hold one frame each: the overall cap (two frames) is full for a third connection too.
         assert not any(fut.done() for fut, _ in calls), "each stalled call holds its own connection's allowance"
-        with grpc.insecure_channel(broker.endpoint, options=OWN_CONNECTION) as ch3:
-            with pytest.raises(grpc.RpcError) as e:
-                send_half(svc_grpc.MessagingServiceStub(ch3), "Secret", owner)
-            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            # Releasing one stalled call frees its reservation: the third connection gets through.
-            calls[0][0].cancel()
-            calls[0][1].set()
-            time.sleep(0.3)
-            send_half(svc_grpc.MessagingServiceStub(ch3), "Secret", owner)
+        # Both connections hold one frame each: the overall cap (two frames) is full for a third connection too.
+        with pytest.raises(grpc.RpcError) as e:
+            send_half(svc_grpc.MessagingServiceStub(chans[2]), "Secret", owner)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Cancelling a stalled call (its request still unread) frees its reservation: the third gets through.
+        calls[0][0].cancel()
+        time.sleep(0.5)
+        send_half(svc_grpc.MessagingServiceStub(chans[2]), "Secret", owner)
+        # The other one sends its (empty) request stream at last: BAD_REQUEST, and its reservation is freed.
+        calls[1][1].set()
+        assert calls[1][0].result(timeout=10).status.code == C.BAD_REQUEST
+        # Everything was given back: two connections can hold a frame each again.
+        again = [_stall(ch, owner) for ch in chans[:2]]
+        calls += again
+        time.sleep(1.5)
+        assert not any(fut.done() for fut, _ in again), [f.exception() for f, _ in again if f.done()]
     finally:
         for fut, ev in calls:
             ev.set()
             fut.cancel()
-        for ch in held:
+        for ch in chans:
             ch.close()
-    # All freed: the first connection works again.
-    ch = grpc.insecure_channel(broker.endpoint, options=OWN_CONNECTION)
-    try:
+    time.sleep(0.5)
+    with grpc.insecure_channel(broker.endpoint, options=OWN_CONNECTION) as ch:
         send_half(svc_grpc.MessagingServiceStub(ch), "Secret", owner)
-    finally:
-        ch.close()
 
 
 # ---------------------------------------------------------------- point 3: acl.json hygiene

@@ -72,6 +72,12 @@ class RequestBudget:
                 return True  # granted just as the wait ended
             fut.cancel()
             return False
+        except asyncio.CancelledError:  # the call went away while waiting
+            if fut.done() and not fut.cancelled():
+                self.give(peer, n)
+            else:
+                fut.cancel()
+            raise
         finally:
             try:
                 self._waiters.remove(entry)
@@ -156,10 +162,11 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"too many request bytes in flight (maxInflightRequestBytes {budget.total}, "
                                     f"per connection {budget.per_connection}); retry later")
-            kept = limit
+            kept = 0  # what stays reserved once read; all of it is given back if the read fails or is cancelled
             try:
                 request = await request_iterator.__anext__()
-                kept = request.ByteSize() if keep_size and hasattr(request, "ByteSize") else 0
+                if keep_size and hasattr(request, "ByteSize"):
+                    kept = min(limit, request.ByteSize())
             except StopAsyncIteration:
                 request = None
             finally:
