@@ -192,10 +192,10 @@ class AclConfig:
         for i, a in enumerate(_list(doc.get("acls", []), "acls")):
             where = f"acls[{i}]"
             subject = _text(a, "subject", where)
-            where = f"acls[{i}] ({subject})"
-            _known_keys(a, ACL_KEYS, where)
             if not subject.startswith("User:") or subject[5:] not in out.users:
                 raise ValueError(f"{where}.subject={subject!r}: must be User:<a username of 'users'>")
+            where = f"acls[{i}] ({subject})"
+            _known_keys(a, ACL_KEYS, where)
             custom, default = out.acls.setdefault(subject, ([], []))
             for j, p in enumerate(_list(a.get("policies", []), f"{where}.policies")):
                 pwhere = f"{where}.policies[{j}]"
