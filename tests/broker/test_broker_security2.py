@@ -178,7 +178,7 @@ def test_unauthenticated_frames_are_refused_before_they_are_read(broker):
     for t in threads:
         t.join(30)
     after = memory_mb(pid)
-    assert after["VmHWM"] - before["VmRSS"] < 100, (before, after)
+    assert after["VmHWM"] - before["VmRSS"] < 75, (before, after)  # 300 MB for 128 clients, in proportion
     assert after["VmHWM"] < 200, (before, after)
     assert set(codes) == {C.UNAUTHORIZED} and sum(codes.values()) >= 32, codes
 
