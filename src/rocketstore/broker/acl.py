@@ -22,6 +22,11 @@ requested actions and the source address are ranked (a literal name before a
 prefix, a longer prefix before a shorter one, a prefix before ``Topic:*``,
 ``Topic:*`` before ``*``; among equals DENY before ALLOW, and Custom policies
 before Default ones) and the first one decides.  No matching entry: denied.
+
+The file is checked strictly (a key not listed here is refused, naming the key and the entry: a typo such
+as ``userTyp`` must not silently make a Normal user), read again on SIGHUP and when its size or
+modification time changes (a bad new file is logged and the ACL in force kept), and a warning is logged
+when its secrets are readable by the group or others.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import ipaddress
 import json
 import logging
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -47,6 +53,11 @@ DATE_FORMAT = "%Y%m%dT%H%M%SZ"
 ACTIONS = ("All", "Any", "Pub", "Sub", "Create", "Update", "Delete", "Get", "List")
 RESOURCE_TYPES = ("Cluster", "Namespace", "Topic", "Group")
 POLICY_TYPES = ("Custom", "Default")
+USER_KEYS = frozenset(("username", "password", "userType", "userStatus"))
+ACL_KEYS = frozenset(("subject", "policies"))
+ENTRY_KEYS = frozenset(("resource", "actions", "sourceIps", "decision"))
+POLICY_KEYS = ENTRY_KEYS | {"policyType", "entries"}
+VERIFIED_CACHE = 4096  # signatures remembered (then forgotten all at once)
 
 
 class AuthenticationError(Exception):
@@ -150,6 +161,8 @@ class AclConfig:
             raise ConfigError(f"{path}: cannot read the ACL file: {e.strerror}") from None
         except ValueError as e:
             raise ConfigError(f"{path}: not valid JSON: {e}") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: not an ACL file: nested too deeply") from None
         try:
             return cls.from_json(doc)
         except (ValueError, TypeError, KeyError, AttributeError) as e:
@@ -165,6 +178,7 @@ class AclConfig:
         out = cls()
         for i, u in enumerate(_list(doc.get("users", []), "users")):
             where = f"users[{i}]"
+            _known_keys(u, USER_KEYS, where)
             name, password = _text(u, "username", where), _text(u, "password", where)
             utype = str(u.get("userType", "Normal"))
             if utype.lower() not in ("super", "normal"):
@@ -180,17 +194,29 @@ class AclConfig:
             subject = _text(a, "subject", where)
             if not subject.startswith("User:") or subject[5:] not in out.users:
                 raise ValueError(f"{where}.subject={subject!r}: must be User:<a username of 'users'>")
+            where = f"acls[{i}] ({subject})"
+            _known_keys(a, ACL_KEYS, where)
             custom, default = out.acls.setdefault(subject, ([], []))
             for j, p in enumerate(_list(a.get("policies", []), f"{where}.policies")):
                 pwhere = f"{where}.policies[{j}]"
+                _known_keys(p, POLICY_KEYS, pwhere)
                 ptype = str(p.get("policyType", "Custom"))
                 if ptype.lower() not in ("custom", "default"):
                     raise ValueError(f"{pwhere}.policyType={ptype!r}: must be Custom or Default")
                 target = custom if ptype.lower() == "custom" else default
                 entries = p["entries"] if "entries" in p else [p]
                 for k, e in enumerate(_list(entries, f"{pwhere}.entries")):
-                    target.extend(_entries(e, f"{pwhere}.entries[{k}]" if "entries" in p else pwhere))
+                    target.extend(_entries(e, f"{pwhere}.entries[{k}]", ENTRY_KEYS) if "entries" in p
+                                  else _entries(e, pwhere, POLICY_KEYS))
         return out
+
+
+def _known_keys(obj: Any, known: frozenset[str], where: str) -> None:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where} must be an object, not {type(obj).__name__} {str(obj)[:40]!r}")
+    unknown = sorted(set(obj) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown key {unknown[0]!r} (expected one of {', '.join(sorted(known))})")
 
 
 def _list(v: Any, where: str) -> list:
@@ -208,9 +234,8 @@ def _text(obj: Any, key: str, where: str) -> str:
     return v
 
 
-def _entries(e: Any, where: str) -> list[PolicyEntry]:
-    if not isinstance(e, dict):
-        raise ValueError(f"{where} must be an object")
+def _entries(e: Any, where: str, keys: frozenset[str] = ENTRY_KEYS) -> list[PolicyEntry]:
+    _known_keys(e, keys, where)
     res = e.get("resource")
     keys = [res] if isinstance(res, str) else res
     if not isinstance(keys, list) or not keys or not all(isinstance(k, str) for k in keys):
@@ -273,13 +298,51 @@ def sign(secret: str, date_time: str) -> str:
 class AccessControl:
     """Checks callers against an :class:`AclConfig`."""
 
-    def __init__(self, acl: AclConfig, *, skew_ms: int = 15 * 60 * 1000, authorize: bool = True) -> None:
+    def __init__(self, acl: AclConfig, *, skew_ms: int = 15 * 60 * 1000, authorize: bool = True,
+                 path: str = "") -> None:
         self.acl = acl
+        self.path = path  # the file ``acl`` came from ("" when given in code): what reload() reads
+        self._stamp = _stamp(path) if path else None
         self.skew = skew_ms / 1000
         self.authorization = authorize
+        # (authorization, date-time) -> (user, signed at): the clients sign a whole second, so a busy client's
+        # requests share a header; each call is checked twice (admission, then the handler).
+        self._verified: dict[tuple[str, str], tuple[str, float]] = {}
+
+    def reload(self, force: bool = False) -> bool:
+        """Read the file again when it changed (size, modification time, inode), or always with ``force``.
+        A file that is now bad is logged and the ACL in force kept.  True when a new ACL took effect."""
+        if not self.path:
+            return False
+        stamp = _stamp(self.path)
+        if not force and stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        try:
+            acl = AclConfig.load(self.path)
+        except ConfigError as e:
+            log.error("ACL not reloaded, the one in force is kept: %s", e)
+            return False
+        warn_if_readable(self.path)
+        self.acl = acl
+        self._verified.clear()  # a password changed or a user disabled takes effect now
+        log.info("ACL reloaded from %s: %d users", self.path, len(acl.users))
+        return True
 
     def authenticate(self, authorization: str, date_time: str, now: float | None = None) -> str:
         """The user name of a correctly signed, fresh request; AuthenticationError otherwise."""
+        hit = self._verified.get((authorization, date_time))
+        if hit is not None:
+            now = time.time() if now is None else now
+            if abs(now - hit[1]) <= self.skew:
+                return hit[0]
+        user = self._authenticate(authorization, date_time, now)
+        if len(self._verified) >= VERIFIED_CACHE:
+            self._verified.clear()
+        self._verified[(authorization, date_time)] = (user, parse_date_time(date_time))
+        return user
+
+    def _authenticate(self, authorization: str, date_time: str, now: float | None) -> str:
         if not authorization:
             raise AuthenticationError("no authorization header")
         ak, signature = parse_authorization(authorization)
@@ -326,9 +389,32 @@ class AccessControl:
                                      f"{rtype}:{name} from {source_ip or 'unknown address'}")
 
 
+def _stamp(path: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def warn_if_readable(path: str) -> None:
+    """Log a warning when the file holding the users' secrets may be read by its group or by others."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if mode & (stat.S_IRGRP | stat.S_IROTH):
+        log.warning("%s holds the users' secrets but is readable by %s (mode %o); chmod 600 it", path,
+                    "group and others" if mode & stat.S_IRGRP and mode & stat.S_IROTH
+                    else "its group" if mode & stat.S_IRGRP else "others", stat.S_IMODE(mode))
+
+
 def load_access_control(cfg: Any, store_dir: str) -> AccessControl | None:
     """The AccessControl a BrokerConfig asks for (None when ACL is off); ConfigError for a bad file."""
     if not (cfg.authenticationEnabled or cfg.authorizationEnabled):
         return None
     path = cfg.authConfigPath or os.path.join(store_dir, "config", ACL_FILE)
-    return AccessControl(AclConfig.load(path), skew_ms=cfg.authDateTimeSkew, authorize=cfg.authorizationEnabled)
+    access = AccessControl(AclConfig.load(path), skew_ms=cfg.authDateTimeSkew, authorize=cfg.authorizationEnabled,
+                           path=path)
+    warn_if_readable(path)
+    return access

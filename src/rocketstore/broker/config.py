@@ -80,6 +80,12 @@ class BrokerConfig:
     # -1 turns it off.  Its address is written to <store>/config/admin.json while the broker runs.
     adminHost: str = "127.0.0.1"
     adminPort: int = 0
+    # Request bytes being read or handled at once, overall and per connection.  A call reserves the largest frame
+    # it could carry (grpc.max_receive_message_length) before its request is read, and waits up to a second for
+    # room; then it gets gRPC RESOURCE_EXHAUSTED.  Each must be at least that frame (~9 MiB at the default
+    # maxMessageSize).  Unauthenticated calls (ACL on) are refused before any of their bytes are read.
+    maxInflightRequestBytes: int = 256 * 1024 * 1024
+    maxInflightRequestBytesPerConnection: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
         self.validate()
@@ -105,6 +111,8 @@ class BrokerConfig:
                     "clientExpireTime", "maxDelayTime", "authDateTimeSkew"):
             need(getattr(self, key) > 0, key, "must be positive")
         need(self.transactionCheckMax >= 1, "transactionCheckMax", "must be at least 1")
+        need(self.maxInflightRequestBytes >= self.maxInflightRequestBytesPerConnection > 0,
+             "maxInflightRequestBytesPerConnection", "must be positive and at most maxInflightRequestBytes")
         need(1 <= self.storeThreads <= 512, "storeThreads", "must be in 1..512")
         need(-1 <= self.adminPort <= 65535, "adminPort", "must be a port (0 picks a free one, -1 turns it off)")
         try:

@@ -6,6 +6,10 @@ HMAC-SHA256 under a broker secret over the group, topic and handle.  A handle
 whose MAC does not verify is unknown: Ack, ChangeInvisibleDuration and
 ForwardMessageToDeadLetterQueue answer INVALID_RECEIPT_HANDLE.
 
+Transaction ids are sealed the same way (:meth:`ReceiptSigner.seal_transaction`):
+the store's offset message id of the half message plus a MAC over the real topic
+and that id, so EndTransaction cannot name a half message it was not given.
+
 The secret is 32 random bytes in ``<store>/config/receiptSecret`` (mode 0600),
 created at the first start and kept, so handles stay valid over a restart.
 """
@@ -24,6 +28,9 @@ log = logging.getLogger(__name__)
 
 SECRET_FILE = "receiptSecret"
 MAC_BYTES = 16
+# Stands in for the group in a transaction id's MAC: no group name contains a NUL, so a receipt handle's MAC
+# never verifies as a transaction id's, nor the other way round.
+_TRANSACTION_DOMAIN = "\x00transaction"
 
 
 def load_or_create_secret(config_dir: str) -> bytes:
@@ -74,3 +81,11 @@ class ReceiptSigner:
             return None
         expected = self._mac(group, topic, handle)
         return handle if hmac.compare_digest(expected.encode("ascii"), mac.lower().encode("utf-8")) else None
+
+    def seal_transaction(self, topic: str, txid: str) -> str:
+        """The transaction id a producer gets for the half message ``txid`` of the real topic ``topic``."""
+        return self.seal(_TRANSACTION_DOMAIN, topic, txid)
+
+    def open_transaction(self, topic: str, sealed: str) -> str | None:
+        """The half message's id inside ``sealed``, or None unless it was sealed for ``topic``."""
+        return self.open(_TRANSACTION_DOMAIN, topic, sealed)

@@ -19,24 +19,31 @@ from typing import Any, Callable
 import grpc
 
 from ..config import StoreConfig
-from ..errors import CliError
+from ..errors import CliError, ConfigError
 from ..store import MessageStore
 from .acl import AccessControl, load_access_control
 from .admin import AdminServer
+from .admission import AdmissionInterceptor, RequestBudget
 from .broker import Broker
 from .config import BrokerConfig
 from .receipts import ReceiptSigner, load_or_create_secret
 from .service import MessagingService
+from .tasks import cancel, every
 from .topics import GroupConfig, TopicConfig
 from . import wire
 
 log = logging.getLogger(__name__)
+ACL_POLL = 2.0  # seconds between looks at the ACL file (it is also read again on SIGHUP)
 
 KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.so_reuseport", 0),
+    # No bandwidth-delay probing: with it, gRPC grows a stream's receive window to megabytes and buffers a request
+    # nobody asked to read (a refused, unauthenticated 9 MB frame cost its full size).  Without it a stream gets
+    # window for the message its handler is reading, and 64 KiB otherwise.
+    ("grpc.http2.bdp_probe", 0),
 ]
 
 
@@ -80,15 +87,32 @@ async def serve_async(opts: ServeOptions, *, ready: Callable[[str, int], None] |
     bcfg = opts.broker_config or BrokerConfig()
     access = load_access_control(bcfg, opts.store)  # a bad ACL file stops us before the store is touched
     limit = wire.hard_frame_limit((opts.store_config or StoreConfig()).maxMessageSize)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
+    admission = admission_of(bcfg, access, limit)
+    server = grpc.aio.server(interceptors=[admission], options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", -1), *KEEPALIVE_OPTIONS])
     port = _bind(server, opts)
     store = MessageStore.open(opts.store, opts.store_config)
     try:
-        await _serve_store(server, port, store, bcfg, opts, ready, stop_event, access)
+        await _serve_store(server, port, store, bcfg, opts, ready, stop_event, access, admission)
     finally:
         store.close()
         log.info("store %s closed", opts.store)
+
+
+def _reload_acl(access: AccessControl) -> Callable[[], Any]:
+    async def step() -> None:
+        access.reload()
+    return step
+
+
+def admission_of(bcfg: BrokerConfig, access: AccessControl | None, frame_limit: int) -> AdmissionInterceptor:
+    """Authentication on metadata and the request byte caps, checked before a request is read."""
+    for key in ("maxInflightRequestBytes", "maxInflightRequestBytesPerConnection"):
+        if getattr(bcfg, key) < frame_limit:
+            raise ConfigError(f"{key}={getattr(bcfg, key)}: must be at least the largest request frame, "
+                              f"{frame_limit} bytes (2 x maxMessageSize + 1 MiB)")
+    budget = RequestBudget(bcfg.maxInflightRequestBytes, bcfg.maxInflightRequestBytesPerConnection)
+    return AdmissionInterceptor(access, budget, frame_limit)
 
 
 def _bind(server: Any, opts: ServeOptions) -> int:
@@ -116,8 +140,10 @@ def _bind(server: Any, opts: ServeOptions) -> int:
 
 async def _serve_store(server: Any, port: int, store: MessageStore, bcfg: BrokerConfig, opts: ServeOptions,
                        ready: Callable[[str, int], None] | None, stop_event: asyncio.Event | None,
-                       access: AccessControl | None = None) -> None:
+                       access: AccessControl | None = None, admission: AdmissionInterceptor | None = None) -> None:
     broker = Broker(store, bcfg, store_host_of(opts.host, port))
+    if admission is not None:
+        admission.on_refused = broker.metrics.refused
     receipts = ReceiptSigner(load_or_create_secret(broker.config_dir))
     for t in opts.topics:
         broker.topics.put_topic(t)
@@ -131,6 +157,7 @@ async def _serve_store(server: Any, port: int, store: MessageStore, bcfg: Broker
         except BaseException:
             await broker.stop()
             raise
+    broker.transactions.signer = receipts  # transaction ids sealed with the persistent secret
     service = MessagingService(broker, opts.host, port, receipts=receipts, access=access)
     wire.add_service(service, server, max_send_bytes=wire.soft_send_limit(store.config.maxMessageSize))
     stop = stop_event or asyncio.Event()
@@ -142,6 +169,14 @@ async def _serve_store(server: Any, port: int, store: MessageStore, bcfg: Broker
             installed.append(sig)
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # not the main thread
+    acl_watch = None
+    if access is not None:
+        acl_watch = loop.create_task(every(ACL_POLL, _reload_acl(access), "ACL reload"), name="acl-reload")
+        try:
+            loop.add_signal_handler(signal.SIGHUP, access.reload, True)
+            installed.append(signal.SIGHUP)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
     try:
         await server.start()
         if admin is not None:
@@ -158,6 +193,7 @@ async def _serve_store(server: Any, port: int, store: MessageStore, bcfg: Broker
             loop.remove_signal_handler(sig)
         if admin is not None:
             admin.stop()
+        await cancel(acl_watch)
         await server.stop(opts.grace)
         await broker.stop()
 

@@ -3,7 +3,11 @@
 * A half message goes to ``RMQ_SYS_TRANS_HALF_TOPIC`` (queue 0) with
   ``REAL_TOPIC``, ``REAL_QID`` and ``TRAN_MSG=true``: no consumer sees it.  Its
   transaction id is the record's offset message id, so EndTransaction finds the
-  half message through the commitlog even after a restart.
+  half message through the commitlog even after a restart.  The producer gets
+  that id sealed with a MAC over the real topic (:class:`ReceiptSigner`), so an
+  id cannot be guessed from the commitlog offset, nor used through another topic.
+* EndTransaction must name the half message's own topic and message id; a
+  topic that is blank or not a legal name is ILLEGAL_TOPIC.
 * COMMIT puts a copy into the real topic (sysFlag TRANSACTION_COMMIT,
   preparedTransactionOffset = the half record); COMMIT and ROLLBACK both write
   an op record to ``RMQ_SYS_TRANS_OP_HALF_TOPIC`` whose body is the half
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -35,8 +40,9 @@ from ..storage.consumer_offsets import ConsumerOffsetManager
 from .tasks import cancel, every
 from .pop import now_ms
 from .proto import pb, svc
+from .receipts import ReceiptSigner
 from .timer import restore
-from .topics import TRANS_GROUP, TRANS_HALF_TOPIC, TRANS_OP_HALF_TOPIC
+from .topics import MAX_TOPIC_LEN, TRANS_GROUP, TRANS_HALF_TOPIC, TRANS_OP_HALF_TOPIC, illegal_name
 
 log = logging.getLogger(__name__)
 OP_TAG = "d"
@@ -63,6 +69,9 @@ class TransactionService:
         self.put = put
         self.notify = notify
         self.send_check = send_check
+        # Seals transaction ids.  The server sets the broker's persistent signer (ids stay valid over a restart);
+        # until then a random key, so an id is never unsealed.
+        self.signer = ReceiptSigner(secrets.token_bytes(32))
         self.pending: dict[int, Half] = {}
         self.op_refs: dict[int, int] = {}  # half queue offset -> op queue offset (resolved, above committed)
         self.resolving: set[int] = set()
@@ -144,9 +153,13 @@ class TransactionService:
                 delay = max(delay, int(immunity) * 1000)
             self.pending[res.queue_offset] = Half(res.queue_offset, res.commit_log_offset, msg.topic,
                                                   props.get("UNIQ_KEY", ""), now_ms() + delay)
-        return res, res.msg_id
+        return res, (self.signer.seal_transaction(msg.topic, res.msg_id) if res.ok else "")
 
-    def _find(self, message_id: str, txid: str) -> MessageExt | None:
+    def _find(self, topic: str, message_id: str, sealed: str) -> MessageExt | None:
+        """The half message of ``sealed`` when it was sealed for ``topic`` and is ``message_id``, else None."""
+        txid = self.signer.open_transaction(topic, sealed)
+        if txid is None:
+            return None
         try:
             raw = bytes.fromhex(txid)
         except ValueError:
@@ -157,19 +170,24 @@ class TransactionService:
             m = self.store.look(int.from_bytes(raw[-8:], "big"))
         except Exception:
             return None
-        if m.topic != TRANS_HALF_TOPIC or (message_id and m.uniq_key != message_id):
+        if m.topic != TRANS_HALF_TOPIC or m.properties.get(P_REAL_TOPIC) != topic or m.uniq_key != message_id:
             return None
         return m
 
     async def end(self, topic: str, message_id: str, txid: str, resolution: int, source: int) -> tuple[int, str]:
+        """Commit or roll back the half message of ``txid``.  Only through the half message's own topic (the
+        caller was authorised for it) and message id, and only with an id this broker sealed for that topic."""
+        why = illegal_name(topic, "topic", MAX_TOPIC_LEN)
+        if why:
+            return Code.ILLEGAL_TOPIC, why
         if not txid or not txid.strip():
             return Code.INVALID_TRANSACTION_ID, "transaction id is blank"
-        m = self._find(message_id, txid.strip())
+        if not message_id:
+            return Code.INVALID_TRANSACTION_ID, "message id is blank"
+        m = self._find(topic, message_id, txid.strip())
         if m is None:
-            return Code.INVALID_TRANSACTION_ID, f"no half message for transaction {txid[:64]!r}"
-        if topic and m.properties.get(P_REAL_TOPIC, topic) != topic:
-            # Only a producer of the half message's own topic (the one authorised for it) may end it.
-            return Code.INVALID_TRANSACTION_ID, f"transaction {txid[:64]!r} is not of topic {topic}"
+            return Code.INVALID_TRANSACTION_ID, (f"no half message {message_id[:64]!r} of topic {topic} for "
+                                                 f"transaction {txid[:80]!r}")
         off = m.queue_offset
         if off < self.half_committed or off in self.op_refs:
             return Code.OK, "already resolved"
@@ -252,14 +270,15 @@ class TransactionService:
                 log.debug("asked a producer of %s about transaction %s (check %d)", h.topic, h.message_id,
                           h.checks)
 
-    @staticmethod
-    def check_command(m: MessageExt) -> Any:
+    def check_command(self, m: MessageExt) -> Any:
         """The Telemetry command that asks a producer about a half message."""
         cmd = svc.TelemetryCommand()
         rec = cmd.recover_orphaned_transaction_command
         to_pb(m, rec.message)
-        rec.message.topic.name = m.properties.get(P_REAL_TOPIC, m.topic)
+        real = m.properties.get(P_REAL_TOPIC, m.topic)
+        rec.message.topic.name = real
         rec.message.system_properties.message_type = pb.MessageType.TRANSACTION
-        rec.transaction_id = codec.offset_msg_id(m.store_addr, m.store_port, m.commit_log_offset)
+        rec.transaction_id = self.signer.seal_transaction(
+            real, codec.offset_msg_id(m.store_addr, m.store_port, m.commit_log_offset))
         return cmd
 
