@@ -215,6 +215,7 @@ def test_available_now_with_max_offsets_per_trigger_reads_everything_once(spark,
                    "avgOffsetsBehindLatest": str(sum(lags) / len(lags))}
     assert sum(lags) == total - 600
     assert queues.offsets_behind(batches[-1].sources[0])["maxOffsetsBehindLatest"] == "0"
+    assert not batches[0].sources[0].metrics  # PySpark 4.3's Python sources cannot report metrics (docs/spark.md)
 
 
 def test_max_offsets_split_in_proportion_to_each_queue():
@@ -274,3 +275,14 @@ def test_running_stream_picks_up_new_topics_and_queues(spark, tmp_path):
     rows = spark.sql("select * from pattern").collect()
     assert sorted((r.topic, r.partition, r.offset, r.v) for r in rows) == sorted(
         [("TopicNew", i % 3, i // 3, f"n{i}") for i in range(12)] + [("TopicA", 2, 388, "a-new")])
+
+
+def test_commitlog_view_reports_the_tail_as_latest_offset():
+    """Outside the queue view the progress's latestOffset is the store's tail while maxBytesPerTrigger cuts."""
+    import os
+    root = os.path.abspath(BASIC)
+    tail = max(e["commitLogOffset"] + e["size"] for e in EXP)
+    r = stream_reader(root, startingOffsets="earliest", maxBytesPerTrigger="1000000")
+    end = r.latestOffset(r.initialOffset(), r.getDefaultReadLimit())
+    assert end[root] < tail  # cut by maxBytesPerTrigger
+    assert r.reportLatestOffset() == {root: tail}

@@ -228,8 +228,9 @@ class QueueView:
 
     def __init__(self, opts: Options, roots: list[str], stream: bool) -> None:
         if len(roots) != 1 or remote.is_tier_uri(roots[0]):
-            raise StoreError(f"options {', '.join(o for o in queues.QUEUE_OPTIONS if opts.get(o) is not None) or 'with per-queue JSON offsets'}: "
-                             "the queue view reads exactly one local store directory")
+            given = ", ".join(o for o in queues.QUEUE_OPTIONS if opts.get(o) is not None) or "per-queue offsets"
+            raise StoreError(f"options {given}: the queue view reads exactly one local store directory "
+                             f"(not {', '.join(roots)})")
         self.root = roots[0]
         self.opts = opts
         self.stream = stream
@@ -269,8 +270,8 @@ class QueueView:
             raise StoreError("endingTimestamp is for batch reads")
         self.strategy = str(opts.get("startingOffsetsByTimestampStrategy", "error")).strip().lower()
         if self.strategy not in ("error", "latest"):
-            raise StoreError(f"option startingOffsetsByTimestampStrategy={opts.get('startingOffsetsByTimestampStrategy')!r}: "
-                             "expected error or latest")
+            raise StoreError("option startingOffsetsByTimestampStrategy="
+                             f"{opts.get('startingOffsetsByTimestampStrategy')!r}: expected error or latest")
         self.max_rows = opts.int("maxOffsetsPerTrigger")
         self.min_rows = opts.int("minOffsetsPerTrigger")
         self.max_delay_ms = queues.parse_duration_ms(opts, "maxTriggerDelay", "15m")
