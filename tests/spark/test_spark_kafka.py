@@ -182,13 +182,14 @@ def test_stream_from_offsets_by_timestamp(spark, tmp_path):
     b1 = _times("TopicB", 1)
     t = b1[400][1]
     first = next(o for o, ts in b1 if ts >= t)
-    q = (spark.readStream.format("rocketstore").option("assign", '{"TopicB": [1]}')
+    q = (spark.readStream.format("rocketstore").option("assign", '{"TopicB": [1], "TopicA": [0, 1]}')
+         .option("startingOffsets", '{"TopicA": {"0": 370}}')  # TopicA/1 not named: latest, a stream's default
          .option("startingOffsetsByTimestamp", json.dumps({"TopicB": {"1": t}})).load(BASIC)
          .writeStream.format("memory").queryName("by_ts").option("checkpointLocation", str(tmp_path / "c"))
          .trigger(availableNow=True).start())
     q.awaitTermination(120)
-    got = [r.queueOffset for r in spark.sql("select queueOffset from by_ts").collect()]
-    assert sorted(got) == list(range(first, 452))
+    got = ids(spark.sql("select topic, queueId, queueOffset from by_ts").collect())
+    assert got == [("TopicA", 0, o) for o in range(370, 380)] + [("TopicB", 1, o) for o in range(first, 452)]
 
 
 # ---------------------------------------------------------------- points 3 and 4: rate control, lag
@@ -286,3 +287,27 @@ def test_commitlog_view_reports_the_tail_as_latest_offset():
     end = r.latestOffset(r.initialOffset(), r.getDefaultReadLimit())
     assert end[root] < tail  # cut by maxBytesPerTrigger
     assert r.reportLatestOffset() == {root: tail}
+
+
+def test_queue_view_fail_on_data_loss(tmp_path):
+    """Messages deleted before a stream read them fail it (naming the queue) unless failOnDataLoss=false, which
+    skips to each queue's earliest remaining offset."""
+    import glob
+    import os
+    store_dir = str(copy_store(golden_store("basic"), tmp_path / "s"))
+    first = sorted(glob.glob(store_dir + "/commitlog/*"))[0]
+    second_base = int(os.path.basename(sorted(glob.glob(store_dir + "/commitlog/*"))[1]))
+    os.remove(first)  # as retention deletes the oldest segment
+    gone = 1 + max(e["queueOffset"] for e in EXP
+                   if queue_of(e) == ("TopicA", 0) and e["commitLogOffset"] < second_base)
+    start = {"TopicA": {"0": 0}}
+    r = stream_reader(store_dir, assign='{"TopicA": [0]}')
+    with pytest.raises(StoreError, match="TopicA/0 queue offset 0 is gone.*failOnDataLoss=false"):
+        r.latestOffset(start, ReadAllAvailable())
+    r = stream_reader(store_dir, assign='{"TopicA": [0]}', failOnDataLoss="false")
+    assert r.latestOffset(start, ReadAllAvailable()) == {"TopicA": {"0": 380}}
+    spans = [s for p in r.partitions(start, {"TopicA": {"0": 380}}) for s in p.value]
+    assert [(s.lo, s.hi) for s in spans] == [(gone, 380)]
+    rows = [row for p in r.partitions(start, {"TopicA": {"0": 380}}) for b in r.read(p) for row in
+            b.select(["queueOffset"]).to_pylist()]
+    assert [x["queueOffset"] for x in rows] == list(range(gone, 380))
