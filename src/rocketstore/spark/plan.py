@@ -759,3 +759,68 @@ def stream_tasks(root: str, start: int, end: int, flt: RowFilter | None, tier: T
         if lo < hi:
             tasks.append(ScanTask(root, path, base, lo - base, hi - base, True, flt, tier=tier, file_size=size))
     return tasks
+
+
+# ---------------------------------------------------------------- consume queues as partitions (queue offsets)
+
+@dataclass(frozen=True)
+class QueueRange:
+    """One consume queue's readable units: queue offsets [earliest, end) (Kafka's partition bounds)."""
+
+    topic: str
+    queue_id: int
+    directory: str
+    file_size: int  # the consume queue's file size
+    earliest: int
+    end: int
+
+
+def queue_ranges(root: str) -> dict[tuple[str, int], QueueRange]:
+    """Every consume queue of ``root`` with its readable queue offsets.
+
+    ``earliest`` is the first unit pointing at or past the first local commitlog segment (units below it point
+    at deleted records); ``end`` stops before any unit pointing at or past the commitlog's readable end (a unit
+    dispatched for a record a crash tore, which recovery would drop)."""
+    cq_root = StorePaths(root).consumequeue
+    files = _segment_files(root)
+    if not files or not os.path.isdir(cq_root):
+        return {}
+    first, tail = files[0][0], find_tail(root)
+    out: dict[tuple[str, int], QueueRange] = {}
+    for topic in sorted(os.listdir(cq_root)):
+        tdir = os.path.join(cq_root, topic)
+        if not os.path.isdir(tdir):
+            continue
+        for qid in sorted(os.listdir(tdir)):
+            qdir = os.path.join(tdir, qid)
+            if not qid.isdigit() or not os.path.isdir(qdir):
+                continue
+            names = sorted(n for n in os.listdir(qdir) if len(n) == 20 and n.isdigit())
+            if not names:
+                continue
+            try:
+                size = os.path.getsize(os.path.join(qdir, names[0]))
+                if size < CQ_STORE_UNIT_SIZE or size % CQ_STORE_UNIT_SIZE:
+                    raise StoreError(f"{qdir}: consume queue file size {size} is not a multiple of "
+                                     f"{CQ_STORE_UNIT_SIZE}")
+                if any(int(n) != int(names[0]) + k * size for k, n in enumerate(names)):
+                    raise StoreError(f"{qdir}: consume queue files are not contiguous ({', '.join(names)})")
+                q = _QueueFiles(qdir, names, size)
+            except OSError as e:
+                raise StoreError(f"{qdir}: cannot read the consume queue ({e})") from None
+            try:
+                lo, hi = q.lower_bound(first), q.lower_bound(tail)
+            finally:
+                q.close()
+            out[(topic, int(qid))] = QueueRange(topic, int(qid), qdir, size, lo, max(lo, hi))
+    return out
+
+
+def queue_offsets_by_time(root: str, wanted: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
+    """For each (topic, queue) -> store time (ms): the queue offset of its first message stored at or after that
+    time (RocketMQ's getOffsetInQueueByTime, lower boundary), clamped to the queue's bounds."""
+    from ..storage.consume_queue import LOWER
+    if not wanted:
+        return {}
+    with open_read_only(root) as store:
+        return {k: store.offset_by_time(k[0], k[1], ts, LOWER) for k, ts in wanted.items()}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,9 +28,12 @@ from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
     ReadLimit,
     ReadMaxBytes,
+    ReadMaxRows,
+    ReadMinRows,
     SupportsTriggerAvailableNow,
 )
 from pyspark.sql.types import (
+    ArrayType,
     BinaryType,
     IntegerType,
     LongType,
@@ -43,7 +47,7 @@ from pyspark.sql.types import (
 from ..config import StoreConfig
 from ..errors import StoreError
 from . import plan as planner
-from . import remote, segment
+from . import queues, remote, segment
 from .segment import RowFilter
 
 log = logging.getLogger(__name__)
@@ -53,10 +57,29 @@ _SPARK_TYPES = {"string": StringType(), "int": IntegerType(), "bigint": LongType
                 "binary": BinaryType(), "map<string,string>": MapType(StringType(), StringType())}
 
 
-def spark_schema(with_body: bool = True) -> StructType:
-    """The rows' schema: the fields of ``rocketstore dump`` (body omitted with ``withBody=false``)."""
-    return StructType([StructField(n, _SPARK_TYPES[t], nullable=n in ("tags", "keys"))
-                       for n, t, _ in segment.COLUMNS if with_body or n != "body"])
+# Option kafkaColumns=true: the columns of Spark's Kafka source (``topic`` is already one of ours), computed
+# from the record's own fields, so that a job written for Kafka runs with only the format name changed.
+KAFKA_FIELDS = [
+    StructField("key", BinaryType(), True),  # the first KEYS entry (null without KEYS)
+    StructField("value", BinaryType(), True),  # the body
+    StructField("partition", IntegerType(), False),  # the queue id
+    StructField("offset", LongType(), False),  # the queue offset
+    StructField("timestamp", TimestampType(), False),  # the store time
+    StructField("timestampType", IntegerType(), False),  # 1, Kafka's LogAppendTime: the broker stamped it
+    StructField("headers", ArrayType(StructType([StructField("key", StringType(), True),
+                                                StructField("value", BinaryType(), True)]), True), True),
+]
+KAFKA_SOURCES = {"key": "keys", "value": "body", "partition": "queueId", "offset": "queueOffset",
+                 "timestamp": "storeTimestamp", "timestampType": "queueId", "headers": "properties"}
+LOG_APPEND_TIME = 1
+
+
+def spark_schema(with_body: bool = True, kafka_columns: bool = False) -> StructType:
+    """The rows' schema: the fields of ``rocketstore dump`` (body omitted with ``withBody=false``), then
+    Kafka's columns with ``kafkaColumns=true``."""
+    fields = [StructField(n, _SPARK_TYPES[t], nullable=n in ("tags", "keys"))
+              for n, t, _ in segment.COLUMNS if with_body or n != "body"]
+    return StructType(fields + (KAFKA_FIELDS if kafka_columns else []))
 
 
 # ---------------------------------------------------------------- options
@@ -99,7 +122,8 @@ class Options:
         return items
 
     def topics(self) -> frozenset[str] | None:
-        return self.names("topics")
+        """Option ``topics``, or Kafka's name for it, ``subscribe``."""
+        return self.names("topics") if self.get("topics") is not None else self.names("subscribe")
 
     def queue_ids(self) -> frozenset[int] | None:
         items = self.names("queueIds")
@@ -196,6 +220,130 @@ def options_filter(opts: Options, roots: list[str]) -> dict[str, RowFilter]:
     return out
 
 
+# ---------------------------------------------------------------- the queue view (Kafka's partitions)
+
+class QueueView:
+    """Driver side of a read in Kafka's partition view (:mod:`rocketstore.spark.queues`): which queues, from and
+    to which queue offsets, how many messages per trigger."""
+
+    def __init__(self, opts: Options, roots: list[str], stream: bool) -> None:
+        if len(roots) != 1 or remote.is_tier_uri(roots[0]):
+            given = ", ".join(o for o in queues.QUEUE_OPTIONS if opts.get(o) is not None) or "per-queue offsets"
+            raise StoreError(f"options {given}: the queue view reads exactly one local store directory "
+                             f"(not {', '.join(roots)})")
+        self.root = roots[0]
+        self.opts = opts
+        self.stream = stream
+        self.selection = queues.Selection.from_options(opts)
+        for o in ("keys", "maxBytesPerTrigger", "startingOffsets", "endingOffsets"):
+            v = opts.get(o)
+            if v is None or o.endswith("Offsets") and (str(v).strip().lower() in (EARLIEST, LATEST)
+                                                       or queues.per_queue_json(opts, o)):
+                continue
+            raise StoreError(f"option {o}={v!r}: not with the queue view (options assign, subscribePattern, "
+                             "per-queue offsets ...); use per-queue JSON offsets, earliest or latest"
+                             + ("; maxOffsetsPerTrigger counts messages" if o == "maxBytesPerTrigger" else ""))
+        self.start_default = self._default("startingOffsets", LATEST if stream else EARLIEST)
+        self.end_default = self._default("endingOffsets", LATEST)
+        if not stream and self.start_default == queues.LATEST:
+            raise StoreError("startingOffsets=latest is for streams; a batch read starts at earliest or an offset")
+        if not stream and self.end_default == queues.EARLIEST:
+            raise StoreError("endingOffsets=earliest is not allowed for a batch read")
+        if stream and opts.get("endingOffsets") is not None:
+            raise StoreError("endingOffsets is for batch reads; a stream follows the store (use "
+                             "trigger(availableNow=True) to stop at the current end)")
+        self.start_spec = queues.parse_per_queue(opts, "startingOffsets") if queues.per_queue_json(
+            opts, "startingOffsets") else None
+        self.end_spec = queues.parse_per_queue(opts, "endingOffsets") if queues.per_queue_json(
+            opts, "endingOffsets") else None
+        for name, spec, bad in (("startingOffsets", self.start_spec, None if stream else queues.LATEST),
+                                ("endingOffsets", self.end_spec, queues.EARLIEST)):
+            for (t, q), v in (spec or {}).items():
+                if v == bad:
+                    raise StoreError(f"option {name}={opts.get(name)!r}: {t}/{q}: {v} is not allowed for a batch "
+                                     "read")
+        self.start_ts = queues.parse_per_queue(opts, "startingOffsetsByTimestamp", timestamps=True)
+        self.end_ts = queues.parse_per_queue(opts, "endingOffsetsByTimestamp", timestamps=True)
+        self.start_ts_all = opts.int("startingTimestamp")
+        self.end_ts_all = opts.int("endingTimestamp")
+        if self.end_ts_all is not None and stream:
+            raise StoreError("endingTimestamp is for batch reads")
+        self.strategy = str(opts.get("startingOffsetsByTimestampStrategy", "error")).strip().lower()
+        if self.strategy not in ("error", "latest"):
+            raise StoreError("option startingOffsetsByTimestampStrategy="
+                             f"{opts.get('startingOffsetsByTimestampStrategy')!r}: expected error or latest")
+        self.max_rows = opts.int("maxOffsetsPerTrigger")
+        self.min_rows = opts.int("minOffsetsPerTrigger")
+        self.max_delay_ms = queues.parse_duration_ms(opts, "maxTriggerDelay", "15m")
+        self.max_records = opts.int("maxRecordsPerPartition")
+        for name, v in (("maxOffsetsPerTrigger", self.max_rows), ("minOffsetsPerTrigger", self.min_rows),
+                        ("maxRecordsPerPartition", self.max_records)):
+            if v is not None and v <= 0:
+                raise StoreError(f"option {name}={v}: must be positive")
+        self.fail_on_data_loss = opts.flag("failOnDataLoss", True)
+
+    def _default(self, name: str, default: str) -> int:
+        """-2 / -1 for earliest / latest; per-queue JSON leaves the queues it omits at the read's default."""
+        codes = {EARLIEST: queues.EARLIEST, LATEST: queues.LATEST}
+        return codes.get(str(self.opts.get(name, default)).strip().lower(), codes[default])
+
+    def ranges(self) -> tuple[dict[queues.Queue, planner.QueueRange], dict[queues.Queue, planner.QueueRange]]:
+        """All the store's queues and the selected ones, now."""
+        ranges = planner.queue_ranges(self.root)
+        self.selection.check_assigned(ranges, self.root, self.opts.get("assign"))
+        return ranges, self.selection.pick(ranges)
+
+    def _times(self, spec: dict[queues.Queue, int] | None, everywhere: int | None,
+               selected: dict[queues.Queue, planner.QueueRange]) -> dict[queues.Queue, int] | None:
+        if everywhere is not None:  # startingTimestamp / endingTimestamp: every queue, as Kafka's
+            return {k: everywhere for k in selected}
+        return spec
+
+    def starts(self, ranges: dict, selected: dict) -> dict[queues.Queue, int]:
+        out = queues.resolve("startingOffsets", self.opts.get("startingOffsets"), self.start_spec,
+                             self.start_default, ranges, selected)
+        times = self._times(self.start_ts, self.start_ts_all, selected)
+        if times:
+            name = "startingTimestamp" if self.start_ts_all is not None else "startingOffsetsByTimestamp"
+            out.update(queues.by_timestamp(self.root, name, self.opts.get(name), times, selected, ranges,
+                                           self.strategy))
+        return out
+
+    def ends(self, ranges: dict, selected: dict) -> dict[queues.Queue, int]:
+        out = queues.resolve("endingOffsets", self.opts.get("endingOffsets"), self.end_spec, self.end_default,
+                             ranges, selected)
+        times = self._times(self.end_ts, self.end_ts_all, selected)
+        if times:
+            name = "endingTimestamp" if self.end_ts_all is not None else "endingOffsetsByTimestamp"
+            out.update(queues.by_timestamp(self.root, name, self.opts.get(name), times, selected, ranges, "end"))
+        return out
+
+    def batch_spans(self) -> list[queues.QueueSpan]:
+        ranges, selected = self.ranges()
+        start, end = self.starts(ranges, selected), self.ends(ranges, selected)
+        for k in selected:
+            if start[k] > end[k]:
+                raise StoreError(f"{k[0]}/{k[1]}: starting offset {start[k]} is after the ending offset {end[k]}")
+            if start[k] < ranges[k].earliest:
+                self.lost(k, start[k], ranges[k].earliest)
+                start[k] = ranges[k].earliest
+        return queues.spans(self.root, start, end, ranges, self.max_records)
+
+    def lost(self, k: queues.Queue, offset: int, earliest: int) -> None:
+        msg = (f"{self.root}: {k[0]}/{k[1]} queue offset {offset} is gone (the queue now starts at {earliest}); "
+               "messages were deleted before this query read them")
+        if self.fail_on_data_loss:
+            raise StoreError(msg + " (set failOnDataLoss=false to skip ahead)")
+        log.warning("%s; skipping ahead", msg)
+
+
+class QueuePartition(InputPartition):
+    """Queue offset ranges of consume queues (a list of :class:`rocketstore.spark.queues.QueueSpan`)."""
+
+    def __init__(self, spans: list[queues.QueueSpan]) -> None:
+        super().__init__(spans)
+
+
 # ---------------------------------------------------------------- batch reads
 
 class ScanPartition(InputPartition):
@@ -257,7 +405,7 @@ def spread(parts: list[list[planner.ScanTask]], min_partitions: int) -> list[lis
 
 
 def _check_schema(schema: StructType) -> list[str]:
-    expected = {f.name: f.dataType for f in spark_schema()}
+    expected = {f.name: f.dataType for f in spark_schema(True, True)}
     names = []
     for f in schema.fields:
         if f.name not in expected:
@@ -274,6 +422,49 @@ def _arrow_schema(schema: StructType):
     return to_arrow_schema(schema, timezone="UTC")
 
 
+def decoded_names(names: list[str]) -> list[str]:
+    """The record fields to decode for the columns ``names`` (Kafka's columns are made from ours)."""
+    out = [n for n in names if n in segment.ARROW_TYPES]
+    for n in names:
+        src = KAFKA_SOURCES.get(n)
+        if src is not None and src not in out:
+            out.append(src)
+    return out
+
+
+def kafka_column(name: str, batch: Any, arrow_type: Any) -> Any:
+    """Kafka's column ``name`` from a decoded batch (see :data:`KAFKA_FIELDS`)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    col = batch.column(KAFKA_SOURCES[name])
+    if name == "key":
+        first = pc.list_element(pc.split_pattern(pc.utf8_ltrim(col, " "), " ", max_splits=1), 0)
+        first = pc.if_else(pc.equal(first, ""), pa.scalar(None, pa.string()), first)
+        return first.cast(pa.binary())
+    if name == "timestampType":
+        return pa.array(np.full(batch.num_rows, LOG_APPEND_TIME, np.int32), pa.int32())
+    if name == "headers":
+        col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        pairs = pa.StructArray.from_arrays([col.keys, col.items.cast(pa.binary())], names=["key", "value"])
+        return pa.ListArray.from_arrays(col.offsets, pairs, type=arrow_type, mask=col.is_null())
+    return col.cast(arrow_type) if col.type != arrow_type else col
+
+
+def shape(batches: Iterator[Any], arrow_schema: Any) -> Iterator[Any]:
+    """Decoded batches as batches of exactly the Spark schema: its columns, in its order, Kafka's added."""
+    import pyarrow as pa
+    for b in batches:
+        if b.schema.equals(arrow_schema):
+            yield b
+        elif all(f.name in segment.ARROW_TYPES for f in arrow_schema):
+            yield pa.RecordBatch.from_arrays([b.column(f.name) for f in arrow_schema], schema=arrow_schema)
+        else:
+            yield pa.RecordBatch.from_arrays(
+                [b.column(f.name) if f.name in segment.ARROW_TYPES else kafka_column(f.name, b, f.type)
+                 for f in arrow_schema], schema=arrow_schema)
+
+
 def read_task(tasks: list[planner.ScanTask] | None, names: list[str], arrow_schema: Any,
               batch_rows: int, skip_damaged: bool = False) -> Iterator[Any]:
     """The rows of one partition, as Arrow batches of exactly the Spark schema.
@@ -282,7 +473,15 @@ def read_task(tasks: list[planner.ScanTask] | None, names: list[str], arrow_sche
     (option ``skipDamaged``), which drops it with a warning in the executor's log."""
     if not tasks:
         return
-    import pyarrow as pa
+    if isinstance(tasks[0], queues.QueueSpan):
+        for span in tasks:
+            yield from shape(queues.read_span(span, decoded_names(names), batch_rows, skip_damaged), arrow_schema)
+        return
+    yield from shape(_read_scan_tasks(tasks, decoded_names(names), batch_rows, skip_damaged), arrow_schema)
+
+
+def _read_scan_tasks(tasks: list[planner.ScanTask], names: list[str], batch_rows: int,
+                     skip_damaged: bool) -> Iterator[Any]:
     for task in tasks:
         key = task.key
         if key is None and task.tier is not None and not os.path.exists(task.path):
@@ -297,11 +496,7 @@ def read_task(tasks: list[planner.ScanTask] | None, names: list[str], arrow_sche
             batches = segment.read_range(task.path, task.start, task.end, names, task.filter, batch_rows=batch_rows,
                                          boundary_known=task.boundary_known, queues=task.queues,
                                          drop_cache=task.drop_cache, skip_damaged=skip_damaged)
-        for b in batches:
-            if b.schema.equals(arrow_schema):
-                yield b
-            else:
-                yield pa.RecordBatch.from_arrays(b.columns, schema=arrow_schema)
+        yield from batches
 
 
 class RocketStoreReader(DataSourceReader):
@@ -321,7 +516,8 @@ class RocketStoreReader(DataSourceReader):
         self.tiers = opts.tiers(self.roots)
         self.names = _check_schema(schema)
         self.arrow_schema = _arrow_schema(schema)
-        self.base = options_filter(opts, self.roots)
+        self.queue_view = QueueView(opts, self.roots, stream=False) if queues.wants_queues(opts, False) else None
+        self.base = {} if self.queue_view else options_filter(opts, self.roots)
         self.batch_rows = opts.int("batchRows", segment.DEFAULT_BATCH_ROWS)
         self.max_partition_bytes = opts.int("maxPartitionBytes", DEFAULT_MAX_PARTITION_BYTES)
         self.min_partitions = opts.int("minPartitions", default_min_partitions or os.cpu_count() or 1)
@@ -341,6 +537,8 @@ class RocketStoreReader(DataSourceReader):
         return tasks, reports
 
     def partitions(self) -> list[InputPartition]:
+        if self.queue_view is not None:
+            return [QueuePartition([s]) for s in self.queue_view.batch_spans()]
         tasks, _ = self.plan()
         parts = pack(tasks, self.max_partition_bytes, self.min_partitions)
         # A task keeps about two cores busy (its Python worker decoding, its JVM thread converting the
@@ -355,7 +553,12 @@ class RocketStoreReader(DataSourceReader):
 # ---------------------------------------------------------------- streaming reads
 
 class RocketStoreStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    """Follows the stores' commitlogs; offsets are ``{"<store path>": commitlog offset}``."""
+    """Follows the stores' commitlogs; offsets are ``{"<store path>": commitlog offset}``.
+
+    In the queue view (:class:`QueueView`) it follows the selected consume queues instead; offsets are then
+    Kafka's ``{"<topic>": {"<queue id>": queue offset}}``, and queues that appear while it runs (new topics
+    matching ``subscribePattern``, new queues) are read from their earliest offset, as Kafka reads new partitions.
+    """
 
     def __init__(self, options: Any, schema: StructType) -> None:
         opts = Options(options)
@@ -363,6 +566,15 @@ class RocketStoreStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNo
         self.tiers = opts.tiers(self.roots)
         self.names = _check_schema(schema)
         self.arrow_schema = _arrow_schema(schema)
+        self.batch_rows = opts.int("batchRows", segment.DEFAULT_BATCH_ROWS)
+        self.skip_damaged = opts.flag("skipDamaged", False)
+        self.target: dict[str, int] | None = None
+        self.latest: dict | None = None  # the newest offsets seen by latestOffset (reportLatestOffset)
+        self.view = QueueView(opts, self.roots, stream=True) if queues.wants_queues(opts, True) else None
+        if self.view is not None:
+            self.queue_target: dict[queues.Queue, int] | None = None
+            self.last_trigger = time.monotonic()
+            return
         self.starting = parse_offsets(opts.get("startingOffsets"), self.roots, "startingOffsets", LATEST)
         for r, v in self.starting.items():
             if v == LATEST and opts.get("startingTimestamp") is not None:
@@ -375,12 +587,12 @@ class RocketStoreStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNo
         if self.max_bytes is not None and self.max_bytes <= 0:
             raise StoreError("option maxBytesPerTrigger must be positive")
         self.fail_on_data_loss = opts.flag("failOnDataLoss", True)
-        self.skip_damaged = opts.flag("skipDamaged", False)
         self.flt = RowFilter(topics=opts.topics(), queue_ids=opts.queue_ids())
-        self.batch_rows = opts.int("batchRows", segment.DEFAULT_BATCH_ROWS)
-        self.target: dict[str, int] | None = None
 
     def initialOffset(self) -> dict:
+        if self.view is not None:
+            ranges, selected = self.view.ranges()
+            return queues.to_json(self.view.starts(ranges, selected))
         out = {}
         for r in self.roots:
             v = self.starting[r]
@@ -396,13 +608,61 @@ class RocketStoreStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNo
         return out
 
     def getDefaultReadLimit(self) -> ReadLimit:
+        if self.view is not None:
+            # PySpark takes one limit, not Kafka's composite of both: the reader applies its own
+            # maxOffsetsPerTrigger and minOffsetsPerTrigger whenever the engine passes either.
+            if self.view.max_rows:
+                return ReadMaxRows(self.view.max_rows)
+            return ReadMinRows(self.view.min_rows) if self.view.min_rows else ReadAllAvailable()
         return ReadMaxBytes(self.max_bytes) if self.max_bytes else ReadAllAvailable()
 
     def prepareForTriggerAvailableNow(self) -> None:
+        if self.view is not None:
+            _ranges, selected = self.view.ranges()
+            self.queue_target = {k: r.end for k, r in selected.items()}
+            return
         self.target = {r: planner.find_tail(r, tier=self.tiers[r]) for r in self.roots}
+
+    def reportLatestOffset(self) -> dict | None:
+        """The newest offsets seen by the last latestOffset, so that the query's progress shows the lag."""
+        return self.latest
+
+    def _queue_latest(self, start: dict, limit: ReadLimit | None) -> dict:
+        view = self.view
+        ranges, selected = view.ranges()
+        begin = queues.from_json(start)
+        for k, r in selected.items():
+            if k not in begin:
+                log.info("%s: new queue %s/%d, read from its earliest offset %d", view.root, k[0], k[1], r.earliest)
+                begin[k] = r.earliest
+            elif begin[k] < r.earliest:
+                view.lost(k, begin[k], r.earliest)
+                begin[k] = r.earliest
+        latest = dict(begin)  # queues no longer selected (or gone) stay where they are
+        latest.update({k: max(begin[k], r.end) for k, r in selected.items()})
+        self.latest = queues.to_json(latest)
+        end = dict(latest)
+        if self.queue_target is not None:  # Trigger.AvailableNow: what there was when the query started
+            end = {k: min(v, max(begin[k], self.queue_target.get(k, begin[k]))) for k, v in end.items()}
+        if limit is not None and not isinstance(limit, ReadAllAvailable):
+            available = sum(end[k] - begin[k] for k in end)
+            if view.min_rows and self.queue_target is None and available < view.min_rows and \
+                    (time.monotonic() - self.last_trigger) * 1000 < view.max_delay_ms:
+                log.debug("%s: %d messages available, fewer than minOffsetsPerTrigger=%d: waiting",
+                          view.root, available, view.min_rows)
+                return start
+            if view.max_rows:
+                end = queues.limit_rows(begin, end, view.max_rows)
+        out = queues.to_json(end)
+        if out != start:
+            self.last_trigger = time.monotonic()
+        log.info("%s: batch to %s; messages behind the latest: %s", view.root, out, queues.behind(end, latest))
+        return out
 
     def latestOffset(self, start: dict | None = None, limit: ReadLimit | None = None) -> dict:
         start = start if start is not None else self.initialOffset()
+        if self.view is not None:
+            return self._queue_latest(start, limit)
         budget = limit.max_bytes if isinstance(limit, ReadMaxBytes) else None
         out = {}
         for r in self.roots:
@@ -412,6 +672,8 @@ class RocketStoreStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNo
             if self.target is not None:
                 end = min(end, max(s, self.target[r]))
             out[r] = end
+        self.latest = {r: max(out[r], planner.find_tail(r, tier=self.tiers[r])) if budget or self.target
+                       else out[r] for r in self.roots}
         return out
 
     def _check_loss(self, root: str, offset: int) -> int:
@@ -428,6 +690,16 @@ class RocketStoreStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNo
         return offset
 
     def partitions(self, start: dict, end: dict) -> list[InputPartition]:
+        if self.view is not None:
+            ranges = planner.queue_ranges(self.view.root)
+            begin = queues.from_json(start)
+            for k, v in list(begin.items()):
+                r = ranges.get(k)
+                if r is not None and v < r.earliest:
+                    self.view.lost(k, v, r.earliest)
+                    begin[k] = r.earliest
+            return [QueuePartition([s]) for s in queues.spans(self.view.root, begin, queues.from_json(end), ranges,
+                                                                self.view.max_records)]
         tasks = []
         for r in self.roots:
             s, e = int(start.get(r, 0)), int(end.get(r, 0))
@@ -512,7 +784,8 @@ class RocketStoreDataSource(DataSource):
         return FORMAT
 
     def schema(self) -> StructType:
-        return spark_schema(Options(self.options).flag("withBody", True))
+        opts = Options(self.options)
+        return spark_schema(opts.flag("withBody", True), opts.flag("kafkaColumns", False))
 
     def reader(self, schema: StructType) -> DataSourceReader:
         return RocketStoreReader(self.options, schema, self.default_min_partitions)
