@@ -107,27 +107,87 @@ def test_sync_flush_put_stays_off_the_loop(tmp_path):
     assert len(threads) == 1 and threads[0] != loop_thread  # it waits for fdatasync: not on the loop
 
 
-def test_async_flush_sends_are_dispatched_on_the_loop_once_per_iteration(tmp_path):
+def _count_dispatch_calls(store) -> list[int]:
+    """Record the thread of every dispatch_ready call the broker makes."""
+    calls: list[int] = []
+    real = store.dispatch_ready
+
+    def dispatch_ready():
+        calls.append(threading.get_ident())
+        return real()
+    store.dispatch_ready = dispatch_ready
+    return calls
+
+
+def test_async_flush_sends_are_dispatched_on_the_loop_once_per_window(tmp_path):
     """The consume queues are still built after the send is answered, but by one call on the loop for every send
-    of the loop iteration, not by waking the store's dispatch thread (which then waits longer between rounds)."""
-    from helpers.workloads import put_units_threads
+    of DISPATCH_DELAY (under load each send comes in a loop iteration of its own), not by waking the store's
+    dispatch thread (which then waits longer between rounds)."""
+    from rocketstore.broker.broker import DISPATCH_DELAY
 
     async def scenario(broker, service, store):
         assert store.reput.assisted
         await service.SendMessage(_send_request(8), Context())  # one per queue: the dispatch thread makes them
         assert await asyncio.to_thread(store.wait_dispatched, 10)
-        with put_units_threads() as writers:
-            resps = [await service.SendMessage(_send_request(1), Context()) for _ in range(3)]  # (no await waits)
-            queued_at_answer = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
+        calls = _count_dispatch_calls(store)
+        resps = []
+        for _ in range(3):  # three sends, each in a loop iteration of its own
+            resps.append(await service.SendMessage(_send_request(1), Context()))
             await asyncio.sleep(0)
-            queued_after = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
-        return resps, queued_at_answer, queued_after, writers, threading.get_ident()
+        queued_at_answer = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
+        calls_before = len(calls)
+        await asyncio.sleep(DISPATCH_DELAY * 3)
+        queued_after = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
+        return resps, queued_at_answer, calls_before, queued_after, calls, threading.get_ident()
 
-    resps, at_answer, after, writers, loop_thread = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    resps, at_answer, calls_before, after, calls, loop_thread = _run(tmp_path, "ASYNC_FLUSH", scenario)
     assert [r.status.code for r in resps] == [pb.Code.OK] * 3
-    assert at_answer == 8  # asynchronous: not in the queues when answered
+    assert at_answer == 8 and calls_before == 0  # asynchronous: not in the queues when answered
     assert after == 11
-    assert writers == [loop_thread] * 3  # three queues, one dispatch call
+    assert calls == [loop_thread]  # three sends, one dispatch call, on the loop
+
+
+def test_a_waiting_receive_gets_the_dispatch_at_once(tmp_path):
+    """With a receive waiting on the topic, a send's records are dispatched in the next loop iteration, not
+    after DISPATCH_DELAY (the wake-up waits for the dispatch)."""
+    from rocketstore.broker.broker import DISPATCH_DELAY
+
+    async def scenario(broker, service, store):
+        await service.SendMessage(_send_request(8), Context())
+        assert await asyncio.to_thread(store.wait_dispatched, 10)
+        calls = _count_dispatch_calls(store)
+        broker.longpoll.has_waiters = lambda topic: topic == "SendT"
+        woken = []
+        broker.longpoll.notify = lambda topic, queue_id=None, tag=None: woken.append(
+            (topic, sum(store.max_offset_in_queue("SendT", q) for q in range(8))))
+        t0 = time.monotonic()
+        resp = await service.SendMessage(_send_request(1), Context())
+        await asyncio.sleep(0)
+        queued = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
+        for _ in range(100):
+            if woken:
+                break
+            await asyncio.sleep(0)
+        return resp, queued, calls, woken, time.monotonic() - t0
+
+    resp, queued, calls, woken, took = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    assert resp.status.code == pb.Code.OK
+    assert queued == 9 and len(calls) == 1  # dispatched in the next iteration
+    assert woken == [("SendT", 9)]  # the waiter is woken once the unit is in its queue
+    assert took < DISPATCH_DELAY * 50  # (not a timing assertion of the delay: only that nothing waited long)
+
+
+def test_stop_dispatches_the_window_pending(tmp_path):
+    async def scenario(broker, service, store):
+        await service.SendMessage(_send_request(8), Context())
+        assert await asyncio.to_thread(store.wait_dispatched, 10)
+        calls = _count_dispatch_calls(store)
+        await service.SendMessage(_send_request(1), Context())
+        await broker.stop()  # before DISPATCH_DELAY is over
+        return calls, sum(store.max_offset_in_queue("SendT", q) for q in range(8)), threading.get_ident()
+
+    calls, queued, loop_thread = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    assert calls == [loop_thread] and queued == 9
 
 
 def test_sync_flush_dispatch_stays_with_the_dispatch_thread(tmp_path):
@@ -174,3 +234,47 @@ def test_bare_reference_server_serves_the_official_client(tmp_path):
     assert d["produce_msgs_per_s"] > 0 and d["consume_msgs_per_s"] > 0
     assert d["produce_server_cpu_us_per_msg"] is not None
     assert os.path.exists(str(tmp_path / "bare" / "broker.log"))
+
+
+def test_request_status_is_the_entries_own_or_multiple_results(tmp_path):
+    """The request's status copies its entries' when they agree (code and text), else MULTIPLE_RESULTS."""
+    async def scenario(broker, service, store):
+        same = _send_request(2)
+        for m in same.messages:
+            m.body = b""
+        mixed = _send_request(2)
+        mixed.messages[1].body = b""
+        return (await service.SendMessage(same, Context()), await service.SendMessage(mixed, Context()),
+                await service.SendMessage(_send_request(3), Context()))
+
+    same, mixed, ok = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    assert [e.status.code for e in same.entries] == [pb.Code.MESSAGE_BODY_EMPTY] * 2
+    assert (same.status.code, same.status.message) == (same.entries[0].status.code, same.entries[0].status.message)
+    assert same.status.message == "message body is empty"
+    assert [e.status.code for e in mixed.entries] == [pb.Code.OK, pb.Code.MESSAGE_BODY_EMPTY]
+    assert mixed.status.code == pb.Code.MULTIPLE_RESULTS
+    assert (ok.status.code, ok.status.message) == (pb.Code.OK, "OK")
+
+
+def test_control_character_check_is_the_regular_expressions():
+    import random
+
+    from rocketstore.broker.convert import _CONTROL, _has_control
+
+    rng = random.Random(26)
+    samples = ["", " ", "abc", "tab\there", "a\x00b", "\x7f", "x\x1fy", "caf\u00e9", "\u00e9\x01", "\x85",
+               "\u2028", "\ud7ff"] + ["".join(chr(rng.randrange(0, 400)) for _ in range(rng.randrange(1, 8)))
+                                      for _ in range(5000)]
+    for s in samples:
+        assert _has_control(s) == (_CONTROL.search(s) is not None), repr(s)
+
+
+def test_born_host_is_the_same_cached_or_not():
+    from rocketstore.broker.convert import host_from
+
+    cases = [("10.1.2.3", "ipv4:127.0.0.1:5555"), ("", "ipv4:10.0.0.9:77"), ("not a host", "ipv4:10.0.0.9:77"),
+             ("::1", "ipv6:[::1]:9"), ("10.1.2.3:99", "ipv4:127.0.0.1:x"), ("", "unix:/tmp/s")]
+    first = [host_from(t, p) for t, p in cases]
+    assert first == [host_from.__wrapped__(t, p) for t, p in cases]
+    assert first == [host_from(t, p) for t, p in cases]
+    assert first[0] == (b"\x0a\x01\x02\x03", 5555) and first[1] == (b"\x0a\x00\x00\x09", 77)

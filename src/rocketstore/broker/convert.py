@@ -84,6 +84,13 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _has_control(s: str) -> bool:
+    """Whether ``s`` holds an ASCII control character (U+0000-U+001F, U+007F).
+
+    An ASCII string has one exactly when it is not printable (``str.isprintable`` is C-speed, about a third
+    of a regular expression search); other strings are searched.
+    """
+    if s.isascii():
+        return not s.isprintable()
     return _CONTROL.search(s) is not None
 
 
@@ -243,8 +250,13 @@ def _packed_ip(text: str) -> bytes | None:
         return None
 
 
+@functools.lru_cache(maxsize=1024)
 def host_from(text: str, peer: str) -> tuple[bytes, int]:
-    """The born host: an IP text (optionally with a port), else the gRPC peer's address."""
+    """The born host: an IP text (optionally with a port), else the gRPC peer's address.
+
+    Cached: a client sends the same born host over the same connection every time (the result is a tuple of
+    immutables, a pure function of the two texts).
+    """
     t = (text or "").strip()
     port = 0
     if peer:
@@ -271,6 +283,18 @@ def peer_host(peer: str) -> tuple[bytes, int]:
         return codec.parse_host(rest)
     except (ValueError, AttributeError):
         return b"\x7f\x00\x00\x01", 0
+
+
+@functools.lru_cache(maxsize=1024)
+def _host_text(addr: bytes, port: int) -> str:
+    """``codec.format_host``, cached: a broker has one store host, a producer one born host."""
+    return codec.format_host(addr, port)
+
+
+@functools.lru_cache(maxsize=1024)
+def _address_text(addr: bytes, port: int) -> str:
+    """The address of a host without its port (and IPv6 brackets), as the gRPC born_host carries it."""
+    return codec.format_host(addr, port).rsplit(":", 1)[0].strip("[]")
 
 
 def _user_properties(props: Mapping[str, str]) -> dict[str, str]:
@@ -315,9 +339,9 @@ def to_pb(msg: MessageExt, out, *, namespace: str = "", receipt_handle: str | No
     sp.body_encoding = pb.Encoding.GZIP if zlib_body else pb.Encoding.IDENTITY
     sp.message_type = derived_type(props)
     set_ts(sp.born_timestamp, msg.born_timestamp)
-    sp.born_host = codec.format_host(msg.born_addr, msg.born_port).rsplit(":", 1)[0].strip("[]")
+    sp.born_host = _address_text(msg.born_addr, msg.born_port)
     set_ts(sp.store_timestamp, msg.store_timestamp)
-    sp.store_host = codec.format_host(msg.store_addr, msg.store_port)
+    sp.store_host = _host_text(msg.store_addr, msg.store_port)
     sp.queue_id = msg.queue_id
     sp.queue_offset = msg.queue_offset
     deliver = props.get(P_TIMER_DELIVER)
