@@ -107,87 +107,27 @@ def test_sync_flush_put_stays_off_the_loop(tmp_path):
     assert len(threads) == 1 and threads[0] != loop_thread  # it waits for fdatasync: not on the loop
 
 
-def _count_dispatch_calls(store) -> list[int]:
-    """Record the thread of every dispatch_ready call the broker makes."""
-    calls: list[int] = []
-    real = store.dispatch_ready
-
-    def dispatch_ready():
-        calls.append(threading.get_ident())
-        return real()
-    store.dispatch_ready = dispatch_ready
-    return calls
-
-
-def test_async_flush_sends_are_dispatched_on_the_loop_once_per_window(tmp_path):
+def test_async_flush_sends_are_dispatched_on_the_loop_once_per_iteration(tmp_path):
     """The consume queues are still built after the send is answered, but by one call on the loop for every send
-    of DISPATCH_DELAY (under load each send comes in a loop iteration of its own), not by waking the store's
-    dispatch thread (which then waits longer between rounds)."""
-    from rocketstore.broker.broker import DISPATCH_DELAY
+    of the loop iteration, not by waking the store's dispatch thread (which then waits longer between rounds)."""
+    from helpers.workloads import put_units_threads
 
     async def scenario(broker, service, store):
         assert store.reput.assisted
         await service.SendMessage(_send_request(8), Context())  # one per queue: the dispatch thread makes them
         assert await asyncio.to_thread(store.wait_dispatched, 10)
-        calls = _count_dispatch_calls(store)
-        resps = []
-        for _ in range(3):  # three sends, each in a loop iteration of its own
-            resps.append(await service.SendMessage(_send_request(1), Context()))
+        with put_units_threads() as writers:
+            resps = [await service.SendMessage(_send_request(1), Context()) for _ in range(3)]  # (no await waits)
+            queued_at_answer = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
             await asyncio.sleep(0)
-        queued_at_answer = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
-        calls_before = len(calls)
-        await asyncio.sleep(DISPATCH_DELAY * 3)
-        queued_after = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
-        return resps, queued_at_answer, calls_before, queued_after, calls, threading.get_ident()
+            queued_after = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
+        return resps, queued_at_answer, queued_after, writers, threading.get_ident()
 
-    resps, at_answer, calls_before, after, calls, loop_thread = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    resps, at_answer, after, writers, loop_thread = _run(tmp_path, "ASYNC_FLUSH", scenario)
     assert [r.status.code for r in resps] == [pb.Code.OK] * 3
-    assert at_answer == 8 and calls_before == 0  # asynchronous: not in the queues when answered
+    assert at_answer == 8  # asynchronous: not in the queues when answered
     assert after == 11
-    assert calls == [loop_thread]  # three sends, one dispatch call, on the loop
-
-
-def test_a_waiting_receive_gets_the_dispatch_at_once(tmp_path):
-    """With a receive waiting on the topic, a send's records are dispatched in the next loop iteration, not
-    after DISPATCH_DELAY (the wake-up waits for the dispatch)."""
-    from rocketstore.broker.broker import DISPATCH_DELAY
-
-    async def scenario(broker, service, store):
-        await service.SendMessage(_send_request(8), Context())
-        assert await asyncio.to_thread(store.wait_dispatched, 10)
-        calls = _count_dispatch_calls(store)
-        broker.longpoll.has_waiters = lambda topic: topic == "SendT"
-        woken = []
-        broker.longpoll.notify = lambda topic, queue_id=None, tag=None: woken.append(
-            (topic, sum(store.max_offset_in_queue("SendT", q) for q in range(8))))
-        t0 = time.monotonic()
-        resp = await service.SendMessage(_send_request(1), Context())
-        await asyncio.sleep(0)
-        queued = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
-        for _ in range(100):
-            if woken:
-                break
-            await asyncio.sleep(0)
-        return resp, queued, calls, woken, time.monotonic() - t0
-
-    resp, queued, calls, woken, took = _run(tmp_path, "ASYNC_FLUSH", scenario)
-    assert resp.status.code == pb.Code.OK
-    assert queued == 9 and len(calls) == 1  # dispatched in the next iteration
-    assert woken == [("SendT", 9)]  # the waiter is woken once the unit is in its queue
-    assert took < DISPATCH_DELAY * 50  # (not a timing assertion of the delay: only that nothing waited long)
-
-
-def test_stop_dispatches_the_window_pending(tmp_path):
-    async def scenario(broker, service, store):
-        await service.SendMessage(_send_request(8), Context())
-        assert await asyncio.to_thread(store.wait_dispatched, 10)
-        calls = _count_dispatch_calls(store)
-        await service.SendMessage(_send_request(1), Context())
-        await broker.stop()  # before DISPATCH_DELAY is over
-        return calls, sum(store.max_offset_in_queue("SendT", q) for q in range(8)), threading.get_ident()
-
-    calls, queued, loop_thread = _run(tmp_path, "ASYNC_FLUSH", scenario)
-    assert calls == [loop_thread] and queued == 9
+    assert writers == [loop_thread] * 3  # three queues, one dispatch call
 
 
 def test_sync_flush_dispatch_stays_with_the_dispatch_thread(tmp_path):

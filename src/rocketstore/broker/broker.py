@@ -33,9 +33,6 @@ from .transaction import TransactionService
 log = logging.getLogger(__name__)
 
 DISPATCH_WAIT = 0.2  # seconds a long-poll wake-up may wait for the dispatcher
-# ASYNC_FLUSH puts are dispatched on the loop this long after the first of them (one call for all the puts of
-# the window: per call the dispatch costs about as much as a put) -- at once when a receive waits for them.
-DISPATCH_DELAY = 0.002
 POP_WRITE_SPACING = 10  # popState.json waits this many times its last write's duration before the next one
 
 
@@ -62,7 +59,7 @@ class Broker:
         self._tasks: list[asyncio.Task] = []
         self._persist_lock: asyncio.Lock | None = None
         self._pop_next_write = 0.0
-        self._dispatch_due: asyncio.TimerHandle | None = None  # the dispatch_ready call scheduled for the puts
+        self._dispatch_due = False  # a dispatch_ready call is scheduled for this loop iteration
         self.started = False
 
     # ------------------------------------------------------------ lifecycle
@@ -90,8 +87,6 @@ class Broker:
         if not self.started:
             return
         self.started = False
-        if self._dispatch_due is not None:
-            self._dispatch()
         self.store.assist_dispatch(False)
         await cancel(*self._tasks)
         if self.timer:
@@ -110,19 +105,18 @@ class Broker:
 
         ASYNC_FLUSH: the put runs on the loop.  It appends to the mapped commitlog and hands the record to the
         dispatcher (tens of microseconds); sending it to a thread cost more than the put itself (a pool
-        submit, a thread wake-up and a loop wake-up per send).  The records are dispatched on the loop too
-        (so, as ever, asynchronously to the put), by one call for every put of the next DISPATCH_DELAY, or
-        at once when a receive is waiting (:meth:`notify`): waking the store's dispatch thread for them cost
-        more than the dispatch, and one call per put (each send comes in a loop iteration of its own under
-        load) cost about as much as the put itself.
+        submit, a thread wake-up and a loop wake-up per send).  The records are dispatched on the loop too,
+        after the current callback (so, as ever, asynchronously to the put), by one call for every put of
+        the loop iteration: waking the store's dispatch thread for them cost more than the dispatch.
         SYNC_FLUSH: the put waits for the group commit's fdatasync, so it runs in the pool, where several wait
         on one flush; the dispatch thread follows the flushed end.
         """
         try:
             if not self.store.puts_wait_for_flush:
                 res = self.store.put(msg)
-                if self._dispatch_due is None:
-                    self._dispatch_due = asyncio.get_running_loop().call_later(DISPATCH_DELAY, self._dispatch)
+                if not self._dispatch_due:
+                    self._dispatch_due = True
+                    asyncio.get_running_loop().call_soon(self._dispatch)
                 return res
             return await asyncio.get_running_loop().run_in_executor(self.executor, self.store.put, msg)
         except StoreError as e:
@@ -131,9 +125,7 @@ class Broker:
             return PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=str(e))
 
     def _dispatch(self) -> None:
-        if self._dispatch_due is not None:
-            self._dispatch_due.cancel()
-            self._dispatch_due = None
+        self._dispatch_due = False
         self.store.dispatch_ready()  # what fails here is left to the dispatch thread
 
     # ------------------------------------------------------------ long polling
@@ -141,18 +133,12 @@ class Broker:
         """A message was stored in ``topic`` (queue and tag when known): wake the receives that may take it.
 
         The wake-up waits until the store's dispatcher has put what is written so far into the consume queues
-        (at most DISPATCH_WAIT): a receive woken earlier would find nothing and sleep on.  The puts' dispatch
-        is then brought forward to this loop iteration, and the wake-up tried right after it, so it is usually
-        not delayed.
+        (at most DISPATCH_WAIT): a receive woken earlier would find nothing and sleep on.  It is first tried
+        after the loop's dispatch of this iteration's puts (scheduled before it), so it is usually not delayed.
         """
         if self.longpoll.has_waiters(topic):
-            loop = asyncio.get_running_loop()
-            if self._dispatch_due is not None:  # a receive waits: no DISPATCH_DELAY
-                self._dispatch_due.cancel()
-                self._dispatch_due = None
-                loop.call_soon(self._dispatch)
-            loop.call_soon(self._wake, topic, queue_id, tag, self.store.max_phy_offset(),
-                           time.monotonic() + DISPATCH_WAIT)
+            asyncio.get_running_loop().call_soon(self._wake, topic, queue_id, tag, self.store.max_phy_offset(),
+                                                 time.monotonic() + DISPATCH_WAIT)
 
     def _wake(self, topic: str, queue_id: int | None, tag: str | None, end: int, give_up: float) -> None:
         if not self.store.dispatched_to(end) and time.monotonic() < give_up:

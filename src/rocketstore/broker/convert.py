@@ -164,10 +164,12 @@ def validate(m, max_body: int, inflate_left: int | None = None) -> tuple[int, by
     bombs would otherwise cost many times ``max_body`` of work).
     """
     sp = m.system_properties
-    if not sp.message_id or not sp.message_id.strip() or len(sp.message_id) > 128 or _has_control(sp.message_id):
+    mid = sp.message_id  # (each read of a protobuf string field builds a new str)
+    if not mid or not mid.strip() or len(mid) > 128 or _has_control(mid):
         raise BadMessage(Code.ILLEGAL_MESSAGE_ID, "message_id is blank or malformed")
     body = m.body
-    if sp.body_encoding == GZIP:
+    encoding = sp.body_encoding
+    if encoding == GZIP:
         limit = max_body if inflate_left is None else max(0, min(max_body, inflate_left))
         try:
             body = inflate(body, limit)
@@ -176,15 +178,16 @@ def validate(m, max_body: int, inflate_left: int | None = None) -> tuple[int, by
                 raise
             raise BadMessage(e.code, "the GZIP bodies of this request inflate to more than the request may carry "
                                      "in total") from None
-    elif sp.body_encoding not in PLAIN_ENCODINGS:
-        raise BadMessage(Code.BAD_REQUEST, f"unknown body encoding {sp.body_encoding}")
+    elif encoding not in PLAIN_ENCODINGS:
+        raise BadMessage(Code.BAD_REQUEST, f"unknown body encoding {encoding}")
     if not body:
         raise BadMessage(Code.MESSAGE_BODY_EMPTY, "message body is empty")
     if len(body) > max_body:
         raise BadMessage(Code.MESSAGE_BODY_TOO_LARGE,
                          f"message body of {len(body)} bytes exceeds the limit of {max_body} bytes")
     if sp.HasField("tag"):
-        if not sp.tag.strip() or "|" in sp.tag or _has_control(sp.tag):
+        tag = sp.tag
+        if not tag.strip() or "|" in tag or _has_control(tag):
             raise BadMessage(Code.ILLEGAL_MESSAGE_TAG, "tag is blank or contains '|' or control characters")
     for k in sp.keys:
         if not k.strip() or _has_control(k):

@@ -145,7 +145,11 @@ class Sending:
 
     @staticmethod
     def _born(sp: Any, now: int) -> int:
-        return ts_ms(sp.born_timestamp) if sp.HasField("born_timestamp") and sp.born_timestamp.seconds else now
+        if sp.HasField("born_timestamp"):
+            ts = sp.born_timestamp
+            if ts.seconds:
+                return ts_ms(ts)
+        return now
 
     async def _route(self, msg: Message, mtype: int, deliver_at: int, now: int,
                      sp: Any) -> tuple[PutMessageResult, str]:
