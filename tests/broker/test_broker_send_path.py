@@ -210,11 +210,29 @@ def test_control_character_check_is_the_regular_expressions():
 
 
 def test_born_host_is_the_same_cached_or_not():
+    from rocketstore.broker import convert
     from rocketstore.broker.convert import host_from
 
+    long_text = "10.1.2.3" + " " * 300
     cases = [("10.1.2.3", "ipv4:127.0.0.1:5555"), ("", "ipv4:10.0.0.9:77"), ("not a host", "ipv4:10.0.0.9:77"),
-             ("::1", "ipv6:[::1]:9"), ("10.1.2.3:99", "ipv4:127.0.0.1:x"), ("", "unix:/tmp/s")]
+             ("::1", "ipv6:[::1]:9"), ("10.1.2.3:99", "ipv4:127.0.0.1:x"), ("", "unix:/tmp/s"),
+             (long_text, "ipv4:10.0.0.9:77"), ("x" * 5000, "ipv4:10.0.0.9:77")]
     first = [host_from(t, p) for t, p in cases]
-    assert first == [host_from.__wrapped__(t, p) for t, p in cases]
+    assert first == [convert._host_from(t, p) for t, p in cases]
     assert first == [host_from(t, p) for t, p in cases]
     assert first[0] == (b"\x0a\x01\x02\x03", 5555) and first[1] == (b"\x0a\x00\x00\x09", 77)
+    assert first[6] == (b"\x0a\x01\x02\x03", 77) and first[7] == (b"\x0a\x00\x00\x09", 77)
+
+
+def test_long_born_host_texts_are_not_cached():
+    """A client's made-up kilobytes of born host are answered but not kept (1,024 of them would be megabytes)."""
+    from rocketstore.broker import convert
+
+    convert._cached_host_from.cache_clear()
+    convert._packed_ip.cache_clear()
+    for i in range(50):
+        convert.host_from(f"{i}" + "y" * 10_000, "ipv4:10.0.0.9:77")
+    assert convert._cached_host_from.cache_info().currsize == 0
+    assert convert._packed_ip.cache_info().currsize == 0
+    convert.host_from("10.1.2.3", "ipv4:10.0.0.9:77")
+    assert convert._cached_host_from.cache_info().currsize == 1

@@ -244,6 +244,11 @@ def store_properties(m, mtype: int) -> dict[str, str]:
     return props
 
 
+# Longest born host / peer text kept in the caches below: an IP text with a port is under 50 characters, and a
+# client's made-up kilobytes must not be kept (1,024 entries of a frame's size each).
+CACHED_HOST_TEXT = 128
+
+
 @functools.lru_cache(maxsize=1024)
 def _packed_ip(text: str) -> bytes | None:
     """An IP text's packed bytes (None if it is not one); cached: a client sends its own address every time."""
@@ -253,25 +258,33 @@ def _packed_ip(text: str) -> bytes | None:
         return None
 
 
-@functools.lru_cache(maxsize=1024)
 def host_from(text: str, peer: str) -> tuple[bytes, int]:
     """The born host: an IP text (optionally with a port), else the gRPC peer's address.
 
-    Cached: a client sends the same born host over the same connection every time (the result is a tuple of
-    immutables, a pure function of the two texts).
+    Cached when short: a client sends the same born host over the same connection every time (the result is a
+    tuple of immutables, a pure function of the two texts).
     """
+    if len(text) <= CACHED_HOST_TEXT and len(peer) <= CACHED_HOST_TEXT:
+        return _cached_host_from(text, peer)
+    return _host_from(text, peer)
+
+
+def _host_from(text: str, peer: str) -> tuple[bytes, int]:
     t = (text or "").strip()
     port = 0
     if peer:
         _, _, p = peer.rpartition(":")
         port = int(p) if p.isdigit() else 0
-    packed = _packed_ip(t)
+    packed = _packed_ip(t) if len(t) <= CACHED_HOST_TEXT else _packed_ip.__wrapped__(t)
     if packed is not None:
         return packed, port
     try:
         return codec.parse_host(t)
     except ValueError:
         return peer_host(peer)
+
+
+_cached_host_from = functools.lru_cache(maxsize=1024)(_host_from)
 
 
 def peer_host(peer: str) -> tuple[bytes, int]:
