@@ -174,3 +174,65 @@ def test_bare_reference_server_serves_the_official_client(tmp_path):
     assert d["produce_msgs_per_s"] > 0 and d["consume_msgs_per_s"] > 0
     assert d["produce_server_cpu_us_per_msg"] is not None
     assert os.path.exists(str(tmp_path / "bare" / "broker.log"))
+
+
+def test_request_status_is_the_entries_own_or_multiple_results(tmp_path):
+    """The request's status copies its entries' when they agree (code and text), else MULTIPLE_RESULTS."""
+    async def scenario(broker, service, store):
+        same = _send_request(2)
+        for m in same.messages:
+            m.body = b""
+        mixed = _send_request(2)
+        mixed.messages[1].body = b""
+        return (await service.SendMessage(same, Context()), await service.SendMessage(mixed, Context()),
+                await service.SendMessage(_send_request(3), Context()))
+
+    same, mixed, ok = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    assert [e.status.code for e in same.entries] == [pb.Code.MESSAGE_BODY_EMPTY] * 2
+    assert (same.status.code, same.status.message) == (same.entries[0].status.code, same.entries[0].status.message)
+    assert same.status.message == "message body is empty"
+    assert [e.status.code for e in mixed.entries] == [pb.Code.OK, pb.Code.MESSAGE_BODY_EMPTY]
+    assert mixed.status.code == pb.Code.MULTIPLE_RESULTS
+    assert (ok.status.code, ok.status.message) == (pb.Code.OK, "OK")
+
+
+def test_control_character_check_is_the_regular_expressions():
+    import random
+
+    from rocketstore.broker.convert import _CONTROL, _has_control
+
+    rng = random.Random(26)
+    samples = ["", " ", "abc", "tab\there", "a\x00b", "\x7f", "x\x1fy", "caf\u00e9", "\u00e9\x01", "\x85",
+               "\u2028", "\ud7ff"] + ["".join(chr(rng.randrange(0, 400)) for _ in range(rng.randrange(1, 8)))
+                                      for _ in range(5000)]
+    for s in samples:
+        assert _has_control(s) == (_CONTROL.search(s) is not None), repr(s)
+
+
+def test_born_host_is_the_same_cached_or_not():
+    from rocketstore.broker import convert
+    from rocketstore.broker.convert import host_from
+
+    long_text = "10.1.2.3" + " " * 300
+    cases = [("10.1.2.3", "ipv4:127.0.0.1:5555"), ("", "ipv4:10.0.0.9:77"), ("not a host", "ipv4:10.0.0.9:77"),
+             ("::1", "ipv6:[::1]:9"), ("10.1.2.3:99", "ipv4:127.0.0.1:x"), ("", "unix:/tmp/s"),
+             (long_text, "ipv4:10.0.0.9:77"), ("x" * 5000, "ipv4:10.0.0.9:77")]
+    first = [host_from(t, p) for t, p in cases]
+    assert first == [convert._host_from(t, p) for t, p in cases]
+    assert first == [host_from(t, p) for t, p in cases]
+    assert first[0] == (b"\x0a\x01\x02\x03", 5555) and first[1] == (b"\x0a\x00\x00\x09", 77)
+    assert first[6] == (b"\x0a\x01\x02\x03", 77) and first[7] == (b"\x0a\x00\x00\x09", 77)
+
+
+def test_long_born_host_texts_are_not_cached():
+    """A client's made-up kilobytes of born host are answered but not kept (1,024 of them would be megabytes)."""
+    from rocketstore.broker import convert
+
+    convert._cached_host_from.cache_clear()
+    convert._packed_ip.cache_clear()
+    for i in range(50):
+        convert.host_from(f"{i}" + "y" * 10_000, "ipv4:10.0.0.9:77")
+    assert convert._cached_host_from.cache_info().currsize == 0
+    assert convert._packed_ip.cache_info().currsize == 0
+    convert.host_from("10.1.2.3", "ipv4:10.0.0.9:77")
+    assert convert._cached_host_from.cache_info().currsize == 1

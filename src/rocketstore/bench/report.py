@@ -28,6 +28,7 @@ def fmt_value(v: float | None, unit: str | None = None) -> str:
 
 
 def fmt_ratio(r: float | None, ceiling: bool = False) -> str:
+    """A ratio as "1.23x"; an absolute ceiling (``ceiling``: memory) as its MB figure."""
     if r is None:
         return "-"
     return f"{r:,.0f} MB" if ceiling else (f"{r:.2f}x" if r < 10 else f"{r:.1f}x")
@@ -61,7 +62,7 @@ def targets_table(targets: list[dict[str, Any]]) -> list[str]:
         ref = fmt_value(t["ref_value"], t["ref_unit"]) if t["ref"] else \
             (fmt_value(t["threshold"], t["unit"]) + " (target)" if t.get("floor") else "-")
         lines.append(f"| {t['workload']} | {t['target']} | {fmt_value(t['value'], t['unit'])} | {ref} | "
-                     f"{fmt_ratio(t['ratio'], t['ceiling'])} | {result} |")
+                     f"{fmt_ratio(t['ratio'], t['ceiling'] and not t['ref'])} | {result} |")
     return lines
 
 

@@ -234,16 +234,23 @@ def spark_scan(res: Results, workdir: str, store_path: str | None, mode: Mode) -
 def broker_client(res: Results, workdir: str, mode: Mode) -> None:
     """The gRPC broker with the official Python client, then the bare reference server (grpc.aio answering the
     same RPCs from memory) under the same load (:func:`rocketstore.bench.broker_client.bench_vs_bare`)."""
-    labels = {"produce": "gRPC broker: official Python client producers (4), send_async",
-              "consume": "gRPC broker: official Python client SimpleConsumers, receive 32 + ack"}
+    labels = {"produce": "gRPC broker: official Python client producers (4 processes), send_async",
+              "consume": "gRPC broker: official Python client SimpleConsumers (4 processes), receive 32 + ack"}
     bare_labels = {"produce": "bare grpc.aio server, same RPCs answered from memory: producers (4), send_async",
-                   "consume": "bare grpc.aio server, same RPCs answered from memory: receive 32 + ack"}
+                   "consume": "bare grpc.aio server, same RPCs answered from memory: consumers (4), receive 32 + ack"}
+    cpu_labels = {"produce": "server CPU (user + sys) per message sent",
+                  "consume": "server CPU (user + sys) per message received and acked"}
     refs = {"produce": "rs.put.async.t4.1024", "consume": "rs.consume32"}
+    cpu_ids = {"produce": "send", "consume": "receive"}
 
     def skip_all(note: str, status: str = "skipped") -> None:
         for k in labels:
             res.skip(f"broker.{k}", "rocketstore", labels[k], "msg/s", note, status=status)
             res.skip(f"bare.{k}", "grpc-bare", bare_labels[k], "msg/s", note, status=status)
+            res.skip(f"broker.{cpu_ids[k]}.cpu", "rocketstore", f"gRPC broker: {cpu_labels[k]}", "us/msg", note,
+                     status=status)
+            res.skip(f"bare.{cpu_ids[k]}.cpu", "grpc-bare", f"bare grpc.aio server: {cpu_labels[k]}", "us/msg", note,
+                     status=status)
 
     if not mode.broker:
         return skip_all(f"not run in {mode.name} mode")
@@ -255,7 +262,7 @@ def broker_client(res: Results, workdir: str, mode: Mode) -> None:
     os.makedirs(bdir, exist_ok=True)
     t0 = time.perf_counter()
     try:
-        d = bench_vs_bare(bdir, mode.broker_messages, producers=4, rounds=max(1, mode.rounds))
+        d = bench_vs_bare(bdir, mode.broker_messages, producers=4, consumers=4, rounds=max(1, mode.rounds))
     except Exception as e:
         log.exception("bench_vs_bare failed")
         return skip_all(f"bench_vs_bare failed: {e}", "failed")
@@ -269,3 +276,18 @@ def broker_client(res: Results, workdir: str, mode: Mode) -> None:
                                 seconds=r[f"{k}_seconds"], ref=ref, bytes_per_msg=1024,
                                 extra={"job_wall_seconds": wall,
                                        "server_cpu_us_per_msg": r[f"{k}_server_cpu_us_per_msg"]}))
+        # CPU per message: the lowest round of each server (as the rates take the best round); every round
+        # and each round's broker / bare ratio are kept
+        for srv, sys_, what in (("broker", "rocketstore", "gRPC broker"), ("bare", "grpc-bare",
+                                                                            "bare grpc.aio server")):
+            r = d[srv]
+            id = f"{srv}.{cpu_ids[k]}.cpu"
+            cpu = r[f"{k}_server_cpu_us_per_msg"]
+            if cpu is None:
+                res.skip(id, sys_, f"{what}: {cpu_labels[k]}", "us/msg", "no CPU figure (not Linux?)")
+                continue
+            res.add(Measurement(id, sys_, f"{what}: {cpu_labels[k]}", cpu, "us/msg", n=r[f"{k}d"],
+                                seconds=r[f"{k}_seconds"],
+                                ref=f"bare.{cpu_ids[k]}.cpu" if srv == "broker" else None,
+                                extra={"cpu_rounds": r[f"{k}_cpu_rounds"], "cpu_median": r[f"{k}_cpu_median"],
+                                       "ratio_rounds": d[f"ratio_{k}_cpu_rounds"] if srv == "broker" else None}))

@@ -7,8 +7,7 @@ import asyncio
 import functools
 import ipaddress
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from ..format.message import PutMessageStatus
 from . import namespace as nsutil
@@ -38,14 +37,19 @@ STREAM_GRACE = 1.0
 PUB, SUB = ("Pub",), ("Sub",)
 
 
-@dataclass(frozen=True)
-class Caller:
-    """Who sent a request: the authenticated user ("" with ACL off), client id, namespace and address."""
+class Caller(NamedTuple):
+    """Who sent a request: the authenticated user ("" with ACL off), client id, namespace and address.
+
+    A named tuple rather than a frozen dataclass: one is built for every request, and a frozen dataclass's
+    ``__init__`` sets each field through ``object.__setattr__``.  ``peer`` is gRPC's peer string
+    (``ipv4:1.2.3.4:5``), read once per request.
+    """
 
     user: str
     client_id: str
     namespace: str
     ip: str
+    peer: str = ""
 
 
 def peer_ip(peer: str) -> str:
@@ -84,11 +88,9 @@ _CALLER_HEADERS = frozenset(("x-mq-client-id", "x-mq-namespace", "authorization"
 def caller_headers(context: Any) -> dict[str, str]:
     """The headers :meth:`MessagingService._caller` reads, from one pass over the call's metadata
     (the first of each name, as :func:`header` takes)."""
-    md = dict(reversed(context.invocation_metadata() or ()))  # (reversed: the first of a name wins)
     out: dict[str, str] = {}
-    for k in _CALLER_HEADERS:
-        v = md.get(k)
-        if v is not None:
+    for k, v in context.invocation_metadata() or ():
+        if k in _CALLER_HEADERS and k not in out:  # the first of a name wins
             out[k] = v if isinstance(v, str) else v.decode("latin-1")
     return out
 
@@ -161,9 +163,10 @@ class Calls:
         if why:
             set_status(status, Code.BAD_REQUEST, why)
             return None
-        ip = peer_ip(context.peer() or "")
+        peer = context.peer() or ""
+        ip = peer_ip(peer)
         if self.access is None:
-            return Caller("", cid, ns, ip)
+            return Caller("", cid, ns, ip, peer)
         try:
             user = self.access.authenticate(h.get("authorization", ""), h.get("x-mq-date-time", ""))
         except AuthenticationError as e:
@@ -177,7 +180,7 @@ class Calls:
             set_status(status, Code.FORBIDDEN, f"client id {cid} belongs to another user")
             self.broker.metrics.refused("forbidden")
             return None
-        return Caller(user, cid, ns, ip)
+        return Caller(user, cid, ns, ip, peer)
 
     def _name(self, caller: Caller, res: Any) -> str | None:
         """The stored name of a request's topic or group resource (None: an illegal namespace)."""

@@ -40,14 +40,16 @@ class Sending:
         if len(request.messages) > MAX_SEND_MESSAGES:
             set_status(resp.status, Code.BAD_REQUEST, f"more than {MAX_SEND_MESSAGES} messages in one request")
             return resp
-        peer = context.peer() or ""
+        peer = caller.peer
         max_body = self.broker.store.config.maxMessageSize
         budget = [inflate_budget(max_body)]  # what the request's GZIP bodies may inflate to, together
         for m in request.messages:
             entry = resp.entries.add()
             await self._send_one(caller, m, entry, peer, budget)
-        if len(resp.entries) == 1 or len({e.status.code for e in resp.entries}) == 1:
-            resp.status.CopyFrom(resp.entries[0].status)
+        entries = resp.entries
+        first = entries[0].status
+        if len(entries) == 1 or all(e.status.code == first.code for e in entries):
+            resp.status.code, resp.status.message = first.code, first.message  # (Status: these two fields)
         else:
             set_status(resp.status, Code.MULTIPLE_RESULTS, "entries have different results")
         return resp
@@ -143,7 +145,11 @@ class Sending:
 
     @staticmethod
     def _born(sp: Any, now: int) -> int:
-        return ts_ms(sp.born_timestamp) if sp.HasField("born_timestamp") and sp.born_timestamp.seconds else now
+        if sp.HasField("born_timestamp"):
+            ts = sp.born_timestamp
+            if ts.seconds:
+                return ts_ms(ts)
+        return now
 
     async def _route(self, msg: Message, mtype: int, deliver_at: int, now: int,
                      sp: Any) -> tuple[PutMessageResult, str]:
