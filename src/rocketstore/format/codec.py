@@ -353,6 +353,7 @@ _HEADERS = {
     SYSFLAG_BORNHOST_V6 | SYSFLAG_STOREHOST_V6: struct.Struct(">iIiiiqqiq16siq16siiqi"),
 }
 _SYSFLAG_POS = 36
+IPV4_HEADER = _HEADERS[0x00]  # the fixed part of a record whose hosts are both IPv4 (the batch encoder's case)
 
 
 def parse(buf: Any, pos: int, limit: int, *, check_crc: bool = False) -> tuple[tuple, int, int, int]:
