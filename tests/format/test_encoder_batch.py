@@ -38,3 +38,19 @@ def test_a_plain_batch_says_so_and_a_bad_message_is_refused():
         enc.encode_batch([Message("T", b"x"), Message("T", b"y" * 101)], 1)
     with pytest.raises(codec.RecordError):
         enc.encode_batch([Message("T", b"x", queue_id=-1)], 1)
+
+
+def test_batch_parts_are_record_parts_one_after_another():
+    enc = MessageEncoder()
+    records, _ = enc.encode_batch([Message("T", b"a" * n, queue_id=1, flag=n) for n in (0, 5, 300)], 42)
+    records.append(enc.encode(Message("T", b"t", queue_id=1, tags="x", born_host="10.1.2.3:9"), 42))
+    iov, offsets = codec.batch_parts(records, 10, 1, 5000, 77)
+    want, at = [], 5000
+    for i, r in enumerate(records):
+        want += codec.record_parts(r, 10 + i, at, 77)
+        at += r[1]
+    assert iov == want and offsets == [5000, 5000 + records[0][1], 5000 + records[0][1] + records[1][1],
+                                       5000 + sum(r[1] for r in records[:3])]
+    iov, _ = codec.batch_parts(records[:2], 10, 0, 5000, 77)  # transaction halves: queue offset stays
+    assert iov == [*codec.record_parts(records[0], 10, 5000, 77),
+                   *codec.record_parts(records[1], 10, 5000 + records[0][1], 77)]
