@@ -19,7 +19,7 @@ from .config import SYNC_FLUSH, StoreConfig
 from .errors import CommitLogWriteError, ReadOnlyStoreError, StoreClosedError, StoreLoadError
 from .format import codec
 from .format.codec import MessageExt
-from .format.encoder import MessageEncoder
+from .format.encoder import PLAIN_COLUMNS, MessageEncoder
 from .format.message import (DEFAULT_STORE_HOST, GetMessageResult, Message, PutMessageResult, PutMessageStatus,
                              QueryMessageResult, host_tuple)
 from .paths import StorePaths
@@ -308,16 +308,24 @@ class MessageStore:
             why = self._check_writable()
             return PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=why)
         now_ms = int(files.clock() * 1000)
-        encode = self.encoder.encode
+        encoder = self.encoder
+        first = messages[0]
+        plain = False
         try:
-            # (one message without a comprehension: on 3.11 each one costs a function frame)
-            records = [encode(messages[0], now_ms)] if len(messages) == 1 else [encode(m, now_ms) for m in messages]
+            if batch:  # one pass over the batch: the topic, queue and hosts are settled once
+                records, plain = encoder.encode_batch(messages, now_ms)
+            else:
+                records = [encoder.encode(first, now_ms)]
         except codec.PropertiesTooLarge as e:
             return PutMessageResult(PutMessageStatus.PROPERTIES_SIZE_EXCEEDED, error=str(e))
         except (codec.RecordError, ValueError) as e:
             return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error=str(e))
-        first = messages[0]
-        dispatch = None if self.reput is None else self.encoder.dispatch_columns(messages)
+        if self.reput is None:
+            dispatch = None
+        elif plain and first.topic != codec.SCHEDULE_TOPIC:
+            dispatch = PLAIN_COLUMNS  # nothing for the dispatcher to parse in any of them
+        else:
+            dispatch = encoder.dispatch_columns(messages)
         return self._append(first.topic, first.queue_id, records, dispatch, first.store_timestamp or None,
                             first.store_host, first)
 

@@ -206,3 +206,25 @@ def test_hand_over_is_bounded_and_the_rest_is_decoded_from_the_log(tmp_path, mon
             [b"m%d" % i for i in range(1, 300, 2) if i % 3 == 1][:32]
         for i in (0, 49, 50, 51, 299):
             assert store.query("T", f"k{i}").phy_offsets == [results[i].commit_log_offset]
+
+
+def test_interleaved_queues_get_one_write_each_per_round(tmp_path):
+    """Issue 29: sixteen producers on sixteen queues interleave their puts; a round writes each queue's units
+    with one put_units, in commitlog order within the queue, whatever the order across queues."""
+    with MessageStore.open(str(tmp_path / "s")) as store:
+        for q in range(4):
+            assert store.put(Message("T", b"first", queue_id=q)).ok
+        assert store.wait_dispatched(10)  # every queue has its file
+        _service_paused(store)
+        with put_units_threads() as writers:
+            results = [store.put(Message("T", b"q%d-%d" % (i % 4, i // 4), queue_id=i % 4, tags=f"t{i % 4}"))
+                       for i in range(20)]
+            _service_resumed(store)
+            assert store.wait_dispatched(10)
+        assert len(writers) == 4  # one write per queue: before, twenty (each put broke the previous run)
+        for q in range(4):
+            got = store.get("T", q, 1, 8).messages
+            assert [m.body for m in got] == [b"q%d-%d" % (q, n) for n in range(5)]
+            assert [m.queue_offset for m in got] == [1, 2, 3, 4, 5]
+            assert [m.commit_log_offset for m in got] == [r.commit_log_offset for r in results[q::4]]
+            assert store.get("T", q, 1, 8, tag_filter=f"t{q}").messages == got

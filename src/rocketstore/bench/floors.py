@@ -20,7 +20,7 @@ import subprocess
 import time
 import zlib
 
-from .harness import MiB, Measurement, Results, rate_measurement, timed
+from .harness import MiB, Measurement, Results, percentiles_us, rate_measurement, timed
 
 # The fixed part of a RocketMQ V1 record (IPv4 hosts), TOTALSIZE .. BODYLENGTH: 17 fields, 84 bytes.
 HEADER = struct.Struct(">iIiiiqqiq4siq4siiqi")
@@ -198,21 +198,27 @@ def fdatasync_rate(res: Results, workdir: str, seconds: float) -> Measurement:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     os.ftruncate(fd, 256 * MiB)
     pos = [0]
+    lat: list[float] = []  # each fdatasync alone: what a sync put's latency is shown against
+    clock = time.perf_counter
     try:
         def step() -> int:
             p = pos[0]
             for _ in range(10):
                 os.pwrite(fd, data, p)
+                t = clock()
                 os.fdatasync(fd)
+                lat.append(clock() - t)
                 p += len(data)
             pos[0] = p % (255 * MiB)
             return 10
-        n, elapsed = timed(step, seconds)
+        n, elapsed = timed(step, seconds, on_start=lat.clear)
     finally:
         os.close(fd)
         os.unlink(path)
-    return res.add(rate_measurement("floor.fdatasync", "limit", "write 1 KiB + fdatasync (sparse preallocated file)",
-                                    n, elapsed, unit="syncs/s"))
+    m = rate_measurement("floor.fdatasync", "limit", "write 1 KiB + fdatasync (sparse preallocated file)",
+                         n, elapsed, unit="syncs/s")
+    m.extra.update(percentiles_us(lat))
+    return res.add(m)
 
 
 def crc32_speed(buf, chunk: int = MiB) -> tuple[float, int]:

@@ -152,14 +152,18 @@ def _fmt(v: float | None) -> str:
 
 # ---------------------------------------------------------------- timing
 
-def timed(step: Callable[[], int], seconds: float, *, warmup: int = 1) -> tuple[int, float]:
+def timed(step: Callable[[], int], seconds: float, *, warmup: int = 1, warmup_seconds: float = 0.0,
+          on_start: Callable[[], None] | None = None) -> tuple[int, float]:
     """Call ``step`` (which does a chunk of work and returns how many operations) until ``seconds`` pass.
 
-    ``warmup`` chunks run first and are not counted.  Returns (operations, elapsed seconds).
+    ``warmup`` chunks run first, and more until ``warmup_seconds`` have passed; they are not counted.
+    ``on_start`` is called just before the clock starts (to drop what the warm-up recorded).
+    Returns (operations, elapsed seconds).
     """
-    for _ in range(warmup):
-        step()
+    _warm_up(step, warmup, warmup_seconds)
     gc.collect()
+    if on_start is not None:
+        on_start()
     n = 0
     t0 = time.perf_counter()
     deadline = t0 + seconds
@@ -172,14 +176,25 @@ def timed(step: Callable[[], int], seconds: float, *, warmup: int = 1) -> tuple[
     return n, now - t0
 
 
+def _warm_up(step: Callable[[], int], chunks: int, seconds: float) -> None:
+    t0 = time.perf_counter()
+    done = 0
+    while done < chunks or time.perf_counter() - t0 < seconds:
+        step()
+        done += 1
+
+
 def timed_threads(make_step: Callable[[int], Callable[[], int]], threads: int, seconds: float,
-                  *, warmup: int = 1) -> tuple[int, float]:
-    """``threads`` threads, each calling its own step until a shared deadline; total operations and wall time."""
+                  *, warmup: int = 1, warmup_seconds: float = 0.0,
+                  on_start: Callable[[], None] | None = None) -> tuple[int, float]:
+    """``threads`` threads, each calling its own step until a shared deadline; total operations and wall time.
+    The warm-up (see :func:`timed`) runs each step in turn, from this thread."""
     steps = [make_step(i) for i in range(threads)]
     for s in steps:
-        for _ in range(warmup):
-            s()
+        _warm_up(s, warmup, warmup_seconds / threads)
     gc.collect()
+    if on_start is not None:
+        on_start()
     counts = [0] * threads
     errors: list[BaseException] = []
     start = threading.Barrier(threads + 1)
@@ -208,6 +223,19 @@ def timed_threads(make_step: Callable[[int], Callable[[], int]], threads: int, s
     if errors:
         raise errors[0]
     return sum(counts), elapsed
+
+
+def percentiles_us(latencies: list[float]) -> dict[str, float]:
+    """p50/p99/p999 of latencies in seconds, in microseconds (nearest rank), with the sample count."""
+    if not latencies:
+        return {}
+    xs = sorted(latencies)
+    n = len(xs)
+
+    def at(q: float) -> float:
+        return round(xs[min(n - 1, max(0, int(q * n + 0.5) - 1))] * 1e6, 1)
+
+    return {"p50_us": at(0.50), "p99_us": at(0.99), "p999_us": at(0.999), "latency_samples": n}
 
 
 def rate_measurement(id: str, system: str, label: str, n: int, elapsed: float, *, ref: str | None = None,

@@ -79,6 +79,19 @@ def figures_table(res: Results) -> list[str]:
     return lines
 
 
+def latency_table(res: Results) -> list[str]:
+    """p50/p99/p999 of every figure that recorded per-operation latencies (sync puts, the disk's fdatasync)."""
+    rows = [m for m in res.items.values() if m.status == "ok" and "p50_us" in m.extra]
+    if not rows:
+        return []
+    lines = ["| id | what | p50 | p99 | p999 | samples |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for m in rows:
+        e = m.extra
+        lines.append(f"| `{m.id}` | {m.label} | {fmt_value(e['p50_us'], 'µs')} | {fmt_value(e['p99_us'], 'µs')} | "
+                     f"{fmt_value(e['p999_us'], 'µs')} | {e.get('latency_samples', '')} |")
+    return lines
+
+
 def build_markdown(res: Results, meta: dict[str, Any], targets: list[dict[str, Any]], plots: list[str]) -> str:
     met = sum(1 for t in targets if t["met"])
     missed = sum(1 for t in targets if t["met"] is False)
@@ -92,6 +105,9 @@ def build_markdown(res: Results, meta: dict[str, Any], targets: list[dict[str, A
            "and several-fold between machines of the same kind.", "",
            "## Targets (1 KiB bodies unless noted)", "", *targets_table(targets), "",
            "## Every figure", "", *figures_table(res), ""]
+    lat = latency_table(res)
+    if lat:
+        out += ["## Latency (each put's own time; the disk's fdatasync alone, same run)", "", *lat, ""]
     if res.notes:
         out += ["## Notes", "", *[f"- {n}" for n in res.notes], ""]
     if res.profiles:

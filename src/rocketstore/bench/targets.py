@@ -42,6 +42,8 @@ TARGETS: list[Target] = [
            ">= 100 % of the bare-append floor", profile="batch"),
     Target("sync.vs.sqlite.full", "put, SYNC_FLUSH, 1 thread", "rs.put.sync.t1.1024", "sqlite.txn.full", 1.3,
            ">= 1.3x SQLite WAL, 1 txn/msg, synchronous=FULL", profile="sync"),
+    Target("sync16.vs.sqlite.full", "put, SYNC_FLUSH, 16 threads", "rs.put.sync.t16.1024", "sqlite.txn.full", 3.0,
+           ">= 3x SQLite WAL, 1 txn/msg, synchronous=FULL (group commit)", profile="sync16"),
     Target("sync16.vs.sync1", "put, SYNC_FLUSH, 16 threads", "rs.put.sync.t16.1024", "rs.put.sync.t1.1024", 5.0,
            ">= 5x the 1-thread sync figure (group commit)", profile="sync16"),
     Target("consume.vs.sqlite", "consume via consume queue, 32/call", "rs.consume32", "sqlite.consume32", 0.7,

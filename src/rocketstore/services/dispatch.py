@@ -220,9 +220,13 @@ class ReputMessageService(ServiceThread):
     def _dispatch_handed_over(self, pending: deque, end: int, quick: bool = False) -> bool:
         """Dispatch the handed-over puts that continue at the reput offset and end below ``end``.
 
-        Units of one queue that follow each other (across puts too) are packed
-        into the consume queue with one write: per record this is the
-        dispatcher's whole cost unless the record has keys to index.
+        Units of one queue that follow each other (across puts too, and across
+        puts to other queues in between: sixteen producers on sixteen queues
+        interleave) are packed into the consume queue with one write per queue
+        and round: per record this is the dispatcher's whole cost unless the
+        record has keys to index.  Queues are independent files, so writing
+        queue B's run before queue A's changes no byte; within a queue the
+        units keep commitlog order.
         ``quick`` (dispatch_ready) stops before a put that needs a new queue
         or file, or that does not continue its queue's last unit.
         """
@@ -231,11 +235,7 @@ class ReputMessageService(ServiceThread):
         if index is not None and index.missed_from is not None:
             index = None  # the catch-up indexes these records, in commitlog order
         expected = self.reput_from_offset
-        run_key = None
-        run_next = run_first = 0
-        offsets: list[int] = []
-        sizes: list[int] = []
-        codes: list[int] = []
+        runs: dict[tuple[str, int], list] = {}  # queue: [first qoff, next qoff, offsets, sizes, codes]
         last_ts = None
         index_room = 0
         if quick and index is not None:
@@ -254,7 +254,8 @@ class ReputMessageService(ServiceThread):
                     f = None if cq is None else cq.queue.last()
                     if f is None:
                         break
-                    held = len(offsets) if offsets and run_key == key and qoff == run_next else 0
+                    run = runs.get(key)
+                    held = len(run[2]) if run is not None and qoff == run[1] else 0
                     at = f.wrote_position + held * CQ_STORE_UNIT_SIZE
                     if qoff * CQ_STORE_UNIT_SIZE != f.file_from_offset + at or \
                             at + len(offs) * CQ_STORE_UNIT_SIZE > cq.file_size:
@@ -272,15 +273,17 @@ class ReputMessageService(ServiceThread):
             pending.popleft()
             expected = stop
             if qoff >= 0:
-                if offsets and (run_key != (topic, qid) or qoff != run_next):
-                    self._put_units(run_key, offsets, sizes, codes, run_first)
-                    offsets, sizes, codes = [], [], []
-                if not offsets:
-                    run_key, run_first = (topic, qid), qoff
-                run_next = qoff + len(offs)
-                offsets += offs
-                sizes += szs
-                codes += cds if cds is not None else (0,) * len(offs)
+                key = (topic, qid)
+                run = runs.get(key)
+                if run is not None and qoff != run[1]:  # not the queue's next unit: write what came before
+                    self._put_units(key, run[2], run[3], run[4], run[0])
+                    run = None
+                if run is None:
+                    run = runs[key] = [qoff, qoff, [], [], []]
+                run[1] = qoff + len(offs)
+                run[2] += offs
+                run[3] += szs
+                run[4] += cds if cds is not None else (0,) * len(offs)
                 last_ts = ts
             if index is not None:
                 if hashes is None and (keys is not None or uniqs is not None):
@@ -292,8 +295,8 @@ class ReputMessageService(ServiceThread):
                     last = index.files[-1].end_phy_offset if index.files else offset
                     note_index_failure(index, next((o for o in offs if o >= last), offset), ts, e)
                     index = None
-        if offsets:
-            self._put_units(run_key, offsets, sizes, codes, run_first)
+        for key, (first, _, offsets, sizes, codes) in runs.items():
+            self._put_units(key, offsets, sizes, codes, first)
         if last_ts is not None:
             files.checkpoint.logics_dispatched = last_ts
         done = expected != self.reput_from_offset

@@ -113,17 +113,8 @@ class CommitLog:
         would be a SIGBUS.  Readers and ``fdatasync`` see the same page cache
         either way.
         """
-        base = f.file_from_offset + f.wrote_position
-        q = queue_offset or 0
-        step = 0 if queue_offset is None else 1
-        offsets = []
-        iov: list[bytes] = []
-        p = 0
-        for r in records:
-            iov += codec.record_parts(r, q, base + p, ts)
-            offsets.append(base + p)
-            p += r[1]
-            q += step
+        iov, offsets = codec.batch_parts(records, queue_offset or 0, 0 if queue_offset is None else 1,
+                                         f.file_from_offset + f.wrote_position, ts)
         pos = f.wrote_position
         try:
             for i in range(0, len(iov), IOV_CHUNK):
