@@ -47,7 +47,6 @@ def main() -> None:
     c = st.simple_consumer(a.group, a.topic, invisible_duration=a.inv, ack_sync_flush=a.sync_ack)
     if a.mode == "wake":
         say("ready")
-        c.receive(1, wait=0.0)  # binds nothing; the next call binds the doorbell socket
         while True:
             got = c.receive(1, wait=10.0)
             now = time.time()

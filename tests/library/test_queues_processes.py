@@ -71,7 +71,7 @@ def test_three_processes_share_the_work_each_message_once(tmp_path: Path) -> Non
 
 def test_sigkilled_receiver_messages_come_back_after_invisible_time_acked_never(tmp_path: Path) -> None:
     root = str(tmp_path / "s")
-    fill(root and tmp_path / "s", 10, queues=1)
+    fill(tmp_path / "s", 10, queues=1)
     holder = spawn("hold", root, "--inv", "1.0", "--hold-after", "6", "--ack-first", "2", "--sync-ack")
     seen = read_until(holder, "holding")
     held = [ln[1] for ln in seen if ln[0] == "recv"]
@@ -80,7 +80,7 @@ def test_sigkilled_receiver_messages_come_back_after_invisible_time_acked_never(
     holder.send_signal(signal.SIGKILL)
     holder.wait()
     killed_at = time.monotonic()
-    drain = spawn("drain", root, "--idle", "2.5")
+    drain = spawn("drain", root, "--idle", "1.5")
     got = [ln for ln in lines(drain) if ln[0] == "recv"]
     bodies = Counter(ln[1] for ln in got)
     assert set(bodies) == {f"m{i}" for i in range(10)} - acked  # acked (durably) never come back
