@@ -27,6 +27,7 @@ from ..storage.group_offsets import read_offsets, updating_offsets
 from ..paths import StorePaths
 from ..store import MessageStore
 from ..storage.store_lock import StoreLock
+from ..queues.inspect import group_stats
 from .timeparse import time_arg
 
 
@@ -87,30 +88,38 @@ def lag_table(store: MessageStore, group: str | None = None, topic: str | None =
 def cmd_lag(args: argparse.Namespace) -> int:
     with open_read_only(args) as store:
         rows = lag_table(store, args.group, args.topic)
+        pops = {(s["group"], s["topic"]): s["queues"] for s in group_stats(store.root)}
+    for r in rows:
+        r["inflight"] = pops.get((r["group"], r["topic"]), {}).get(r["queueId"], 0)
     if args.group is not None and not rows:
         raise CliError(f"{args.store}: no committed offsets for group {args.group!r}"
                        + (f" on topic {args.topic!r}" if args.topic else "") + " in config/consumerOffset.json")
     if args.format == JSON:
         emit({"lag": rows, "totalLag": sum(r["lag"] for r in rows)})
     else:
-        print_rows(rows, ("group", "topic", "queueId", "consumerOffset", "brokerOffset", "lag"), args.format)
+        print_rows(rows, ("group", "topic", "queueId", "consumerOffset", "brokerOffset", "lag", "inflight"),
+                   args.format)
     return 0
 
 
 def cmd_groups(args: argparse.Namespace) -> int:
     with open_read_only(args) as store:
         rows = lag_table(store)
+        pops = {(s["group"], s["topic"]): s for s in group_stats(store.root, store)}  # SimpleConsumer groups
     groups: dict[tuple[str, str], dict[str, Any]] = {}
     for r in rows:
+        pop = pops.get((r["group"], r["topic"]), {})
         g = groups.setdefault((r["group"], r["topic"]), {"group": r["group"], "topic": r["topic"], "queues": 0,
-                                                         "lag": 0})
+                                                         "lag": 0, "inflight": pop.get("inflight", 0),
+                                                         "retry": pop.get("retry_depth", 0),
+                                                         "dlq": pop.get("dlq_depth", 0)})
         g["queues"] += 1
         g["lag"] += r["lag"]
     out = [groups[k] for k in sorted(groups)]
     if args.format == JSON:
         emit({"groups": out})
     else:
-        print_rows(out, ("group", "topic", "queues", "lag"), args.format)
+        print_rows(out, ("group", "topic", "queues", "lag", "inflight", "retry", "dlq"), args.format)
     return 0
 
 
