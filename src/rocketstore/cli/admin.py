@@ -97,7 +97,8 @@ def cmd_lag(args: argparse.Namespace) -> int:
     if args.format == JSON:
         emit({"lag": rows, "totalLag": sum(r["lag"] for r in rows)})
     else:
-        print_rows(rows, ("group", "topic", "queueId", "consumerOffset", "brokerOffset", "lag", "inflight"),
+        pop_columns = ("inflight",) if pops else ()  # only for stores with SimpleConsumer (pop) groups
+        print_rows(rows, ("group", "topic", "queueId", "consumerOffset", "brokerOffset", "lag") + pop_columns,
                    args.format)
     return 0
 
@@ -119,7 +120,8 @@ def cmd_groups(args: argparse.Namespace) -> int:
     if args.format == JSON:
         emit({"groups": out})
     else:
-        print_rows(out, ("group", "topic", "queues", "lag", "inflight", "retry", "dlq"), args.format)
+        pop_columns = ("inflight", "retry", "dlq") if pops else ()  # only for stores with pop groups
+        print_rows(out, ("group", "topic", "queues", "lag") + pop_columns, args.format)
     return 0
 
 
