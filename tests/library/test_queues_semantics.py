@@ -4,7 +4,6 @@ maxReconsumeTimes, FIFO message groups, the asyncio twin, and the broker's popSt
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 
@@ -12,7 +11,15 @@ import pytest
 
 from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.queues import ReceiptHandleError, RetryPolicy
+from rocketstore.queues import journal
 from rocketstore.queues.retry import CUSTOMIZED_BACKOFF_MS
+from rocketstore.storage.consumer_offsets import read_json_lenient
+
+
+def state_queues(root: str) -> list[dict]:
+    """popState.json's queue records with its journal applied (what the next loader sees)."""
+    path = str(Path(root) / "config" / "popState.json")
+    return journal.current_queues(path, read_json_lenient(path))
 
 
 @pytest.fixture
@@ -59,7 +66,7 @@ def test_superseded_handle_is_refused_and_change_invisible_duration_extends(stor
         time.sleep(0.3)
         assert c.receive(1) == []  # still invisible: the new duration counts from the change
         c.ack(m2)
-        assert json.loads((Path(store.root) / "config" / "popState.json").read_text())["queues"][0]["entries"] == []
+        assert state_queues(store.root)[0]["entries"] == []
 
 
 def test_nack_backs_off_by_the_policy_then_dead_letters_after_max_reconsume_times(store: MessageStore) -> None:
@@ -138,5 +145,4 @@ def test_broker_written_pop_state_carries_over(store: MessageStore, tmp_path: Pa
         assert [m.body for m in c.receive(5)] == [b"c"]  # a and b stay invisible: the broker's receipts
         c.ack(out[0].handle)  # and the broker's handle still acks
         c.flush()
-    state = json.loads((Path(config) / "popState.json").read_text())
-    assert [e[0] for e in state["queues"][0]["entries"]] == [1, 2]
+    assert [e[0] for e in state_queues(store.root)[0]["entries"]] == [1, 2]

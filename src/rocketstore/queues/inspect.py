@@ -1,7 +1,7 @@
 """The operator's view of pop groups: in flight, waiting for a retry, blocked (FIFO) and dead-lettered.
 
-Read from ``config/popState.json`` as it is (a file replaced by rename: never half written), without the
-state lock, so a live store's numbers are a moment's snapshot.  Per (group, topic):
+Read from ``config/popState.json`` and its journal as they are (complete lines only), without the state
+lock, so a live store's numbers are a moment's snapshot.  Per (group, topic):
 
 - ``inflight``: received and not acked, still invisible (includes nacked messages backing off);
 - ``retry_depth``: not acked and delivered before, waiting to be delivered again (its invisible time has
@@ -17,6 +17,7 @@ import time
 from typing import Any, Protocol
 
 from ..storage.consumer_offsets import read_json_lenient
+from . import journal
 from .pop import Entry
 from .retry import dlq_topic
 
@@ -37,9 +38,9 @@ def group_stats(store_root: str, store: QueueRanges | None = None, now_ms: int |
     """One dict per (group, topic) of popState.json: group, topic, inflight, retry_depth, blocked, dlq_depth and
     ``queues`` ({queue id: inflight}), sorted by group and topic."""
     now = int(time.time() * 1000) if now_ms is None else now_ms
-    data = read_json_lenient(os.path.join(store_root, "config", "popState.json")) or {}
+    path = os.path.join(store_root, "config", "popState.json")
     stats: dict[tuple[str, str], dict[str, Any]] = {}
-    for q in data.get("queues") or [] if isinstance(data, dict) else []:
+    for q in journal.current_queues(path, read_json_lenient(path)):
         try:
             group, topic, qid = str(q["group"]), str(q["topic"]), int(q["queueId"])
             entries = [Entry.from_json(raw) for raw in q.get("entries") or []]

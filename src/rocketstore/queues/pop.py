@@ -41,6 +41,7 @@ from ..errors import CorruptRecordError
 from ..storage.jsonfile import write_bytes_atomic
 from ..format.message import GetMessageStatus
 from ..storage.consumer_offsets import ConsumerOffsetManager, read_json_lenient
+from . import journal
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +152,12 @@ def _ranges(offsets: Iterable[int]) -> list[list[int]]:
     return out
 
 
+def state_document(queue_texts: list[str], base_id: str | None = None) -> bytes:
+    """popState.json's bytes; a new ``id`` each write, so a journal continuing an older file is seen stale."""
+    return ('{"version":1,"id":"%s","queues":[' % (base_id or os.urandom(8).hex())
+            + ",".join(queue_texts) + "]}").encode("utf-8")
+
+
 @dataclass
 class Delivery:
     queue_id: int
@@ -184,6 +191,7 @@ class PopService:
         self.on_visible = on_visible or (lambda topic, group: None)
         self.queues: dict[tuple[str, str, int], QueueState] = {}
         self.dirty = False
+        self.changed_keys: set[tuple[str, str, int]] = set()  # for the journal (queues.state)
         self._damaged_seen: set[tuple[str, str, int, int | None]] = set()  # logged once at error level
         self._run = os.urandom(3).hex()
         self._seq = itertools.count(1)
@@ -193,27 +201,47 @@ class PopService:
             self._load()
 
     # ------------------------------------------------------------ state
-    def load(self, data: Any) -> None:
-        """Replace the in-memory state by popState.json's parsed ``data`` (another process wrote it)."""
-        self._load(data)
+    def load(self, data: Any, records: list[dict[str, Any]]) -> None:
+        """Replace the in-memory state by popState.json's parsed ``data`` and its journal ``records``."""
+        self._load(data, records)
 
-    def _load(self, data: Any = None) -> None:
-        """(Re)build the queues from popState.json (or ``data``, its parsed text) and consumerOffset.json."""
+    def apply(self, records: list[dict[str, Any]]) -> None:
+        """Queue records another process appended to the journal: each replaces its queue's state."""
+        for q in records:
+            qs = self._from_record(q)
+            if qs is not None:
+                self._reconcile(qs)
+                qs.recompute_due()
+                self.queues[(qs.group, qs.topic, qs.queue_id)] = qs
+
+    def _from_record(self, q: Any) -> QueueState | None:
+        try:
+            qs = QueueState(str(q["group"]), str(q["topic"]), int(q["queueId"]), int(q["committed"]),
+                            bool(q.get("fifo")))
+            qs.next = max(qs.committed, int(q.get("next", qs.committed)))
+            for a, b in q.get("acked") or []:
+                qs.acked.update(range(int(a), int(b)))
+            for raw in q.get("entries") or []:
+                e = Entry.from_json(raw)
+                qs.entries[e.offset] = e
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            log.warning("%s: ignoring a bad queue record (%s)", self.path, e)
+            return None
+        return qs
+
+    def _load(self, data: Any = None, records: list[dict[str, Any]] | None = None) -> None:
+        """(Re)build the queues from popState.json (or ``data``, its parsed text), its journal (or ``records``)
+        and consumerOffset.json."""
         self.queues = {}
         if data is None:
             data = read_json_lenient(self.path) or {}
-        for q in data.get("queues") or [] if isinstance(data, dict) else []:
-            try:
-                qs = QueueState(str(q["group"]), str(q["topic"]), int(q["queueId"]), int(q["committed"]),
-                                bool(q.get("fifo")))
-                qs.next = max(qs.committed, int(q.get("next", qs.committed)))
-                for a, b in q.get("acked") or []:
-                    qs.acked.update(range(int(a), int(b)))
-                for raw in q.get("entries") or []:
-                    e = Entry.from_json(raw)
-                    qs.entries[e.offset] = e
-            except (KeyError, TypeError, ValueError, IndexError) as e:
-                log.warning("%s: ignoring a bad queue record (%s)", self.path, e)
+        if not isinstance(data, dict):
+            data = {}
+        if records is None:
+            records = journal.read(self.path, str(data.get("id", "")))
+        for q in journal.current_queues(self.path, {"queues": list(data.get("queues") or []) + records}):
+            qs = self._from_record(q)
+            if qs is None:
                 continue
             self._reconcile(qs)
             self.queues[(qs.group, qs.topic, qs.queue_id)] = qs
@@ -275,6 +303,19 @@ class PopService:
     def _changed(self, qs: QueueState) -> None:
         qs.text = None
         self.dirty = True
+        self.changed_keys.add((qs.group, qs.topic, qs.queue_id))
+
+    def changed_records(self) -> list[str]:
+        """JSON texts of the queues changed since the last call (the journal's next records)."""
+        texts = []
+        for key in sorted(self.changed_keys):
+            qs = self.queues.get(key)
+            if qs is not None:
+                if qs.text is None:
+                    qs.text = json.dumps(qs.to_json(), ensure_ascii=False, separators=(",", ":"))
+                texts.append(qs.text)
+        self.changed_keys.clear()
+        return texts
 
     def snapshot(self) -> list[str] | None:
         """The file's queues as JSON texts if something changed since the last snapshot, else None.
@@ -292,8 +333,8 @@ class PopService:
         return texts
 
     def write(self, snapshot: list[str]) -> None:
-        text = '{"version":1,"queues":[' + ",".join(snapshot) + "]}"
-        write_bytes_atomic(self.path, text.encode("utf-8"))
+        write_bytes_atomic(self.path, state_document(snapshot))
+        self.changed_keys.clear()
 
     def _queue(self, group: str, topic: str, queue_id: int, fifo: bool) -> QueueState:
         key = (group, topic, queue_id)
