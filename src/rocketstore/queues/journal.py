@@ -71,8 +71,13 @@ def current_queues(state_path: str, base: Any) -> list[dict[str, Any]]:
     """The queue records of popState.json's parsed ``base`` overlaid with its journal's (the last one wins)."""
     if not isinstance(base, dict):
         base = {}
+    return merge(list(base.get("queues") or []) + read(state_path, str(base.get("id", ""))))
+
+
+def merge(records: list[Any]) -> list[dict[str, Any]]:
+    """One record per queue: the last of ``records`` for it."""
     latest: dict[Any, dict[str, Any]] = {}
-    for q in list(base.get("queues") or []) + read(state_path, str(base.get("id", ""))):
+    for q in records:
         if isinstance(q, dict):
             key = (q.get("group"), q.get("topic"), q.get("queueId"))
             latest.pop(key, None)

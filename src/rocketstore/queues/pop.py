@@ -239,7 +239,7 @@ class PopService:
             data = {}
         if records is None:
             records = journal.read(self.path, str(data.get("id", "")))
-        for q in journal.current_queues(self.path, {"queues": list(data.get("queues") or []) + records}):
+        for q in journal.merge(list(data.get("queues") or []) + records):
             qs = self._from_record(q)
             if qs is None:
                 continue
