@@ -189,10 +189,10 @@ class ReputMessageService(ServiceThread):
         finally:
             self._round.release()
         if done:
-            with self.caught_up:
-                self.caught_up.notify_all()
             if self.on_dispatched is not None:
                 self.on_dispatched()
+            with self.caught_up:
+                self.caught_up.notify_all()
         return done
 
     def _run_round(self) -> None:
@@ -216,11 +216,11 @@ class ReputMessageService(ServiceThread):
             progressed |= self._dispatch_from_log(stop_at)
             if self.reput_from_offset == before:
                 break
+        if progressed and self.on_dispatched is not None:
+            self.on_dispatched()  # before the notify: a waiter woken here finds the round over as before
         if progressed or self.reput_from_offset >= end:
             with self.caught_up:
                 self.caught_up.notify_all()
-            if progressed and self.on_dispatched is not None:
-                self.on_dispatched()
 
     def _dispatch_handed_over(self, pending: deque, end: int, quick: bool = False) -> bool:
         """Dispatch the handed-over puts that continue at the reput offset and end below ``end``.
