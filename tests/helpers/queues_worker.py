@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--idle", type=float, default=2.0)
     ap.add_argument("--count", type=int, default=0)
     ap.add_argument("--sync-ack", action="store_true")
+    ap.add_argument("--work", type=float, default=0.0, help="drain: seconds of 'work' per message before its ack")
     ap.add_argument("--hold-after", type=int, default=0, help="hold: receive this many, then sleep")
     ap.add_argument("--ack-first", type=int, default=0, help="hold: ack this many of them first")
     a = ap.parse_args()
@@ -67,6 +68,7 @@ def main() -> None:
                 n += 1
         say("holding")
         time.sleep(3600)
+    say("ready")
     last = time.monotonic()
     while True:
         got = c.receive(8, wait=0.2)
@@ -76,6 +78,7 @@ def main() -> None:
             break
         for m in got:
             say("recv", m.body.decode(), m.delivery_attempt, m.receipt_handle)
+            time.sleep(a.work)
             c.ack(m)
             say("acked", m.body.decode())
     c.close()
