@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rocketstore import Message, MessageStore, StoreConfig
-from rocketstore.queues import journal, state
+from rocketstore.queues import ReceiptHandleError, journal, state
 from rocketstore.queues.pop import PopService, TagFilter
 from rocketstore.storage.consumer_offsets import ConsumerOffsetManager, read_json_lenient
 
@@ -91,3 +91,17 @@ def test_non_durable_acks_are_gathered_until_receive_or_close(store: MessageStor
         assert os.path.getsize(paths(store)[1]) == size  # the documented window: not written yet
         c.receive(1)
         assert os.path.getsize(paths(store)[1]) > size
+
+
+def test_ack_sync_flush_config_key_makes_each_ack_durable_before_it_returns(tmp_path: Path) -> None:
+    with MessageStore.open(str(tmp_path / "s"), StoreConfig(ackSyncFlush=True)) as st:
+        st.put(Message("T", b"a"))
+        assert st.wait_dispatched()
+        with st.simple_consumer("G", "T") as c:
+            assert c.ack_sync_flush
+            m = c.receive(1)[0]
+            size = os.path.getsize(paths(st)[1])
+            c.ack(m)
+            assert os.path.getsize(paths(st)[1]) > size  # written (and fsynced) before ack() returned
+            with pytest.raises(ReceiptHandleError):
+                c.ack(m)  # acked already: the handle is unknown now
