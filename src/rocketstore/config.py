@@ -106,6 +106,9 @@ class StoreConfig:
     objectStoreRegion: str = ""
     objectStoreAccessKey: str = ""  # default: the AWS environment / credential chain
     objectStoreSecretKey: str = ""
+    # rocketstore.queues (issue 27): a SimpleConsumer's ack is fsynced before ack() returns (the broker's
+    # popAckSyncFlush); off: acks are gathered and written with the next receive, at 256 or after 0.2 s.
+    ackSyncFlush: bool = False
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "StoreConfig":
         self = super().__new__(cls)

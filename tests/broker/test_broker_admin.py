@@ -136,7 +136,7 @@ def test_live_topics_lag_reset_and_metrics(tmp_path):
         assert lag["source"] == "broker" and lag["totalLag"] == 0
         assert sorted(r["queueId"] for r in lag["lag"]) == [0, 1]
         assert sum(r["brokerOffset"] for r in lag["lag"]) == 10
-        assert all(r["consumerOffset"] == r["brokerOffset"] and r["inFlight"] == 0 for r in lag["lag"])
+        assert all(r["consumerOffset"] == r["brokerOffset"] and r["inflight"] == 0 for r in lag["lag"])
         assert "Live1@LiveG" not in file_offsets(store)  # the file would not know the group yet
         groups = {g["group"]: g for g in ok("groups", store, "--json")["groups"]}
         assert groups["LiveG"]["retryMaxTimes"] == 3 and groups["LiveG"]["topics"] == "Live1"

@@ -191,7 +191,7 @@ class AdminActions:
         table = {k: v for k, v in self.broker.offsets.table.items() if not k.endswith("@" + TRANS_GROUP)}
         rows = lag_table(self.store, group, topic, table=table)
         for r in rows:
-            r["inFlight"] = self._in_flight(r["group"], r["topic"], r["queueId"])
+            r["inflight"] = self._in_flight(r["group"], r["topic"], r["queueId"])
         return rows
 
     async def lag(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -212,7 +212,7 @@ class AdminActions:
             raise AdminError(400, str(e)) from None
         for r in rows:
             r["group"] = group
-            r["inFlight"] = self._in_flight(group, topic, r["queueId"]) or 0
+            r["inflight"] = self._in_flight(group, topic, r["queueId"]) or 0
         execute = bool(req.get("execute"))
         if execute:
             for r in rows:

@@ -36,8 +36,8 @@ class SnapshotCollector(Collector):
         for r in s.get("lag", ()):
             labels = [r["group"], r["topic"], str(r["queueId"])]
             lag.add_metric(labels, r["lag"])
-            if r.get("inFlight") is not None:
-                inflight.add_metric(labels, r["inFlight"])
+            if r.get("inflight") is not None:
+                inflight.add_metric(labels, r["inflight"])
         yield lag
         yield inflight
         for key, name, doc in (

@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator
 
 from ..errors import CorruptRecordError
 from .convert import Code, set_ts, to_pb
-from .pop import Delivery, TagFilter, now_ms
+from ..queues.pop import Delivery, TagFilter, now_ms
 from .proto import pb, svc
 from .topics import MAX_GROUP_LEN, MAX_TOPIC_LEN, illegal_name
 from .wire import Undecodable

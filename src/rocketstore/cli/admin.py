@@ -33,6 +33,7 @@ from ..storage.group_offsets import read_offsets, updating_offsets
 from ..paths import StorePaths
 from ..store import MessageStore
 from ..storage.store_lock import StoreLock
+from ..queues.inspect import group_stats
 from .timeparse import time_arg
 
 
@@ -154,11 +155,16 @@ def cmd_lag(args: argparse.Namespace) -> int:
     columns: tuple[str, ...] = ("group", "topic", "queueId", "consumerOffset", "brokerOffset", "lag")
     if broker is not None:  # the broker's memory: offsets committed since its last write of the file count
         rows = broker.call("lag", {"group": args.group, "topic": args.topic})["lag"]
-        columns += ("inFlight",)
+        columns += ("inflight",)
         where = "the running broker"
     else:
         with open_read_only(args) as store:
             rows = lag_table(store, args.group, args.topic)
+            pops = {(s["group"], s["topic"]): s["queues"] for s in group_stats(store.root)}
+        for r in rows:
+            r["inflight"] = pops.get((r["group"], r["topic"]), {}).get(r["queueId"], 0)
+        if pops:  # the column only for stores with SimpleConsumer (pop) groups
+            columns += ("inflight",)
         where = "config/consumerOffset.json"
     if args.group is not None and not rows:
         raise CliError(f"{args.store}: no committed offsets for group {args.group!r}"
@@ -207,17 +213,22 @@ def cmd_groups(args: argparse.Namespace) -> int:
         return 0
     with open_read_only(args) as store:
         rows = lag_table(store)
+        pops = {(s["group"], s["topic"]): s for s in group_stats(store.root, store)}  # SimpleConsumer groups
     groups: dict[tuple[str, str], dict[str, Any]] = {}
     for r in rows:
+        pop = pops.get((r["group"], r["topic"]), {})
         g = groups.setdefault((r["group"], r["topic"]), {"group": r["group"], "topic": r["topic"], "queues": 0,
-                                                         "lag": 0})
+                                                         "lag": 0, "inflight": pop.get("inflight", 0),
+                                                         "retry": pop.get("retry_depth", 0),
+                                                         "dlq": pop.get("dlq_depth", 0)})
         g["queues"] += 1
         g["lag"] += r["lag"]
     out = [groups[k] for k in sorted(groups)]
     if args.format == JSON:
         emit({"groups": out})
     else:
-        print_rows(out, ("group", "topic", "queues", "lag"), args.format)
+        pop_columns = ("inflight", "retry", "dlq") if pops else ()  # only for stores with pop groups
+        print_rows(out, ("group", "topic", "queues", "lag") + pop_columns, args.format)
     return 0
 
 
@@ -303,7 +314,7 @@ def cmd_reset_offset(args: argparse.Namespace) -> int:
         out = broker.call("reset-offset", {"group": args.group, "topic": args.topic, "queueId": args.queue_id,
                                            "how": how, "value": value, "execute": args.execute})
         rows, executed = out["reset"], out["executed"]
-        columns += ("inFlight",)
+        columns += ("inflight",)
     else:
         executed = not args.dry_run
         with store_locked_offline(args.store), open_read_only(args) as store:

@@ -27,6 +27,7 @@ log = logging.getLogger("rocketstore")
 PLUGINS = [
     ("rocketstore.cli.store", "register"),
     ("rocketstore.cli.admin", "register"),
+    ("rocketstore.cli.dlq", "register"),
     ("rocketstore.cli.tier", "register"),
     ("rocketstore.spark.cli", "register"),
     ("rocketstore.broker.cli", "register"),

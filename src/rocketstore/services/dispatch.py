@@ -141,6 +141,7 @@ class ReputMessageService(ServiceThread):
         self._index_retry_at = 0.0
         self._round = threading.Lock()  # one dispatch round at a time: this thread's, or an assistant's
         self.assisted = False  # an assistant calls dispatch_ready after its puts (the broker's loop)
+        self.on_dispatched: Callable[[], None] | None = None  # after a round made messages readable (doorbell)
 
     def behind(self) -> int:
         return max(0, self.files.confirm_offset() - self.reput_from_offset)
@@ -188,6 +189,8 @@ class ReputMessageService(ServiceThread):
         finally:
             self._round.release()
         if done:
+            if self.on_dispatched is not None:
+                self.on_dispatched()
             with self.caught_up:
                 self.caught_up.notify_all()
         return done
@@ -213,6 +216,8 @@ class ReputMessageService(ServiceThread):
             progressed |= self._dispatch_from_log(stop_at)
             if self.reput_from_offset == before:
                 break
+        if progressed and self.on_dispatched is not None:
+            self.on_dispatched()  # before the notify: a waiter woken here finds the round over as before
         if progressed or self.reput_from_offset >= end:
             with self.caught_up:
                 self.caught_up.notify_all()

@@ -1,0 +1,107 @@
+"""The shared pop state's files (issue 27): the journal survives a write cut short, a stale journal is
+ignored, compaction keeps everything, and an ack is durable (ack_sync_flush) before ack() returns."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.queues import ReceiptHandleError, journal, state
+from rocketstore.queues.pop import PopService, TagFilter
+from rocketstore.storage.consumer_offsets import ConsumerOffsetManager, read_json_lenient
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    with MessageStore.open(str(tmp_path / "s"), StoreConfig()) as st:
+        for i in range(6):
+            st.put(Message("T", f"m{i}".encode()))
+        assert st.wait_dispatched()
+        yield st
+
+
+def paths(store: MessageStore) -> tuple[Path, Path]:
+    config = Path(store.root) / "config"
+    return config / "popState.json", config / "popState.journal"
+
+
+def test_a_journal_line_cut_short_is_ignored_and_cut_off_before_the_next_append(store: MessageStore) -> None:
+    with store.simple_consumer("G", "T", ack_sync_flush=True) as c:
+        first = c.receive(2)
+        c.ack(first[0])
+    _, jpath = paths(store)
+    whole = jpath.read_bytes()
+    with open(jpath, "ab") as fh:
+        fh.write(b'{"group":"G","topic":"T","queueId":0,"committed":6,"next":6,"ent')  # a crash mid-append
+    with store.simple_consumer("G", "T", ack_sync_flush=True) as c:
+        got = c.receive(10)
+        assert [m.body for m in got] == [b"m2", b"m3", b"m4", b"m5"]  # m1 still in flight, m0 acked
+        c.ack(got[0])
+    data = jpath.read_bytes()
+    assert data.startswith(whole) and b'"ent{' not in data and data.endswith(b"\n")
+    assert b'"committed":6,"next":6,"ent' not in data
+
+
+def test_a_journal_of_an_older_popstate_is_ignored(store: MessageStore) -> None:
+    with store.simple_consumer("G", "T", ack_sync_flush=True) as c:
+        assert len(c.receive(6)) == 6  # all in flight, journaled
+    spath, _ = paths(store)
+    config = str(spath.parent)
+    # The broker writes popState.json afresh (its own state: nothing received): the journal is now stale.
+    pop = PopService(store, ConsumerOffsetManager(config), config, load=False)
+    pop.write([])
+    with store.simple_consumer("G", "T") as c:
+        assert len(c.receive(10)) == 6  # the stale journal's in-flight entries did not come back
+
+
+def test_compaction_keeps_the_state_and_starts_a_new_journal(store: MessageStore, monkeypatch) -> None:
+    monkeypatch.setattr(state, "COMPACT_BYTES", 1)
+    spath, jpath = paths(store)
+    with store.simple_consumer("G", "T", ack_sync_flush=True) as c:
+        got = c.receive(3)
+        c.ack(got[1])
+    base = read_json_lenient(str(spath))
+    assert base["id"] and jpath.read_bytes() == journal.header(base["id"])
+    [q] = base["queues"]
+    assert sorted(e[0] for e in q["entries"]) == [0, 2] and q["acked"] == [[1, 2]]
+    with store.simple_consumer("G", "T") as c:
+        assert [m.body for m in c.receive(10)] == [b"m3", b"m4", b"m5"]
+
+
+def test_broker_loads_the_journal(store: MessageStore) -> None:
+    with store.simple_consumer("G", "T", ack_sync_flush=True) as c:
+        got = c.receive(2)
+        c.ack(got[0])
+    spath, _ = paths(store)
+    config = str(spath.parent)
+    pop = PopService(store, ConsumerOffsetManager(config), config)
+    out, _ = pop.receive("G", "T", [0], 10, 60_000, TagFilter("*"), fifo=False, max_attempts=17, client="b",
+                         auto_renew=False)
+    assert [d.entry.offset for d in out] == [2, 3, 4, 5]  # 0 acked, 1 in flight: as the library left them
+
+
+def test_non_durable_acks_are_gathered_until_receive_or_close(store: MessageStore) -> None:
+    with store.simple_consumer("G", "T") as c:
+        got = c.receive(2)
+        size = os.path.getsize(paths(store)[1])
+        c.ack(got[0])
+        assert os.path.getsize(paths(store)[1]) == size  # the documented window: not written yet
+        c.receive(1)
+        assert os.path.getsize(paths(store)[1]) > size
+
+
+def test_ack_sync_flush_config_key_makes_each_ack_durable_before_it_returns(tmp_path: Path) -> None:
+    with MessageStore.open(str(tmp_path / "s"), StoreConfig(ackSyncFlush=True)) as st:
+        st.put(Message("T", b"a"))
+        assert st.wait_dispatched()
+        with st.simple_consumer("G", "T") as c:
+            assert c.ack_sync_flush
+            m = c.receive(1)[0]
+            size = os.path.getsize(paths(st)[1])
+            c.ack(m)
+            assert os.path.getsize(paths(st)[1]) > size  # written (and fsynced) before ack() returned
+            with pytest.raises(ReceiptHandleError):
+                c.ack(m)  # acked already: the handle is unknown now
