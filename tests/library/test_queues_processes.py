@@ -102,7 +102,8 @@ def test_sigkilled_writer_every_put_is_delivered(tmp_path: Path) -> None:
     read_until(writer, "ready")
     time.sleep(0.4)
     writer.send_signal(signal.SIGKILL)
-    out, _ = writer.communicate()
+    out = writer.stdout.read()  # not communicate(): it reads the pipe itself and loses what readline buffered
+    writer.wait()
     puts = {f"w{ln.split()[1]}" for ln in out.splitlines() if ln.startswith("put ")}
     assert len(puts) > 10
     first = {ln[1] for ln in lines(reader) if ln[0] == "recv"}
