@@ -276,18 +276,19 @@ def test_sink_is_exactly_once_across_driver_kills(tmp_path):
     workers at once, while the driver appends a micro-batch, at least twice, each time restarted from the same
     checkpoint.  The retried batches leave out what the killed attempts wrote: at the end every row is in the
     store exactly once, byte for byte, and found by key."""
-    files, per_file = 4, 12000
+    files, per_file = 6, 15000
     rows = _write_input(tmp_path / "in", files, per_file, pad=150)
     root, chk = tmp_path / "store", tmp_path / "chk"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(sink.__file__).parents[2]),
                                                          os.environ.get("PYTHONPATH", "")])}
     argv = [sys.executable, "-c", _DRIVER, str(tmp_path / "in"), str(chk), str(root)]
     kills, partial, logs = 0, 0, []
-    for attempt in range(6):
+    delay = 0.05  # from the journal's "pending" to the kill: adjusted until kills land inside an append
+    for attempt in range(10):
         err = open(tmp_path / f"driver-{attempt}.log", "w+")
         p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
         try:
-            if kills >= 2:
+            if kills >= 2 and partial >= 1:
                 assert p.wait(300) == 0
                 break
             deadline = time.monotonic() + 240
@@ -295,6 +296,7 @@ def test_sink_is_exactly_once_across_driver_kills(tmp_path):
                 time.sleep(0.005)
             pending = _pending(root)
             if p.poll() is None and pending is not None:
+                time.sleep(delay)
                 os.killpg(p.pid, signal.SIGKILL)  # the driver's JVM, its executor threads and Python workers
                 kills += 1
                 p.wait(30)
@@ -303,6 +305,7 @@ def test_sink_is_exactly_once_across_driver_kills(tmp_path):
                     n = sum(1 for _, _, m, _ in s.messages(pending["from"], read_body=False)
                             if m is not None and prefix in m.properties.get(sink.SINK_PROPERTY, ""))
                 partial += 0 < n < per_file
+                delay = delay * 2 if n == 0 else delay / 2 if n == per_file else delay
             else:
                 assert p.wait(300) == 0
                 break
