@@ -196,3 +196,41 @@ def test_append_on_the_cluster_gives_every_golden_message_and_key(spark_cluster,
             assert sorted(m.body for m in found) == sorted(body_at[o] for o in case["resultPhyOffsets"]), case["key"]
             checked += 1
         assert checked >= 10
+
+
+def test_stream_with_group_id_on_the_cluster(spark_cluster, store, shipped, monkeypatch, tmp_path):
+    """Issue 28: a stream on the cluster with groupId (executors read with the zip's rocketstore, the driver
+    writes the group's position after each batch): afterwards config/consumerOffset.json holds, for every queue
+    of the topic, RocketMQ's message count, and ``rocketstore lag`` shows the group with lag 0."""
+    from conftest import copy_store, golden_store, run_cli
+
+    from rocketstore.storage.group_offsets import read_offsets
+    root = copy_store(golden_store("basic"), tmp_path / "grouped")
+    for k, v in spark_cluster.driver_env().items():
+        monkeypatch.setenv(k, v)
+    spark = jobs.session(spark_cluster.master_url, spark_cluster.driver_conf(shipped),
+                         app_name="rocketstore cluster stream group")
+    try:
+        spark.sparkContext.setLogLevel("ERROR")
+        reader = (spark.readStream.format("rocketstore").option("startingOffsets", "earliest")
+                  .option("topics", "TopicA").option("groupId", "spark-cluster"))
+        reader = reader.option("maxOffsetsPerTrigger", "700")  # the queue view, several batches
+        q = (reader.load(str(root)).writeStream.format("noop").option("checkpointLocation", str(tmp_path / "chk"))
+             .trigger(availableNow=True).start())
+        q.awaitTermination(240)
+        assert q.exception() is None
+        rows = sum(p["numInputRows"] for p in q.recentProgress)
+        per_batch = [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]]
+    finally:
+        spark.stop()
+    want: dict[int, int] = {}
+    for e in golden_expected("basic"):
+        if e["topic"] == "TopicA":
+            want[e["queueId"]] = want.get(e["queueId"], 0) + 1
+    assert rows == sum(want.values())
+    assert len(per_batch) > 1 and max(per_batch) <= 700, per_batch
+    assert read_offsets(str(root)).table["TopicA@spark-cluster"] == want
+    lag = run_cli("lag", str(root), "--group", "spark-cluster", "--format", "json")
+    assert lag.returncode == 0, lag.stderr
+    assert json.loads(lag.stdout)["totalLag"] == 0
+    assert {r["queueId"]: r["consumerOffset"] for r in json.loads(lag.stdout)["lag"]} == want

@@ -552,6 +552,17 @@ class RocketStoreReader(DataSourceReader):
 
 # ---------------------------------------------------------------- streaming reads
 
+def group_committer(opts: Options, roots: list[str]) -> Any:
+    """Option groupId: a :class:`~rocketstore.spark.group_commit.GroupCommitter` for the stream, or None."""
+    group = opts.get("groupId")
+    if group is None:
+        return None
+    from .group_commit import GroupCommitter
+    tiers = [r for r in roots if remote.is_tier_uri(r)]
+    if tiers:
+        raise StoreError(f"option groupId: {tiers[0]} is a tier; consumer offsets live in a store directory")
+    return GroupCommitter(group, roots, opts.topics(), opts.queue_ids())
+
 class RocketStoreStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Follows the stores' commitlogs; offsets are ``{"<store path>": commitlog offset}``.
 
@@ -570,6 +581,7 @@ class RocketStoreStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNo
         self.skip_damaged = opts.flag("skipDamaged", False)
         self.target: dict[str, int] | None = None
         self.latest: dict | None = None  # the newest offsets seen by latestOffset (reportLatestOffset)
+        self.group = group_committer(opts, self.roots)  # option groupId (both views)
         self.view = QueueView(opts, self.roots, stream=True) if queues.wants_queues(opts, True) else None
         if self.view is not None:
             self.queue_target: dict[queues.Queue, int] | None = None
@@ -660,6 +672,10 @@ class RocketStoreStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNo
         return out
 
     def latestOffset(self, start: dict | None = None, limit: ReadLimit | None = None) -> dict:
+        if self.group is not None and start is not None:
+            # ``start`` is the end of the last batch, committed: Spark calls commit(end) only when it plans
+            # the next batch, so the last batch of a stream (availableNow) would otherwise never be written.
+            self.group.commit(start)
         start = start if start is not None else self.initialOffset()
         if self.view is not None:
             return self._queue_latest(start, limit)
@@ -712,7 +728,8 @@ class RocketStoreStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNo
         return read_task(partition.value, self.names, self.arrow_schema, self.batch_rows, self.skip_damaged)
 
     def commit(self, end: dict) -> None:
-        pass
+        if self.group is not None:  # option groupId: the position shown to `rocketstore lag` (never read back)
+            self.group.commit(end)
 
 
 # ---------------------------------------------------------------- writes
@@ -724,25 +741,12 @@ class StagedCommit(WriterCommitMessage):
 
 class RocketStoreWriter(DataSourceArrowWriter):
     def __init__(self, options: Any, schema: StructType) -> None:
-        from .write import STAGING, WriteOptions, check_columns
+        from .write import STAGING, writer_setup
         opts = Options(options)
-        roots = opts.roots()
-        if len(roots) != 1:
-            raise StoreError("rocketstore write: save(path) takes exactly one store directory")
-        if remote.is_tier_uri(roots[0]):
-            raise StoreError(f"rocketstore write: {roots[0]} is a tier; a store uploads its own tier "
-                             "(write to the store directory)")
-        self.root = roots[0]
-        self.opts = WriteOptions.from_options(opts.config_options())
-        check_columns(schema.fieldNames(), self.opts.topic)
-        cfg = self.opts.store_config()
-        if os.path.isdir(self.root):
-            from ..storage.geometry import store_config
-            cfg = store_config(self.root, cfg)  # the store's broker.conf, and an existing store's measured geometry
-        cfg = cfg or StoreConfig()
-        self.max_message_size = cfg.maxMessageSize
-        self.segment_size = cfg.mappedFileSizeCommitLog
-        self.auto_v2 = cfg.autoMessageVersionOnTopicLen
+        setup = writer_setup(opts.roots(), opts.config_options(), schema.fieldNames())
+        self.root, self.opts = setup.root, setup.opts
+        self.max_message_size, self.segment_size, self.auto_v2 = setup.max_message_size, setup.segment_size, \
+            setup.auto_v2
         self.staging = os.path.join(self.root, STAGING, uuid.uuid4().hex)
         os.makedirs(self.staging, exist_ok=True)
 
@@ -797,3 +801,9 @@ class RocketStoreDataSource(DataSource):
         if overwrite:
             raise StoreError("rocketstore write: only mode('append') is supported (a store is append-only)")
         return RocketStoreWriter(self.options, schema)
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> Any:
+        from .sink import RocketStoreStreamWriter
+        if overwrite:
+            raise StoreError("rocketstore sink: only outputMode('append') is supported (a store is append-only)")
+        return RocketStoreStreamWriter(self.options, schema)

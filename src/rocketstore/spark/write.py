@@ -39,7 +39,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +105,36 @@ class WriteOptions:
             options = StoreConfig.from_mapping(self.config, source="write options")
             return base.overlay(options) if base else options  # only the keys given count as explicit
         return base
+
+
+@dataclass
+class WriterSetup:
+    """What a writer's tasks need to encode as the store will: the store, the options, its limits."""
+    root: str
+    opts: WriteOptions
+    max_message_size: int
+    segment_size: int
+    auto_v2: bool
+
+
+def writer_setup(roots: list[str], config_options: dict[str, str], columns: Iterable[str]) -> WriterSetup:
+    """Check a write's target, options and columns (batch writer and stream sink alike) and find the store's
+    limits: its broker.conf and, for an existing store, its measured geometry."""
+    from .remote import is_tier_uri
+    if len(roots) != 1:
+        raise StoreError("rocketstore write: save(path) / start(path) takes exactly one store directory")
+    if is_tier_uri(roots[0]):
+        raise StoreError(f"rocketstore write: {roots[0]} is a tier; a store uploads its own tier "
+                         "(write to the store directory)")
+    opts = WriteOptions.from_options(config_options)
+    check_columns(columns, opts.topic)
+    cfg = opts.store_config()
+    if os.path.isdir(roots[0]):
+        from ..storage.geometry import store_config
+        cfg = store_config(roots[0], cfg)
+    cfg = cfg or StoreConfig()
+    return WriterSetup(roots[0], opts, cfg.maxMessageSize, cfg.mappedFileSizeCommitLog,
+                       cfg.autoMessageVersionOnTopicLen)
 
 
 def check_columns(names: Iterable[str], topic_option: str | None = None) -> None:
@@ -212,6 +242,7 @@ ENCODED_SCHEMA = pa.schema([
     ("tail", pa.binary()),
     ("tagsCode", pa.int64()), ("fromLog", pa.bool_()), ("storeTimestamp", pa.int64()),
     ("commitLogOffset", pa.int64()), ("indexHashes", pa.list_(pa.int32())),
+    ("rowId", pa.string()),  # the stream sink's row identity (spark/sink.py); null in a batch write
 ])
 # The staged columns a task computes; the others are the normalised input's own (nulls as the encoder reads them).
 _COMPUTED = ["total", "magic", "bodyCrc", "sysFlag", "bornTimestamp", "bornAddr", "bornPort", "storeAddr",
@@ -294,15 +325,21 @@ class RowEncoder:
             [pa.array(cols[f.name], f.type) if f.name in cols else
              pc.fill_null(nb.column(f.name), 0) if f.name in ("queueId", "flag", "reconsumeTimes",
                                                                "preparedTransactionOffset") else
+             pa.nulls(n, f.type) if f.name == "rowId" else
              nb.column(f.name) for f in ENCODED_SCHEMA], schema=ENCODED_SCHEMA)
+
+
+# The stream sink's marking of a normalised batch: the batch to encode and each row's identity (spark/sink.py).
+RowMarker = Callable[[pa.RecordBatch], tuple[pa.RecordBatch, list[str]]]
 
 
 def stage(batches: Iterator[pa.RecordBatch], staging_dir: str, partition: int, attempt: int,
           opts: WriteOptions, max_message_size: int, segment_size: int | None = None,
-          auto_v2: bool = True) -> StagedPart:
+          auto_v2: bool = True, mark: RowMarker | None = None) -> StagedPart:
     """Encode and stage one task's rows (ENCODED_SCHEMA, an Arrow IPC file).
 
-    A replay keeps every row and sorts them by commitLogOffset when that column is present.
+    A replay keeps every row and sorts them by commitLogOffset when that column is present.  ``mark`` (the
+    stream sink) changes each normalised batch before it is encoded and gives the rows' ids (column rowId).
     """
     os.makedirs(staging_dir, exist_ok=True)
     path = os.path.join(staging_dir, f"part-{partition:05d}-{attempt}-{uuid.uuid4().hex[:8]}.arrow")
@@ -324,7 +361,15 @@ def stage(batches: Iterator[pa.RecordBatch], staging_dir: str, partition: int, a
             if batch.num_rows == 0:
                 continue
             check_columns(batch.schema.names, opts.topic)
-            pending.append(enc.encode(normalize(batch, opts.replay, opts.topic), f"partition {partition}", rows))
+            nb = normalize(batch, opts.replay, opts.topic)
+            ids = None
+            if mark is not None:
+                nb, ids = mark(nb)
+            encoded = enc.encode(nb, f"partition {partition}", rows)
+            if ids is not None:
+                encoded = encoded.set_column(ENCODED_SCHEMA.get_field_index("rowId"), ENCODED_SCHEMA.field("rowId"),
+                                             pa.array(ids, pa.string()))
+            pending.append(encoded)
             rows += batch.num_rows
             staged += batch.num_rows
             if not opts.replay and staged >= STAGED_BATCH_ROWS:
@@ -352,7 +397,7 @@ def open_for_append(root: str, opts: WriteOptions) -> MessageStore:
             time.sleep(0.1)
 
 
-# A staged row on the driver: (topic, queueId, EncodedRecord, storeTimestamp, tagsCode, indexHashes, fromLog).
+# A staged row on the driver: (topic, queueId, EncodedRecord, storeTimestamp, tagsCode, indexHashes, fromLog, rowId).
 StagedRow = tuple
 
 
@@ -368,9 +413,10 @@ def _part_rows(part: StagedPart, grouped: bool) -> Iterator[StagedRow]:
             cols = [b.column(name).to_pylist() for name in ENCODED_SCHEMA.names if name != "commitLogOffset"]
             rows = [(topic, qid, (header[sf & 0x30], total, magic, crc, qid, flag, sf, born_ts, born_addr, born_port,
                                   store_addr, store_port, reconsume, prepared, body, tail), store_ts, code, hashes,
-                     from_log)
+                     from_log, row_id)
                     for (topic, qid, total, magic, crc, flag, sf, born_ts, born_addr, born_port, store_addr,
-                         store_port, reconsume, prepared, body, tail, code, from_log, store_ts, hashes) in zip(*cols)]
+                         store_port, reconsume, prepared, body, tail, code, from_log, store_ts, hashes, row_id)
+                    in zip(*cols)]
             if grouped:
                 queues: dict[tuple[str, int], list[StagedRow]] = {}
                 for r in rows:
@@ -439,36 +485,47 @@ def commit(root: str, parts: list[StagedPart], opts: WriteOptions) -> dict[str, 
 
     Raises StoreError naming what was written if a put fails (a refused put writes nothing of itself).
     """
+    store = open_for_append(root, opts)
+    try:
+        return append(store, parts, opts)
+    finally:
+        store.close()
+
+
+def append(store: MessageStore, parts: list[StagedPart], opts: WriteOptions,
+           skip: Callable[[StagedRow], bool] | None = None) -> dict[str, Any]:
+    """Append the staged rows to a store opened for writing, in put units, and wait for their dispatch;
+    ``skip`` leaves out the rows it is true for (the stream sink's rows an earlier attempt wrote)."""
+    root = store.root
     parts = sorted(parts, key=lambda p: p.partition)
+    rows: Iterable[StagedRow] = _staged_rows(parts, opts.replay)
+    if skip is not None:
+        rows = (r for r in rows if not skip(r))
     total = sum(p.rows for p in parts)
     written = 0
     first = last = None
     t0 = time.monotonic()
-    store = open_for_append(root, opts)
-    try:
-        with gc_paused():
-            for run in batches(_staged_rows(parts, opts.replay), store.config.mappedFileSizeCommitLog):
-                topic, qid, _rec, store_ts, *_ = run[0]
-                codes = [r[4] for r in run]
-                hashes = [r[5] for r in run]
-                dispatch = None if any(r[6] for r in run) else (
-                    codes if any(codes) else None, None if hashes.count(None) == len(hashes) else hashes)
-                res = store.put_encoded(topic, qid, [r[2] for r in run], dispatch, store_ts)
-                if not res.ok:
-                    where = (f"wrote {written} of {total} messages" +
-                             (f" (commitlog offsets {first}..{last})" if written else "") +
-                             f"; message {written + 1}" + (f"..{written + len(run)}" if len(run) > 1 else "") +
-                             f" (topic {topic!r}, queue {qid}) was refused: {res.status.value}: {res.error}")
-                    log.error("%s: %s", root, where)
-                    raise StoreError(f"{root}: {where}")
-                if first is None or res.commit_log_offset < first:
-                    first = res.commit_log_offset
-                end = res.offsets[-1]
-                last = end if last is None else max(last, end)
-                written += len(run)
-        store.wait_dispatched()
-    finally:
-        store.close()
+    with gc_paused():
+        for run in batches(rows, store.config.mappedFileSizeCommitLog):
+            topic, qid, _rec, store_ts, *_ = run[0]
+            codes = [r[4] for r in run]
+            hashes = [r[5] for r in run]
+            dispatch = None if any(r[6] for r in run) else (
+                codes if any(codes) else None, None if hashes.count(None) == len(hashes) else hashes)
+            res = store.put_encoded(topic, qid, [r[2] for r in run], dispatch, store_ts)
+            if not res.ok:
+                where = (f"wrote {written} of {total} messages" +
+                         (f" (commitlog offsets {first}..{last})" if written else "") +
+                         f"; message {written + 1}" + (f"..{written + len(run)}" if len(run) > 1 else "") +
+                         f" (topic {topic!r}, queue {qid}) was refused: {res.status.value}: {res.error}")
+                log.error("%s: %s", root, where)
+                raise StoreError(f"{root}: {where}")
+            if first is None or res.commit_log_offset < first:
+                first = res.commit_log_offset
+            end = res.offsets[-1]
+            last = end if last is None else max(last, end)
+            written += len(run)
+    store.wait_dispatched()
     summary = {"store": root, "messages": written, "firstOffset": first, "lastOffset": last,
                "seconds": round(time.monotonic() - t0, 3)}
     log.info("appended %d messages to %s (offsets %s..%s) in %.2f s", written, root, first, last,
