@@ -105,3 +105,32 @@ def test_ack_sync_flush_config_key_makes_each_ack_durable_before_it_returns(tmp_
             assert os.path.getsize(paths(st)[1]) > size  # written (and fsynced) before ack() returned
             with pytest.raises(ReceiptHandleError):
                 c.ack(m)  # acked already: the handle is unknown now
+
+
+def test_a_broker_and_library_receivers_never_share_the_pop_state(store: MessageStore) -> None:
+    """The broker keeps the pop state in memory and writes snapshots over what library receivers journal: each
+    side is refused while the other holds config/popState.owner (no hang, the other side named), and either
+    may go once the other has stopped."""
+    import asyncio
+
+    from rocketstore.broker.broker import Broker
+    from rocketstore.broker.config import BrokerConfig
+    from rocketstore.errors import StoreLockedError
+
+    c = store.simple_consumer("G", "T")
+    broker = Broker(store, BrokerConfig())
+    with pytest.raises(StoreLockedError, match="SimpleConsumer receivers"):
+        asyncio.run(broker.start())
+    c.close()
+
+    async def serve_then_try() -> None:
+        await broker.start()
+        try:
+            with pytest.raises(StoreLockedError, match=r"a broker \(broker pid \d+\) serves this store"):
+                store.simple_consumer("G", "T")
+        finally:
+            await broker.stop()
+
+    asyncio.run(serve_then_try())
+    with store.simple_consumer("G", "T") as again:  # the broker stopped: the library may go on
+        assert [m.body for m in again.receive(6)] == [f"m{i}".encode() for i in range(6)]

@@ -26,6 +26,7 @@ from .longpoll import LongPolling
 from .metrics import BrokerMetrics, count_deliveries
 from ..storage.consumer_offsets import ConsumerOffsetManager
 from .pop import PopService
+from ..queues.state import claim_pop_state
 from .tasks import cancel, every
 from .timer import TimerService
 from .topics import TRANS_GROUP, TopicManager
@@ -63,11 +64,15 @@ class Broker:
         self._pop_next_write = 0.0
         self._dispatch_due = False  # a dispatch_ready call is scheduled for this loop iteration
         self.started = False
+        self._pop_owner = -1  # config/popState.owner, held exclusively while started
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Load the state (must run on the loop that will serve)."""
         self._persist_lock = asyncio.Lock()
+        # The broker keeps the pop state in memory: refused while library receivers share it (and they are
+        # refused while the broker holds it), held until stop().
+        self._pop_owner = claim_pop_state(self.config_dir, exclusive=True)
         self.pop = PopService(self.store, self.offsets, self.config_dir, consume_from=self.cfg.consumeFromWhere,
                               auto_renew_ms=self.cfg.popAutoRenewInvisibleTime,
                               renew_ahead_ms=self.cfg.popRenewAheadTime, renew_max_ms=self.cfg.popRenewMaxTime,
@@ -102,6 +107,9 @@ class Broker:
         await self.persist(final=True)
         self.executor.shutdown(wait=True)
         self.io_executor.shutdown(wait=True)
+        if self._pop_owner >= 0:
+            os.close(self._pop_owner)
+            self._pop_owner = -1
 
     # ------------------------------------------------------------ store access
     async def put(self, msg: Message) -> PutMessageResult:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..errors import StoreLockedError
 from ..storage.consumer_offsets import ConsumerOffsetManager, read_json_lenient
 from ..storage.jsonfile import fsync_dir
 from . import journal
@@ -34,6 +35,34 @@ from .pop import PopService, state_document
 
 OFFSETS_EVERY = 1.0
 COMPACT_BYTES = 4 << 20
+OWNER_FILE = "popState.owner"
+
+
+def claim_pop_state(config_dir: str, *, exclusive: bool) -> int:
+    """Hold ``config/popState.owner`` for as long as the returned descriptor is open.
+
+    The broker keeps the pop state in memory and writes whole snapshots, so it must never run beside
+    library receivers that journal theirs: the broker holds the owner file exclusively, every library
+    receiver holds it shared.  Whoever comes second is refused here, naming the other side (never a hang:
+    both attempts are non-blocking); the OS drops the hold when the process dies.
+    """
+    os.makedirs(config_dir, exist_ok=True)
+    path = os.path.join(config_dir, OWNER_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+        os.close(fd)
+        if exclusive:
+            raise StoreLockedError(f"{path}: SimpleConsumer receivers in other processes use this store's pop state; "
+                                   "stop them before serving the store with a broker") from None
+        raise StoreLockedError(f"{path}: a broker ({holder or 'pid unknown'}) serves this store and owns its pop "
+                               "state; receive through the broker, or stop it first") from None
+    if exclusive:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"broker pid {os.getpid()}".encode("ascii"), 0)
+    return fd
 
 
 class SharedPopState:
@@ -42,6 +71,7 @@ class SharedPopState:
     def __init__(self, config_dir: str, make_pop: Callable[[ConsumerOffsetManager], PopService],
                  follow: Callable[[], Any] | None = None) -> None:
         os.makedirs(config_dir, exist_ok=True)
+        self._owner_fd = claim_pop_state(config_dir, exclusive=False)  # refused while a broker owns the state
         self.config_dir = config_dir
         self.path = os.path.join(config_dir, "popState.json")
         self._lock_fd = os.open(os.path.join(config_dir, "popState.lock"), os.O_RDWR | os.O_CREAT, 0o644)
@@ -168,4 +198,5 @@ class SharedPopState:
                     fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             os.close(self._journal_fd)
-            self._lock_fd = self._journal_fd = -1
+            os.close(self._owner_fd)
+            self._lock_fd = self._journal_fd = self._owner_fd = -1
