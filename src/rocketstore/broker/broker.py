@@ -70,7 +70,7 @@ class Broker:
                               auto_renew_ms=self.cfg.popAutoRenewInvisibleTime,
                               renew_ahead_ms=self.cfg.popRenewAheadTime, renew_max_ms=self.cfg.popRenewMaxTime,
                               max_span=self.cfg.popMaxSpan, on_visible=self.longpoll.notify_group)
-        self.timer = TimerService(self.store, self.config_dir, self.store_host, self.put, self.notify)
+        self.timer = TimerService(self.store, self.store_host, self.put, self.notify)
         self.transactions = TransactionService(self.store, self.offsets, self.cfg, self.store_host, self.put,
                                                self.notify, self.clients.send_to_producer)
         self.timer.start()
