@@ -225,3 +225,22 @@ def test_read_only_and_serviceless_opens_run_no_timer(root):
         assert s.timer is None and s.max_offset_in_queue("Q", 0) == 0
     with MessageStore.open(root, SMALL) as s:
         assert [m.body for m in wait_for(s, "Q", 1)] == [b"x"]
+
+
+def test_timer_records_of_rocketmq_own_timer_are_not_delivered_again(root):
+    """A store RocketMQ's broker ran its timer on (its timercheck file, no timerState.json) holds timer records
+    RocketMQ delivered itself: a writable open must not put them into their topics a second time."""
+    with MessageStore.open(root, SMALL, start_services=False) as s:
+        assert s.put(Message("Old", b"delivered-by-rocketmq", deliver_at=now_ms() + 200)).ok
+    Path(root, "config").mkdir(exist_ok=True)
+    Path(root, "config", "timercheck").write_bytes(b"\0" * 32)
+    time.sleep(0.4)  # due: a timer that took it for its own would put it now
+    with MessageStore.open(root, SMALL) as s:
+        assert s.timer.scheduled_times() == []
+        with MessageStore.open(root, SMALL, read_only=True) as r:
+            assert r.max_offset_in_queue("Old", 0) == 0
+        at = now_ms() + 200
+        assert s.put(Message("New", b"mine", deliver_at=at)).ok  # new ones are delivered as ever
+        assert [m.body for m in wait_for(s, "New", 1)] == [b"mine"]
+        s.wait_dispatched(5)
+        assert s.max_offset_in_queue("Old", 0) == 0

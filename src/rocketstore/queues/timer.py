@@ -18,6 +18,8 @@ between a copy's put and the state write leaves the message in ``delivering``: t
 (same ``UNIQ_KEY`` and born time) in its real queue from the recorded end on, and counts it delivered if it is
 there.  So every due message is put into its topic exactly once, as far as the store can tell (a put whose
 copy the commitlog lost in a power cut, with asynchronous flush, is put again: the timer record is older).
+A store whose timer records RocketMQ's own timer handled (its ``timercheck``/``timerwheel`` files, no
+``timerState.json``) has them left alone: they were delivered by RocketMQ.
 
 Precision: a message is never delivered before its time; the service wakes at the earliest due time, so it is
 delivered within tens of milliseconds after it on an idle machine (plus the dispatcher's round for a consumer
@@ -178,6 +180,13 @@ class TimerService(ServiceThread):
             self.watermark, self.delivered, delivering = 0, set(), {}
         lo = self.store.min_offset_in_queue(TIMER_TOPIC, 0)
         hi = self.store.max_offset_in_queue(TIMER_TOPIC, 0)
+        if not data and hi > 0 and self._rocketmq_timer_ran():
+            # RocketMQ's own timer (timercheck/timerwheel) delivered these: putting them again would duplicate
+            log.warning("%s: %d timer records were written under RocketMQ's own timer (its timercheck/timerwheel "
+                        "files are here); left to it, not delivered again", self.path, hi)
+            self.watermark = self.seen_next = hi
+            self._write_state()
+            return
         off = max(self.watermark, lo)
         while off < hi:
             res = self.store.get(TIMER_TOPIC, 0, off, 32, read_body=False)
@@ -201,6 +210,12 @@ class TimerService(ServiceThread):
             self._write_state()  # the doubt is settled: record it before anything else is put
         if self.heap:
             log.info("%d delay messages scheduled", len(self.heap))
+
+    def _rocketmq_timer_ran(self) -> bool:
+        config_dir = os.path.dirname(os.path.abspath(self.path))
+        root = os.path.dirname(config_dir)
+        return any(os.path.exists(p) for p in (os.path.join(config_dir, "timercheck"),
+                                               os.path.join(root, "timerwheel"), os.path.join(root, "timerlog")))
 
     def _copy_stored(self, timer_msg: MessageExt, topic: str, queue_id: int, from_offset: int) -> bool:
         """True when the real queue holds, from ``from_offset`` on, the copy of ``timer_msg``."""
