@@ -272,8 +272,8 @@ class MessageStore:
         return self._put([message], batch=False)
 
     def _put_delayed(self, message: Message) -> PutMessageResult:
-        if message.topic == TIMER_TOPIC:  # a timer record already (the broker's, or a replay)
-            return self._put([message], batch=False)
+        if message.topic == TIMER_TOPIC or self.closed or self.read_only:  # a timer record already (the
+            return self._put([message], batch=False)                       # broker's), or refused as any put
         now = int(self.files.clock() * 1000)
         try:
             at = deliver_time(message, now)

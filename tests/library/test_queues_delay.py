@@ -244,3 +244,15 @@ def test_timer_records_of_rocketmq_own_timer_are_not_delivered_again(root):
         assert [m.body for m in wait_for(s, "New", 1)] == [b"mine"]
         s.wait_dispatched(5)
         assert s.max_offset_in_queue("Old", 0) == 0
+
+
+def test_a_delay_put_on_a_closed_or_read_only_store_is_refused_like_any_put(root):
+    s = MessageStore.open(root, SMALL)
+    s.close()
+    with pytest.raises(Exception) as e:
+        s.put(Message("C", b"x", delay_level=1))
+    assert "closed" in str(e.value)
+    with MessageStore.open(root, SMALL, read_only=True) as r:
+        with pytest.raises(Exception) as e:
+            r.put(Message("C", b"x", delay_level=1))
+        assert "read-only" in str(e.value)

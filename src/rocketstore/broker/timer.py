@@ -37,9 +37,9 @@ class TimerService:
         floor = self.timer.floor()
         try:
             res = await self.put(wrap(msg, deliver_at))
+            self.timer.scheduled(res, deliver_at)  # before the floor goes (see the library's submit)
         finally:
             self.timer.unfloor(floor)
-        self.timer.scheduled(res, deliver_at)
         return res
 
     def start(self) -> None:

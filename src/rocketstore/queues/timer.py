@@ -249,15 +249,12 @@ class TimerService(ServiceThread):
     # ------------------------------------------------------------ taking
     def submit(self, msg: Message, deliver_at: int) -> PutMessageResult:
         """Store a delay message in the timer topic and schedule it."""
-        with self.lock:
-            floor = self.store.max_offset_in_queue(TIMER_TOPIC, 0)
-            self.put_floors.append(floor)
+        floor = self.floor()
         try:
             res = self.put(wrap(msg, deliver_at))
+            self.scheduled(res, deliver_at)  # before the floor goes: the watermark must not pass the record
         finally:
-            with self.lock:
-                self.put_floors.remove(floor)
-        self.scheduled(res, deliver_at)
+            self.unfloor(floor)
         return res
 
     def scheduled(self, res: PutMessageResult, deliver_at: int) -> None:
