@@ -118,7 +118,8 @@ class PersistQueue:
         return out
 
     def close(self) -> None:
-        self.q.close() if hasattr(self.q, "close") else None
+        if hasattr(self.q, "close"):  # (not every persist-queue version has it)
+            self.q.close()
 
 
 class LiteQueuePeer:
@@ -197,7 +198,10 @@ def run_solo(system: str, path: str, n: int, deadline_s: float) -> dict[str, Any
     try:
         for i in range(CHUNK):  # warm-up chunk, not counted
             q.put(n + i)
+        warm_until = time.perf_counter() + deadline_s
         while len(acked) < CHUNK:
+            if time.perf_counter() > warm_until:
+                raise RuntimeError(f"{system}: the warm-up chunk was not received within {deadline_s:.0f} s")
             acked += q.take()
         acked.clear()
         t0 = time.perf_counter()
