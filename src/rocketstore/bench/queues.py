@@ -376,8 +376,8 @@ def measure(res: Results, workdir: str, system: str, procs: int, n: int, deadlin
     distinct = set(acked)
     dup = len(acked) - len(distinct)
     missing = r["put"] - len(distinct & set(range(r["put"])))
-    m = rate_measurement(id, system, label, len(distinct), r["seconds"], bytes_per_msg=1024, processes=procs, messages=n, put=r["put"],
-                         acked=len(acked), duplicates=dup, missing=missing)
+    m = rate_measurement(id, system, label, len(distinct), r["seconds"], bytes_per_msg=1024, processes=procs,
+                         messages=n, put=r["put"], acked=len(acked), duplicates=dup, missing=missing)
     if dup or missing:
         m.note = f"verification: {dup} acked twice, {missing} of {r['put']} never acked within the time limit"
     res.add(m)
