@@ -23,6 +23,9 @@ from .format.encoder import MessageEncoder
 from .format.message import (DEFAULT_STORE_HOST, GetMessageResult, Message, PutMessageResult, PutMessageStatus,
                              QueryMessageResult, host_tuple, illegal_topic)
 from .paths import StorePaths
+from .queues.aio import AsyncSimpleConsumer
+from .queues.doorbell import Doorbell
+from .queues.simple_consumer import SimpleConsumer
 from .queues.timer import TIMER_TOPIC, TimerService, deliver_time, wrap as timer_record
 from .recovery.load import StoreLoader, boot_id
 from .services.clean import CleanService, DiskGuard, DiskGuardService, disk_usage_ratio
@@ -156,6 +159,7 @@ class MessageStore:
         else:
             self._services.append(FlushRealTimeService(self.files))
         self.reput = ReputMessageService(self.files, self.commitlog.max_offset())
+        self.reput.on_dispatched = Doorbell(self.root).ring  # wakes SimpleConsumers waiting in other processes
         self._services += [self.reput, FlushConsumeQueueService(self.files), CheckpointService(self.files)]
         self._services += [self.clean_service, DiskGuardService(self.disk_guard), MetricsService(self.root, self._metrics_snapshot)]
         if self.tier is not None:
@@ -182,6 +186,17 @@ class MessageStore:
         self.timer.start()
 
     # ------------------------------------------------------------ queues
+    def simple_consumer(self, group: str, topic: str, *, tag_filter: str = "*", invisible_duration: float = 30.0,
+                        max_reconsume_times: int | None = None, fifo: bool | None = None,
+                        **kw: Any) -> SimpleConsumer:
+        """A receiver of ``group`` sharing its work with the group's others, in any process (rocketstore.queues)."""
+        return SimpleConsumer(self, group, topic, tag_filter=tag_filter, invisible_duration=invisible_duration,
+                              max_reconsume_times=max_reconsume_times, fifo=fifo, **kw)
+
+    def async_simple_consumer(self, group: str, topic: str, **kw: Any) -> AsyncSimpleConsumer:
+        """The asyncio twin of :meth:`simple_consumer`."""
+        return AsyncSimpleConsumer(self.simple_consumer(group, topic, **kw))
+
     def find_consume_queue(self, topic: str, queue_id: int) -> ConsumeQueue:
         return self.files.find_consume_queue(topic, queue_id)
 

@@ -27,7 +27,7 @@ from ..storage.consumer_offsets import ConsumerOffsetManager
 from .pop import PopService
 from .tasks import cancel, every
 from .timer import TimerService
-from .topics import TopicManager
+from .topics import TRANS_GROUP, TopicManager
 from .transaction import TransactionService
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,8 @@ class Broker:
         self.pop = PopService(self.store, self.offsets, self.config_dir, consume_from=self.cfg.consumeFromWhere,
                               auto_renew_ms=self.cfg.popAutoRenewInvisibleTime,
                               renew_ahead_ms=self.cfg.popRenewAheadTime, renew_max_ms=self.cfg.popRenewMaxTime,
-                              max_span=self.cfg.popMaxSpan, on_visible=self.longpoll.notify_group)
+                              max_span=self.cfg.popMaxSpan, on_visible=self.longpoll.notify_group,
+                              skip_groups=(TRANS_GROUP,))
         self.timer = TimerService(self.store, self.store_host, self.put, self.notify)
         self.transactions = TransactionService(self.store, self.offsets, self.cfg, self.store_host, self.put,
                                                self.notify, self.clients.send_to_producer)

@@ -141,6 +141,7 @@ class ReputMessageService(ServiceThread):
         self._index_retry_at = 0.0
         self._round = threading.Lock()  # one dispatch round at a time: this thread's, or an assistant's
         self.assisted = False  # an assistant calls dispatch_ready after its puts (the broker's loop)
+        self.on_dispatched: Callable[[], None] | None = None  # after a round made messages readable (doorbell)
 
     def behind(self) -> int:
         return max(0, self.files.confirm_offset() - self.reput_from_offset)
@@ -190,6 +191,8 @@ class ReputMessageService(ServiceThread):
         if done:
             with self.caught_up:
                 self.caught_up.notify_all()
+            if self.on_dispatched is not None:
+                self.on_dispatched()
         return done
 
     def _run_round(self) -> None:
@@ -216,6 +219,8 @@ class ReputMessageService(ServiceThread):
         if progressed or self.reput_from_offset >= end:
             with self.caught_up:
                 self.caught_up.notify_all()
+            if progressed and self.on_dispatched is not None:
+                self.on_dispatched()
 
     def _dispatch_handed_over(self, pending: deque, end: int, quick: bool = False) -> bool:
         """Dispatch the handed-over puts that continue at the reput offset and end below ``end``.

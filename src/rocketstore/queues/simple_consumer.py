@@ -1,0 +1,297 @@
+"""RocketMQ 5's SimpleConsumer in the library: receive, ack, nack, change the invisible duration.
+
+``store.simple_consumer(group, topic)`` gives one; any number of them, in any number of processes on one
+store (one writer, the others opened read-only), share the group's work: a received message is invisible
+to every other receiver of the group until it is acked or its invisible time passes, then it is delivered
+again (``delivery_attempt`` + 1).  After ``max_reconsume_times`` redeliveries it moves to ``%DLQ%<group>``.
+In a FIFO group (``fifo=True``) a message group's (``__SHARDINGKEY``) next message waits until the
+previous one is acked or dead-lettered.  The state is ``config/popState.json`` (see
+:mod:`rocketstore.queues.state`), the broker's own file: one implementation (:mod:`rocketstore.queues.pop`).
+
+Acks: with ``ack_sync_flush`` (the store config's ``ackSyncFlush``; the broker's ``popAckSyncFlush``) an ack
+is in popState.json, fsynced, before ``ack()`` returns.  Without it acks are gathered and written with the
+next receive, after ACK_BATCH acks or ACK_LINGER seconds, and at close: a process killed in that window
+loses those acks, and the messages are delivered again after their invisible time (at least once).
+
+A dead letter is written by a receiver on the writable store; a receiver on a read-only store parks a
+message that is due for the DLQ (not delivered again) until a receiver on the writer moves it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ..errors import StoreError
+from ..format.codec import MessageExt
+from ..format.message import Message, PutMessageResult
+from .doorbell import Doorbell, Waiter
+from .pop import DeadLetter, Delivery, PopService, TagFilter, now_ms
+from .retry import RetryPolicy
+from .dlq import dead_letter
+from .state import SharedPopState
+
+log = logging.getLogger(__name__)
+
+ACK_BATCH = 256
+ACK_LINGER = 0.2
+_clients = itertools.count(1)
+# How a read-only store extends its view to what the writer appended (registered by the package root:
+# rocketstore.tail_view sits above the facade, this package below it).
+_view_follower: Callable[[Any, list[str]], Any] | None = None
+
+
+def set_view_follower(follow: Callable[[Any, list[str]], Any]) -> None:
+    global _view_follower
+    _view_follower = follow
+
+
+class QueueStore(Protocol):
+    """What a SimpleConsumer needs of the store."""
+
+    root: str
+    read_only: bool
+
+    def queue_keys(self) -> list[tuple[str, int]]: ...
+    def min_offset_in_queue(self, topic: str, queue_id: int) -> int: ...
+    def max_offset_in_queue(self, topic: str, queue_id: int) -> int: ...
+    def look(self, commit_log_offset: int, *, read_body: bool = True) -> MessageExt: ...
+    def put(self, message: Message) -> PutMessageResult: ...
+
+
+class ReceiptHandleError(StoreError):
+    """The receipt handle is unknown, expired (its invisible time passed) or superseded."""
+
+
+class ReceivedMessage:
+    """A received message: the store's :class:`MessageExt` fields, its receipt handle and delivery attempt."""
+
+    __slots__ = ("message", "receipt_handle", "delivery_attempt")
+
+    def __init__(self, message: MessageExt, receipt_handle: str, delivery_attempt: int) -> None:
+        self.message = message
+        self.receipt_handle = receipt_handle
+        self.delivery_attempt = delivery_attempt
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.message, name)
+
+    def __repr__(self) -> str:
+        return (f"ReceivedMessage(topic={self.message.topic!r}, queue_id={self.message.queue_id}, "
+                f"queue_offset={self.message.queue_offset}, attempt={self.delivery_attempt})")
+
+
+def _handle(m: ReceivedMessage | str) -> str:
+    return m if isinstance(m, str) else m.receipt_handle
+
+
+class SimpleConsumer:
+    """One receiver of ``group`` on ``topic``; thread-safe; a context manager."""
+
+    def __init__(self, store: QueueStore, group: str, topic: str, *, tag_filter: str = "*",
+                 invisible_duration: float = 30.0, max_reconsume_times: int | None = None,
+                 fifo: bool | None = None, ack_sync_flush: bool | None = None,
+                 retry_policy: RetryPolicy | None = None, config_dir: str | None = None) -> None:
+        if not group or "@" in group:
+            raise ValueError(f"bad consumer group {group!r}")
+        if not topic:
+            raise ValueError("topic is required")
+        if invisible_duration <= 0:
+            raise ValueError(f"invisible_duration must be positive, not {invisible_duration}")
+        self.store = store
+        self.group, self.topic = group, topic
+        self.filter = TagFilter(tag_filter)
+        self.invisible_ms = int(invisible_duration * 1000)
+        policy = retry_policy or RetryPolicy()
+        if max_reconsume_times is not None:
+            policy = RetryPolicy(max_reconsume_times, policy.backoff_ms)
+        self.retry = policy
+        self.fifo = bool(fifo)
+        cfg = getattr(store, "config", None)
+        self.ack_sync_flush = bool(getattr(cfg, "ackSyncFlush", False)) if ack_sync_flush is None \
+            else ack_sync_flush
+        self.client = f"{os.getpid()}-{next(_clients)}"
+        self._bell = Doorbell(store.root)
+        follow = None
+        if store.read_only and _view_follower is not None:
+            follower = _view_follower
+            follow = lambda: follower(store, [topic])  # noqa: E731
+        self.state = SharedPopState(config_dir or os.path.join(store.root, "config"),
+                                    lambda offsets: PopService(store, offsets, self.state.config_dir,
+                                                               on_visible=self._on_visible, load=True),
+                                    follow)
+        self._follow = follow
+        self._pending_acks: list[str] = []
+        self._first_pending = 0.0
+        self._lock = threading.Lock()
+        self._waiter: Waiter | None = None
+        self._rang = False
+        self.closed = False
+
+    # ------------------------------------------------------------ receive
+    def receive(self, max_messages: int = 16, wait: float = 0.0) -> list[ReceivedMessage]:
+        """Up to ``max_messages`` messages now invisible to the group's other receivers; blocks up to ``wait``
+        seconds for some (woken by a put in any process, or by a message becoming visible again)."""
+        if max_messages <= 0:
+            raise ValueError(f"max_messages must be positive, not {max_messages}")
+        deadline = time.monotonic() + max(0.0, wait)
+        while True:
+            self._check_open()
+            if wait > 0 and self._waiter is None:
+                self._waiter = Waiter(self.store.root)  # bound before looking: a put after the look rings it
+            elif self._waiter is not None:
+                self._waiter.drain()
+            out, due = self._receive_once(max_messages)
+            left = deadline - time.monotonic()
+            if out or left <= 0:
+                return out
+            assert self._waiter is not None
+            self._waiter.wait(min(left, max(0.0, (due - now_ms()) / 1000)))
+
+    def _queue_ids(self) -> list[int]:
+        return sorted(q for t, q in self.store.queue_keys() if t == self.topic)
+
+    def _receive_once(self, n: int) -> tuple[list[ReceivedMessage], int]:
+        out: list[ReceivedMessage] = []
+        with self._lock, self.state.locked() as pop:
+            self._apply_acks(pop)
+            qids = self._queue_ids()
+            deliveries, dead = pop.receive(self.group, self.topic, qids, n, self.invisible_ms, self.filter,
+                                           fifo=self.fifo, max_attempts=self.retry.max_attempts,
+                                           client=self.client, auto_renew=False)
+            for d in dead:
+                self._dead_letter(pop, d)
+            for d in deliveries:
+                out.append(ReceivedMessage(d.message, d.handle, d.entry.attempts))
+            due = pop.next_due(self.group, self.topic, qids)
+        self._ring_if_needed()
+        return out, due
+
+    def _dead_letter(self, pop: PopService, d: DeadLetter) -> None:
+        if self.store.read_only:
+            pop.finish_dlq(d, False)  # parked: visible again (and due for the DLQ) in a second
+            return
+        try:
+            m = self.store.look(d.entry.phy)
+        except Exception as e:  # noqa: BLE001 - gone or damaged: never delivered again either way
+            log.error("%s@%s: message at %d unreadable (%s); dropped instead of dead-lettered", self.topic,
+                      self.group, d.entry.phy, e)
+            pop.finish_dlq(d, True)
+            return
+        res = self.store.put(dead_letter(m, self.group, self.topic, d.entry.attempts))
+        pop.finish_dlq(d, res.ok)
+        if res.ok:
+            log.info("message %s of %s moved to %%DLQ%%%s after %d deliveries", m.msg_id, self.topic, self.group,
+                     d.entry.attempts)
+        else:
+            log.error("moving message %s to %%DLQ%%%s failed: %s", m.msg_id, self.group, res.status)
+
+    # ------------------------------------------------------------ receipts
+    def ack(self, m: ReceivedMessage | str) -> None:
+        """The message is done; with ack_sync_flush durable before this returns (else see the module doc)."""
+        handle = _handle(m)
+        if self.ack_sync_flush:
+            self._check_open()
+            with self._lock, self.state.locked(durable=True) as pop:
+                self._apply_acks(pop)
+                ok = pop.ack(self.group, self.topic, handle)
+            self._ring_if_needed()
+            if not ok:
+                raise ReceiptHandleError(f"{self.topic}@{self.group}: receipt handle {handle!r} is unknown, "
+                                         "expired or superseded")
+            return
+        with self._lock:
+            self._check_open()
+            if not self._pending_acks:
+                self._first_pending = time.monotonic()
+            self._pending_acks.append(handle)
+            due = len(self._pending_acks) >= ACK_BATCH or time.monotonic() - self._first_pending >= ACK_LINGER
+        if due:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the gathered acks now."""
+        with self._lock:
+            if not self._pending_acks:
+                return
+            with self.state.locked(durable=self.ack_sync_flush) as pop:
+                self._apply_acks(pop)
+        self._ring_if_needed()
+
+    def _apply_acks(self, pop: PopService) -> None:
+        if self._pending_acks:
+            for h in self._pending_acks:
+                if not pop.ack(self.group, self.topic, h):
+                    log.debug("%s@%s: ack of an unknown or expired receipt handle %s", self.topic, self.group, h)
+            self._pending_acks.clear()
+
+    def nack(self, m: ReceivedMessage | str) -> None:
+        """Delivery failed: the message comes back after the retry policy's back-off (or goes to the DLQ)."""
+        handle = _handle(m)
+        with self._lock, self.state.locked(durable=self.ack_sync_flush) as pop:
+            self._apply_acks(pop)
+            e = pop.entry(self.group, self.topic, handle)
+            new = None if e is None else pop.change_invisible(self.group, self.topic, handle,
+                                                              self.retry.next_delay_ms(e.attempts))
+        self._ring_if_needed()
+        if new is None:
+            raise ReceiptHandleError(f"{self.topic}@{self.group}: receipt handle {handle!r} is unknown, expired "
+                                     "or superseded")
+
+    def change_invisible_duration(self, m: ReceivedMessage | str, seconds: float) -> ReceivedMessage | str:
+        """Hide the message ``seconds`` from now; the new receipt handle (the old one stops working)."""
+        if seconds < 0:
+            raise ValueError(f"seconds must not be negative, not {seconds}")
+        handle = _handle(m)
+        with self._lock, self.state.locked(durable=self.ack_sync_flush) as pop:
+            self._apply_acks(pop)
+            new = pop.change_invisible(self.group, self.topic, handle, int(seconds * 1000))
+        self._ring_if_needed()
+        if new is None:
+            raise ReceiptHandleError(f"{self.topic}@{self.group}: receipt handle {handle!r} is unknown, expired "
+                                     "or superseded")
+        if isinstance(m, ReceivedMessage):
+            return ReceivedMessage(m.message, new, m.delivery_attempt)
+        return new
+
+    # ------------------------------------------------------------ wake-ups
+    def _on_visible(self, topic: str, group: str) -> None:
+        self._rang = True  # under the state lock: rung after it is released
+
+    def _ring_if_needed(self) -> None:
+        if self._rang:
+            self._rang = False
+            self._bell.ring()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise StoreError(f"{self.topic}@{self.group}: the simple consumer is closed")
+
+    def close(self) -> None:
+        """Write the gathered acks, release the wake-up socket and the state file."""
+        if self.closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self.closed = True
+            if self._waiter is not None:
+                self._waiter.close()
+            self._bell.close()
+            self.state.close()
+
+    def __enter__(self) -> "SimpleConsumer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        waiter = getattr(self, "_waiter", None)
+        if waiter is not None and not getattr(self, "closed", True):
+            waiter.close()
