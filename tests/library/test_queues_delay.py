@@ -256,3 +256,27 @@ def test_a_delay_put_on_a_closed_or_read_only_store_is_refused_like_any_put(root
         with pytest.raises(Exception) as e:
             r.put(Message("C", b"x", delay_level=1))
         assert "read-only" in str(e.value)
+
+
+def test_a_simple_consumer_receives_a_delay_message_at_its_time(root):
+    """End to end with the library's SimpleConsumer (issue 27.1): nothing before the time, the message after."""
+    with MessageStore.open(root, SMALL) as s:
+        if not hasattr(s, "simple_consumer"):
+            pytest.skip("this build has no SimpleConsumer")
+        with s.simple_consumer("DelayGroup", "DT", invisible_duration=30) as c:
+            at = now_ms() + 600
+            assert s.put(Message("DT", b"later", deliver_at=at)).ok
+            assert s.put(Message("DT", b"now")).ok
+            first = c.receive(16, wait=2.0)
+            assert [m.body for m in first] == [b"now"]
+            for m in first:
+                c.ack(m)
+            got = []
+            end = time.time() + 5
+            while not got and time.time() < end:
+                got = c.receive(16, wait=1.0)
+            seen = now_ms()
+            assert [m.body for m in got] == [b"later"] and seen >= at
+            assert seen - at < PRECISION_MS + 1000, seen - at
+            c.ack(got[0])
+            assert c.receive(16, wait=0.3) == []
