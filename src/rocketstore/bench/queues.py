@@ -263,7 +263,7 @@ def _wait_flag(path: str, timeout: float = 600.0) -> bool:
     return os.path.exists(flag)
 
 
-def _consumer(system: str, path: str, n: int, ready: Any, go: Any, out: Any, count: Any,
+def _consumer(system: str, path: str, n: int, ready: Any, go: Any, out: Any, count: Any, seen: Any,
               deadline_s: float) -> None:
     """Receive and ack until ``n`` are acked between the consumers; report once: ("acked", seqs, last ack time,
     None | error)."""
@@ -284,8 +284,11 @@ def _consumer(system: str, path: str, n: int, ready: Any, go: Any, out: Any, cou
             if got:
                 last = time.time()
                 acked += got
-                with count.get_lock():
-                    count.value += len(got)
+                with count.get_lock():  # distinct messages: a peer that hands one out twice must not end the run
+                    for i in got:
+                        if 0 <= i < n and not seen[i]:
+                            seen[i] = 1
+                            count.value += 1
             else:
                 time.sleep(IDLE)
     except Exception as e:
@@ -304,6 +307,7 @@ def run_shared(system: str, path: str, n: int, deadline_s: float, consumers: int
         os.unlink(flag)
     ctx = mp.get_context("spawn")
     ready, go, out, count = ctx.Semaphore(0), ctx.Event(), ctx.Queue(), ctx.Value("q", 0)
+    seen = ctx.Array("b", n, lock=False)  # guarded by count's lock
     procs = [ctx.Process(target=_producer, args=(system, path, n, ready, go, out), daemon=True)]
     errors: list[str] = []
     acked: list[int] = []
@@ -313,8 +317,8 @@ def run_shared(system: str, path: str, n: int, deadline_s: float, consumers: int
         if not ready.acquire(timeout=60):  # the producer makes the queue before the consumers open it
             raise RuntimeError(f"{system}: the producer did not start")
         for _ in range(consumers):
-            procs.append(ctx.Process(target=_consumer, args=(system, path, n, ready, go, out, count, deadline_s),
-                                     daemon=True))
+            procs.append(ctx.Process(target=_consumer, daemon=True,
+                                     args=(system, path, n, ready, go, out, count, seen, deadline_s)))
             procs[-1].start()
         for _ in range(consumers):
             if not ready.acquire(timeout=60):
