@@ -48,7 +48,7 @@ class Mode:
 MODES: dict[str, Mode] = {
     "smoke": Mode("smoke", seconds=0.03, sizes=(128, 1024, 4096), dataset_msgs=2000, lookups=200,
                   recovery_bytes=8 * MiB, memory_bytes=16 * MiB, spark=False, broker=False, install_redis=False,
-                  broker_messages=500, raw_write_bytes=16 * MiB, queue_messages=200),
+                  broker_messages=500, raw_write_bytes=16 * MiB, queue_messages=64),
     "quick": Mode("quick", seconds=0.4, sizes=(128, 1024, 4096), dataset_msgs=50000, lookups=5000,
                   recovery_bytes=256 * MiB, memory_bytes=1 * GiB, spark=True, broker=True, install_redis=True,
                   broker_messages=2000, raw_write_bytes=256 * MiB, rounds=2, queue_messages=3000),
