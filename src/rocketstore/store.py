@@ -21,11 +21,12 @@ from .format import codec
 from .format.codec import MessageExt
 from .format.encoder import PLAIN_COLUMNS, MessageEncoder
 from .format.message import (DEFAULT_STORE_HOST, GetMessageResult, Message, PutMessageResult, PutMessageStatus,
-                             QueryMessageResult, host_tuple)
+                             QueryMessageResult, host_tuple, illegal_topic)
 from .paths import StorePaths
 from .queues.aio import AsyncSimpleConsumer
 from .queues.doorbell import Doorbell
 from .queues.simple_consumer import SimpleConsumer
+from .queues.timer import TIMER_TOPIC, TimerService, deliver_time, wrap as timer_record
 from .recovery.load import StoreLoader, boot_id
 from .services.clean import CleanService, DiskGuard, DiskGuardService, disk_usage_ratio
 from .services.dispatch import HAND_OVER_LIMIT, ReputMessageService
@@ -66,6 +67,7 @@ class MessageStore:
         self._services: list[Any] = []
         self.reput: ReputMessageService | None = None
         self.group_commit: GroupCommitService | None = None
+        self.timer: TimerService | None = None  # delay messages: runs in the writable store with its services
         self.disk_guard = DiskGuard(self.files, disk_usage or disk_usage_ratio)
         self.clean_service = CleanService(self.files, self.disk_guard)
         self.metrics = StoreMetrics()
@@ -180,6 +182,8 @@ class MessageStore:
         with open(self.paths.abort_bak, "wb") as fh:
             fh.write(previous)
         write_file_durably(self.paths.abort, str(os.getpid()).encode())
+        self.timer = TimerService(self, self.paths.config, self._put_direct)
+        self.timer.start()
 
     # ------------------------------------------------------------ queues
     def simple_consumer(self, group: str, topic: str, *, tag_filter: str = "*", invisible_duration: float = 30.0,
@@ -270,8 +274,34 @@ class MessageStore:
         return self.running_flags.why_not_writeable()
 
     def put(self, message: Message) -> PutMessageResult:
-        """Append one message; see RocketMQ's putMessage for the statuses."""
+        """Append one message; see RocketMQ's putMessage for the statuses.  A delay message (``deliver_at``,
+        ``delay_level``, or a ``DELAY``/``TIMER_DELIVER_MS`` property) is kept in the timer topic until due."""
+        props = message.properties
+        if message.deliver_at is not None or message.delay_level or (
+                props and ("DELAY" in props or "TIMER_DELIVER_MS" in props)):
+            return self._put_delayed(message)
         return self._put([message], batch=False)
+
+    def _put_direct(self, message: Message) -> PutMessageResult:
+        """A put that does not route delays: the timer's own records and the copies it delivers."""
+        return self._put([message], batch=False)
+
+    def _put_delayed(self, message: Message) -> PutMessageResult:
+        if message.topic == TIMER_TOPIC or self.closed or self.read_only:  # a timer record already (the
+            return self._put([message], batch=False)                       # broker's), or refused as any put
+        now = int(self.files.clock() * 1000)
+        try:
+            at = deliver_time(message, now)
+        except ValueError as e:
+            return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error=str(e))
+        if at is None or at <= now:
+            return self._put([message], batch=False)
+        why = illegal_topic(message.topic)
+        if why:
+            return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error=why)
+        if self.timer is not None:
+            return self.timer.submit(message, at)
+        return self._put([timer_record(message, at)], batch=False)  # delivered by the next open with services
 
     def put_batch(self, messages: list[Message]) -> PutMessageResult:
         """Append messages of one topic/queue as one unit (RocketMQ's putMessages with a MessageExtBatch)."""
@@ -483,6 +513,8 @@ class MessageStore:
             self.closed = True
             self._close_files()
             return
+        if self.timer is not None:
+            self.timer.shutdown()  # before the puts stop: a round in progress finishes and writes its state
         if self.reput is not None:
             self.wait_dispatched(timeout=30)
         with self.commitlog.put_lock:
@@ -544,4 +576,6 @@ def batch_problem(messages: list[Message]) -> str | None:
             return "a batch must hold one topic and queue"
         if m.sys_flag & codec.TRANSACTION_MASK:
             return "a batch cannot hold transaction messages"
+        if m.deliver_at is not None or m.delay_level:
+            return "a batch cannot hold delay messages (put them one by one)"
     return None

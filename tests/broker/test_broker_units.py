@@ -174,41 +174,53 @@ def test_pop_filters_fifo_and_dead_letters(store):
     assert offsets.get("D", "DG", 0) == 1
 
 
-def test_timer_schedule_survives_restart(store):
+def test_timer_schedule_survives_restart(tmp_path):
+    """The broker's timer is the store's: records put through the broker survive a reopen, are delivered
+    once when due, and the broker's receivers are woken for the topic."""
     from rocketstore.broker.timer import TimerService
 
-    delivered = []
+    root = str(tmp_path / "store")
+    host = (b"\x7f\x00\x00\x01", 1)
+    woken = []
 
-    async def scenario():
+    async def put_through(store, at):
         async def do_put(m):
-            r = store.put(m)
-            if m.topic == "Real":
-                delivered.append((m.body, time.time()))
-            return r
-
-        t = TimerService(store, store.paths.config, (b"\x7f\x00\x00\x01", 1), do_put, lambda topic: None)
-        at = int(time.time() * 1000) + 600
+            return store.put(m)
+        t = TimerService(store, host, do_put, lambda topic: None)
         await t.submit(Message(topic="Real", body=b"late", queue_id=1), at)
         await t.submit(Message(topic="Real", body=b"later", queue_id=1), at + 60_000)
         await t.persist()
-        store.wait_dispatched(10)
-        # a second service (as after a restart) rebuilds the schedule from the timer topic
-        t2 = TimerService(store, store.paths.config, (b"\x7f\x00\x00\x01", 1), do_put, lambda topic: None)
-        assert len(t2.heap) == 2
-        t2.start()
-        await asyncio.sleep(1.2)
-        await t2.stop()
-        await t2.persist()
-        assert [b for b, _ in delivered] == [b"late"] and delivered[0][1] * 1000 >= at
-        t3 = TimerService(store, store.paths.config, (b"\x7f\x00\x00\x01", 1), do_put, lambda topic: None)
-        assert [h[0] for h in t3.heap] == [at + 60_000], "the delivered one is not scheduled again"
 
-    asyncio.run(scenario())
-    store.wait_dispatched(10)
-    r = store.get("Real", 1, 0, 10)
-    assert [m.body for m in r.messages] == [b"late"]
-    assert r.messages[0].properties["TIMER_DELIVER_MS"]
-    assert "REAL_TOPIC" not in r.messages[0].properties
+    at = int(time.time() * 1000) + 600
+    s = MessageStore.open(root, SMALL)
+    asyncio.run(put_through(s, at))
+    s.close()
+    s = MessageStore.open(root, SMALL)  # the schedule is rebuilt from the timer topic
+    try:
+        assert s.timer.scheduled_times() == [at, at + 60_000]
+
+        async def serve():
+            async def do_put(m):
+                return s.put(m)
+            t = TimerService(s, host, do_put, woken.append)
+            t.start()
+            await asyncio.sleep(1.2)
+            await t.stop()
+            await t.persist()
+
+        asyncio.run(serve())
+        assert woken == ["Real"]
+        s.wait_dispatched(10)
+        r = s.get("Real", 1, 0, 10)
+        assert [m.body for m in r.messages] == [b"late"] and r.messages[0].store_timestamp >= at
+        assert r.messages[0].properties["TIMER_DELIVER_MS"] == str(at)
+        assert "REAL_TOPIC" not in r.messages[0].properties
+        assert (r.messages[0].store_addr, r.messages[0].store_port) == host
+    finally:
+        s.close()
+    with MessageStore.open(root, SMALL) as s:
+        assert s.timer.scheduled_times() == [at + 60_000], "the delivered one is not scheduled again"
+        assert s.max_offset_in_queue("Real", 1) == 1
 
 
 def test_topic_config_roundtrip_keeps_unknown_fields():

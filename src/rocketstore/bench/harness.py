@@ -39,6 +39,7 @@ class Mode:
     broker_messages: int = 20000
     raw_write_bytes: int = 512 * MiB
     rounds: int = 1  # throughput measurements are repeated this many times, interleaved; the best counts
+    queue_messages: int = 10000  # messages put, received and acked by each queue workload (bench/queues.py)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -47,10 +48,10 @@ class Mode:
 MODES: dict[str, Mode] = {
     "smoke": Mode("smoke", seconds=0.03, sizes=(128, 1024, 4096), dataset_msgs=2000, lookups=200,
                   recovery_bytes=8 * MiB, memory_bytes=16 * MiB, spark=False, broker=False, install_redis=False,
-                  broker_messages=500, raw_write_bytes=16 * MiB),
+                  broker_messages=500, raw_write_bytes=16 * MiB, queue_messages=64),
     "quick": Mode("quick", seconds=0.4, sizes=(128, 1024, 4096), dataset_msgs=50000, lookups=5000,
                   recovery_bytes=256 * MiB, memory_bytes=1 * GiB, spark=True, broker=True, install_redis=True,
-                  broker_messages=2000, raw_write_bytes=256 * MiB, rounds=2),
+                  broker_messages=2000, raw_write_bytes=256 * MiB, rounds=2, queue_messages=3000),
     "full": Mode("full", seconds=1.0, sizes=(128, 1024, 4096), dataset_msgs=200000, lookups=20000,
                  recovery_bytes=1 * GiB, memory_bytes=4 * GiB, spark=True, broker=True, install_redis=True,
                  broker_messages=8000, raw_write_bytes=1 * GiB, rounds=3),

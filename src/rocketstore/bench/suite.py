@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from . import floors, peers, rs, system
+from . import floors, peers, queues, rs, system
 from .harness import GiB, MODES, Mode, Results, machine_info, on_tmpfs
 from .redis_server import RedisServer
 from .report import doc_block, targets_table, update_doc, write_reports
@@ -102,6 +102,11 @@ def _sqlite(sync: str, batch: int) -> Task:
     return lambda ctx: peers.sqlite_put(ctx.res, ctx.workdir, synchronous=sync, batch=batch, seconds=ctx.seconds)
 
 
+def _queue(name: str, procs: int) -> Task:
+    return lambda ctx: queues.measure(ctx.res, ctx.workdir, name, procs, ctx.mode.queue_messages,
+                                      deadline_s=30.0 if ctx.mode.name == "smoke" else 120.0)
+
+
 def build_tasks(mode: Mode) -> dict[str, Task]:
     """Every task, in the order they run (sync first while the disk is quiet, big writers last)."""
     S, A = "SYNC_FLUSH", "ASYNC_FLUSH"
@@ -137,6 +142,9 @@ def build_tasks(mode: Mode) -> dict[str, Task]:
     t["diskcache"] = lambda ctx: peers.diskcache_deque(ctx.res, ctx.workdir, ctx.seconds)
     t["litequeue"] = lambda ctx: peers.litequeue_peer(ctx.res, ctx.workdir, ctx.seconds)
     t["redis"] = _redis
+    for procs in (1, 4):
+        for q in queues.SYSTEMS:
+            t[f"queue.{q}.p{procs}"] = _queue(q, procs)
     t["broker"] = lambda ctx: system.broker_client(ctx.res, ctx.workdir, ctx.mode)
     t["floor.write"] = lambda ctx: floors.raw_write(ctx.res, ctx.workdir, ctx.mode.raw_write_bytes, ctx.seconds,
                                                     floors.record_size(1024))
@@ -186,6 +194,7 @@ def workloads(mode: Mode) -> dict[str, list[str]]:
         "spark": ["recovery", "spark"],
         "memory": ["memory"],
         "broker": ["rs.put.async.t4.1024", "rs.consume32", "broker"],
+        "queues": [f"queue.{q}.p{procs}" for procs in (1, 4) for q in queues.SYSTEMS],
     }
     for p in ("persist-queue", "diskcache", "litequeue", "redis"):
         w[p] = [*peer_refs, p]

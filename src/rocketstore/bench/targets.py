@@ -29,6 +29,10 @@ PEERS = (("persist-queue", "persist-queue", "rs.put.async.t1.1024"),
          ("litequeue", "litequeue", "rs.put.async.t1.1024"),
          ("redis", "Redis streams", "rs.batch32.async.t1.1024"))
 
+# Queue workloads (issue 27): rocketstore's SimpleConsumer against the ack queues (bench/queues.py).
+QUEUE_PEERS = (("persist-queue", "persist-queue SQLiteAckQueue"), ("litequeue", "litequeue"),
+               ("diskcache", "diskcache push/pull + in-flight record"))
+
 TARGETS: list[Target] = [
     Target("put.vs.sqlite.normal", "put, single, async, 1 thread", "rs.put.async.t1.1024", "sqlite.txn.normal", 2.0,
            ">= 2x SQLite WAL, 1 txn/msg, synchronous=NORMAL", profile="put"),
@@ -57,6 +61,10 @@ TARGETS: list[Target] = [
              profile="put" if fig.startswith("rs.put") else "batch") for p, name, fig in PEERS],
     *[Target(f"consume.vs.{p}", f"consume vs {name}", "rs.consume32", f"{p}.consume", 3.0,
              f">= 3x {name} consume", profile="consume") for p, name, _fig in PEERS],
+    *[Target(f"queue.p{n}.vs.{p}", f"queue: put + receive + ack, {'1 process' if n == 1 else '4 processes'}",
+             f"queue.rs.p{n}", f"queue.{p}.p{n}", 3.0, f">= 3x {name}, put + receive + ack per message, "
+             f"{'1 process' if n == 1 else '1 producer + 3 consumer processes'}")
+      for n in (1, 4) for p, name in QUEUE_PEERS],
     Target("recovery.vs.crc32", "abnormal recovery", "rs.recovery", "crc32.recovery", 0.3,
            ">= 30 % of zlib.crc32 speed over the same bytes", profile="recovery"),
     Target("spark.vs.parquet", "Spark body-less scan, local[2]", "spark.scan", "parquet.scan", 0.5,

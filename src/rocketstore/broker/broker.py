@@ -79,7 +79,7 @@ class Broker:
                               max_span=self.cfg.popMaxSpan, on_visible=self.longpoll.notify_group,
                               skip_groups=(TRANS_GROUP,))
         count_deliveries(self.pop, self.metrics)
-        self.timer = TimerService(self.store, self.config_dir, self.store_host, self.put, self.notify)
+        self.timer = TimerService(self.store, self.store_host, self.put, self.notify)
         self.transactions = TransactionService(self.store, self.offsets, self.cfg, self.store_host, self.put,
                                                self.notify, self.clients.send_to_producer)
         self.timer.start()

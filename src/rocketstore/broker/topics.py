@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
+from ..queues.timer import TIMER_TOPIC
 from ..storage.jsonfile import read_json, write_json_atomic
 from .writer import CoalescedWriter
 
@@ -45,7 +46,6 @@ TOPIC_TYPES = MESSAGE_TYPES + ("MIXED",)
 
 TRANS_HALF_TOPIC = "RMQ_SYS_TRANS_HALF_TOPIC"
 TRANS_OP_HALF_TOPIC = "RMQ_SYS_TRANS_OP_HALF_TOPIC"
-TIMER_TOPIC = "rmq_sys_wheel_timer"
 SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"
 SYSTEM_TOPICS = (TRANS_HALF_TOPIC, TRANS_OP_HALF_TOPIC, TIMER_TOPIC)
 # RocketMQ's TopicValidator system topics: no client may route to, send to or consume from them.

@@ -46,7 +46,10 @@ class Message:
     ``properties_string`` (exact stored bytes) wins over ``properties`` when
     given: ``import`` uses it to reproduce RocketMQ's files byte for byte.
     ``store_timestamp`` is honoured only by imports (replay); a live put stamps
-    the time itself.
+    the time itself.  ``deliver_at`` (epoch ms) or ``delay_level`` (RocketMQ's
+    levels 1..18: 1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h)
+    make it a delay message: the store keeps it in the timer topic until then
+    (a put refuses a level outside 1..18, or a negative time, MESSAGE_ILLEGAL).
     """
 
     topic: str
@@ -64,6 +67,8 @@ class Message:
     prepared_transaction_offset: int = 0
     properties_string: str | None = None
     store_timestamp: int | None = None
+    deliver_at: int | None = None
+    delay_level: int = 0
 
     def build_properties(self) -> str:
         if self.properties_string is not None:
