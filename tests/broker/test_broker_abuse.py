@@ -354,7 +354,7 @@ def test_pop_state_is_written_incrementally_and_spaced(tmp_path):
     from rocketstore.broker.broker import Broker
     from rocketstore.broker.config import BrokerConfig
     from rocketstore.storage.consumer_offsets import ConsumerOffsetManager
-    from rocketstore.broker.pop import PopService, TagFilter
+    from rocketstore.queues.pop import PopService, TagFilter
     from rocketstore.config import StoreConfig
     from rocketstore.format.message import Message
     from rocketstore.store import MessageStore

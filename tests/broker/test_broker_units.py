@@ -10,7 +10,7 @@ import pytest
 
 from rocketstore.broker.config import BrokerConfig, load_broker_conf, parse_duration_ms
 from rocketstore.storage.consumer_offsets import ConsumerOffsetManager, loads_lenient
-from rocketstore.broker.pop import PopService, TagFilter
+from rocketstore.queues.pop import PopService, TagFilter
 from rocketstore.broker.topics import (GroupConfig, TopicConfig, TopicManager, parse_group_spec, parse_topic_spec)
 from rocketstore.config import StoreConfig
 from rocketstore.errors import ConfigError

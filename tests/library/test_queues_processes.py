@@ -13,7 +13,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import pytest
 
 from rocketstore import Message, MessageStore, StoreConfig
 

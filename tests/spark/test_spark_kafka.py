@@ -9,13 +9,13 @@ from __future__ import annotations
 import base64
 import json
 import time
-from datetime import UTC, datetime, timedelta
 
 import pytest
 
 pyspark = pytest.importorskip("pyspark")
 
 from conftest import copy_store, golden_expected, golden_store, local_spark
+from spark.test_spark import ms
 
 from rocketstore import Message, MessageStore
 from rocketstore.errors import StoreError
@@ -24,7 +24,6 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, Read
 
 BASIC = str(golden_store("basic"))
 EXP = golden_expected("basic")
-EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +31,6 @@ def spark():
     s = local_spark("rocketstore kafka options", 4)
     yield s
     s.stop()
-
-
-def ms(ts) -> int:
-    if ts.tzinfo is not None:
-        return (ts - EPOCH) // timedelta(milliseconds=1)
-    return round(ts.timestamp() * 1000)
 
 
 def kafka_read(spark, path=BASIC, **options):

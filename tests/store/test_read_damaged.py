@@ -165,7 +165,7 @@ def test_query_drops_hash_collisions(tmp_path):
 
 def test_pop_consumer_stops_at_a_damaged_message_and_never_acks_it(tmp_path):
     from rocketstore.storage.consumer_offsets import ConsumerOffsetManager
-    from rocketstore.broker.pop import PopService, TagFilter
+    from rocketstore.queues.pop import PopService, TagFilter
     conf = tmp_path / "broker.conf"
     conf.write_text(GOLDEN_CONF)
     with MessageStore.open(str(tmp_path / "s"), str(conf)) as s:

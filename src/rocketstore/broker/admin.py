@@ -27,7 +27,7 @@ from ..cli.live import DATE_HEADER, SCHEME, endpoint_path, signature
 from ..services.metrics import snapshot as store_snapshot
 from .acl import AccessControl, AuthenticationError, parse_date_time
 from .metrics import CONTENT_TYPE
-from .pop import QueueState
+from ..queues.pop import QueueState
 from .topics import (MAX_GROUP_LEN, MAX_TOPIC_LEN, PERM_READ, PERM_WRITE, TOPIC_TYPES, TRANS_GROUP, GroupConfig,
                      TopicConfig, illegal_name, is_broker_topic, is_system_topic)
 

@@ -25,7 +25,7 @@ from .config import BrokerConfig
 from .longpoll import LongPolling
 from .metrics import BrokerMetrics, count_deliveries
 from ..storage.consumer_offsets import ConsumerOffsetManager
-from .pop import PopService
+from ..queues.pop import PopService
 from ..queues.state import claim_pop_state
 from .tasks import cancel, every
 from .timer import TimerService

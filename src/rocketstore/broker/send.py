@@ -13,7 +13,7 @@ from ..format.message import Message, PutMessageResult, PutMessageStatus
 from .dedup import digest
 from .convert import (DELAY, FIFO, GZIP, P_DLQ_MSG_ID, P_DLQ_TOPIC, P_ORIGIN_MSG_ID, P_RECONSUME, P_RETRY_TOPIC,
                       TRANSACTION, TYPE_NAMES, BadMessage, Code, host_from, store_properties, ts_ms, validate)
-from .pop import DeadLetter, now_ms
+from ..queues.pop import DeadLetter, now_ms
 from .topics import TopicConfig
 from .proto import pb, svc
 from .calls import (INTERNAL_CODE, MAX_SEND_MESSAGES, OK_CODE, PUB, PUT_CODES, Caller, guarded, inflate_budget,

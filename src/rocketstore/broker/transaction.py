@@ -38,7 +38,7 @@ from .config import BrokerConfig
 from .convert import P_CHECK_IMMUNITY, P_REAL_QID, P_REAL_TOPIC, P_TRAN, Code, to_pb
 from ..storage.consumer_offsets import ConsumerOffsetManager
 from .tasks import cancel, every
-from .pop import now_ms
+from ..queues.pop import now_ms
 from .proto import pb, svc
 from .receipts import ReceiptSigner
 from .timer import restore

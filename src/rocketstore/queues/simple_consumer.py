@@ -31,7 +31,7 @@ from ..errors import StoreError
 from ..format.codec import MessageExt
 from ..format.message import Message, PutMessageResult
 from .doorbell import Doorbell, Waiter
-from .pop import DeadLetter, Delivery, PopService, TagFilter, now_ms
+from .pop import DeadLetter, PopService, TagFilter, now_ms
 from .retry import RetryPolicy
 from .dlq import dead_letter
 from .state import SharedPopState

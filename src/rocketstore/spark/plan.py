@@ -24,6 +24,7 @@ import logging
 import os
 import struct
 from dataclasses import dataclass, field, replace
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -367,6 +368,18 @@ class _QueueFiles:
             mm.close()
 
 
+def _queue_dirs(cq_root: str) -> Iterator[tuple[str, str, str]]:
+    """(topic, queue id, directory) of every queue directory under ``cq_root``, in name order."""
+    for topic in sorted(os.listdir(cq_root)):
+        tdir = os.path.join(cq_root, topic)
+        if not os.path.isdir(tdir):
+            continue
+        for qid in sorted(os.listdir(tdir)):
+            qdir = os.path.join(tdir, qid)
+            if qid.isdigit() and os.path.isdir(qdir):
+                yield topic, qid, qdir
+
+
 def queue_slices(root: str, segs: list[SegmentInfo]) -> dict[int, list[tuple[str, int, int, int]]]:
     """For each segment, the consume-queue units that point into it: (queue dir, file size, first, end unit).
 
@@ -377,33 +390,28 @@ def queue_slices(root: str, segs: list[SegmentInfo]) -> dict[int, list[tuple[str
     if not segs or not os.path.isdir(cq_root):
         return {}
     out: dict[int, list[tuple[str, int, int, int]]] = {}
-    for topic in sorted(os.listdir(cq_root)):
-        tdir = os.path.join(cq_root, topic)
-        if not os.path.isdir(tdir):
-            continue
-        for qid in sorted(os.listdir(tdir)):
-            qdir = os.path.join(tdir, qid)
-            try:
-                names = sorted(n for n in os.listdir(qdir) if len(n) == 20 and n.isdigit())
-                if not names:
-                    continue
-                size = os.path.getsize(os.path.join(qdir, names[0]))
-                if size < CQ_STORE_UNIT_SIZE or size % CQ_STORE_UNIT_SIZE or any(
-                        int(n) != int(names[0]) + k * size or os.path.getsize(os.path.join(qdir, n)) != size
-                        for k, n in enumerate(names)):
-                    continue  # gaps or odd sizes: no hint from this queue (the executors will walk)
-                q = _QueueFiles(qdir, names, size)
-            except (OSError, ValueError):
+    for _topic, _qid, qdir in _queue_dirs(cq_root):
+        try:
+            names = sorted(n for n in os.listdir(qdir) if len(n) == 20 and n.isdigit())
+            if not names:
                 continue
-            try:
-                prev = q.lower_bound(segs[0].base)
-                for s in segs:
-                    nxt = q.lower_bound(s.base + s.end)
-                    if nxt > prev:
-                        out.setdefault(s.base, []).append((qdir, size, prev, nxt))
-                    prev = nxt
-            finally:
-                q.close()
+            size = os.path.getsize(os.path.join(qdir, names[0]))
+            if size < CQ_STORE_UNIT_SIZE or size % CQ_STORE_UNIT_SIZE or any(
+                    int(n) != int(names[0]) + k * size or os.path.getsize(os.path.join(qdir, n)) != size
+                    for k, n in enumerate(names)):
+                continue  # gaps or odd sizes: no hint from this queue (the executors will walk)
+            q = _QueueFiles(qdir, names, size)
+        except (OSError, ValueError):
+            continue
+        try:
+            prev = q.lower_bound(segs[0].base)
+            for s in segs:
+                nxt = q.lower_bound(s.base + s.end)
+                if nxt > prev:
+                    out.setdefault(s.base, []).append((qdir, size, prev, nxt))
+                prev = nxt
+        finally:
+            q.close()
     return out
 
 
@@ -787,32 +795,25 @@ def queue_ranges(root: str) -> dict[tuple[str, int], QueueRange]:
         return {}
     first, tail = files[0][0], find_tail(root)
     out: dict[tuple[str, int], QueueRange] = {}
-    for topic in sorted(os.listdir(cq_root)):
-        tdir = os.path.join(cq_root, topic)
-        if not os.path.isdir(tdir):
+    for topic, qid, qdir in _queue_dirs(cq_root):
+        names = sorted(n for n in os.listdir(qdir) if len(n) == 20 and n.isdigit())
+        if not names:
             continue
-        for qid in sorted(os.listdir(tdir)):
-            qdir = os.path.join(tdir, qid)
-            if not qid.isdigit() or not os.path.isdir(qdir):
-                continue
-            names = sorted(n for n in os.listdir(qdir) if len(n) == 20 and n.isdigit())
-            if not names:
-                continue
-            try:
-                size = os.path.getsize(os.path.join(qdir, names[0]))
-                if size < CQ_STORE_UNIT_SIZE or size % CQ_STORE_UNIT_SIZE:
-                    raise StoreError(f"{qdir}: consume queue file size {size} is not a multiple of "
-                                     f"{CQ_STORE_UNIT_SIZE}")
-                if any(int(n) != int(names[0]) + k * size for k, n in enumerate(names)):
-                    raise StoreError(f"{qdir}: consume queue files are not contiguous ({', '.join(names)})")
-                q = _QueueFiles(qdir, names, size)
-            except OSError as e:
-                raise StoreError(f"{qdir}: cannot read the consume queue ({e})") from None
-            try:
-                lo, hi = q.lower_bound(first), q.lower_bound(tail)
-            finally:
-                q.close()
-            out[(topic, int(qid))] = QueueRange(topic, int(qid), qdir, size, lo, max(lo, hi))
+        try:
+            size = os.path.getsize(os.path.join(qdir, names[0]))
+            if size < CQ_STORE_UNIT_SIZE or size % CQ_STORE_UNIT_SIZE:
+                raise StoreError(f"{qdir}: consume queue file size {size} is not a multiple of "
+                                 f"{CQ_STORE_UNIT_SIZE}")
+            if any(int(n) != int(names[0]) + k * size for k, n in enumerate(names)):
+                raise StoreError(f"{qdir}: consume queue files are not contiguous ({', '.join(names)})")
+            q = _QueueFiles(qdir, names, size)
+        except OSError as e:
+            raise StoreError(f"{qdir}: cannot read the consume queue ({e})") from None
+        try:
+            lo, hi = q.lower_bound(first), q.lower_bound(tail)
+        finally:
+            q.close()
+        out[(topic, int(qid))] = QueueRange(topic, int(qid), qdir, size, lo, max(lo, hi))
     return out
 
 

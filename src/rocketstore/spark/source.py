@@ -44,7 +44,6 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from ..config import StoreConfig
 from ..errors import StoreError
 from . import plan as planner
 from . import queues, remote, segment
