@@ -148,8 +148,10 @@ class StoreReader(TierReads, UnitChecks):
             stop_idx = hi
         skip_file_start = skip_file_end = -1
         seg, seg_start, seg_end, mm = None, 0, -1, None  # the commitlog segment held while reading from it
-        decode_unit = codec.decode_unit
+        decode_unit, decode_run = codec.decode_unit, codec.decode_run
         topic_bytes = topic.encode("utf-8")
+        run_head = codec.unit_run_head(topic_bytes) if tag_filter is None else None
+        misses = 0
         read_units = cq.read_units
         idx = offset  # the next unit; where the next call begins
         want = max_msgs if max_msgs > 1 else 1  # units in the first block: what an unfiltered call takes
@@ -160,8 +162,21 @@ class StoreReader(TierReads, UnitChecks):
                     break
                 want = cq.UNITS_PER_READ
                 full = False
-                it = iter(block)
-                for phy, size, tags in zip(it, it, it):
+                j, nb = 0, len(block)
+                while j < nb:
+                    if n and run_head is not None and seg is not None:  # the common case: no call per message
+                        j2, k, t = decode_run(mm, block, j, seg_start, seg.wrote_position, count_cap - n,
+                                              byte_cap - total, read_body, topic, run_head, queue_id, idx, out)
+                        if k:
+                            j, idx, n, total = j2, idx + k, n + k, total + t
+                            if j >= nb or n >= count_cap:
+                                break
+                        elif misses:  # twice no progress: records of another form (the slow path reads them)
+                            run_head = None
+                        else:
+                            misses = 1
+                    phy, size, tags = block[j], block[j + 1], block[j + 2]
+                    j += 3
                     if n and (n >= count_cap or total + size > byte_cap and size != BLANK_UNIT_SIZE):
                         full = True
                         break
