@@ -26,6 +26,7 @@ import ipaddress
 import operator
 import struct
 import zlib
+from itertools import islice
 from typing import Any, Iterator, Mapping
 
 try:  # ISA-L's CRC-32 (carry-less multiply) is about 5 times zlib's; reads check every body they return
@@ -252,14 +253,27 @@ class MessageExt:
     read through properties, so decoding a message builds one small object.
     """
 
-    __slots__ = ("_h", "topic", "properties_string", "body", "_props")
+    __slots__ = ("_h", "topic", "_ps", "body", "_props")
 
     def __init__(self, header: tuple, topic: str, properties_string: str, body: bytes | None) -> None:
         self._h = header
         self.topic = topic
-        self.properties_string = properties_string
+        self._ps: str | bytes = properties_string
         self.body = body
         self._props: dict[str, str] | None = None
+
+    @property
+    def properties_string(self) -> str:
+        """PROPERTIES as text; a get keeps the record's bytes and decodes them on first use (as :func:`decode`
+        does: invalid UTF-8 replaced), which a consumer that never reads them does not pay for."""
+        ps = self._ps
+        if type(ps) is bytes:
+            ps = self._ps = str(ps, "utf-8", "replace")
+        return ps  # type: ignore[return-value]
+
+    @properties_string.setter
+    def properties_string(self, value: str) -> None:
+        self._ps = value
 
     size = _field(0, "TOTALSIZE")
     magic = _field(1, "MAGICCODE")
@@ -474,7 +488,7 @@ def decode_unit(buf: Any, pos: int, size: int, read_body: bool, topic: str, topi
                 m = _new(MessageExt)
                 m._h = h
                 m.topic = topic
-                m.properties_string = buf[q + 2:end].decode()  # strict is the fast path; invalid UTF-8: decode
+                m._ps = buf[q + 2:end]  # decoded on first use
                 m._props = None
                 if read_body:
                     body = m.body = buf[b:p]
@@ -483,7 +497,7 @@ def decode_unit(buf: Any, pos: int, size: int, read_body: bool, topic: str, topi
                 else:
                     m.body = None
                 return m
-    except (struct.error, IndexError, UnicodeDecodeError):
+    except (struct.error, IndexError):
         pass
     try:
         m = decode(buf, pos, pos + size, read_body=read_body, check_crc=read_body)
@@ -493,6 +507,83 @@ def decode_unit(buf: Any, pos: int, size: int, read_body: bool, topic: str, topi
     if h[0] != size or h[5] != queue_offset or h[3] != queue_id or m.topic != topic:
         return None
     return m
+
+
+class _RunMessage(MessageExt):
+    """A MessageExt built by :func:`decode_run`: the class call without ``__init__`` is the cheapest way to make
+    the object (cheaper than ``object.__new__``), its slots are then set directly."""
+
+    __slots__ = ()
+    __init__ = object.__init__  # type: ignore[assignment]
+
+
+def decode_run(buf: Any, units: tuple[int, ...], j: int, base: int, wrote: int, count: int, byte_budget: int,
+               read_body: bool, topic: str, head: bytes, queue_id: int, queue_offset: int, out: list[MessageExt]
+               ) -> tuple[int, int, int]:
+    """Append to ``out`` the records of the units ``units[j:]`` (flattened as offset, size, tagsCode) while
+    each is the unit's record intact in the common form; (next j, messages appended, their bytes).
+
+    The run stops before ``count`` messages or ``byte_budget`` bytes would be
+    passed, and before the first unit that is not plainly its record in this
+    segment (``base`` its first commitlog offset, ``wrote`` its written end):
+    not in it whole, not V1 magic with IPv4 hosts, another topic (``head``:
+    the topic's length byte and UTF-8), queue id or queue offset (the first
+    unit's is ``queue_offset``), sizes that disagree, properties that are not
+    UTF-8, or, reading bodies, a BODYCRC mismatch.  The caller reads that unit
+    through :func:`decode_unit` and its slow paths, which decide whether it is
+    another form of a good record or damage; so this makes the same checks as
+    :func:`decode_unit`, with no call or frame per message: a consumer's get
+    spends most of its time on them.
+    """
+    unpack, hs, crc, cls, append = _V4_UNPACK, _V4_SIZE, _crc32, _RunMessage, out.append
+    tl = len(head)
+    n = total = 0
+    want, want_len = head, -1  # head + the properties length of the last record (a run's are mostly alike)
+    it = iter(units)
+    if j:
+        it = islice(it, j, None)
+    for phy, size, _tags in zip(it, it, it):
+        pos = phy - base
+        end = pos + size
+        if n >= count or pos < 0 or size < hs or end > wrote or total + size > byte_budget:
+            break
+        h = unpack(buf, pos)
+        b = pos + hs
+        p = b + h[16]
+        q = p + tl + 2  # the properties
+        if h[0] != size or h[1] != MAGIC_V1 or h[5] != queue_offset or h[3] != queue_id or h[7] & 0x30 or \
+                p < b or q > end:
+            break
+        if end - q != want_len:
+            want_len = end - q
+            if want_len > MAX_PROPERTIES_BYTES:
+                break
+            want = head + _SHORT.pack(want_len)
+        if buf[p:q] != want:  # topic length, topic, properties length
+            break
+        if read_body:
+            body = buf[b:p]
+            if body and crc(body) & 0x7FFFFFFF != h[2]:
+                break
+        else:
+            body = None
+        m = cls()
+        m._h = h
+        m.topic = topic
+        m._ps = buf[q:end]  # decoded on first use
+        m.body = body
+        m._props = None
+        append(m)
+        n += 1
+        queue_offset += 1
+        total += size
+    return j + 3 * n, n, total
+
+
+def unit_run_head(topic_bytes: bytes) -> bytes | None:
+    """The bytes a V1 record of this topic has after its body (length byte, UTF-8) for :func:`decode_run`, or
+    None when the topic is too long for a V1 record (its records go through :func:`decode_unit`)."""
+    return bytes((len(topic_bytes),)) + topic_bytes if len(topic_bytes) < 128 else None
 
 
 def check(buf: Any, pos: int, limit: int, *, check_crc: bool, read_body: bool = False,

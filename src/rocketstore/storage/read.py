@@ -106,13 +106,14 @@ class StoreReader(TierReads, UnitChecks):
         ``min``/``max`` are written as comparisons (each builtin call costs more
         than the test), and :func:`codec.decode_unit` builds the messages.
         """
-        if self.closed:
+        files = self.files  # (each InFiles attribute is a lookup in it)
+        if files.closed:
             raise StoreClosedError(f"{self.root}: store is closed")
         if isinstance(tag_filter, str):
             tag_filter = parse_tag_filter(tag_filter)
-        if self.lost_queues and (topic, queue_id) in self.lost_queues:
+        if files.lost_queues and (topic, queue_id) in files.lost_queues:
             raise self._lost_queue_error(topic, queue_id)
-        cq = self._cq_table.get((topic, queue_id))
+        cq = files.cq_table.get((topic, queue_id))
         if cq is None:
             return GetMessageResult(GetMessageStatus.NO_MESSAGE_IN_QUEUE, 0, 0, 0)
         if cq.blank_min is not None:
@@ -121,7 +122,7 @@ class StoreReader(TierReads, UnitChecks):
         if hi == 0:
             return GetMessageResult(GetMessageStatus.NO_MESSAGE_IN_QUEUE, 0, lo, hi)
         if offset < lo:
-            if self.tier is not None:
+            if files.tier is not None:
                 return self._get_from_tier(topic, queue_id, offset, max_msgs, tag_filter, read_body, lo, hi)
             return GetMessageResult(GetMessageStatus.OFFSET_TOO_SMALL, lo, lo, hi)
         if offset == hi:
@@ -136,7 +137,7 @@ class StoreReader(TierReads, UnitChecks):
         status = GetMessageStatus.NO_MATCHED_MESSAGE
         out: list[MessageExt] = []
         n = total = 0  # messages and bytes in ``out``
-        cfg = self.config
+        cfg = files.config
         max_pull = (100 if max_total_bytes < 100 else  # clamp to [100, 128 MiB]
                     128 * 1024 * 1024 if max_total_bytes > 128 * 1024 * 1024 else max_total_bytes)
         count_cap, byte_cap = max_msgs, max_pull  # narrowed once the first message says hot or cold
@@ -148,8 +149,10 @@ class StoreReader(TierReads, UnitChecks):
             stop_idx = hi
         skip_file_start = skip_file_end = -1
         seg, seg_start, seg_end, mm = None, 0, -1, None  # the commitlog segment held while reading from it
-        decode_unit = codec.decode_unit
+        decode_unit, decode_run = codec.decode_unit, codec.decode_run
         topic_bytes = topic.encode("utf-8")
+        run_head = codec.unit_run_head(topic_bytes) if tag_filter is None else None
+        misses = 0
         read_units = cq.read_units
         idx = offset  # the next unit; where the next call begins
         want = max_msgs if max_msgs > 1 else 1  # units in the first block: what an unfiltered call takes
@@ -160,8 +163,28 @@ class StoreReader(TierReads, UnitChecks):
                     break
                 want = cq.UNITS_PER_READ
                 full = False
-                it = iter(block)
-                for phy, size, tags in zip(it, it, it):
+                j, nb = 0, len(block)
+                while j < nb:
+                    if run_head is not None:  # the common case: no call per message
+                        phy = block[j]
+                        if not (seg_start <= phy < seg_end) and phy >= 0:
+                            seg, seg_start, seg_end, mm = self._switch_segment(seg, phy)
+                        cc, bc = (count_cap, byte_cap) if n else self._transfer_caps(phy, count_cap, byte_cap)
+                        j2, k, t = (decode_run(mm, block, j, seg_start, seg.wrote_position, cc - n, bc - total,
+                                               read_body, topic, run_head, queue_id, idx, out)
+                                    if seg is not None else (j, 0, 0))
+                        if k:
+                            if not n:
+                                count_cap, byte_cap, status = cc, bc, GetMessageStatus.FOUND
+                            j, idx, n, total = j2, idx + k, n + k, total + t
+                            if j >= nb or n >= count_cap:
+                                break
+                        elif misses:  # twice no progress: records of another form (the slow path reads them)
+                            run_head = None
+                        else:
+                            misses = 1
+                    phy, size, tags = block[j], block[j + 1], block[j + 2]
+                    j += 3
                     if n and (n >= count_cap or total + size > byte_cap and size != BLANK_UNIT_SIZE):
                         full = True
                         break
@@ -173,13 +196,7 @@ class StoreReader(TierReads, UnitChecks):
                     if skip_file_start <= phy < skip_file_end and size != BLANK_UNIT_SIZE:  # its segment is gone
                         continue
                     if not (seg_start <= phy < seg_end):
-                        if seg is not None:
-                            seg.release()
-                        seg = self.commitlog.queue.find(phy)
-                        if seg is None or not seg.hold():
-                            seg, seg_start, seg_end, mm = None, 0, -1, None
-                        else:
-                            seg_start, seg_end, mm = seg.file_from_offset, seg.end_offset, seg.mm
+                        seg, seg_start, seg_end, mm = self._switch_segment(seg, phy)
                     pos = phy - seg_start
                     if seg is None or pos + size > seg.wrote_position:
                         damage = None
@@ -250,16 +267,7 @@ class StoreReader(TierReads, UnitChecks):
                             raise self._tier_damaged(phy, size, topic, queue_id, idx - 1)
                         raise _damaged_unit(seg, pos, size, cq, f, topic, queue_id, idx - 1, read_body)
                     if not n:
-                        # "In memory" (within 40 % of RAM of the log's end): 32 messages / 256 KiB a call,
-                        # else 8 / 64 KiB.
-                        in_mem = (self.commitlog.max_offset() - phy
-                                  <= self._ram * cfg.accessMessageInMemoryMaxRatio // 100)
-                        cap = cfg.maxTransferCountOnMessageInMemory if in_mem else cfg.maxTransferCountOnMessageInDisk
-                        if cap < count_cap:
-                            count_cap = cap
-                        cap = cfg.maxTransferBytesOnMessageInMemory if in_mem else cfg.maxTransferBytesOnMessageInDisk
-                        if cap < byte_cap:
-                            byte_cap = cap
+                        count_cap, byte_cap = self._transfer_caps(phy, count_cap, byte_cap)
                         status = GetMessageStatus.FOUND
                     out.append(msg)
                     n += 1
@@ -271,6 +279,29 @@ class StoreReader(TierReads, UnitChecks):
             if seg is not None:
                 seg.release()
         return GetMessageResult(status, idx, lo, hi, out)
+
+    def _switch_segment(self, seg: Any, phy: int) -> tuple[Any, int, int, Any]:
+        """Release the held segment ``seg`` (or None) and hold the one containing ``phy``: (segment, its first
+        offset, its end, its map), or (None, 0, -1, None) when no local segment holds it."""
+        if seg is not None:
+            seg.release()
+        seg = self.commitlog.queue.find(phy)
+        if seg is None or not seg.hold():
+            return None, 0, -1, None
+        return seg, seg.file_from_offset, seg.end_offset, seg.mm
+
+    def _transfer_caps(self, phy: int, count_cap: int, byte_cap: int) -> tuple[int, int]:
+        """A get's message and byte caps narrowed by where its first message lies: "in memory" (within 40 % of
+        RAM of the log's end) 32 messages / 256 KiB a call, else 8 / 64 KiB (RocketMQ's defaults)."""
+        cfg = self.config
+        in_mem = self.commitlog.max_offset() - phy <= self._ram * cfg.accessMessageInMemoryMaxRatio // 100
+        cap = cfg.maxTransferCountOnMessageInMemory if in_mem else cfg.maxTransferCountOnMessageInDisk
+        if cap < count_cap:
+            count_cap = cap
+        cap = cfg.maxTransferBytesOnMessageInMemory if in_mem else cfg.maxTransferBytesOnMessageInDisk
+        if cap < byte_cap:
+            byte_cap = cap
+        return count_cap, byte_cap
 
     def _lost_queue_error(self, topic: str, queue_id: int) -> CorruptRecordError:
         d = os.path.join(self.paths.consumequeue, topic, str(queue_id))
