@@ -170,6 +170,8 @@ def _extend_commitlog(queue: MappedFileQueue, damage: dict[int, str]) -> bool:
                 after = _past_damage(f, pos)
                 if after is None:
                     break  # not (yet) a whole record: the writer may be copying it
+                if after == pos:
+                    continue  # the writer finished copying it between the two looks: check it again
                 where = f.file_from_offset + pos
                 if where not in damage:
                     damage[where] = f"{f.path} at file position {pos}: {reason}"

@@ -79,3 +79,36 @@ def test_extend_view_refuses_a_writable_store(tmp_path):
     with MessageStore.open(str(tmp_path / "s"), golden_config()) as w:
         with pytest.raises(ValueError, match="read-only"):
             extend_view(w)
+
+
+def test_a_record_finished_between_two_looks_is_not_reported_as_damage(tmp_path, monkeypatch, caplog):
+    """The view's first look at a record the writer is still copying can see its TOTALSIZE but not yet its magic
+    ("bad magic code 0x00000000"); when the search for the next trusted record then finds that very record whole,
+    the writer was only mid-copy: no damage is logged or remembered, the record is checked again and taken."""
+    import logging
+
+    from rocketstore import tail_view
+    from rocketstore.format import codec
+
+    root = str(tmp_path / "s")
+    with MessageStore.open(root, golden_config()) as w:
+        w.put(Message("T", b"m0"))
+        w.wait_dispatched()
+        with MessageStore.open(root, read_only=True) as r:
+            res = w.put(Message("T", b"m1"))
+            w.wait_dispatched()
+            real, torn = codec.check, {res.commit_log_offset}
+
+            def check_mid_copy(buf, pos, limit, **kw):
+                if kw.get("base", 0) + pos in torn:
+                    torn.clear()  # the first look only
+                    return 0x7F, None, "bad magic code 0x00000000"
+                return real(buf, pos, limit, **kw)
+
+            monkeypatch.setattr(tail_view.codec, "check", check_mid_copy)
+            with caplog.at_level(logging.WARNING, logger="rocketstore.tail_view"):
+                assert extend_view(r) is True
+            assert not torn  # the torn first look happened
+            assert "the view goes on" not in caplog.text
+            assert r.max_phy_offset() == w.max_phy_offset()
+            assert [m.body for m in r.get("T", 0, 0, 8).messages] == [b"m0", b"m1"]
