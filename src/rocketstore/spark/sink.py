@@ -166,10 +166,8 @@ class StagedBatch(WriterCommitMessage):
 class RocketStoreStreamWriter(DataSourceStreamArrowWriter):
     """``writeStream.format("rocketstore")``: options and columns as the batch writer's (``replay`` aside)."""
 
-    def __init__(self, options: Any, schema: Any) -> None:
-        from .source import Options
-        opts = Options(options)
-        self.setup = write.writer_setup(opts.roots(), opts.config_options(), schema.fieldNames())
+    def __init__(self, setup: write.WriterSetup) -> None:
+        self.setup = setup  # the batch writer's checks of target, options and columns (write.writer_setup)
         if self.setup.opts.replay:
             raise StoreError("rocketstore sink: replay is for batch imports (a stream's store times are new)")
 

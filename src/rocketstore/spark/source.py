@@ -803,6 +803,8 @@ class RocketStoreDataSource(DataSource):
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> Any:
         from .sink import RocketStoreStreamWriter
+        from .write import writer_setup
         if overwrite:
             raise StoreError("rocketstore sink: only outputMode('append') is supported (a store is append-only)")
-        return RocketStoreStreamWriter(self.options, schema)
+        opts = Options(self.options)
+        return RocketStoreStreamWriter(writer_setup(opts.roots(), opts.config_options(), schema.fieldNames()))
