@@ -14,6 +14,7 @@ has the store open, and writes ``config/consumerOffset.json`` atomically (see
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -24,7 +25,7 @@ from ..format import codec
 from ..storage.consumer_offsets import read_json_lenient
 from . import live
 from .main import emit
-from .format import JSON, MESSAGE_COLUMNS, TABLE, add_format_flag, add_text_bodies_flag, message_json, \
+from .format import JSON, MESSAGE_COLUMNS, add_store_command, add_text_bodies_flag, message_json, \
 message_row, print_rows
 from .store import nonneg, open_read_only
 from ..storage.consume_queue import LOWER
@@ -402,13 +403,7 @@ def _live_flags(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    def add(name: str, handler: Any, help: str, default_format: str = TABLE) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help)
-        p.add_argument("store", metavar="STORE", help="store root directory (storePathRootDir)")
-        p.add_argument("--config", metavar="FILE", help="broker.conf style file (key=value)")
-        add_format_flag(p, default_format)
-        p.set_defaults(handler=handler)
-        return p
+    add = functools.partial(add_store_command, sub)
 
     live_note = (" While 'rocketstore serve' holds the store, asks the running broker (its admin endpoint, "
                  "config/admin.json).")

@@ -10,6 +10,7 @@ without ``--execute`` it only shows what it would re-send (a dry run).  Re-sendi
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any
 
 from ..errors import CliError
@@ -17,7 +18,7 @@ from ..format.codec import MessageExt
 from ..queues.dlq import origin_topic, resend_message
 from ..queues.retry import DLQ_PREFIX, dlq_topic
 from ..store import MessageStore
-from .format import JSON, TABLE, add_format_flag
+from .format import JSON, add_store_command
 from .main import emit
 from .format import print_rows
 from .store import open_read_only, open_writable
@@ -101,13 +102,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__.split("\n\n")[0])
     dsub = p.add_subparsers(dest="dlq_command", required=True, metavar="{list,resend}")
 
-    def add(name: str, handler: Any, help: str) -> argparse.ArgumentParser:
-        q = dsub.add_parser(name, help=help, description=help)
-        q.add_argument("store", metavar="STORE", help="store root directory (storePathRootDir)")
-        q.add_argument("--config", metavar="FILE", help="broker.conf style file (key=value)")
-        add_format_flag(q, TABLE)
-        q.set_defaults(handler=handler)
-        return q
+    add = functools.partial(add_store_command, dsub)
 
     q = add("list", cmd_list, "dead letters with the topic and message id they came from")
     q.add_argument("--group", help="only this consumer group's DLQ")

@@ -30,6 +30,17 @@ def add_format_flag(p: argparse.ArgumentParser, default: str) -> None:
                    help=f"output: {TABLE} (aligned columns), {JSON} or {CSV} (default {default})")
 
 
+def add_store_command(sub: Any, name: str, handler: Any, help: str,
+                      default_format: str = TABLE) -> argparse.ArgumentParser:
+    """A subcommand on a store: STORE, --config and the output format (the admin verbs and `dlq` share it)."""
+    p = sub.add_parser(name, help=help, description=help)
+    p.add_argument("store", metavar="STORE", help="store root directory (storePathRootDir)")
+    p.add_argument("--config", metavar="FILE", help="broker.conf style file (key=value)")
+    add_format_flag(p, default_format)
+    p.set_defaults(handler=handler)
+    return p
+
+
 def add_text_bodies_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-bodies", action="store_true",
                    help='JSON: bodies as UTF-8 text when they are valid UTF-8, else base64, with "bodyEncoding" '
