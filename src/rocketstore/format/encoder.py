@@ -9,8 +9,6 @@ rows with one too, so that the driver's commit only stamps and writes.
 
 from __future__ import annotations
 
-import zlib
-
 from . import codec
 from ..config import StoreConfig
 from .message import DEFAULT_STORE_HOST, LOCALHOST, Message, host_tuple, illegal_topic
@@ -19,6 +17,10 @@ from .message import DEFAULT_STORE_HOST, LOCALHOST, Message, host_tuple, illegal
 PLAIN_DISPATCH = (0, None, None)
 # Per-put dispatch columns (tagsCodes, KEYS, UNIQ_KEYs, index key hashes), each None when all are 0 or absent.
 PLAIN_COLUMNS = (None, None, None, None)
+
+# From this many messages a batch that differs only in its bodies is encoded as a RecordRun (numpy's
+# per-call cost is paid once per batch; below this a tuple per record is cheaper).
+RUN_MIN = 8
 
 _CACHE_TOPICS = 10000
 _CACHE_TAGS = 100000
@@ -77,18 +79,31 @@ class MessageEncoder:
                                       store_addr, store_port, m.reconsume_times, m.prepared_transaction_offset,
                                       self.max_message_size)
 
-    def encode_batch(self, messages: list[Message], now_ms: int) -> tuple[list[codec.EncodedRecord], bool]:
+    def encode_batch(self, messages: list[Message], now_ms: int,
+                     uniform: bool | None = None) -> tuple[list[codec.EncodedRecord], bool]:
         """Encode a batch of one topic and queue (``batch_problem`` has said so) in one pass.
 
-        The topic tail, the queue check, the header format and the hosts are
-        settled once for the batch; a plain message (bytes body, no properties,
-        default hosts) then costs one CRC and one tuple.  Any other message
-        goes through :meth:`encode`, so the records are byte for byte the ones
-        :meth:`encode` makes.  Also returns whether every message was plain:
-        then the dispatcher needs nothing parsed of them (:data:`PLAIN_COLUMNS`,
-        outside the delay topic).
+        A batch of at least RUN_MIN messages that differ only in their bodies
+        (:func:`uniform_plain`) becomes a :class:`~rocketstore.format.run.RecordRun`:
+        the first message is encoded as a single put is, the rest are a column
+        of bodies.  Otherwise the topic tail, the queue check, the header
+        format and the hosts are settled once for the batch; a plain message
+        (bytes body, no properties, default hosts) then costs one CRC and one
+        tuple.  Any other message goes through :meth:`encode`, so the records
+        are byte for byte the ones :meth:`encode` makes.  Also returns whether
+        every message was plain: then the dispatcher needs nothing parsed of
+        them (:data:`PLAIN_COLUMNS`, outside the delay topic).  ``uniform``:
+        what the caller found :func:`uniform_plain` to say of these messages.
         """
         first = messages[0]
+        if uniform is None:
+            uniform = len(messages) >= RUN_MIN and uniform_plain(messages)
+        if uniform:
+            bodies = [m.body for m in messages]
+            lens = list(map(len, bodies))
+            if max(lens) <= self.max_message_size:  # (else the general pass refuses the message that is over)
+                from .run import RecordRun  # (numpy: imported with the first batch, not with the package)
+                return RecordRun(self.encode(first, now_ms), bodies, lens), True
         topic = self._topics.get(first.topic) or self.topic(first.topic)
         queue_id = first.queue_id
         if not 0 <= queue_id < 2 ** 31:
@@ -99,7 +114,7 @@ class MessageEncoder:
         limit = self.max_message_size
         born_addr, born_port = LOCALHOST
         store_addr, store_port = DEFAULT_STORE_HOST
-        crc32 = zlib.crc32
+        crc32 = codec.crc32
         encode = self.encode
         out: list[codec.EncodedRecord] = []
         append = out.append
@@ -162,3 +177,23 @@ class MessageEncoder:
         codes, keys, uniqs = zip(*infos)
         return (list(codes) if any(codes) else None, None if keys.count(None) == len(keys) else list(keys),
                 None if uniqs.count(None) == len(uniqs) else list(uniqs), None)
+
+
+def uniform_plain(messages: list[Message]) -> bool:
+    """Whether every message of a batch has bytes for its body and the first message's topic, queue, flag,
+    sysFlag, born time and born/store hosts, with no properties, tags, keys or delay: then the batch
+    needs no per-message check (``batch_problem`` has none to make, the first message's sysFlag is not a
+    transaction's) and its records differ only in their bodies (a RecordRun)."""
+    first = messages[0]
+    topic, queue_id, flag, sys_flag, born = first.topic, first.queue_id, first.flag, first.sys_flag, \
+        first.born_timestamp
+    if sys_flag & codec.TRANSACTION_MASK:
+        return False
+    for m in messages:
+        if type(m.body) is not bytes or m.tags is not None or m.keys is not None or m.properties or \
+                m.properties_string is not None or m.queue_id != queue_id or m.topic != topic or \
+                m.sys_flag != sys_flag or m.flag != flag or m.born_timestamp != born or m.born_host is not None or \
+                m.store_host is not None or m.reconsume_times or m.prepared_transaction_offset or \
+                m.deliver_at is not None or m.delay_level:
+            return False
+    return True
