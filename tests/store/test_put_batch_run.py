@@ -40,7 +40,7 @@ def _work(seed: int) -> list[list[Message] | Message]:
         [Message("T", body(rnd.choice([0, 1, 99, 4096])), queue_id=1) for _ in range(20)],  # lengths differ
         [Message("T", body(CONTIGUOUS_MAX_BODY + 1), queue_id=2) for _ in range(8)],  # large: gathered
         [Message("T", b"", queue_id=0) for _ in range(9)],  # empty bodies
-        [Message("T", body(64), queue_id=3, born_timestamp=1700000000000, flag=7,
+        [Message("T", body(64), queue_id=3, born_timestamp=1700000000000, flag=7,  # (not plain: per record)
                  sys_flag=codec.SYSFLAG_COMPRESSED | codec.SYSFLAG_BORNHOST_V6) for _ in range(10)],  # (stale bit)
         [Message(long_topic, body(50), queue_id=0) for _ in range(12)],  # V2 topic, run
         [Message(long_topic, body(50), tags="TagA", keys=f"k{i} shared", properties={"UNIQ_KEY": f"U{i:04d}"},
@@ -108,7 +108,7 @@ def test_the_run_writes_the_bytes_of_the_per_record_pass_across_segments(tmp_pat
 @pytest.mark.parametrize("sizes", [[100] * 8, [100, 0, 7, 100, 3000, 1, 100, 100], [CONTIGUOUS_MAX_BODY + 5] * 8])
 def test_run_parts_are_the_per_record_parts(sizes):
     enc = MessageEncoder()
-    msgs = [Message("T", os.urandom(n), queue_id=5, flag=3, born_timestamp=77) for n in sizes]
+    msgs = [Message("T", os.urandom(n), queue_id=5) for n in sizes]
     run, plain = enc.encode_batch(msgs, 1000)
     assert isinstance(run, RecordRun) and plain
     tuples = [enc.encode(m, 1000) for m in msgs]
@@ -160,3 +160,39 @@ def test_a_bad_message_in_a_uniform_batch_is_refused_and_nothing_is_written(tmp_
         r = store.put_batch([Message("T", b"x") for _ in range(8)])
         assert r.status is PutMessageStatus.SERVICE_NOT_AVAILABLE and "disk full" in r.error
         assert store.max_phy_offset() == before
+
+
+def test_a_field_set_after_construction_is_written(tmp_path):
+    """A message built plain and given tags, keys, properties or a host afterwards is stored with them, in a
+    batch that is then no run, as by a single put."""
+    late = [Message("T", b"a%d" % i) for i in range(10)]
+    late[2].tags = "TagB"
+    late[4].keys = ["k1", "k2"]
+    late[6].properties["UNIQ_KEY"] = "U6"  # (the default dict is the message's own)
+    late[8].born_host = "[::1]:7"
+    with MessageStore.open(str(tmp_path / "s"), _config(1024 * 1024), clock=lambda: NOW) as store:
+        assert store.put_batch(late).ok
+        assert store.wait_dispatched()
+        got = store.get("T", 0, 0, 32).messages
+        assert [m.body for m in got] == [m.body for m in late]
+        assert got[2].tags == "TagB" and got[4].keys == "k1 k2" and got[6].uniq_key == "U6"
+        assert got[8].born_host == codec.format_host(*codec.parse_host("[::1]:7")) and got[8].sys_flag & 0x10
+        assert store.query("T", "k2").messages[0].body == b"a4"
+
+
+def test_message_reads_sets_compares_and_pickles_as_before():
+    import pickle
+    m = Message("T", b"x")
+    assert (m.tags, m.keys, m.flag, m.sys_flag, m.born_timestamp, m.born_host, m.store_host, m.reconsume_times,
+            m.prepared_transaction_offset, m.properties_string, m.store_timestamp, m.deliver_at,
+            m.delay_level) == (None, None, 0, 0, None, None, None, 0, 0, None, None, None, 0)
+    assert m == Message("T", b"x", properties={}) and m != Message("T", b"x", flag=1)
+    assert m.properties == {} and m.properties is m.properties
+    p = {"a": "b"}
+    n = Message("T", b"x", 3, "tg", properties=p, delay_level=2)
+    assert n.properties is p and n.queue_id == 3 and n.tags == "tg" and n.delay_level == 2
+    n.flag = 9
+    assert pickle.loads(pickle.dumps(n)) == n and pickle.loads(pickle.dumps(m)) == m
+    assert repr(Message("T")).startswith("Message(topic='T', body=b'', queue_id=0, tags=None")
+    with pytest.raises(AttributeError):
+        m.no_such_field = 1  # (slots, as the dataclass had)
