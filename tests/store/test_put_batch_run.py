@@ -119,6 +119,7 @@ def test_run_parts_are_the_per_record_parts(sizes):
         iov, offsets = codec.batch_parts(run, 40, step, 9000, 123456)
         want_iov, want_offsets = codec.batch_parts(tuples, 40, step, 9000, 123456)
         assert b"".join(map(bytes, iov)) == b"".join(want_iov) and offsets == want_offsets
+        assert sum(map(len, iov)) == codec.records_size(run)  # (what the writer counts a short write by)
 
 
 def test_a_batch_that_differs_in_more_than_bodies_is_not_a_run():
@@ -196,3 +197,27 @@ def test_message_reads_sets_compares_and_pickles_as_before():
     assert repr(Message("T")).startswith("Message(topic='T', body=b'', queue_id=0, tags=None")
     with pytest.raises(AttributeError):
         m.no_such_field = 1  # (slots, as the dataclass had)
+
+
+@pytest.mark.parametrize("sizes", [[700] * 40, [700, 5, 1200, 0] * 10])
+def test_a_short_write_of_a_run_is_finished(tmp_path, monkeypatch, sizes):
+    """pwritev may write less than asked: the run's buffers must say their length in bytes, so the rest is
+    written before the put is acknowledged."""
+    from rocketstore.storage import commitlog
+    real = os.pwritev
+    calls = []
+
+    def short(fd, buffers, offset):
+        calls.append(offset)
+        data = b"".join(buffers)
+        return os.pwrite(fd, data[:len(data) // 3], offset)  # a third, ending mid-record
+    msgs = [Message("T", bytes([i]) * n) for i, n in enumerate(sizes)]
+    with MessageStore.open(str(tmp_path / "s"), _config(1024 * 1024)) as store:
+        monkeypatch.setattr(commitlog.os, "pwritev", short)
+        r = store.put_batch(msgs)
+        monkeypatch.setattr(commitlog.os, "pwritev", real)
+        assert r.ok and calls
+        assert store.wait_dispatched()
+        got = [m.body for i in (0, 32) for m in store.get("T", 0, i, 32, max_total_bytes=1 << 20).messages]
+        assert got == [m.body for m in msgs]
+        assert store.max_phy_offset() == r.commit_log_offset + r.wrote_bytes

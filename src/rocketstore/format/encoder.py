@@ -23,6 +23,16 @@ PLAIN_COLUMNS = (None, None, None, None)
 # per-call cost is paid once per batch; below this a tuple per record is cheaper).
 RUN_MIN = 8
 
+_record_run = None  # format.run.RecordRun, imported with the first batch (numpy), not with the package
+
+
+def _import_record_run() -> type:
+    global _record_run
+    from .run import RecordRun
+    _record_run = RecordRun
+    return RecordRun
+
+
 _CACHE_TOPICS = 10000
 _CACHE_TAGS = 100000
 
@@ -106,8 +116,8 @@ class MessageEncoder:
         if bodies is not None:
             lens = list(map(len, bodies))
             if max(lens) <= self.max_message_size:  # (else the general pass refuses the message that is over)
-                from .run import RecordRun  # (numpy: imported with the first batch, not with the package)
-                return RecordRun(self.encode(first, now_ms), bodies, lens), True
+                run = _record_run or _import_record_run()
+                return run(self.encode(first, now_ms), bodies, lens), True
         topic = self._topics.get(first.topic) or self.topic(first.topic)
         queue_id = first.queue_id
         if not 0 <= queue_id < 2 ** 31:

@@ -103,7 +103,8 @@ class RecordRun:
             arr["qoff"] = np.arange(queue_offset, queue_offset + n) if step else queue_offset
             arr["phys"] = np.arange(physical_offset, physical_offset + n * total, total)
             arr["ts"] = store_ts
-            return [arr], list(range(physical_offset, physical_offset + n * total, total))
+            # (as bytes: the writer counts what pwritev must write by len(), and finishes a short write)
+            return [arr.view(np.uint8)], list(range(physical_offset, physical_offset + n * total, total))
         (header, _, magic, _, queue_id, flag, sys_flag, born_ts, born_addr, born_port, store_addr, store_port,
          reconsume, prepared, _, tail) = self.first
         sizes = self.sizes
