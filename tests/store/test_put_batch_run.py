@@ -221,3 +221,15 @@ def test_a_short_write_of_a_run_is_finished(tmp_path, monkeypatch, sizes):
         got = [m.body for i in (0, 32) for m in store.get("T", 0, i, 32, max_total_bytes=1 << 20).messages]
         assert got == [m.body for m in msgs]
         assert store.max_phy_offset() == r.commit_log_offset + r.wrote_bytes
+
+
+@pytest.mark.parametrize("n", [1, 47, 48, 300])
+def test_consume_queue_units_packed_in_one_array_are_the_struct_units(n):
+    import struct
+    from rocketstore.storage.consume_queue import pack_units
+    rnd = random.Random(n)
+    offsets = [rnd.randrange(2 ** 62) for _ in range(n)]
+    sizes = [rnd.randrange(2 ** 31) for _ in range(n)]
+    codes = [rnd.randrange(-2 ** 63, 2 ** 63) for _ in range(n)]  # tagsCodes (and delay times) are signed
+    unit = struct.Struct(">qiq")
+    assert pack_units(offsets, sizes, codes) == b"".join(map(unit.pack, offsets, sizes, codes))
