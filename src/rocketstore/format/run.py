@@ -1,8 +1,8 @@
 """RecordRun: a put_batch's records encoded column by column instead of one tuple each.
 
-A batch whose messages differ only in their bodies (one topic, queue, flag,
-born time and hosts; no properties: the common ``put_batch``) shares every
-header field but TOTALSIZE, BODYCRC, BODYLENGTH and the three fields stamped
+A batch of plain messages (a topic, a body and a queue each, one topic and
+queue for all: the common ``put_batch``, see ``message.batch_bodies``) shares
+every header field but TOTALSIZE, BODYCRC, BODYLENGTH and the three fields stamped
 under the put lock (QUEUEOFFSET, PHYSICALOFFSET, STORETIMESTAMP).  The run
 keeps the first record as :class:`~rocketstore.format.codec.MessageEncoder`
 made it (every check a single put gets has been made on it) and the bodies as
@@ -51,7 +51,8 @@ def _layout(header_size: int, born_addr_len: int, body_len: int, tail_len: int) 
 
 
 class RecordRun:
-    """The records of one batch whose messages differ only in their bodies (see the module doc).
+    """The records of one batch whose messages differ only in their bodies (see the module doc); the
+    layout takes any shared header fields, the first record's.
 
     Behaves as the list of :data:`~rocketstore.format.codec.EncodedRecord` it
     stands for (``len``, indexing, iteration; ``run[0][6]`` is the sysFlag)
