@@ -29,10 +29,11 @@ import zlib
 from itertools import islice
 from typing import Any, Iterator, Mapping
 
-try:  # ISA-L's CRC-32 (carry-less multiply) is about 5 times zlib's; reads check every body they return
+try:  # ISA-L's CRC-32 (carry-less multiply): 5-15 times zlib's; every put and every checked read takes one
     from isal.isal_zlib import crc32 as _crc32
 except ImportError:  # pragma: no cover - depends on the installation
     _crc32 = zlib.crc32
+crc32 = _crc32  # (unmasked; BODYCRC is body_crc)
 
 MAGIC_V1 = 0xDAA320A7
 MAGIC_V2 = 0xDAA320AB
@@ -741,7 +742,7 @@ def scan_records(buf: Any, pos: int, stop: int, limit: int, *, base: int, check_
     silently at the first record it does not accept (invalid, blank, zeros, or
     past ``stop``), so the caller re-checks that one with :func:`walk` for the
     exact reason.  Per record it costs one small ``unpack_from``, a few byte
-    reads and ``zlib.crc32`` over a memoryview of the body (no copies, no
+    reads and the CRC-32 over a memoryview of the body (no copies, no
     objects), which is what lets recovery run near CRC speed.
 
     Returns (position after the last accepted record, position of that record
@@ -754,7 +755,7 @@ def scan_records(buf: Any, pos: int, stop: int, limit: int, *, base: int, check_
     """
     up = _SCAN.unpack_from
     short_at = _SHORT.unpack_from
-    crc32 = zlib.crc32
+    crc32 = _crc32
     get = (held if held is not None else {}).get
     miss = -1 if held is not None else NO_INDEX  # held=None: no record is wanted for a queue
     wanted: list[int] = []
@@ -885,7 +886,7 @@ def encode_with_tail(topic: tuple[bytes, int, bytes], body: bytes, props: bytes,
     total = header.size + blen + len(tail)
     if total > max_message_size + 65536:
         raise MessageTooLarge(f"record is {total} bytes, more than maxMessageSize + 64 KiB")
-    return (header, total, topic[1], zlib.crc32(body) & 0x7FFFFFFF, queue_id, flag, sys_flag, born_ts, born_addr,
+    return (header, total, topic[1], _crc32(body) & 0x7FFFFFFF, queue_id, flag, sys_flag, born_ts, born_addr,
             born_port, store_addr, store_port, reconsume, prepared, body, tail)
 
 
@@ -904,7 +905,9 @@ def batch_parts(records: list[EncodedRecord], queue_offset: int, step: int, phys
                 store_ts: int) -> tuple[list[bytes], list[int]]:
     """:func:`record_parts` of a whole batch in one pass: the (header, body, tail) buffers of every record,
     one after another, and each record's physical offset.  Queue offsets go up by ``step`` (0 for
-    transaction halves, which store 0)."""
+    transaction halves, which store 0).  A :class:`~rocketstore.format.run.RecordRun` lays out its own."""
+    if type(records) is not list:
+        return records.parts(queue_offset, step, physical_offset, store_ts)
     iov: list[bytes] = []
     offsets: list[int] = []
     add = offsets.append
@@ -918,6 +921,20 @@ def batch_parts(records: list[EncodedRecord], queue_offset: int, step: int, phys
         p += total
         q += step
     return iov, offsets
+
+
+def records_size(records: list[EncodedRecord]) -> int:
+    """Bytes the records take in the commitlog (a RecordRun knows its own)."""
+    if type(records) is not list:
+        return records.size
+    return records[0][1] if len(records) == 1 else sum(r[1] for r in records)
+
+
+def record_sizes(records: list[EncodedRecord]) -> list[int] | tuple[int]:
+    """Each record's TOTALSIZE, in order (a RecordRun has them as a column)."""
+    if type(records) is not list:
+        return records.sizes
+    return (records[0][1],) if len(records) == 1 else [r[1] for r in records]
 
 
 def write_record(buf: Any, pos: int, rec: EncodedRecord, queue_offset: int, physical_offset: int,

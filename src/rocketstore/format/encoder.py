@@ -9,16 +9,29 @@ rows with one too, so that the driver's commit only stamps and writes.
 
 from __future__ import annotations
 
-import zlib
-
 from . import codec
 from ..config import StoreConfig
-from .message import DEFAULT_STORE_HOST, LOCALHOST, Message, host_tuple, illegal_topic
+from .message import (DEFAULT_STORE_HOST, LOCALHOST, Message, batch_bodies, host_tuple, illegal_topic, is_plain,
+                      more_fields)
 
 # (tagsCode, KEYS, UNIQ_KEY) of a message with no properties: nothing for the dispatcher to parse.
 PLAIN_DISPATCH = (0, None, None)
 # Per-put dispatch columns (tagsCodes, KEYS, UNIQ_KEYs, index key hashes), each None when all are 0 or absent.
 PLAIN_COLUMNS = (None, None, None, None)
+
+# From this many messages a batch that differs only in its bodies is encoded as a RecordRun (numpy's
+# per-call cost is paid once per batch; below this a tuple per record is cheaper).
+RUN_MIN = 8
+
+_record_run = None  # format.run.RecordRun, imported with the first batch (numpy), not with the package
+
+
+def _import_record_run() -> type:
+    global _record_run
+    from .run import RecordRun
+    _record_run = RecordRun
+    return RecordRun
+
 
 _CACHE_TOPICS = 10000
 _CACHE_TAGS = 100000
@@ -59,36 +72,52 @@ class MessageEncoder:
             if not isinstance(body, (bytearray, memoryview)):
                 raise codec.RecordError(f"body must be bytes, not {type(body).__name__}")
             body = bytes(body)
-        if not 0 <= m.queue_id < 2 ** 31:
-            raise codec.RecordError(f"queue id {m.queue_id} out of range")
-        if m.properties_string is not None:
-            props = m.properties_string.encode("utf-8")
-        elif m.tags is None and m.keys is None and not m.properties:
-            props = b""  # the common message: no properties to serialise
+        queue_id = m.queue_id
+        if not 0 <= queue_id < 2 ** 31:
+            raise codec.RecordError(f"queue id {queue_id} out of range")
+        if is_plain(m):  # topic, body and queue: every other field is its default
+            return codec.encode_with_tail(topic, body, b"", queue_id, 0, 0, now_ms, LOCALHOST[0], 0,
+                                          DEFAULT_STORE_HOST[0], DEFAULT_STORE_HOST[1], 0, 0, self.max_message_size)
+        (tags, keys, properties, flag, sys_flag, born_ts, born_host, store_host, reconsume, prepared,
+         properties_string, _, _, _) = more_fields(m)
+        if properties_string is not None:
+            props = properties_string.encode("utf-8")
+        elif tags is None and keys is None and not properties:
+            props = b""  # no properties to serialise
         else:
             props = m.build_properties().encode("utf-8")
-        born_addr, born_port = LOCALHOST if m.born_host is None else host_tuple(m.born_host)
-        store_addr, store_port = DEFAULT_STORE_HOST if m.store_host is None else host_tuple(m.store_host)
-        sys_flag = m.sys_flag
+        born_addr, born_port = LOCALHOST if born_host is None else host_tuple(born_host)
+        store_addr, store_port = DEFAULT_STORE_HOST if store_host is None else host_tuple(store_host)
         if sys_flag & 0x30 or len(born_addr) != 4 or len(store_addr) != 4:
             sys_flag = codec.with_host_flags(sys_flag, born_addr, store_addr)
-        return codec.encode_with_tail(topic, body, props, m.queue_id, m.flag, sys_flag,
-                                      now_ms if m.born_timestamp is None else m.born_timestamp, born_addr, born_port,
-                                      store_addr, store_port, m.reconsume_times, m.prepared_transaction_offset,
-                                      self.max_message_size)
+        return codec.encode_with_tail(topic, body, props, queue_id, flag, sys_flag,
+                                      now_ms if born_ts is None else born_ts, born_addr, born_port,
+                                      store_addr, store_port, reconsume, prepared, self.max_message_size)
 
-    def encode_batch(self, messages: list[Message], now_ms: int) -> tuple[list[codec.EncodedRecord], bool]:
+    def encode_batch(self, messages: list[Message], now_ms: int,
+                     bodies: list[bytes] | None = None) -> tuple[list[codec.EncodedRecord], bool]:
         """Encode a batch of one topic and queue (``batch_problem`` has said so) in one pass.
 
-        The topic tail, the queue check, the header format and the hosts are
-        settled once for the batch; a plain message (bytes body, no properties,
-        default hosts) then costs one CRC and one tuple.  Any other message
-        goes through :meth:`encode`, so the records are byte for byte the ones
-        :meth:`encode` makes.  Also returns whether every message was plain:
-        then the dispatcher needs nothing parsed of them (:data:`PLAIN_COLUMNS`,
-        outside the delay topic).
+        A batch of at least RUN_MIN plain messages of one topic and queue
+        (:func:`~rocketstore.format.message.batch_bodies`) becomes a :class:`~rocketstore.format.run.RecordRun`:
+        the first message is encoded as a single put is, the rest are a column
+        of bodies.  Otherwise the topic tail, the queue check, the header
+        format and the hosts are settled once for the batch; a plain message
+        (bytes body, no properties, default hosts) then costs one CRC and one
+        tuple.  Any other message goes through :meth:`encode`, so the records
+        are byte for byte the ones :meth:`encode` makes.  Also returns whether
+        every message was plain: then the dispatcher needs nothing parsed of
+        them (:data:`PLAIN_COLUMNS`, outside the delay topic).  ``bodies``: what
+        the caller had from ``batch_bodies`` (None: look here).
         """
         first = messages[0]
+        if bodies is None and len(messages) >= RUN_MIN:
+            bodies = batch_bodies(messages)
+        if bodies is not None:
+            lens = list(map(len, bodies))
+            if max(lens) <= self.max_message_size:  # (else the general pass refuses the message that is over)
+                run = _record_run or _import_record_run()
+                return run(self.encode(first, now_ms), bodies, lens), True
         topic = self._topics.get(first.topic) or self.topic(first.topic)
         queue_id = first.queue_id
         if not 0 <= queue_id < 2 ** 31:
@@ -99,23 +128,19 @@ class MessageEncoder:
         limit = self.max_message_size
         born_addr, born_port = LOCALHOST
         store_addr, store_port = DEFAULT_STORE_HOST
-        crc32 = zlib.crc32
+        crc32 = codec.crc32
         encode = self.encode
         out: list[codec.EncodedRecord] = []
         append = out.append
         plain = True
         for m in messages:
             body = m.body
-            if type(body) is not bytes or m.properties_string is not None or m.tags is not None or \
-                    m.keys is not None or m.properties or m.born_host is not None or m.store_host is not None or \
-                    m.sys_flag & 0x30 or len(body) > limit:
+            if type(body) is not bytes or len(body) > limit or not is_plain(m):
                 append(encode(m, now_ms))  # (the general path also raises what a bad message deserves)
-                plain = False
+                plain = plain and is_plain(m)
                 continue
-            born = m.born_timestamp
-            append((header, fixed + len(body), magic, crc32(body) & 0x7FFFFFFF, queue_id, m.flag, m.sys_flag,
-                    now_ms if born is None else born, born_addr, born_port, store_addr, store_port,
-                    m.reconsume_times, m.prepared_transaction_offset, body, tail))
+            append((header, fixed + len(body), magic, crc32(body) & 0x7FFFFFFF, queue_id, 0, 0, now_ms, born_addr,
+                    born_port, store_addr, store_port, 0, 0, body, tail))
         return out, plain
 
     def tags_code(self, tags: str) -> int:
@@ -130,11 +155,15 @@ class MessageEncoder:
     def dispatch_info(self, m: Message) -> tuple[int, str | None, str | None] | None:
         """(tagsCode, KEYS, UNIQ_KEY) as dispatch would parse them from the stored properties, or None when
         only the stored record can tell (a verbatim properties string, the delay topic, separator characters)."""
-        if m.properties_string is not None or m.topic == codec.SCHEDULE_TOPIC:
+        if m.topic == codec.SCHEDULE_TOPIC:
+            return None
+        if is_plain(m):
+            return PLAIN_DISPATCH  # the common message: no tags, no keys
+        if m.properties_string is not None:
             return None
         props = m.properties
         if not props and m.tags is None and m.keys is None:
-            return PLAIN_DISPATCH  # the common message: no tags, no keys
+            return PLAIN_DISPATCH
         tags = m.tags if m.tags is not None else props.get("TAGS")
         keys = m.keys if m.keys is None or isinstance(m.keys, str) else " ".join(m.keys)
         if keys is None:
@@ -162,3 +191,4 @@ class MessageEncoder:
         codes, keys, uniqs = zip(*infos)
         return (list(codes) if any(codes) else None, None if keys.count(None) == len(keys) else list(keys),
                 None if uniqs.count(None) == len(uniqs) else list(uniqs), None)
+

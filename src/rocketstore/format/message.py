@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -39,7 +40,32 @@ LOCALHOST = (b"\x7f\x00\x00\x01", 0)
 DEFAULT_STORE_HOST = (b"\x7f\x00\x00\x01", 10911)
 
 
-@dataclass(slots=True)
+# Message's fields past (topic, body, queue_id), in constructor order, with their defaults ("properties": a
+# fresh dict per message).
+_MORE_FIELDS = ("tags", "keys", "properties", "flag", "sys_flag", "born_timestamp", "born_host", "store_host",
+                "reconsume_times", "prepared_transaction_offset", "properties_string", "store_timestamp", "deliver_at",
+                "delay_level")
+_MORE_DEFAULTS = (None, None, None, 0, 0, None, None, None, 0, 0, None, None, None, 0)
+_PROPERTIES = _MORE_FIELDS.index("properties")
+
+
+def _more_field(i: int, name: str) -> property:
+    default = _MORE_DEFAULTS[i]
+
+    def get(self: "Message") -> Any:
+        more = self._more
+        return default if more is None else more[i]
+
+    def set_(self: "Message", value: Any) -> None:
+        more = self._more
+        if more is None:
+            more = self._more = [*_MORE_DEFAULTS]
+            more[_PROPERTIES] = {}
+        more[i] = value
+
+    return property(get, set_, doc=f"Message.{name}")
+
+
 class Message:
     """A message to put.  ``tags``/``keys`` are shorthands for the TAGS/KEYS properties.
 
@@ -50,25 +76,75 @@ class Message:
     levels 1..18: 1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h)
     make it a delay message: the store keeps it in the timer topic until then
     (a put refuses a level outside 1..18, or a negative time, MESSAGE_ILLEGAL).
+
+    Most messages a program builds have only a topic, a body and a queue: such
+    a message keeps nothing else (its other fields read as their defaults), so
+    building it costs three stores, and ``put_batch`` tells a batch of them
+    apart from the rest with one look per message (:func:`batch_bodies`).  Any
+    other field, given or set later, keeps all of them; every field reads and
+    sets as a plain attribute either way.
     """
 
+    __slots__ = ("topic", "body", "queue_id", "_more")
+    __match_args__ = ("topic", "body", "queue_id", *_MORE_FIELDS)
+    __hash__ = None  # type: ignore[assignment]  # (mutable, compared by value)
+
     topic: str
-    body: bytes = b""
-    queue_id: int = 0
-    tags: str | None = None
-    keys: str | list[str] | None = None
-    properties: Mapping[str, str] = field(default_factory=dict)
-    flag: int = 0
-    sys_flag: int = 0
-    born_timestamp: int | None = None
-    born_host: str | tuple[bytes, int] | None = None
-    store_host: str | tuple[bytes, int] | None = None
-    reconsume_times: int = 0
-    prepared_transaction_offset: int = 0
-    properties_string: str | None = None
-    store_timestamp: int | None = None
-    deliver_at: int | None = None
-    delay_level: int = 0
+    body: bytes
+    queue_id: int
+    tags: str | None
+    keys: str | list[str] | None
+    properties: Mapping[str, str]
+    flag: int
+    sys_flag: int
+    born_timestamp: int | None
+    born_host: str | tuple[bytes, int] | None
+    store_host: str | tuple[bytes, int] | None
+    reconsume_times: int
+    prepared_transaction_offset: int
+    properties_string: str | None
+    store_timestamp: int | None
+    deliver_at: int | None
+    delay_level: int
+
+    def __init__(self, topic: str, body: bytes = b"", queue_id: int = 0, tags: str | None = None,
+                 keys: str | list[str] | None = None, properties: Mapping[str, str] | None = None, flag: int = 0,
+                 sys_flag: int = 0, born_timestamp: int | None = None, born_host: str | tuple[bytes, int] | None = None,
+                 store_host: str | tuple[bytes, int] | None = None, reconsume_times: int = 0,
+                 prepared_transaction_offset: int = 0, properties_string: str | None = None,
+                 store_timestamp: int | None = None, deliver_at: int | None = None, delay_level: int = 0) -> None:
+        self.topic = topic
+        self.body = body
+        self.queue_id = queue_id
+        if tags is None and keys is None and properties is None and flag == 0 and sys_flag == 0 and \
+                born_timestamp is None and born_host is None and store_host is None and reconsume_times == 0 and \
+                prepared_transaction_offset == 0 and properties_string is None and store_timestamp is None and \
+                deliver_at is None and delay_level == 0:
+            self._more: list[Any] | None = None
+        else:
+            self._more = [tags, keys, {} if properties is None else properties, flag, sys_flag, born_timestamp,
+                          born_host, store_host, reconsume_times, prepared_transaction_offset, properties_string,
+                          store_timestamp, deliver_at, delay_level]
+
+    def _values(self) -> tuple[Any, ...]:
+        more = self._more
+        return (self.topic, self.body, self.queue_id,
+                *((None, None, {}, *_MORE_DEFAULTS[3:]) if more is None else more))
+
+    def __eq__(self, other: object) -> Any:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._values() == other._values()  # type: ignore[attr-defined]
+
+    def __repr__(self) -> str:
+        names = ("topic", "body", "queue_id", *_MORE_FIELDS)
+        return f"Message({', '.join(f'{n}={v!r}' for n, v in zip(names, self._values()))})"
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return self.topic, self.body, self.queue_id, self._more
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self.topic, self.body, self.queue_id, self._more = state
 
     def build_properties(self) -> str:
         if self.properties_string is not None:
@@ -98,6 +174,57 @@ class Message:
                    prepared_transaction_offset=d.get("preparedTransactionOffset", 0),
                    properties_string=d.get("propertiesString"), properties=d.get("properties") or {},
                    store_timestamp=d.get("storeTimestamp"))
+
+
+for _i, _name in enumerate(_MORE_FIELDS):
+    if _i != _PROPERTIES:
+        setattr(Message, _name, _more_field(_i, _name))
+
+
+def _get_properties(self: Message) -> Mapping[str, str]:
+    more = self._more
+    if more is None:  # a dict the caller may fill in: kept, as a field default would be
+        more = self._more = [*_MORE_DEFAULTS]
+        more[_PROPERTIES] = {}
+    return more[_PROPERTIES]
+
+
+def _set_properties(self: Message, value: Mapping[str, str]) -> None:
+    _get_properties(self)
+    self._more[_PROPERTIES] = value  # type: ignore[index]
+
+
+Message.properties = property(_get_properties, _set_properties, doc="Message.properties")  # type: ignore[assignment]
+del _i, _name
+
+_MORE = operator.attrgetter("_more")
+_TOPIC = operator.attrgetter("topic")
+_QUEUE = operator.attrgetter("queue_id")
+_BODY = operator.attrgetter("body")
+
+
+def is_plain(m: Message) -> bool:
+    """Whether ``m`` has nothing but a topic, a body and a queue id (every other field at its default)."""
+    return m._more is None
+
+
+def more_fields(m: Message) -> tuple[Any, ...]:
+    """``m``'s fields past (topic, body, queue_id) in constructor order (:data:`_MORE_FIELDS`), in one call:
+    what an encoder reads of a message that is not plain."""
+    more = m._more
+    return (None, None, {}, *_MORE_DEFAULTS[3:]) if more is None else tuple(more)
+
+
+def batch_bodies(messages: list[Message]) -> list[bytes] | None:
+    """The bodies of a batch whose messages are all plain (:func:`is_plain`), of one topic and queue, with
+    ``bytes`` bodies; None for any other batch.  Each test is one C-level pass over the batch."""
+    n = len(messages)
+    first = messages[0]
+    if list(map(_MORE, messages)).count(None) != n or list(map(_TOPIC, messages)).count(first.topic) != n or \
+            list(map(_QUEUE, messages)).count(first.queue_id) != n:
+        return None
+    bodies = list(map(_BODY, messages))
+    return bodies if list(map(type, bodies)).count(bytes) == n else None
 
 
 def host_tuple(h: str | tuple[bytes, int]) -> tuple[bytes, int]:

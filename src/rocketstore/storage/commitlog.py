@@ -76,7 +76,7 @@ class CommitLog:
         ``queue_offset`` is the first queue offset to stamp (None for PREPARED and
         ROLLBACK records, which store 0).  Must be called with ``put_lock`` held.
         """
-        total = records[0][1] if len(records) == 1 else sum(r[1] for r in records)
+        total = codec.records_size(records)
         if total + BLANK_RECORD_SIZE > self.file_size:
             raise codec.MessageTooLarge(
                 f"{total} bytes do not fit a {self.file_size}-byte commitlog segment (mappedFileSizeCommitLog)")
