@@ -96,9 +96,9 @@ class Entry:
 
     @classmethod
     def from_json(cls, a: list[Any]) -> "Entry":
-        return cls(offset=int(a[0]), phy=int(a[1]), size=int(a[2]), attempts=int(a[3]), visible_at=int(a[4]),
-                   token=str(a[5]), tag=a[6], msg_group=a[7], blocked=bool(a[8]), auto_renew=bool(a[9]),
-                   client=str(a[10]), first_pop=int(a[11]), suspend=bool(a[12]), invisible_ms=int(a[13]))
+        # positional: the journal's records are read by every receiver in every lock section
+        return cls(int(a[0]), int(a[1]), int(a[2]), a[6], a[7], int(a[3]), int(a[4]), str(a[5]), bool(a[8]),
+                   bool(a[9]), str(a[10]), int(a[11]), bool(a[12]), int(a[13]))
 
 
 class QueueState:
@@ -206,12 +206,14 @@ class PopService:
         self._load(data, records)
 
     def apply(self, records: list[dict[str, Any]]) -> None:
-        """Queue records another process appended to the journal: each replaces its queue's state."""
+        """Queue records another process appended to the journal: each replaces its queue's state.
+
+        Taken as written (not clamped to this process's view of the store, which may be a moment older than
+        the writer's of the record was: clamping would forget messages in flight and hand them out again)."""
         for q in records:
             qs = self._from_record(q)
             if qs is not None:
-                self._reconcile(qs)
-                qs.recompute_due()
+                self._derive(qs)
                 self.queues[(qs.group, qs.topic, qs.queue_id)] = qs
 
     def _from_record(self, q: Any) -> QueueState | None:
@@ -285,6 +287,11 @@ class PopService:
                 break
         qs.entries = {o: e for o, e in qs.entries.items() if o < qs.next}
         qs.acked = {o for o in qs.acked if o < qs.next}
+        self._derive(qs)
+
+    def _derive(self, qs: QueueState) -> None:
+        """The FIFO groups, blocked count and next due time of a queue built from a record; its committed
+        offset moved over what is acked (and handed to consumerOffset.json)."""
         qs.fifo_groups = {}
         qs.blocked = 0
         for o in sorted(qs.entries):
@@ -447,6 +454,8 @@ class PopService:
                 e.dlq_pending = True
                 dead.append(DeadLetter(qs.group, qs.topic, qs.queue_id, e))
                 continue
+            if e.phy >= self.store.max_phy_offset():
+                continue  # a read-only view a moment older than the receiver's that read it: not here yet
             msg = self._read(e)
             if msg is None:
                 log.warning("%s@%s queue %d offset %d: message no longer in the store; dropped",
