@@ -213,11 +213,13 @@ def _past_damage(f: MappedFile, pos: int) -> int | None:
 def _queues(store: MessageStore, topics: Iterable[str] | None) -> list[ConsumeQueue]:
     """The consume queues to extend, including queue directories created since the store was opened."""
     root = store.paths.consumequeue
-    wanted = None if topics is None else set(topics)
-    try:
-        names = [t for t in os.listdir(root) if wanted is None or t in wanted]
-    except OSError:
-        return []
+    if topics is None:
+        try:
+            names = os.listdir(root)
+        except OSError:
+            return []
+    else:  # a receiver's every look: its topics' directories only (a missing one is skipped below)
+        names = sorted(t for t in set(topics) if t and os.sep not in t and t not in (".", ".."))
     out = []
     for topic in names:
         try:
