@@ -78,3 +78,22 @@ def test_a_receiver_on_the_writer_moves_its_dead_letters_at_once(tmp_path: Path)
             assert c.receive(1) == []
             assert st.wait_dispatched()  # the put was made by then; a moment for its consume queue unit
         assert [m.body for m in st.get("%DLQ%G", 0, 0, 8).messages] == [b"x"]
+
+
+def test_a_writable_open_with_nothing_parked_leaves_the_queue_state_alone(tmp_path: Path) -> None:
+    """The service looks for the parked mark in the files first: a store with queue state but nothing parked is
+    not loaded nor written (no consumerOffset.json write behind an operator's back at every open)."""
+    root = str(tmp_path / "s")
+    with MessageStore.open(root, StoreConfig()) as st:
+        assert st.put(Message("T", b"x")).ok
+        st.wait_dispatched()
+        with st.simple_consumer("G", "T") as c:
+            c.ack(c.receive(1)[0])
+    config = Path(root, "config")
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in config.iterdir() if p.is_file()}
+    with MessageStore.open(root, StoreConfig()) as st:
+        time.sleep(0.3)  # the service's first round
+        assert st.dead_letters is not None and not st.dead_letters.stopped
+    after = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in config.iterdir() if p.is_file()}
+    assert {n: v for n, v in after.items() if n.startswith(("popState", "consumerOffset"))} == \
+        {n: v for n, v in before.items() if n.startswith(("popState", "consumerOffset"))}

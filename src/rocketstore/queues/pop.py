@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 MAX_BLOCKED_PER_QUEUE = 2048
 MAX_READ_PER_QUEUE = 256
+PARKED = "dlq"  # an entry's 15th field when it is parked for the DLQ (a string: found in the files unparsed)
 
 
 def now_ms() -> int:
@@ -99,7 +100,7 @@ class Entry:
              self.msg_group, self.blocked, self.auto_renew, self.client, self.first_pop, self.suspend,
              self.invisible_ms]
         if self.parked:
-            a += [True, self.dlq_from]
+            a += [PARKED, self.dlq_from]
         return a
 
     @classmethod

@@ -27,7 +27,7 @@ from ..services.base import ServiceThread
 from . import journal
 from .dlq import P_DLQ_MSG_ID, P_RETRY_TOPIC, dead_letter
 from .doorbell import Doorbell, Waiter
-from .pop import DeadLetter, PopService
+from .pop import PARKED, DeadLetter, PopService
 from .retry import dlq_topic
 from .state import SharedPopState
 
@@ -54,8 +54,18 @@ class DeadLetterMover:
         self.state_path = os.path.join(config_dir, "popState.json")
         self._lock = threading.Lock()
 
-    def has_state(self) -> bool:
-        return os.path.exists(self.state_path) or os.path.exists(journal.journal_path(self.state_path))
+    def may_have_parked(self) -> bool:
+        """Whether popState.json or its journal may hold a parked message (its mark, unparsed): if not, the
+        state is neither loaded nor touched (a writable open of a store with queue state writes nothing)."""
+        mark = b'"%s",' % PARKED.encode()
+        for p in (self.state_path, journal.journal_path(self.state_path)):
+            try:
+                with open(p, "rb") as fh:
+                    if mark in fh.read():
+                        return True
+            except OSError:
+                continue
+        return False
 
     def stamp(self) -> tuple[int, ...]:
         """Changes when the pop state does (its file and journal)."""
@@ -70,7 +80,7 @@ class DeadLetterMover:
 
     def run(self) -> int:
         """Move every parked message; how many went to a DLQ.  Nothing while a broker owns the pop state."""
-        if self.store.read_only or not self.has_state():
+        if self.store.read_only or not self.may_have_parked():
             return 0
         with self._lock:
             try:
