@@ -168,3 +168,22 @@ def test_a_receiver_whose_view_is_a_moment_older_keeps_the_others_in_flight_mess
             assert [(m.body, m.delivery_attempt) for m in again] == [(b"m1", 2), (b"m2", 2)]
             c1.close()
             c2.close()
+
+
+def test_the_broker_dead_letters_a_message_library_receivers_parked(store: MessageStore, monkeypatch) -> None:
+    """A message parked for the DLQ by library receivers (no writer moved it) in a store the broker then serves:
+    the broker's PopService hands it to its own dead-letter path (receive's ``dead``), never delivers it."""
+    from rocketstore.queues.revive import DeadLetterMover
+    from rocketstore.queues import RetryPolicy
+
+    monkeypatch.setattr(DeadLetterMover, "run", lambda self: 0)  # nobody moves it
+    with store.simple_consumer("G", "T", retry_policy=RetryPolicy(0, (0,))) as c:
+        first = c.receive(1)
+        c.nack(first[0])
+        assert [m.body for m in c.receive(5)] == [b"m1", b"m2", b"m3", b"m4", b"m5"]  # m0 parked, not delivered
+    spath, _ = paths(store)
+    config = str(spath.parent)
+    pop = PopService(store, ConsumerOffsetManager(config), config)
+    out, dead = pop.receive("G", "T", [0], 10, 60_000, TagFilter("*"), fifo=False, max_attempts=1, client="b",
+                            auto_renew=False)
+    assert out == [] and [d.entry.offset for d in dead] == [0]
