@@ -25,6 +25,7 @@ from .format.message import (DEFAULT_STORE_HOST, GetMessageResult, Message, PutM
 from .paths import StorePaths
 from .queues.aio import AsyncSimpleConsumer
 from .queues.doorbell import Doorbell
+from .queues.revive import DeadLetterService
 from .queues.simple_consumer import SimpleConsumer
 from .queues.timer import TIMER_TOPIC, TimerService, deliver_time, wrap as timer_record
 from .recovery.load import StoreLoader, boot_id
@@ -68,6 +69,8 @@ class MessageStore:
         self.reput: ReputMessageService | None = None
         self.group_commit: GroupCommitService | None = None
         self.timer: TimerService | None = None  # delay messages: runs in the writable store with its services
+        # moves messages that receivers in read-only processes parked for the DLQ (rocketstore.queues.revive)
+        self.dead_letters: DeadLetterService | None = None
         self.disk_guard = DiskGuard(self.files, disk_usage or disk_usage_ratio)
         self.clean_service = CleanService(self.files, self.disk_guard)
         self.metrics = StoreMetrics()
@@ -184,6 +187,8 @@ class MessageStore:
         write_file_durably(self.paths.abort, str(os.getpid()).encode())
         self.timer = TimerService(self, self.paths.config, self._put_direct)
         self.timer.start()
+        self.dead_letters = DeadLetterService(self, self.paths.config)
+        self.dead_letters.start()
 
     # ------------------------------------------------------------ queues
     def simple_consumer(self, group: str, topic: str, *, tag_filter: str = "*", invisible_duration: float = 30.0,
@@ -515,6 +520,8 @@ class MessageStore:
             self.closed = True
             self._close_files()
             return
+        if self.dead_letters is not None:
+            self.dead_letters.shutdown()  # before the puts stop, like the timer
         if self.timer is not None:
             self.timer.shutdown()  # before the puts stop: a round in progress finishes and writes its state
         if self.reput is not None:

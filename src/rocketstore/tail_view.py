@@ -43,6 +43,13 @@ log = logging.getLogger(__name__)
 _UNIT = struct.Struct(">qiq")
 # Per read-only store: commitlog offsets of the damaged records its view went past (offset -> reason).
 _DAMAGE: "weakref.WeakKeyDictionary[MessageStore, dict[int, str]]" = weakref.WeakKeyDictionary()
+# Per read-only store: where its commitlog view last stopped at bytes that are not yet a whole record, and since
+# when (monotonic seconds).  The search past damage (through the rest of the segment: up to a GiB of unused
+# bytes) runs only once the view has stood there DAMAGE_AFTER seconds: a writer copies a record in microseconds,
+# so a view that looks while a put is in progress (a follower of a busy writer, every few milliseconds) waits for
+# the next look instead of searching each time.
+_STOPPED: "weakref.WeakKeyDictionary[MessageStore, list[float]]" = weakref.WeakKeyDictionary()
+DAMAGE_AFTER = 0.1
 
 
 def extend_view(store: MessageStore, topics: Iterable[str] | None = None) -> bool:
@@ -59,7 +66,7 @@ def extend_view(store: MessageStore, topics: Iterable[str] | None = None) -> boo
     log_queue = store.commitlog.queue
     log_min = log_queue.min_offset()
     damage = _DAMAGE.setdefault(store, {})
-    grew = _extend_commitlog(log_queue, damage)
+    grew = _extend_commitlog(log_queue, damage, _STOPPED.setdefault(store, [-1, 0.0]))
     end = store.commitlog.max_offset()
     new_min = log_queue.min_offset()
     moved = new_min != log_min
@@ -155,7 +162,7 @@ def _overtaken(queue: MappedFileQueue) -> MappedFile | None:
     return None
 
 
-def _extend_commitlog(queue: MappedFileQueue, damage: dict[int, str]) -> bool:
+def _extend_commitlog(queue: MappedFileQueue, damage: dict[int, str], stopped: list[float]) -> bool:
     f = queue.last() or _next_file(queue) or _overtaken(queue)
     grew = False
     while f is not None:
@@ -167,12 +174,16 @@ def _extend_commitlog(queue: MappedFileQueue, damage: dict[int, str]) -> bool:
                 pos = f.file_size
                 break
             if msg is None:
-                after = _past_damage(f, pos)
+                where = f.file_from_offset + pos
+                now = time.monotonic()
+                if stopped[0] != where:  # the first look at it: the writer is most likely copying it
+                    stopped[0], stopped[1] = where, now
+                    break
+                after = _past_damage(f, pos) if now - stopped[1] >= DAMAGE_AFTER else None
                 if after is None:
                     break  # not (yet) a whole record: the writer may be copying it
                 if after == pos:
                     continue  # the writer finished copying it between the two looks: check it again
-                where = f.file_from_offset + pos
                 if where not in damage:
                     damage[where] = f"{f.path} at file position {pos}: {reason}"
                     log.warning("%s; the view goes on at file position %d (a read there names the damage)",
@@ -202,11 +213,13 @@ def _past_damage(f: MappedFile, pos: int) -> int | None:
 def _queues(store: MessageStore, topics: Iterable[str] | None) -> list[ConsumeQueue]:
     """The consume queues to extend, including queue directories created since the store was opened."""
     root = store.paths.consumequeue
-    wanted = None if topics is None else set(topics)
-    try:
-        names = [t for t in os.listdir(root) if wanted is None or t in wanted]
-    except OSError:
-        return []
+    if topics is None:
+        try:
+            names = os.listdir(root)
+        except OSError:
+            return []
+    else:  # a receiver's every look: its topics' directories only (a missing one is skipped below)
+        names = sorted(t for t in set(topics) if t and os.sep not in t and t not in (".", ".."))
     out = []
     for topic in names:
         try:

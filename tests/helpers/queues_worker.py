@@ -1,7 +1,8 @@
 """A SimpleConsumer (or writer) in its own process, for tests/library/test_queues_*.py.
 
 Each line it prints is flushed at once, so a test that SIGKILLs it knows what it did before:
-``recv <body> <attempt> <handle>``, ``acked <body>``, ``put <i>``, ``ready``, ``woke <body> <epoch s>``.
+``recv <body> <attempt> <handle>``, ``acked <body>``, ``nacked <body>``, ``put <i>``, ``ready``,
+``woke <body> <epoch s>``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 import time
 
 from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.queues import RetryPolicy
 
 
 def say(*parts: object) -> None:
@@ -20,7 +22,7 @@ def say(*parts: object) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["drain", "hold", "writer", "wake"])
+    ap.add_argument("mode", choices=["drain", "hold", "writer", "wake", "nack"])
     ap.add_argument("root")
     ap.add_argument("--group", default="G")
     ap.add_argument("--topic", default="T")
@@ -31,6 +33,7 @@ def main() -> None:
     ap.add_argument("--work", type=float, default=0.0, help="drain: seconds of 'work' per message before its ack")
     ap.add_argument("--hold-after", type=int, default=0, help="hold: receive this many, then sleep")
     ap.add_argument("--ack-first", type=int, default=0, help="hold: ack this many of them first")
+    ap.add_argument("--max-reconsume", type=int, default=None, help="the group's maxReconsumeTimes")
     a = ap.parse_args()
     if a.mode == "writer":
         with MessageStore.open(a.root, StoreConfig()) as st:
@@ -45,7 +48,9 @@ def main() -> None:
             time.sleep(3600) if a.count == 0 else None
         return
     st = MessageStore.open(a.root, read_only=True)
-    c = st.simple_consumer(a.group, a.topic, invisible_duration=a.inv, ack_sync_flush=a.sync_ack)
+    policy = None if a.max_reconsume is None else RetryPolicy(a.max_reconsume, (100,))
+    c = st.simple_consumer(a.group, a.topic, invisible_duration=a.inv, ack_sync_flush=a.sync_ack,
+                           retry_policy=policy)
     if a.mode == "wake":
         say("ready")
         while True:
@@ -70,6 +75,19 @@ def main() -> None:
         time.sleep(3600)
     say("ready")
     last = time.monotonic()
+    while a.mode == "nack":  # every delivery fails: nack until nothing comes for --idle seconds
+        got = c.receive(8, wait=0.2)
+        if got:
+            last = time.monotonic()
+        elif time.monotonic() - last > a.idle:
+            c.close()
+            st.close()
+            say("exit")
+            return
+        for m in got:
+            say("recv", m.body.decode(), m.delivery_attempt, m.receipt_handle)
+            c.nack(m)
+            say("nacked", m.body.decode())
     while True:
         got = c.receive(8, wait=0.2)
         if got:

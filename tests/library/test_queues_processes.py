@@ -142,3 +142,61 @@ def test_receive_wakes_on_a_put_in_another_process(tmp_path: Path) -> None:
     median = statistics.median(latencies)
     print(f"cross-process wake-up latency: median {median * 1000:.1f} ms, max {max(latencies) * 1000:.1f} ms")
     assert median < 0.2, latencies
+
+
+def dlq_copies(st: MessageStore, group: str = "G") -> list:
+    st.wait_dispatched()
+    return st.get(f"%DLQ%{group}", 0, 0, 32).messages
+
+
+def test_read_only_receivers_dead_letter_is_moved_by_the_writer_once(tmp_path: Path) -> None:
+    """Issue 27: a receiver in a read-only process nacks a message past maxReconsumeTimes; no receiver runs in
+    the writer process, yet the writer's dead-letter service moves it to %DLQ%G within moments (the receiver
+    rings it), once, and it is never delivered again."""
+    root = str(tmp_path / "s")
+    with MessageStore.open(root, StoreConfig()) as st:
+        assert st.put(Message("T", b"x", properties={"UNIQ_KEY": "ID-x"})).ok
+        assert st.put(Message("T", b"ok")).ok
+        st.wait_dispatched()
+        w = spawn("nack", root, "--max-reconsume", "1", "--idle", "1.5")
+        read_until(w, "ready")
+        seen = read_until(w, "nacked")
+        seen += read_until(w, "nacked")
+        seen += read_until(w, "nacked")
+        seen += read_until(w, "nacked")  # x and ok, each delivered twice (maxReconsumeTimes 1): both are due
+        t0 = time.monotonic()
+        while len(dlq_copies(st)) < 2 and time.monotonic() - t0 < 10:
+            time.sleep(0.02)
+        moved_after = time.monotonic() - t0
+        out = seen + lines(w)
+        copies = dlq_copies(st)
+        assert sorted(m.body for m in copies) == [b"ok", b"x"], out
+        assert moved_after < 3.0, moved_after  # rung by the receiver: not its next open, nor a 10 s round
+        d = next(m for m in copies if m.body == b"x")
+        assert d.properties["DLQ_ORIGIN_MESSAGE_ID"] == "ID-x" and d.properties["RECONSUME_TIME"] == "2"
+        received = Counter((ln[1], ln[2]) for ln in out if ln[0] == "recv")
+        assert received == {("x", "1"): 1, ("x", "2"): 1, ("ok", "1"): 1, ("ok", "2"): 1}  # never again
+        with st.simple_consumer("G", "T") as c:
+            assert c.receive(8, wait=0.3) == []
+    with MessageStore.open(root, StoreConfig()) as st:
+        assert len(dlq_copies(st)) == 2  # and once: a later open moves nothing again
+
+
+def test_dead_letter_parked_while_no_writer_runs_moves_when_the_writer_opens(tmp_path: Path) -> None:
+    root = str(tmp_path / "s")
+    fill(tmp_path / "s", 1, queues=1)
+    w = spawn("nack", root, "--max-reconsume", "0", "--idle", "0.5")
+    out = lines(w)
+    assert [ln[:3] for ln in out if ln[0] == "recv"] == [["recv", "m0", "1"]]
+    with MessageStore.open(root, read_only=True) as r:
+        assert r.max_offset_in_queue("%DLQ%G", 0) == 0  # parked: no writer to move it
+    with MessageStore.open(root, StoreConfig()) as st:  # the writer restarts: its service looks at once
+        t0 = time.monotonic()
+        while not dlq_copies(st) and time.monotonic() - t0 < 10:
+            time.sleep(0.02)
+        assert [m.body for m in dlq_copies(st)] == [b"m0"]
+    w = spawn("nack", root, "--max-reconsume", "0", "--idle", "0.5")
+    assert [ln for ln in lines(w) if ln[0] == "recv"] == []  # not delivered again
+    with MessageStore.open(root, StoreConfig()) as st:
+        time.sleep(0.2)
+        assert [m.body for m in dlq_copies(st)] == [b"m0"]

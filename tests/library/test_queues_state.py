@@ -4,6 +4,7 @@ ignored, compaction keeps everything, and an ack is durable (ack_sync_flush) bef
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,55 @@ def test_a_broker_and_library_receivers_never_share_the_pop_state(store: Message
     asyncio.run(serve_then_try())
     with store.simple_consumer("G", "T") as again:  # the broker stopped: the library may go on
         assert [m.body for m in again.receive(6)] == [f"m{i}".encode() for i in range(6)]
+
+
+def test_a_receiver_whose_view_is_a_moment_older_keeps_the_others_in_flight_messages(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    """A receiver extends its read-only view before taking the state lock, so another receiver's journal record
+    may name messages its view does not hold yet: the record is taken as written (clamping it to the older view
+    forgot them, and they were handed out a second time while invisible), and such a message due again is left
+    for the next look (not dropped as deleted from the store)."""
+    import rocketstore
+    from rocketstore import Message, MessageStore, StoreConfig
+
+    root = str(tmp_path / "s")
+    real = rocketstore.extend_view
+    with MessageStore.open(root, StoreConfig()) as w:
+        w.put(Message("T", b"m0"))
+        w.wait_dispatched()
+        with MessageStore.open(root, read_only=True) as r1, MessageStore.open(root, read_only=True) as r2:
+            c1 = r1.simple_consumer("G", "T", ack_sync_flush=True, invisible_duration=0.3)
+            c2 = r2.simple_consumer("G", "T", ack_sync_flush=True)
+            assert [m.body for m in c2.receive(4)] == [b"m0"]
+            monkeypatch.setattr(rocketstore, "extend_view", lambda st, topics: False if st is r2 else real(st, topics))
+            w.put(Message("T", b"m1"))  # c2's view stays at m0 for now
+            w.put(Message("T", b"m2"))
+            w.wait_dispatched()
+            assert [m.body for m in c1.receive(4)] == [b"m1", b"m2"]
+            assert c2.receive(4) == []  # in flight with c1 (the record names them; c2's view does not hold them)
+            time.sleep(0.35)
+            assert c2.receive(4) == []  # due again, but not in c2's view yet: not dropped as gone from the store
+            monkeypatch.setattr(rocketstore, "extend_view", real)
+            again = c2.receive(4, wait=1.0)
+            assert [(m.body, m.delivery_attempt) for m in again] == [(b"m1", 2), (b"m2", 2)]
+            c1.close()
+            c2.close()
+
+
+def test_the_broker_dead_letters_a_message_library_receivers_parked(store: MessageStore, monkeypatch) -> None:
+    """A message parked for the DLQ by library receivers (no writer moved it) in a store the broker then serves:
+    the broker's PopService hands it to its own dead-letter path (receive's ``dead``), never delivers it."""
+    from rocketstore.queues.revive import DeadLetterMover
+    from rocketstore.queues import RetryPolicy
+
+    monkeypatch.setattr(DeadLetterMover, "run", lambda self: 0)  # nobody moves it
+    with store.simple_consumer("G", "T", retry_policy=RetryPolicy(0, (0,))) as c:
+        first = c.receive(1)
+        c.nack(first[0])
+        assert [m.body for m in c.receive(5)] == [b"m1", b"m2", b"m3", b"m4", b"m5"]  # m0 parked, not delivered
+    spath, _ = paths(store)
+    config = str(spath.parent)
+    pop = PopService(store, ConsumerOffsetManager(config), config)
+    out, dead = pop.receive("G", "T", [0], 10, 60_000, TagFilter("*"), fifo=False, max_attempts=1, client="b",
+                            auto_renew=False)
+    assert out == [] and [d.entry.offset for d in dead] == [0]

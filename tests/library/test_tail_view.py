@@ -4,6 +4,7 @@ a half-written consume-queue unit or record waits for the next look instead of b
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -83,8 +84,8 @@ def test_extend_view_refuses_a_writable_store(tmp_path):
 
 def test_a_record_finished_between_two_looks_is_not_reported_as_damage(tmp_path, monkeypatch, caplog):
     """The view's first look at a record the writer is still copying can see its TOTALSIZE but not yet its magic
-    ("bad magic code 0x00000000"); when the search for the next trusted record then finds that very record whole,
-    the writer was only mid-copy: no damage is logged or remembered, the record is checked again and taken."""
+    ("bad magic code 0x00000000"); the view stops there, and a later look, or a search for the next trusted record
+    that finds that very record whole, takes it: the writer was only mid-copy, no damage is logged or remembered."""
     import logging
 
     from rocketstore import tail_view
@@ -107,8 +108,51 @@ def test_a_record_finished_between_two_looks_is_not_reported_as_damage(tmp_path,
 
             monkeypatch.setattr(tail_view.codec, "check", check_mid_copy)
             with caplog.at_level(logging.WARNING, logger="rocketstore.tail_view"):
+                assert extend_view(r) is False  # the first look: the view waits at the record being copied
                 assert extend_view(r) is True
             assert not torn  # the torn first look happened
             assert "the view goes on" not in caplog.text
             assert r.max_phy_offset() == w.max_phy_offset()
             assert [m.body for m in r.get("T", 0, 0, 8).messages] == [b"m0", b"m1"]
+
+
+def test_a_view_looking_while_the_writer_copies_does_not_search_the_segment(tmp_path, monkeypatch):
+    """A follower of a busy writer often looks while a put is being copied.  Searching the rest of the segment
+    for a trusted record after it (a GiB of unused bytes in a default store) each time took half the CPU of the
+    queue bench's receivers; the search runs only once the view has stood at the same bytes DAMAGE_AFTER."""
+    from rocketstore import tail_view
+    from rocketstore.format import codec
+
+    searches = []
+    real_find = codec.find_record
+
+    def counting_find(*a, **kw):
+        searches.append(a[1])
+        return real_find(*a, **kw)
+
+    monkeypatch.setattr(tail_view.codec, "find_record", counting_find)
+    root = str(tmp_path / "s")
+    with MessageStore.open(root, golden_config()) as w:
+        w.put(Message("T", b"m0"))
+        w.wait_dispatched()
+        with MessageStore.open(root, read_only=True) as r:
+            seg = Path(root, "commitlog", "0" * 20)
+            for i in range(5):  # each look comes while the next put's body is still being copied
+                res = w.put(Message("T", b"body%d" % i))
+                w.wait_dispatched()
+                body_at = res.commit_log_offset + res.wrote_bytes - 10
+                saved = _patch(seg, body_at, b"\xff")
+                assert extend_view(r) is (i > 0)  # the records before it are taken
+                _patch(seg, body_at, saved)
+            assert searches == []
+            assert extend_view(r) is True and r.max_phy_offset() == w.max_phy_offset()
+            # bytes that stay no whole record, with a trusted record after them: damage, gone past after a while
+            bad = w.put(Message("T", b"damaged"))
+            w.put(Message("T", b"after"))
+            w.wait_dispatched()
+            _patch(seg, bad.commit_log_offset + bad.wrote_bytes - 10, b"\xff")
+            assert extend_view(r) is False and searches == []
+            time.sleep(tail_view.DAMAGE_AFTER)
+            assert extend_view(r) is True and searches == [bad.commit_log_offset]
+            assert r.max_phy_offset() == w.max_phy_offset()
+            assert [m.body for m in r.get("T", 0, 7, 8).messages] == [b"after"]

@@ -72,6 +72,8 @@ class Broker:
         self._persist_lock = asyncio.Lock()
         # The broker keeps the pop state in memory: refused while library receivers share it (and they are
         # refused while the broker holds it), held until stop().
+        if self.store.dead_letters is not None:  # the library's mover: the broker dead-letters by itself
+            self.store.dead_letters.shutdown()
         self._pop_owner = claim_pop_state(self.config_dir, exclusive=True)
         self.pop = PopService(self.store, self.offsets, self.config_dir, consume_from=self.cfg.consumeFromWhere,
                               auto_renew_ms=self.cfg.popAutoRenewInvisibleTime,

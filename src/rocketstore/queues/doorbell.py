@@ -27,16 +27,17 @@ _names = itertools.count()
 RELIST_NS = 50_000_000
 
 
-def bell_dir(root: str) -> str:
+def bell_dir(root: str, channel: str = "") -> str:
+    """The store's bell directory; ``channel`` names another bell of the same store (e.g. REVIVE)."""
     digest = hashlib.sha1(os.path.realpath(root).encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), f"rocketstore-bell-{os.getuid()}", digest)
+    return os.path.join(tempfile.gettempdir(), f"rocketstore-bell-{os.getuid()}", digest + channel)
 
 
 class Doorbell:
     """The ringing side (a writer's dispatcher, or a receiver whose ack/nack made a message visible)."""
 
-    def __init__(self, root: str) -> None:
-        self.dir = bell_dir(root)
+    def __init__(self, root: str, channel: str = "") -> None:
+        self.dir = bell_dir(root, channel)
         self._seen: tuple[int, int] | None = None
         self._waiters: list[str] = []
         self._sock: socket.socket | None = None
@@ -84,8 +85,8 @@ class Doorbell:
 class Waiter:
     """The receiving side: one bound socket; :meth:`wait` sleeps until a ring or the timeout."""
 
-    def __init__(self, root: str) -> None:
-        self.dir = bell_dir(root)
+    def __init__(self, root: str, channel: str = "") -> None:
+        self.dir = bell_dir(root, channel)
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         self.path = os.path.join(self.dir, f"{os.getpid()}-{next(_names)}.sock")
         _unlink_quietly(self.path)
@@ -106,6 +107,14 @@ class Waiter:
         if ready:
             self.drain()
         return bool(ready)
+
+    def wake(self) -> None:
+        """Ring this waiter only (from its own process: a service shutting down)."""
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+                s.sendto(b"!", self.path)
+        except OSError:
+            pass
 
     def close(self) -> None:
         self.sock.close()

@@ -7,6 +7,7 @@ lock, so a live store's numbers are a moment's snapshot.  Per (group, topic):
 - ``retry_depth``: not acked and delivered before, waiting to be delivered again (its invisible time has
   passed, or it was nacked) -- RocketMQ's retry backlog;
 - ``blocked``: FIFO messages waiting behind an unacked one of their message group;
+- ``dlq_pending``: parked for the DLQ by a read-only receiver, waiting for the writer to move them;
 - ``dlq_depth``: messages in ``%DLQ%<group>`` (needs ``store``; None without one).
 """
 
@@ -47,7 +48,9 @@ def group_stats(store_root: str, store: QueueRanges | None = None, now_ms: int |
         except (KeyError, TypeError, ValueError, IndexError):
             continue  # PopService logs it when it loads the file
         s = stats.setdefault((group, topic), {"group": group, "topic": topic, "inflight": 0, "retry_depth": 0,
-                                              "blocked": 0, "dlq_depth": None, "queues": {}})
+                                              "blocked": 0, "dlq_pending": 0, "dlq_depth": None, "queues": {}})
+        s["dlq_pending"] += sum(1 for e in entries if e.parked)
+        entries = [e for e in entries if not e.parked]
         inflight = sum(1 for e in entries if not e.blocked and e.visible_at > now)
         s["inflight"] += inflight
         s["retry_depth"] += sum(1 for e in entries if not e.blocked and e.attempts >= 1

@@ -29,9 +29,32 @@ def header(base_id: str) -> bytes:
     return json.dumps({"base": base_id}).encode() + b"\n"
 
 
+_KEY_END = b',"committed":'
+
+
+def _latest_lines(lines: list[bytes]) -> list[bytes]:
+    """The last line for each queue, in journal order: a queue's record replaces its earlier ones, so those
+    need not be decoded.  A record starts with its key (``{"group":..,"topic":..,"queueId":..``) and then
+    ``,"committed":``, which cannot occur inside a JSON string (a quote in one is escaped); a line without it
+    is kept (decoding it says what it is)."""
+    seen: set[bytes] = set()
+    out: list[bytes] = []
+    for ln in reversed(lines):
+        cut = ln.find(_KEY_END)
+        if cut > 0:
+            key = ln[:cut]
+            if key in seen:
+                continue
+            seen.add(key)
+        out.append(ln)
+    out.reverse()
+    return out
+
+
 def parse(data: bytes, base_id: str, at_start: bool) -> tuple[list[dict[str, Any]], int, bool]:
     """The queue records in ``data`` (journal bytes from the start when ``at_start``), how many bytes the
-    complete lines take, and False when the header names another base (the records are then empty)."""
+    complete lines take, and False when the header names another base (the records are then empty).
+    Only each queue's last record is returned (replaying is "the last line for a queue wins")."""
     end = data.rfind(b"\n") + 1
     records: list[dict[str, Any]] = []
     lines = data[:end].split(b"\n")[:-1]
@@ -45,7 +68,7 @@ def parse(data: bytes, base_id: str, at_start: bool) -> tuple[list[dict[str, Any
         if not isinstance(head, dict) or head.get("base") != base_id:
             return records, end, False
         lines = lines[1:]
-    for ln in lines:
+    for ln in _latest_lines(lines):
         try:
             rec = json.loads(ln)
         except ValueError:

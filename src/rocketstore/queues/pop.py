@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 MAX_BLOCKED_PER_QUEUE = 2048
 MAX_READ_PER_QUEUE = 256
+PARKED = "dlq"  # an entry's 15th field when it is parked for the DLQ (a string: found in the files unparsed)
 
 
 def now_ms() -> int:
@@ -88,17 +89,28 @@ class Entry:
     suspend: bool = False
     invisible_ms: int = 0
     dlq_pending: bool = False
+    # Due for the DLQ, parked until the writer's dead-letter mover puts it there (never delivered again);
+    # ``dlq_from``: the DLQ queue's end before the mover's put (-1: not attempted), where it looks for its
+    # copy after a crash between the put and the state write (rocketstore.queues.revive).
+    parked: bool = False
+    dlq_from: int = -1
 
     def to_json(self) -> list[Any]:
-        return [self.offset, self.phy, self.size, self.attempts, self.visible_at, self.token, self.tag,
-                self.msg_group, self.blocked, self.auto_renew, self.client, self.first_pop, self.suspend,
-                self.invisible_ms]
+        a = [self.offset, self.phy, self.size, self.attempts, self.visible_at, self.token, self.tag,
+             self.msg_group, self.blocked, self.auto_renew, self.client, self.first_pop, self.suspend,
+             self.invisible_ms]
+        if self.parked:
+            a += [PARKED, self.dlq_from]
+        return a
 
     @classmethod
     def from_json(cls, a: list[Any]) -> "Entry":
-        return cls(offset=int(a[0]), phy=int(a[1]), size=int(a[2]), attempts=int(a[3]), visible_at=int(a[4]),
-                   token=str(a[5]), tag=a[6], msg_group=a[7], blocked=bool(a[8]), auto_renew=bool(a[9]),
-                   client=str(a[10]), first_pop=int(a[11]), suspend=bool(a[12]), invisible_ms=int(a[13]))
+        # positional: the journal's records are read by every receiver in every lock section
+        e = cls(int(a[0]), int(a[1]), int(a[2]), a[6], a[7], int(a[3]), int(a[4]), str(a[5]), bool(a[8]),
+                bool(a[9]), str(a[10]), int(a[11]), bool(a[12]), int(a[13]))
+        if len(a) > 15 and a[14]:
+            e.parked, e.dlq_from = True, int(a[15])
+        return e
 
 
 class QueueState:
@@ -120,7 +132,7 @@ class QueueState:
     def recompute_due(self) -> None:
         due = 1 << 62
         for e in self.entries.values():
-            if not e.blocked and not e.dlq_pending and e.visible_at < due:
+            if not e.blocked and not e.dlq_pending and not e.parked and e.visible_at < due:
                 due = e.visible_at
         self.next_due = due
 
@@ -178,7 +190,7 @@ class PopService:
     def __init__(self, store: Any, offsets: ConsumerOffsetManager, config_dir: str, *, consume_from: str = "FIRST",
                  auto_renew_ms: int = 60000, renew_ahead_ms: int = 10000, renew_max_ms: int = 3 * 3600 * 1000,
                  max_span: int = 100000, on_visible: Callable[[str, str], Any] | None = None,
-                 skip_groups: Iterable[str] = (), load: bool = True) -> None:
+                 skip_groups: Iterable[str] = (), park_dead: bool = False, load: bool = True) -> None:
         self.store = store
         self.offsets = offsets
         self.path = os.path.join(config_dir, "popState.json")
@@ -197,6 +209,10 @@ class PopService:
         self._seq = itertools.count(1)
         self._rotation = itertools.count()
         self.skip_groups = frozenset(skip_groups)  # groups in consumerOffset.json that do not pop (transactions)
+        # The library's receivers park a message due for the DLQ (the writer's mover puts it there, exactly
+        # once); the broker dead-letters it itself (receive's ``dead``).
+        self.park_dead = park_dead
+        self.parked_now = 0  # messages parked since the caller last looked
         if load:
             self._load()
 
@@ -206,12 +222,14 @@ class PopService:
         self._load(data, records)
 
     def apply(self, records: list[dict[str, Any]]) -> None:
-        """Queue records another process appended to the journal: each replaces its queue's state."""
+        """Queue records another process appended to the journal: each replaces its queue's state.
+
+        Taken as written (not clamped to this process's view of the store, which may be a moment older than
+        the writer's of the record was: clamping would forget messages in flight and hand them out again)."""
         for q in records:
             qs = self._from_record(q)
             if qs is not None:
-                self._reconcile(qs)
-                qs.recompute_due()
+                self._derive(qs)
                 self.queues[(qs.group, qs.topic, qs.queue_id)] = qs
 
     def _from_record(self, q: Any) -> QueueState | None:
@@ -261,6 +279,9 @@ class PopService:
                 if e.auto_renew:  # its client is gone with the old process; give it back soon
                     e.auto_renew = False
                     e.visible_at = min(e.visible_at, now + 1000)
+                if e.parked and not self.park_dead:  # parked by library receivers: the broker's own rules now
+                    e.parked, e.dlq_from = False, -1
+                    e.visible_at = min(e.visible_at, now)
             qs.recompute_due()
         if self.queues:
             log.debug("consumer state: %d queues of %d groups", len(self.queues),
@@ -285,6 +306,11 @@ class PopService:
                 break
         qs.entries = {o: e for o, e in qs.entries.items() if o < qs.next}
         qs.acked = {o for o in qs.acked if o < qs.next}
+        self._derive(qs)
+
+    def _derive(self, qs: QueueState) -> None:
+        """The FIFO groups, blocked count and next due time of a queue built from a record; its committed
+        offset moved over what is acked (and handed to consumerOffset.json)."""
         qs.fifo_groups = {}
         qs.blocked = 0
         for o in sorted(qs.entries):
@@ -437,16 +463,23 @@ class PopService:
                    max_attempts: int, client: str, auto_renew: bool, out: list[Delivery],
                    dead: list[DeadLetter]) -> None:
         for off in sorted(o for o, e in qs.entries.items()
-                          if e.visible_at <= now and not e.blocked and not e.dlq_pending):
+                          if e.visible_at <= now and not e.blocked and not e.dlq_pending and not e.parked):
             if len(out) >= batch:
                 break
             e = qs.entries[off]
             if not flt.match(e.tag):
                 continue
             if e.attempts >= max_attempts and not e.suspend:
+                if self.park_dead:
+                    e.parked = True
+                    self.parked_now += 1
+                    self._changed(qs)
+                    continue
                 e.dlq_pending = True
                 dead.append(DeadLetter(qs.group, qs.topic, qs.queue_id, e))
                 continue
+            if e.phy >= self.store.max_phy_offset():
+                continue  # a read-only view a moment older than the receiver's that read it: not here yet
             msg = self._read(e)
             if msg is None:
                 log.warning("%s@%s queue %d offset %d: message no longer in the store; dropped",
@@ -566,7 +599,7 @@ class PopService:
         if qs is None:
             return None
         e = qs.entries.get(off)
-        if e is None or e.token != token or e.dlq_pending or e.blocked:
+        if e is None or e.token != token or e.dlq_pending or e.blocked or e.parked:
             return None
         return qs, e
 
@@ -621,6 +654,23 @@ class PopService:
             d.entry.visible_at = now_ms() + 1000
             qs.recompute_due()
             self._changed(qs)
+
+    def parked(self) -> list[DeadLetter]:
+        """Every message parked for the DLQ, in queue order."""
+        return [DeadLetter(qs.group, qs.topic, qs.queue_id, e) for _, qs in sorted(self.queues.items())
+                for _, e in sorted(qs.entries.items()) if e.parked]
+
+    def intend_dlq(self, d: DeadLetter, dlq_from: int) -> None:
+        """Record, before the put, where the DLQ queue ended: a crash after the put finds the copy from there."""
+        qs = self.queues[(d.group, d.topic, d.queue_id)]
+        d.entry.dlq_from = dlq_from
+        self._changed(qs)
+
+    def settle_dlq(self, d: DeadLetter) -> None:
+        """The parked message is in the DLQ: done for the group."""
+        qs = self.queues.get((d.group, d.topic, d.queue_id))
+        if qs is not None and qs.entries.get(d.entry.offset) is d.entry:
+            self._remove(qs, d.entry.offset, now_ms())
 
     def release(self, deliveries: list[Delivery], group: str, topic: str) -> None:
         """Deliveries that never reached the client: visible again now, the attempt not counted."""

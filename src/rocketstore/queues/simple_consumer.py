@@ -13,8 +13,10 @@ is in popState.json, fsynced, before ``ack()`` returns.  Without it acks are gat
 next receive, after ACK_BATCH acks or ACK_LINGER seconds, and at close: a process killed in that window
 loses those acks, and the messages are delivered again after their invisible time (at least once).
 
-A dead letter is written by a receiver on the writable store; a receiver on a read-only store parks a
-message that is due for the DLQ (not delivered again) until a receiver on the writer moves it.
+A message due for the DLQ is parked in the pop state (never delivered again) and moved to ``%DLQ%<group>``
+by the writer (:mod:`rocketstore.queues.revive`, exactly once): at once by a receiver on the writable store,
+within moments by the writer's dead-letter service for a receiver on a read-only store (it rings the
+service), or when a writer next opens the store.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from ..errors import StoreError
 from ..format.codec import MessageExt
 from ..format.message import Message, PutMessageResult
 from .doorbell import Doorbell, Waiter
-from .pop import DeadLetter, PopService, TagFilter, now_ms
+from .pop import PopService, TagFilter, now_ms
 from .retry import RetryPolicy
-from .dlq import dead_letter
+from . import revive
 from .state import SharedPopState
 
 log = logging.getLogger(__name__)
@@ -123,8 +125,10 @@ class SimpleConsumer:
             follow = lambda: follower(store, [topic])  # noqa: E731
         self.state = SharedPopState(config_dir or os.path.join(store.root, "config"),
                                     lambda offsets: PopService(store, offsets, self.state.config_dir,
-                                                               on_visible=self._on_visible, load=True),
+                                                               on_visible=self._on_visible, park_dead=True,
+                                                               load=True),
                                     follow)
+        self._mover = None if store.read_only else revive.DeadLetterMover(store, self.state.config_dir)
         self._follow = follow
         self._pending_acks: list[str] = []
         self._first_pending = 0.0
@@ -161,35 +165,24 @@ class SimpleConsumer:
         with self._lock, self.state.locked() as pop:
             self._apply_acks(pop)
             qids = self._queue_ids()
-            deliveries, dead = pop.receive(self.group, self.topic, qids, n, self.invisible_ms, self.filter,
-                                           fifo=self.fifo, max_attempts=self.retry.max_attempts,
-                                           client=self.client, auto_renew=False)
-            for d in dead:
-                self._dead_letter(pop, d)
+            deliveries, _ = pop.receive(self.group, self.topic, qids, n, self.invisible_ms, self.filter,
+                                        fifo=self.fifo, max_attempts=self.retry.max_attempts,
+                                        client=self.client, auto_renew=False)
             for d in deliveries:
                 out.append(ReceivedMessage(d.message, d.handle, d.entry.attempts))
             due = pop.next_due(self.group, self.topic, qids)
+            parked, pop.parked_now = pop.parked_now, 0
         self._ring_if_needed()
+        if parked:
+            self._move_parked()
         return out, due
 
-    def _dead_letter(self, pop: PopService, d: DeadLetter) -> None:
-        if self.store.read_only:
-            pop.finish_dlq(d, False)  # parked: visible again (and due for the DLQ) in a second
-            return
-        try:
-            m = self.store.look(d.entry.phy)
-        except Exception as e:  # noqa: BLE001 - gone or damaged: never delivered again either way
-            log.error("%s@%s: message at %d unreadable (%s); dropped instead of dead-lettered", self.topic,
-                      self.group, d.entry.phy, e)
-            pop.finish_dlq(d, True)
-            return
-        res = self.store.put(dead_letter(m, self.group, self.topic, d.entry.attempts))
-        pop.finish_dlq(d, res.ok)
-        if res.ok:
-            log.info("message %s of %s moved to %%DLQ%%%s after %d deliveries", m.msg_id, self.topic, self.group,
-                     d.entry.attempts)
+    def _move_parked(self) -> None:
+        """Messages parked for the DLQ: moved now on the writer, else by the writer's dead-letter service."""
+        if self._mover is not None:
+            self._mover.run()
         else:
-            log.error("moving message %s to %%DLQ%%%s failed: %s", m.msg_id, self.group, res.status)
+            revive.ring(self.store.root)
 
     # ------------------------------------------------------------ receipts
     def ack(self, m: ReceivedMessage | str) -> None:

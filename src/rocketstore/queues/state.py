@@ -1,9 +1,11 @@
 """The pop state of a store shared by processes: ``config/popState.json`` plus its journal, under an ``flock``.
 
 Every operation of a :class:`~rocketstore.queues.simple_consumer.SimpleConsumer` runs inside
-:meth:`SharedPopState.locked`: take ``config/popState.lock`` (an flock: the OS releases it when the process
+:meth:`SharedPopState.locked`: extend a read-only store's view to what the writer appended (before the lock),
+take ``config/popState.lock`` (an flock: the OS releases it when the process
 dies, so a SIGKILL never leaves it held), catch up with what other processes did (a new popState.json:
-load it all; else the journal records appended since we last looked), run the operation on the
+load it all; else the journal records appended since we last looked, each queue's last one, taken as
+written), run the operation on the
 in-memory :class:`~rocketstore.queues.pop.PopService`, append the records of the queues it changed to
 ``config/popState.journal`` (see :mod:`rocketstore.queues.journal`), and release the lock.  When the
 journal passes COMPACT_BYTES, popState.json is written again (temporary file, fsync, rename) with a new id
@@ -97,9 +99,12 @@ class SharedPopState:
     def locked(self, durable: bool = False) -> Iterator[PopService]:
         """The current state under the cross-process lock; its changes journaled before the lock goes."""
         with self._thread_lock:
+            # The store's view first, before the lock (the bulk of it: checking what the writer appended runs
+            # beside the other receivers' lock sections).  Journal records are applied as written, never
+            # clamped to this view; a reload of popState.json is, so it extends the view again under the lock.
+            self._follow()
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
             try:
-                self._follow()  # the store's view first: state must never be clamped to an older view
                 self._catch_up()
                 pop = self.pop
                 assert pop is not None
@@ -116,6 +121,7 @@ class SharedPopState:
         base = self._stat_base()
         size = os.fstat(self._journal_fd).st_size
         if self.pop is None or base != self._base or size < self._pos or (size > self._pos and not self._journal_ok):
+            self._follow()  # state must never be clamped to an older view than the writers of the file had
             self._reload()  # a new popState.json, or a journal started again (for it) by another process
             return
         if size > self._pos:

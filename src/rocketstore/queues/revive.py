@@ -1,0 +1,212 @@
+"""Moving parked messages to ``%DLQ%<group>``: what RocketMQ's broker does for a message past maxReconsumeTimes.
+
+A library receiver (:class:`~rocketstore.queues.simple_consumer.SimpleConsumer`) that finds a message due for
+the DLQ parks it in the pop state (``Entry.parked``: never delivered again); only the writer (the process
+holding the store open for writing) can put, so the writer moves it: a receiver in the writer process at once,
+and :class:`DeadLetterService`, one of the writable store's services, for receivers in read-only processes
+(they ring its bell, ``REVIVE``; it also looks at start, so messages parked while no writer ran move when one
+opens the store, and every ``interval`` seconds when the pop state changed, in case a ring was lost).
+
+Exactly once: the mover first writes, durably, each parked message's ``dlq_from`` (the DLQ queue's end before
+its put), then, in one lock section, looks for the copy from there (same DLQ_ORIGIN_MESSAGE_ID, origin topic
+and born time: a crash between an earlier put and its state write left it there), puts it if it is not there,
+and removes the message from the group's state.  Movers in one process, or after a crash, never put twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from ..errors import StoreLockedError
+from ..format.codec import MessageExt
+from ..services.base import ServiceThread
+from . import journal
+from .dlq import P_DLQ_MSG_ID, P_RETRY_TOPIC, dead_letter
+from .doorbell import Doorbell, Waiter
+from .pop import PARKED, DeadLetter, PopService
+from .retry import dlq_topic
+from .state import SharedPopState
+
+log = logging.getLogger(__name__)
+
+REVIVE = "-revive"  # the doorbell channel of the writer's dead-letter service
+
+
+def ring(root: str) -> None:
+    """Tell the writer's dead-letter service that a receiver parked a message."""
+    bell = Doorbell(root, REVIVE)
+    try:
+        bell.ring()
+    finally:
+        bell.close()
+
+
+class DeadLetterMover:
+    """Puts the parked messages of a store's pop state into their groups' DLQs; thread-safe."""
+
+    def __init__(self, store: Any, config_dir: str) -> None:
+        self.store = store
+        self.config_dir = config_dir
+        self.state_path = os.path.join(config_dir, "popState.json")
+        self._lock = threading.Lock()
+
+    def may_have_parked(self) -> bool:
+        """Whether popState.json or its journal may hold a parked message (its mark, unparsed): if not, the
+        state is neither loaded nor touched (a writable open of a store with queue state writes nothing)."""
+        mark = b'"%s",' % PARKED.encode()
+        for p in (self.state_path, journal.journal_path(self.state_path)):
+            try:
+                with open(p, "rb") as fh:
+                    if mark in fh.read():
+                        return True
+            except OSError:
+                continue
+        return False
+
+    def stamp(self) -> tuple[int, ...]:
+        """Changes when the pop state does (its file and journal)."""
+        out: tuple[int, ...] = ()
+        for p in (self.state_path, journal.journal_path(self.state_path)):
+            try:
+                st = os.stat(p)
+                out += (st.st_ino, st.st_size, st.st_mtime_ns)
+            except OSError:
+                out += (0,)
+        return out
+
+    def run(self) -> int:
+        """Move every parked message; how many went to a DLQ.  Nothing while a broker owns the pop state."""
+        if self.store.read_only or not self.may_have_parked():
+            return 0
+        with self._lock:
+            try:
+                state = SharedPopState(self.config_dir, lambda offsets: PopService(
+                    self.store, offsets, self.config_dir, park_dead=True))
+            except StoreLockedError:
+                return 0  # a broker serves the store: it dead-letters by itself
+            try:
+                return self._move(state)
+            finally:
+                state.close()
+
+    def _move(self, state: SharedPopState) -> int:
+        with state.locked(durable=True) as pop:
+            parked = pop.parked()
+            if not parked:
+                return 0
+            retried = any(d.entry.dlq_from >= 0 for d in parked)  # a move cut short before: look for copies
+            for d in parked:
+                if d.entry.dlq_from < 0:
+                    pop.intend_dlq(d, self.store.max_offset_in_queue(dlq_topic(d.group), 0))
+        if retried:
+            wait = getattr(self.store, "wait_dispatched", None)
+            if wait is not None:
+                wait(5.0)  # a copy put just before a failure must be in its queue to be found
+        moved = 0
+        matched: set[tuple[str, int]] = set()
+        with state.locked(durable=True) as pop:
+            for d in pop.parked():
+                if d.entry.dlq_from < 0:
+                    continue  # parked since the first section: the next round
+                moved += self._move_one(pop, d, matched)
+        return moved
+
+    def _move_one(self, pop: PopService, d: DeadLetter, matched: set[tuple[str, int]]) -> int:
+        try:
+            m = self.store.look(d.entry.phy)
+        except Exception as e:  # noqa: BLE001 - gone or damaged: never delivered again either way
+            log.error("%s@%s: message at %d unreadable (%s); dropped instead of dead-lettered", d.topic, d.group,
+                      d.entry.phy, e)
+            pop.settle_dlq(d)
+            return 0
+        dlq = dlq_topic(d.group)
+        if self._find_copy(dlq, d, m, matched):
+            log.info("message %s of %s was in %s already (a move cut short); settled", m.msg_id, d.topic, dlq)
+            pop.settle_dlq(d)
+            return 0
+        res = self.store.put(dead_letter(m, d.group, d.topic, d.entry.attempts))
+        if not res.ok:
+            log.error("moving message %s to %s failed: %s; the next round tries again", m.msg_id, dlq, res.status)
+            return 0
+        matched.add((dlq, res.queue_offset))
+        pop.settle_dlq(d)
+        log.info("message %s of %s moved to %s after %d deliveries", m.msg_id, d.topic, dlq, d.entry.attempts)
+        return 1
+
+    def _find_copy(self, dlq: str, d: DeadLetter, m: MessageExt, matched: set[tuple[str, int]]) -> bool:
+        """Whether ``m``'s dead letter is in the DLQ at or after the recorded end (the move's earlier put)."""
+        uniq = m.properties.get("UNIQ_KEY") or m.msg_id
+        off = max(d.entry.dlq_from, self.store.min_offset_in_queue(dlq, 0))
+        end = self.store.max_offset_in_queue(dlq, 0)
+        while off < end:
+            res = self.store.get(dlq, 0, off, 32, read_body=False)
+            if not res.messages:
+                break
+            for c in res.messages:
+                if (dlq, c.queue_offset) not in matched and c.properties.get(P_DLQ_MSG_ID) == uniq and \
+                        c.properties.get(P_RETRY_TOPIC) == d.topic and c.born_timestamp == m.born_timestamp:
+                    matched.add((dlq, c.queue_offset))
+                    return True
+            if res.next_begin_offset <= off:
+                break
+            off = res.next_begin_offset
+        return False
+
+
+class DeadLetterService(ServiceThread):
+    """The writer's mover for receivers in read-only processes: woken by their ring (REVIVE), at start, and
+    every ``interval`` seconds when the pop state changed."""
+
+    name = "DeadLetterService"
+
+    def __init__(self, store: Any, config_dir: str, interval: float = 10.0) -> None:
+        super().__init__(interval)
+        self.mover = DeadLetterMover(store, config_dir)
+        self._root = store.root
+        self._waiter: Waiter | None = None
+        self._rung = True  # the first round looks: parked while no writer ran
+        self._stamp: tuple[int, ...] | None = None
+        self._last = 0.0
+        self._closing = False
+
+    def start(self) -> None:
+        self._waiter = Waiter(self._root, REVIVE)  # bound before the first look: a ring after it wakes us
+        super().start()
+
+    def wait_for_running(self, timeout: float) -> None:
+        if self._closing:
+            super().wait_for_running(timeout)  # until shutdown() stops the loop
+            return
+        end = time.monotonic() + timeout
+        while not self._closing and not self._rung:
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            assert self._waiter is not None
+            self._rung = self._waiter.wait(left)
+
+    def run_once(self) -> None:
+        rung, self._rung = self._rung, False
+        if not rung:
+            if time.monotonic() - self._last < self.interval:
+                return
+            stamp = self.mover.stamp()
+            if stamp == self._stamp:
+                self._last = time.monotonic()
+                return
+        self._stamp = self.mover.stamp()
+        self._last = time.monotonic()
+        self.mover.run()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._closing = True
+        if self._waiter is not None:
+            self._waiter.wake()
+        super().shutdown(timeout)
+        if self._waiter is not None:
+            self._waiter.close()
+            self._waiter = None

@@ -1,0 +1,99 @@
+"""The writer's dead-letter mover (issue 27): a message parked for %DLQ%<group> by a read-only receiver lands
+there exactly once, also when the writer dies between the DLQ put and the state write."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.queues import RetryPolicy
+from rocketstore.queues.pop import PopService
+from rocketstore.queues.revive import DeadLetterMover, DeadLetterService
+
+
+def park_two_with_one_uniq_key(root: str) -> None:
+    """Two messages with the same UNIQ_KEY and born time (a producer's resend), both dead: parked by a
+    read-only receiver while the writer moves nothing."""
+    with MessageStore.open(root, StoreConfig()) as st:
+        for body in (b"first", b"resent"):
+            assert st.put(Message("T", body, properties={"UNIQ_KEY": "ID-1"}, born_timestamp=1_700_000_000_000)).ok
+        st.wait_dispatched()
+    with MessageStore.open(root, read_only=True) as r:
+        with r.simple_consumer("G", "T", retry_policy=RetryPolicy(0, (0,))) as c:
+            got = c.receive(8)
+            assert sorted(m.body for m in got) == [b"first", b"resent"]
+            for m in got:
+                c.nack(m)
+            assert c.receive(8) == []  # both parked (maxReconsumeTimes 0)
+            assert c.receive(8) == []
+
+
+def dlq_bodies(st: MessageStore) -> list[bytes]:
+    st.wait_dispatched()
+    return sorted(m.body for m in st.get("%DLQ%G", 0, 0, 32).messages)
+
+
+def test_a_move_cut_short_after_the_put_is_settled_at_restart_never_put_twice(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    root = str(tmp_path / "s")
+    park_two_with_one_uniq_key(root)
+    run_once = DeadLetterService.run_once
+    monkeypatch.setattr(DeadLetterService, "run_once", lambda self: None)  # the test drives the mover
+    with MessageStore.open(root, StoreConfig()) as st:
+        real = PopService.settle_dlq
+
+        def crash(self: PopService, d: object) -> None:
+            raise RuntimeError("killed between the DLQ put and the state write")
+
+        monkeypatch.setattr(PopService, "settle_dlq", crash)
+        with pytest.raises(RuntimeError, match="killed"):
+            DeadLetterMover(st, st.paths.config).run()
+        monkeypatch.setattr(PopService, "settle_dlq", real)
+        assert dlq_bodies(st) == [b"first"]  # put; its state write never happened
+    monkeypatch.setattr(DeadLetterService, "run_once", run_once)
+    with MessageStore.open(root, StoreConfig()) as st:  # the restart: the service settles and moves the rest
+        for _ in range(200):
+            if len(dlq_bodies(st)) >= 2:
+                break
+            time.sleep(0.02)
+        assert dlq_bodies(st) == [b"first", b"resent"]  # first found (not put again); resent put (not mistaken
+        #                                                 for first's copy: same UNIQ_KEY and born time)
+        assert DeadLetterMover(st, st.paths.config).run() == 0
+        with st.simple_consumer("G", "T") as c:
+            assert c.receive(8, wait=0.2) == []
+    with MessageStore.open(root, StoreConfig()) as st:
+        assert dlq_bodies(st) == [b"first", b"resent"]
+
+
+def test_a_receiver_on_the_writer_moves_its_dead_letters_at_once(tmp_path: Path) -> None:
+    root = str(tmp_path / "s")
+    with MessageStore.open(root, StoreConfig()) as st:
+        assert st.put(Message("T", b"x")).ok
+        st.wait_dispatched()
+        with st.simple_consumer("G", "T", retry_policy=RetryPolicy(0, (0,))) as c:
+            c.nack(c.receive(1)[0])
+            assert c.receive(1) == []
+            assert st.wait_dispatched()  # the put was made by then; a moment for its consume queue unit
+        assert [m.body for m in st.get("%DLQ%G", 0, 0, 8).messages] == [b"x"]
+
+
+def test_a_writable_open_with_nothing_parked_leaves_the_queue_state_alone(tmp_path: Path) -> None:
+    """The service looks for the parked mark in the files first: a store with queue state but nothing parked is
+    not loaded nor written (no consumerOffset.json write behind an operator's back at every open)."""
+    root = str(tmp_path / "s")
+    with MessageStore.open(root, StoreConfig()) as st:
+        assert st.put(Message("T", b"x")).ok
+        st.wait_dispatched()
+        with st.simple_consumer("G", "T") as c:
+            c.ack(c.receive(1)[0])
+    config = Path(root, "config")
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in config.iterdir() if p.is_file()}
+    with MessageStore.open(root, StoreConfig()) as st:
+        time.sleep(0.3)  # the service's first round
+        assert st.dead_letters is not None and not st.dead_letters.stopped
+    after = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in config.iterdir() if p.is_file()}
+    assert {n: v for n, v in after.items() if n.startswith(("popState", "consumerOffset"))} == \
+        {n: v for n, v in before.items() if n.startswith(("popState", "consumerOffset"))}
