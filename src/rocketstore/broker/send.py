@@ -10,8 +10,6 @@ import zlib
 from typing import Any
 
 from ..format.message import Message, PutMessageResult, PutMessageStatus
-
-PUT_OK = PutMessageStatus.PUT_OK
 from .dedup import digest
 from .convert import (DELAY, FIFO, GZIP, P_DLQ_MSG_ID, P_DLQ_TOPIC, P_ORIGIN_MSG_ID, P_RECONSUME, P_RETRY_TOPIC,
                       TRANSACTION, TYPE_NAMES, BadMessage, Code, host_from, store_properties, ts_ms, validate)
@@ -22,6 +20,7 @@ from .calls import (INTERNAL_CODE, MAX_SEND_MESSAGES, OK_CODE, OK_TEXT, PUB, PUT
                     set_status)
 
 log = logging.getLogger(__name__)
+PUT_OK = PutMessageStatus.PUT_OK
 
 
 class Sending:
