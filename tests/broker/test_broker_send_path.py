@@ -130,6 +130,51 @@ def test_async_flush_sends_are_dispatched_on_the_loop_once_per_iteration(tmp_pat
     assert writers == [loop_thread] * 3  # three queues, one dispatch call
 
 
+class _AnyTag:
+    @staticmethod
+    def match(tag):
+        return True
+
+
+def test_a_send_to_a_waited_for_topic_wakes_the_receive(tmp_path):
+    """A receive waits for SendT: the send is dispatched in its own loop iteration and the receive woken."""
+    async def scenario(broker, service, store):
+        await service.SendMessage(_send_request(8), Context())  # one per queue: the dispatch thread makes them
+        assert await asyncio.to_thread(store.wait_dispatched, 10)
+        waiting = asyncio.create_task(broker.longpoll.wait("SendT", "g", range(8), _AnyTag, 5.0))
+        await asyncio.sleep(0)
+        t0 = time.monotonic()
+        resp = await service.SendMessage(_send_request(1), Context())
+        await asyncio.sleep(0)
+        queued = sum(store.max_offset_in_queue("SendT", q) for q in range(8)) - 8
+        woken = await waiting
+        return resp, queued, woken, time.monotonic() - t0
+
+    resp, queued, woken, took = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    assert resp.status.code == pb.Code.OK
+    assert queued == 1  # dispatched in the send's own loop iteration
+    assert woken and took < 1.0
+
+
+def test_a_receive_that_starts_waiting_before_the_dispatch_is_woken_by_it(tmp_path):
+    """A send nobody waited for is remembered until its dispatch (after the callback that put it): a receive
+    that looked in between, found nothing and began to wait is woken by it, not left to its next look
+    (LONG_POLL_RECHECK, 2 s)."""
+    async def scenario(broker, service, store):
+        await service.SendMessage(_send_request(8), Context())
+        assert await asyncio.to_thread(store.wait_dispatched, 10)
+        resp = await service.SendMessage(_send_request(1), Context())
+        before = sum(store.max_offset_in_queue("SendT", q) for q in range(8)) - 8
+        t0 = time.monotonic()
+        woken = await broker.longpoll.wait("SendT", "g", range(8), _AnyTag, 5.0)
+        return resp, before, woken, time.monotonic() - t0
+
+    resp, before, woken, took = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    assert resp.status.code == pb.Code.OK
+    assert before == 0  # not dispatched yet when the receive began to wait
+    assert woken and took < 1.0
+
+
 def test_sync_flush_dispatch_stays_with_the_dispatch_thread(tmp_path):
     async def scenario(broker, service, store):
         return store.reput.assisted
