@@ -130,6 +130,51 @@ def test_async_flush_sends_are_dispatched_on_the_loop_once_per_iteration(tmp_pat
     assert writers == [loop_thread] * 3  # three queues, one dispatch call
 
 
+class _AnyTag:
+    @staticmethod
+    def match(tag):
+        return True
+
+
+def test_a_send_to_a_waited_for_topic_wakes_the_receive(tmp_path):
+    """A receive waits for SendT: the send is dispatched in its own loop iteration and the receive woken."""
+    async def scenario(broker, service, store):
+        await service.SendMessage(_send_request(8), Context())  # one per queue: the dispatch thread makes them
+        assert await asyncio.to_thread(store.wait_dispatched, 10)
+        waiting = asyncio.create_task(broker.longpoll.wait("SendT", "g", range(8), _AnyTag, 5.0))
+        await asyncio.sleep(0)
+        t0 = time.monotonic()
+        resp = await service.SendMessage(_send_request(1), Context())
+        await asyncio.sleep(0)
+        queued = sum(store.max_offset_in_queue("SendT", q) for q in range(8)) - 8
+        woken = await waiting
+        return resp, queued, woken, time.monotonic() - t0
+
+    resp, queued, woken, took = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    assert resp.status.code == pb.Code.OK
+    assert queued == 1  # dispatched in the send's own loop iteration
+    assert woken and took < 1.0
+
+
+def test_a_receive_that_starts_waiting_before_the_dispatch_is_woken_by_it(tmp_path):
+    """A send nobody waited for is remembered until its dispatch (after the callback that put it): a receive
+    that looked in between, found nothing and began to wait is woken by it, not left to its next look
+    (LONG_POLL_RECHECK, 2 s)."""
+    async def scenario(broker, service, store):
+        await service.SendMessage(_send_request(8), Context())
+        assert await asyncio.to_thread(store.wait_dispatched, 10)
+        resp = await service.SendMessage(_send_request(1), Context())
+        before = sum(store.max_offset_in_queue("SendT", q) for q in range(8)) - 8
+        t0 = time.monotonic()
+        woken = await broker.longpoll.wait("SendT", "g", range(8), _AnyTag, 5.0)
+        return resp, before, woken, time.monotonic() - t0
+
+    resp, before, woken, took = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    assert resp.status.code == pb.Code.OK
+    assert before == 0  # not dispatched yet when the receive began to wait
+    assert woken and took < 1.0
+
+
 def test_sync_flush_dispatch_stays_with_the_dispatch_thread(tmp_path):
     async def scenario(broker, service, store):
         return store.reput.assisted
@@ -236,3 +281,61 @@ def test_long_born_host_texts_are_not_cached():
     assert convert._packed_ip.cache_info().currsize == 0
     convert.host_from("10.1.2.3", "ipv4:10.0.0.9:77")
     assert convert._cached_host_from.cache_info().currsize == 1
+
+
+def _serve_in_process(tmp_path, calls):
+    """Run ``rocketstore serve`` on this loop (topic SendT, 8 queues) and ``calls(stub)`` against it."""
+    from rocketstore.broker.server import ServeOptions, serve_async
+    from rocketstore.broker.topics import TopicConfig
+
+    grpc = pytest.importorskip("grpc")
+    from rocketstore.broker.proto import svc_grpc
+
+    async def main():
+        ready, stop, port = asyncio.Event(), asyncio.Event(), []
+
+        def up(host, p):
+            port.append(p)
+            ready.set()
+
+        opts = ServeOptions(store=str(tmp_path / "store"), port=0, store_config=StoreConfig(**SMALL),
+                            topics=(TopicConfig("SendT", 8, 8),))
+        server = asyncio.create_task(serve_async(opts, ready=up, stop_event=stop))
+        await asyncio.wait((server, asyncio.create_task(ready.wait())), return_when=asyncio.FIRST_COMPLETED)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port[0]}") as ch:
+                return await calls(svc_grpc.MessagingServiceStub(ch))
+        finally:
+            stop.set()
+            await server
+
+    return asyncio.run(main())
+
+
+def test_a_metered_send_reads_its_request_without_an_async_generator(tmp_path):
+    """Admission reads a unary call's one request with ``context.read()``: iterating gRPC's request stream
+    started an async generator per call, left unfinished after the one message, whose finalizer then
+    scheduled a task through the loop's self-pipe (a write, a wake-up and a task per send)."""
+    import sys
+
+    started: list[str] = []
+
+    async def calls(stub):
+        hooks = sys.get_asyncgen_hooks()
+
+        def firstiter(agen):
+            started.append(getattr(agen, "__qualname__", "") or getattr(agen, "__name__", ""))
+            if hooks.firstiter is not None:
+                hooks.firstiter(agen)
+
+        sys.set_asyncgen_hooks(firstiter=firstiter, finalizer=hooks.finalizer)
+        try:
+            meta = (("x-mq-client-id", "c1"), ("x-mq-date-time", "20261125T000000Z"))
+            return [await stub.SendMessage(_send_request(1), metadata=meta, timeout=10) for _ in range(20)]
+        finally:
+            sys.set_asyncgen_hooks(*hooks)
+
+    resps = _serve_in_process(tmp_path, calls)
+    assert [r.status.code for r in resps] == [pb.Code.OK] * 20
+    assert [r.entries[0].offset for r in resps][:9] == [0] * 8 + [1]  # stored, round robin over 8 queues
+    assert not [n for n in started if "receiver" in n.lower()], started

@@ -63,6 +63,7 @@ class Broker:
         self._persist_lock: asyncio.Lock | None = None
         self._pop_next_write = 0.0
         self._dispatch_due = False  # a dispatch_ready call is scheduled for this loop iteration
+        self._unnotified: list[tuple[str, int | None, str | None]] = []  # its puts that nobody waited for
         self.started = False
         self._pop_owner = -1  # config/popState.owner, held exclusively while started
 
@@ -143,6 +144,11 @@ class Broker:
     def _dispatch(self) -> None:
         self._dispatch_due = False
         self.store.dispatch_ready()  # what fails here is left to the dispatch thread
+        if self._unnotified:
+            unnotified, self._unnotified = self._unnotified, []
+            for topic, queue_id, tag in unnotified:
+                if self.longpoll.has_waiters(topic):  # a receive looked after the put, before this: it waits
+                    self.notify(topic, queue_id, tag)
 
     # ------------------------------------------------------------ long polling
     def notify(self, topic: str, queue_id: int | None = None, tag: str | None = None) -> None:
@@ -151,10 +157,14 @@ class Broker:
         The wake-up waits until the store's dispatcher has put what is written so far into the consume queues
         (at most DISPATCH_WAIT): a receive woken earlier would find nothing and sleep on.  It is first tried
         after the loop's dispatch of this iteration's puts (scheduled before it), so it is usually not delayed.
+        A put nobody waits for is remembered until that dispatch, which wakes the receives that looked in
+        between (found nothing yet: not dispatched) and began to wait; they would sleep to their next look.
         """
         if self.longpoll.has_waiters(topic):
             asyncio.get_running_loop().call_soon(self._wake, topic, queue_id, tag, self.store.max_phy_offset(),
                                                  time.monotonic() + DISPATCH_WAIT)
+        elif self._dispatch_due:
+            self._unnotified.append((topic, queue_id, tag))
 
     def _wake(self, topic: str, queue_id: int | None, tag: str | None, end: int, give_up: float) -> None:
         if not self.store.dispatched_to(end) and time.monotonic() < give_up:

@@ -97,6 +97,7 @@ def caller_headers(context: Any) -> dict[str, str]:
 
 _CODE_NAMES = {v: k for k, v in pb.Code.items()}
 OK_CODE, INTERNAL_CODE = Code.OK, Code.INTERNAL_SERVER_ERROR  # plain ints: each Code.X is a Python-level lookup
+OK_TEXT = _CODE_NAMES[OK_CODE]  # what set_status(status, OK_CODE) writes
 
 
 def set_status(status: Any, code: int, text: str = "") -> None:
@@ -227,9 +228,11 @@ class Calls:
             set_status(status, Code.ILLEGAL_TOPIC, f"{name} is a retry or dead letter topic; only the broker writes it")
             return None
         if create:
-            t = await self._create(self.topics.ensure_topic(name), status, "topic", name, self.topics.topics_path)
-            if t is REFUSED:
-                return None
+            t = self.topics.ready_topic(name)
+            if t is None:
+                t = await self._create(self.topics.ensure_topic(name), status, "topic", name, self.topics.topics_path)
+                if t is REFUSED:
+                    return None
         else:
             t = self.topics.get_topic(name)
         if t is None:

@@ -220,15 +220,17 @@ def validate(m, max_body: int, inflate_left: int | None = None) -> tuple[int, by
     return mtype, body
 
 
-def store_properties(m, mtype: int) -> dict[str, str]:
-    """The stored properties of a SendMessage entry (before any system-topic rewriting)."""
+def store_properties(m, mtype: int, message_id: str | None = None) -> dict[str, str]:
+    """The stored properties of a SendMessage entry (before any system-topic rewriting); ``message_id``: its
+    ``system_properties.message_id`` when the caller has read it already."""
     sp = m.system_properties
-    props = dict(m.user_properties)
+    up = m.user_properties
+    props = dict(up) if up else {}
     if sp.HasField("tag"):
         props[P_TAGS] = sp.tag
     if sp.keys:
         props[P_KEYS] = " ".join(sp.keys)
-    props[P_UNIQ] = sp.message_id
+    props[P_UNIQ] = sp.message_id if message_id is None else message_id
     if sp.HasField("message_group"):
         props[P_SHARDING] = sp.message_group
     if sp.HasField("delivery_timestamp"):

@@ -75,9 +75,8 @@ class SendDedup:
 
     def needs_lookup(self, topic: str, message_id: str) -> bool:
         """Whether the id may belong to a message stored before this process started (then ask ``stored``)."""
-        if not message_id or not self.store.config.messageIndexEnable or (topic, message_id) in self._recent:
-            return False
-        if self._none_older:
+        if self._none_older or not message_id or not self.store.config.messageIndexEnable \
+                or (topic, message_id) in self._recent:
             return False
         if self.store.min_phy_offset() >= self.stored_before:
             self._none_older = True  # (the commitlog's start only moves on)

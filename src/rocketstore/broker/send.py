@@ -16,10 +16,11 @@ from .convert import (DELAY, FIFO, GZIP, P_DLQ_MSG_ID, P_DLQ_TOPIC, P_ORIGIN_MSG
 from ..queues.pop import DeadLetter, now_ms
 from .topics import TopicConfig
 from .proto import pb, svc
-from .calls import (INTERNAL_CODE, MAX_SEND_MESSAGES, OK_CODE, PUB, PUT_CODES, Caller, guarded, inflate_budget,
+from .calls import (INTERNAL_CODE, MAX_SEND_MESSAGES, OK_CODE, OK_TEXT, PUB, PUT_CODES, Caller, guarded,
                     set_status)
 
 log = logging.getLogger(__name__)
+PUT_OK = PutMessageStatus.PUT_OK
 
 
 class Sending:
@@ -41,12 +42,10 @@ class Sending:
             set_status(resp.status, Code.BAD_REQUEST, f"more than {MAX_SEND_MESSAGES} messages in one request")
             return resp
         peer = caller.peer
-        max_body = self.broker.store.config.maxMessageSize
-        budget = [inflate_budget(max_body)]  # what the request's GZIP bodies may inflate to, together
-        for m in request.messages:
-            entry = resp.entries.add()
-            await self._send_one(caller, m, entry, peer, budget)
+        budget = [self._inflate_budget]  # what the request's GZIP bodies may inflate to, together
         entries = resp.entries
+        for m in request.messages:
+            await self._send_one(caller, m, entries.add(), peer, budget)
         first = entries[0].status
         if len(entries) == 1 or all(e.status.code == first.code for e in entries):
             resp.status.code, resp.status.message = first.code, first.message  # (Status: these two fields)
@@ -57,29 +56,32 @@ class Sending:
     async def _send_one(self, caller: Caller, m: Any, entry: Any, peer: str, budget: list[int]) -> None:
         """One message of a SendMessage: each step fills ``entry.status`` and returns None when it refuses."""
         sp = m.system_properties
-        entry.message_id = sp.message_id
-        t = await self._send_target(caller, m.topic, entry.status)
+        mid = entry.message_id = sp.message_id  # (each read of a protobuf string field builds a new str)
+        status = entry.status
+        t = await self._send_target(caller, m.topic, status)
         if t is None:
             return
         now = now_ms()  # one clock reading for the delivery-time check, the born fallback and the routing
-        checked = self._checked_body(m, t, entry.status, budget, now)
+        checked = self._checked_body(m, t, status, budget, now)
         if checked is None:
             return
         mtype, body, deliver_at = checked
         body_digest = digest(body)
-        if await self._already_stored(t, sp.message_id, mtype, body, body_digest, entry):
+        tname = t.name
+        if await self._already_stored(t, mid, mtype, body, body_digest, entry):
             return
         qid = self._choose_queue(t, mtype, sp)
-        msg = Message(topic=t.name, body=body, queue_id=qid, properties=store_properties(m, mtype),
+        msg = Message(topic=tname, body=body, queue_id=qid, properties=store_properties(m, mtype, mid),
                       born_timestamp=self._born(sp, now), born_host=host_from(sp.born_host, peer),
                       store_host=self.broker.store_host)
         res, txid = await self._route(msg, mtype, deliver_at, now, sp)
-        if self._refused_by_store(res, t.name, entry.status):
+        if res.status is not PUT_OK and self._refused_by_store(res, tname, status):
             return
-        entry.offset = res.queue_offset if res.queue_offset >= 0 else 0
-        entry.transaction_id = txid
-        self.dedup.remember(t.name, sp.message_id, entry.offset, txid, body_digest)
-        set_status(entry.status, OK_CODE)
+        offset = entry.offset = res.queue_offset if res.queue_offset >= 0 else 0
+        if txid:
+            entry.transaction_id = txid
+        self.dedup.remember(tname, mid, offset, txid, body_digest)
+        status.code, status.message = OK_CODE, OK_TEXT
 
     async def _send_target(self, caller: Caller, topic: Any, status: Any) -> TopicConfig | None:
         """ACL and topic: the caller may publish to the (auto-created) topic, and it takes writes."""
@@ -98,7 +100,7 @@ class Sending:
                       now: int) -> tuple[int, bytes, int] | None:
         """Validation: (message type, plain body, delivery time or 0), the GZIP budget charged for the inflating."""
         sp = m.system_properties
-        max_body = self.broker.store.config.maxMessageSize
+        max_body = self._max_body
         try:
             mtype, body = validate(m, max_body, budget[0])
         except BadMessage as e:

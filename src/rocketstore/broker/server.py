@@ -23,7 +23,7 @@ from ..errors import CliError, ConfigError
 from ..store import MessageStore
 from .acl import AccessControl, load_access_control
 from .admin import AdminServer
-from .admission import AdmissionInterceptor, RequestBudget
+from .admission import Admission, RequestBudget
 from .broker import Broker
 from .config import BrokerConfig
 from .receipts import ReceiptSigner, load_or_create_secret
@@ -88,7 +88,7 @@ async def serve_async(opts: ServeOptions, *, ready: Callable[[str, int], None] |
     access = load_access_control(bcfg, opts.store)  # a bad ACL file stops us before the store is touched
     limit = wire.hard_frame_limit((opts.store_config or StoreConfig()).maxMessageSize)
     admission = admission_of(bcfg, access, limit)
-    server = grpc.aio.server(interceptors=[admission], options=[("grpc.max_receive_message_length", limit),
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", -1), *KEEPALIVE_OPTIONS])
     port = _bind(server, opts)
     store = MessageStore.open(opts.store, opts.store_config)
@@ -105,14 +105,14 @@ def _reload_acl(access: AccessControl) -> Callable[[], Any]:
     return step
 
 
-def admission_of(bcfg: BrokerConfig, access: AccessControl | None, frame_limit: int) -> AdmissionInterceptor:
+def admission_of(bcfg: BrokerConfig, access: AccessControl | None, frame_limit: int) -> Admission:
     """Authentication on metadata and the request byte caps, checked before a request is read."""
     for key in ("maxInflightRequestBytes", "maxInflightRequestBytesPerConnection"):
         if getattr(bcfg, key) < frame_limit:
             raise ConfigError(f"{key}={getattr(bcfg, key)}: must be at least the largest request frame, "
                               f"{frame_limit} bytes (2 x maxMessageSize + 1 MiB)")
     budget = RequestBudget(bcfg.maxInflightRequestBytes, bcfg.maxInflightRequestBytesPerConnection)
-    return AdmissionInterceptor(access, budget, frame_limit)
+    return Admission(access, budget, frame_limit)
 
 
 def _bind(server: Any, opts: ServeOptions) -> int:
@@ -140,7 +140,7 @@ def _bind(server: Any, opts: ServeOptions) -> int:
 
 async def _serve_store(server: Any, port: int, store: MessageStore, bcfg: BrokerConfig, opts: ServeOptions,
                        ready: Callable[[str, int], None] | None, stop_event: asyncio.Event | None,
-                       access: AccessControl | None = None, admission: AdmissionInterceptor | None = None) -> None:
+                       access: AccessControl | None = None, admission: Admission | None = None) -> None:
     broker = Broker(store, bcfg, store_host_of(opts.host, port))
     if admission is not None:
         admission.on_refused = broker.metrics.refused
@@ -159,7 +159,8 @@ async def _serve_store(server: Any, port: int, store: MessageStore, bcfg: Broker
             raise
     broker.transactions.signer = receipts  # transaction ids sealed with the persistent secret
     service = MessagingService(broker, opts.host, port, receipts=receipts, access=access)
-    wire.add_service(service, server, max_send_bytes=wire.soft_send_limit(store.config.maxMessageSize))
+    wire.add_service(service, server, max_send_bytes=wire.soft_send_limit(store.config.maxMessageSize),
+                     admit=None if admission is None else admission.admit)
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     installed = []

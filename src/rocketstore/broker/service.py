@@ -24,7 +24,7 @@ from .dedup import SendDedup
 from .convert import Code
 from .proto import svc, svc_grpc
 from .receipts import ReceiptSigner
-from .calls import PUB, SUB, Calls, guarded, set_status
+from .calls import PUB, SUB, Calls, guarded, inflate_budget, set_status
 from .receive import Receiving
 from .send import Sending
 from .session import Sessions
@@ -50,6 +50,8 @@ class MessagingService(Calls, Sessions, Sending, Receiving, svc_grpc.MessagingSe
             adv = "127.0.0.1"
         self.advertised = (adv.strip("[]"), port)
         self._rr: dict[str, itertools.count] = {}
+        self._max_body = broker.store.config.maxMessageSize  # (fixed while the store is open)
+        self._inflate_budget = inflate_budget(self._max_body)
         self.dedup = SendDedup(broker.store)
         self._legal_topics: set[str] = set()  # names illegal_name has passed
         self._tasks: set[asyncio.Task] = set()

@@ -296,6 +296,13 @@ class TopicManager:
                 write_json_atomic(path, doc)
                 self._written[path] = version
 
+    def ready_topic(self, name: str) -> TopicConfig | None:
+        """The topic when it exists and is not being written: what :meth:`ensure_topic` gives at once (the
+        send path asks this first, without a coroutine)."""
+        if ("topic", name) in self._creating:
+            return None
+        return self.topics.get(name)
+
     async def ensure_topic(self, name: str) -> TopicConfig | None:
         """The topic, created on first use when auto-creation allows it (None: unknown).
 

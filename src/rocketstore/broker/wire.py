@@ -74,16 +74,26 @@ class _Capture:
 
 
 class LenientHandler(grpc.GenericRpcHandler):
-    def __init__(self, inner: tuple[Any, ...], limits: dict[str, int]) -> None:
+    """The service's handlers with lenient decoding; each call's handler passes ``admit`` (when given), which
+    sees the call's metadata before its request is read (:class:`~rocketstore.broker.admission.Admission`)."""
+
+    def __init__(self, inner: tuple[Any, ...], limits: dict[str, int],
+                 admit: Callable[[Any, Any], Any] | None = None) -> None:
         self.inner = inner
         self.limits = limits
+        self.admit = admit
         self._cache: dict[str, Any] = {}
 
     def service(self, details: Any) -> Any:
+        found = self._cache.get(details.method)
+        if found is None:
+            found = self._find(details)
+            if found is None:
+                return None
+        return found if self.admit is None else self.admit(found, details)
+
+    def _find(self, details: Any) -> Any:
         method = details.method
-        found = self._cache.get(method)
-        if found is not None:
-            return found
         for h in self.inner:
             found = h.service(details)
             if found is not None:
@@ -95,8 +105,10 @@ class LenientHandler(grpc.GenericRpcHandler):
         return None
 
 
-def add_service(servicer: Any, server: Any, *, max_send_bytes: int) -> None:
-    """Register ``servicer`` as ``apache.rocketmq.v2.MessagingService`` with lenient request decoding."""
+def add_service(servicer: Any, server: Any, *, max_send_bytes: int,
+                admit: Callable[[Any, Any], Any] | None = None) -> None:
+    """Register ``servicer`` as ``apache.rocketmq.v2.MessagingService`` with lenient request decoding, each
+    call's handler passed through ``admit`` (handler, call details) -> handler when given."""
     cap = _Capture()
     svc_grpc.add_MessagingServiceServicer_to_server(servicer, cap)
-    server.add_generic_rpc_handlers((LenientHandler(cap.handlers, {"SendMessage": max_send_bytes}),))
+    server.add_generic_rpc_handlers((LenientHandler(cap.handlers, {"SendMessage": max_send_bytes}, admit),))
