@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from rocketstore import Message, MessageStore
 from rocketstore.format import codec
 from rocketstore.errors import StoreError
-from rocketstore.spark import plan, properties, segment
+from rocketstore.format import properties
+from rocketstore.spark import plan, segment
 from rocketstore.spark.segment import RowFilter
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)

@@ -20,6 +20,7 @@ from ..format.message import GetMessageResult, GetMessageStatus, QueryMessageRes
 from .consume_queue import CQ_STORE_UNIT_SIZE, LOWER, ConsumeQueue
 from .files import InFiles, StoreFiles
 
+from .read_batch import BatchReads
 from .read_tier import TierReads
 
 from .read_units import BLANK_UNIT_SIZE, UnitChecks, lost_unit, signed32
@@ -52,7 +53,7 @@ def _indexed_record(f: Any, pos: int, read_body: bool) -> MessageExt:
                                  offset=f.file_from_offset + pos) from None
 
 
-class StoreReader(TierReads, UnitChecks):
+class StoreReader(TierReads, UnitChecks, BatchReads):
     """Reads over a store's open files; ``MessageStore`` delegates its read methods here."""
 
     # in StoreFiles (one copy of each open file and table)
