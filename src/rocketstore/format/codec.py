@@ -75,6 +75,13 @@ def body_crc(body: Any) -> int:
     return _crc32(body) & 0x7FFFFFFF
 
 
+def crc32_many(buf: Any, starts: list[int], ends: list[int]) -> list[int]:
+    """CRC-32 (unmasked) of ``buf[starts[i]:ends[i]]`` for every i, with no Python frame per range: the bodies
+    of a batch of records checked at once (BODYCRC is the value ``& 0x7FFFFFFF``)."""
+    with memoryview(buf) as mv:
+        return list(map(_crc32, map(mv.__getitem__, map(slice, starts, ends))))
+
+
 _POWERS: list[tuple[int, ...]] = [()]
 
 

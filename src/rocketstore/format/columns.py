@@ -356,11 +356,10 @@ def _intact_bodies(seg: Any, positions: np.ndarray, cols: dict[str, Any], skip_d
                    ) -> np.ndarray | None:
     """None when every body matches its BODYCRC, else the mask of the rows that do (``skip_damaged``);
     without ``skip_damaged`` the first damaged record raises :class:`RecordFormatError`."""
-    crc = codec.body_crc
-    with memoryview(seg.np) as mv:
-        bad = [i for i, (b, n, c) in enumerate(zip(cols["body_start"].tolist(), cols["body_len"].tolist(),
-                                                    cols["crc"].tolist()))
-               if n and crc(mv[b:b + n]) != c]
+    starts = cols["body_start"]
+    lengths = cols["body_len"]
+    actual = np.array(codec.crc32_many(seg.np, starts.tolist(), (starts + lengths).tolist()), np.int64)
+    bad = np.flatnonzero((lengths > 0) & ((actual & 0x7FFFFFFF) != cols["crc"])).tolist()
     if not bad:
         return None
     for i in bad if skip_damaged else bad[:1]:
