@@ -24,11 +24,10 @@ from typing import Any, Self
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from ..format import codec
-from ..format.columns import (ARROW_TYPES, COLUMN_NAMES, COLUMNS, DDL, TS, RecordFormatError, arrow_schema,
-                              decode, headers)
+# (the decoder's names, used by the data source through this module)
+from ..format.columns import ARROW_TYPES, COLUMN_NAMES, COLUMNS, RecordFormatError, arrow_schema, decode, headers
 from ..format.gather import fixed
 from ..storage.queue_checked import UNIT_DTYPE
 
