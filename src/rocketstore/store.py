@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from time import perf_counter
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from .config import SYNC_FLUSH, StoreConfig
 from .errors import CommitLogWriteError, ReadOnlyStoreError, StoreClosedError, StoreLoadError
@@ -458,6 +458,11 @@ class MessageStore:
             read_body: bool = True) -> GetMessageResult:
         """See StoreReader.get."""
         return self.reader.get(topic, queue_id, offset, max_msgs, tag_filter, max_total_bytes, read_body)
+
+    def read_batch(self, topic: str, queue_id: int, offset: int, max_messages: int = 1024,
+                   columns: Sequence[str] | None = None) -> Any:
+        """A queue's messages as one ``pyarrow.RecordBatch``, decoded column-wise (see StoreReader.read_batch)."""
+        return self.reader.read_batch(topic, queue_id, offset, max_messages, columns)
 
     def local_unit_record(self, phy: int, size: int, read_body: bool, topic: str, topic_bytes: bytes, queue_id: int,
                           queue_offset: int) -> MessageExt | None:

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from rocketstore import Message, MessageStore
 from rocketstore.format import codec
 from rocketstore.errors import StoreError
-from rocketstore.spark import plan, properties, segment
+from rocketstore.format import properties
+from rocketstore.spark import plan, segment
 from rocketstore.spark.segment import RowFilter
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -338,3 +339,25 @@ def test_a_damaged_body_fails_the_read_naming_file_and_offset_or_is_skipped_on_r
     got = rows(["commitLogOffset", "topic", "body"], skip=True)
     assert [r["commitLogOffset"] for r in got] == [e["commitLogOffset"] for e in expected]
     assert [r["topic"] for r in got] == [e["topic"] for e in expected]
+
+
+def test_a_time_the_timestamp_column_cannot_hold_fails_the_read_naming_file_and_offset(tmp_path):
+    """A flipped high bit of BORNTIMESTAMP makes a time past what a microsecond timestamp holds: the column
+    would hold a wrapped, wrong time; the read refuses the record instead (columns not asked for: no refusal)."""
+    root = copy_store(golden_store("basic"), tmp_path / "s")
+    seg0 = root / "commitlog" / "00000000000000000000"
+    with open(seg0, "r+b") as fh:  # BORNTIMESTAMP is at byte 40 of a record (big-endian: its high byte)
+        fh.seek(696 + 40)
+        b = fh.read(1)
+        fh.seek(696 + 40)
+        fh.write(bytes([b[0] ^ 0x40]))
+    tasks = plan.plan_scan(str(root), RowFilter())
+
+    def rows(names):
+        return [r for t in tasks for b in segment.read_range(t.path, t.start, t.end, names, t.filter,
+                                                              boundary_known=t.boundary_known, queues=t.queues)
+                for r in b.to_pylist()]
+
+    with pytest.raises(segment.RecordFormatError, match=f"{seg0} at offset 696 .*bornTimestamp .* outside"):
+        rows(["commitLogOffset", "bornTimestamp"])
+    assert len(rows(["commitLogOffset", "storeTimestamp"])) == 3000

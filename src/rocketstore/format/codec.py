@@ -76,6 +76,13 @@ def body_crc(body: Any) -> int:
     return _crc32(body) & 0x7FFFFFFF
 
 
+def crc32_many(buf: Any, starts: list[int], ends: list[int]) -> list[int]:
+    """CRC-32 (unmasked) of ``buf[starts[i]:ends[i]]`` for every i, with no Python frame per range: the bodies
+    of a batch of records checked at once (BODYCRC is the value ``& 0x7FFFFFFF``)."""
+    with memoryview(buf) as mv:
+        return list(map(_crc32, map(mv.__getitem__, map(slice, starts, ends))))
+
+
 _POWERS: list[tuple[int, ...]] = [()]
 
 
@@ -299,8 +306,9 @@ class MessageExt:
                 f"commit_log_offset={self.commit_log_offset}, size={self.size})")
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, MessageExt) and (self._h, self.topic, self.properties_string, self.body) == (
-            other._h, other.topic, other.properties_string, other.body)
+        # (the header tuple of a message decode_run built goes on past BODYLENGTH: its first 17 fields count)
+        return isinstance(other, MessageExt) and (self._h[:17], self.topic, self.properties_string, self.body) == (
+            other._h[:17], other.topic, other.properties_string, other.body)
 
     @property
     def properties(self) -> dict[str, str]:
@@ -529,41 +537,54 @@ def decode_run(buf: Any, units: tuple[int, ...], j: int, base: int, wrote: int, 
     segment (``base`` its first commitlog offset, ``wrote`` its written end):
     not in it whole, not V1 magic with IPv4 hosts, another topic (``head``:
     the topic's length byte and UTF-8), queue id or queue offset (the first
-    unit's is ``queue_offset``), sizes that disagree, properties that are not
-    UTF-8, or, reading bodies, a BODYCRC mismatch.  The caller reads that unit
-    through :func:`decode_unit` and its slow paths, which decide whether it is
-    another form of a good record or damage; so this makes the same checks as
-    :func:`decode_unit`, with no call or frame per message: a consumer's get
-    spends most of its time on them.
+    unit's is ``queue_offset``), sizes that disagree, properties longer than
+    a record holds, or, reading bodies, a BODYCRC mismatch.  The caller reads
+    that unit through :func:`decode_unit` and its slow paths, which decide
+    whether it is another form of a good record or damage; so this makes the
+    same checks as :func:`decode_unit`, with no call or frame per message: a
+    consumer's get spends most of its time on them.
+
+    A record is read by one ``unpack_from`` of a Struct of its whole shape
+    (header, body, topic length and topic, properties length, properties;
+    :func:`_run_shape`), learnt from the body length and kept while the
+    records keep their size: one call instead of a header unpack and three
+    slices.  Its tuple is the message's header tuple (the fields past
+    BODYLENGTH are the body and the rest, which the message holds anyway).
     """
-    unpack, hs, crc, cls, append = _V4_UNPACK, _V4_SIZE, _crc32, _RunMessage, out.append
+    hs, crc, cls, append, shapes, magic = _V4_SIZE, _crc32, _RunMessage, out.append, _RUN_SHAPES, MAGIC_V1
     tl = len(head)
-    n = total = 0
-    want, want_len = head, -1  # head + the properties length of the last record (a run's are mostly alike)
-    it = iter(units)
-    if j:
-        it = islice(it, j, None)
+    n0, total = len(out), 0
+    shape_size = bl = pl = -1  # the size, body length and properties length ``unpack`` reads
+    unpack: Any = None
+    it = islice(units, j, j + 3 * count if count > 0 else j)  # at most ``count`` units
     for phy, size, _tags in zip(it, it, it):
         pos = phy - base
-        end = pos + size
-        if n >= count or pos < 0 or size < hs or end > wrote or total + size > byte_budget:
+        if pos < 0 or size < hs or pos + size > wrote or total + size > byte_budget:
             break
-        h = unpack(buf, pos)
-        b = pos + hs
-        p = b + h[16]
-        q = p + tl + 2  # the properties
-        if h[0] != size or h[1] != MAGIC_V1 or h[5] != queue_offset or h[3] != queue_id or h[7] & 0x30 or \
-                p < b or q > end:
-            break
-        if end - q != want_len:
-            want_len = end - q
-            if want_len > MAX_PROPERTIES_BYTES:
+        if size != shape_size:
+            bl = _INT.unpack_from(buf, pos + hs - 4)[0]  # BODYLENGTH
+            pl = size - hs - bl - tl - 2
+            if bl < 0 or pl < 0 or pl > MAX_PROPERTIES_BYTES:
                 break
-            want = head + _SHORT.pack(want_len)
-        if buf[p:q] != want:  # topic length, topic, properties length
+            unpack = shapes.get((bl, tl, pl))
+            if unpack is None:
+                unpack = _run_shape(bl, tl, pl)
+            shape_size = size
+        h = unpack(buf, pos)
+        if h[16] != bl:  # the same size, another body length: learn this record's shape
+            bl = h[16]
+            pl = size - hs - bl - tl - 2
+            if bl < 0 or pl < 0 or pl > MAX_PROPERTIES_BYTES:
+                break
+            unpack = shapes.get((bl, tl, pl))
+            if unpack is None:
+                unpack = _run_shape(bl, tl, pl)
+            h = unpack(buf, pos)
+        if h[0] != size or h[1] != magic or h[5] != queue_offset or h[3] != queue_id or h[7] & 0x30 or \
+                h[18] != head or h[19] != pl:
             break
         if read_body:
-            body = buf[b:p]
+            body = h[17]
             if body and crc(body) & 0x7FFFFFFF != h[2]:
                 break
         else:
@@ -571,14 +592,28 @@ def decode_run(buf: Any, units: tuple[int, ...], j: int, base: int, wrote: int, 
         m = cls()
         m._h = h
         m.topic = topic
-        m._ps = buf[q:end]  # decoded on first use
+        m._ps = h[20]  # decoded on first use
         m.body = body
         m._props = None
         append(m)
-        n += 1
         queue_offset += 1
         total += size
+    n = len(out) - n0
     return j + 3 * n, n, total
+
+
+_RUN_SHAPES: dict[tuple[int, int, int], Any] = {}  # (body, topic part, properties lengths) -> unpack_from
+
+
+def _run_shape(body_len: int, topic_part: int, props_len: int) -> Any:
+    """``unpack_from`` of a whole V1 IPv4 record of these lengths: the header's 17 fields, the body, the topic
+    length byte with the topic, the properties length, the properties (kept for the next records: a queue's
+    records are mostly of a few shapes; the cache is emptied past 1024 shapes)."""
+    if len(_RUN_SHAPES) >= 1024:
+        _RUN_SHAPES.clear()
+    f = _RUN_SHAPES[(body_len, topic_part, props_len)] = struct.Struct(
+        f"{_V4_HEADER.format}{body_len}s{topic_part}sh{props_len}s").unpack_from
+    return f
 
 
 def unit_run_head(topic_bytes: bytes) -> bytes | None:

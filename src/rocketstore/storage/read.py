@@ -20,6 +20,7 @@ from ..format.message import GetMessageResult, GetMessageStatus, QueryMessageRes
 from .consume_queue import CQ_STORE_UNIT_SIZE, LOWER, ConsumeQueue
 from .files import InFiles, StoreFiles
 
+from .read_batch import BatchReads
 from .read_tier import TierReads
 
 from .read_units import BLANK_UNIT_SIZE, UnitChecks, lost_unit, signed32
@@ -52,7 +53,7 @@ def _indexed_record(f: Any, pos: int, read_body: bool) -> MessageExt:
                                  offset=f.file_from_offset + pos) from None
 
 
-class StoreReader(TierReads, UnitChecks):
+class StoreReader(TierReads, UnitChecks, BatchReads):
     """Reads over a store's open files; ``MessageStore`` delegates its read methods here."""
 
     # in StoreFiles (one copy of each open file and table)
@@ -64,6 +65,7 @@ class StoreReader(TierReads, UnitChecks):
         self._ram = total_memory_bytes()  # accessMessageInMemoryMaxRatio's base
         # (topic, queue) -> the queue's first record in the commitlog, per local minimum (queue_start)
         self._queue_starts: dict[tuple[str, int], tuple[tuple[int, int | None], tuple[str, int, int]]] = {}
+        self._topic_heads: dict[str, tuple[bytes, bytes | None]] = {}  # topic -> (UTF-8, codec.unit_run_head)
 
     def min_readable_offset(self) -> int:
         """The first offset a read can reach: the tier's start when a tier holds older segments."""
@@ -150,8 +152,15 @@ class StoreReader(TierReads, UnitChecks):
         skip_file_start = skip_file_end = -1
         seg, seg_start, seg_end, mm = None, 0, -1, None  # the commitlog segment held while reading from it
         decode_unit, decode_run = codec.decode_unit, codec.decode_run
-        topic_bytes = topic.encode("utf-8")
-        run_head = codec.unit_run_head(topic_bytes) if tag_filter is None else None
+        heads = self._topic_heads.get(topic)
+        if heads is None:  # (the topic's UTF-8 and run head are kept: a consumer asks for the same few topics)
+            if len(self._topic_heads) >= 4096:
+                self._topic_heads.clear()
+            tb = topic.encode("utf-8")
+            heads = self._topic_heads[topic] = (tb, codec.unit_run_head(tb))
+        topic_bytes, run_head = heads
+        if tag_filter is not None:
+            run_head = None
         misses = 0
         read_units = cq.read_units
         idx = offset  # the next unit; where the next call begins

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..format import codec
+from . import codec
 from .gather import gather
 
 MAP = pa.map_(pa.string(), pa.string())
@@ -145,9 +145,9 @@ def _has_duplicate_names(ids: np.ndarray, rec: np.ndarray, counts: np.ndarray) -
 
 def _python_fallback(props: pa.BinaryArray, lookups: Sequence[str]) -> tuple[pa.Array, dict[str, pa.Array]]:
     strings = [b.decode("utf-8", "replace") if b is not None else "" for b in props.to_pylist()]
-    arr = _python_properties(strings)
+    arr = python_properties(strings)
     return arr, {name: pc.map_lookup(arr, name, "last") for name in lookups}
 
 
-def _python_properties(strings: list[str | None]) -> pa.Array:
+def python_properties(strings: list[str | None]) -> pa.Array:
     return pa.array([list(codec.parse_properties(s or "").items()) for s in strings], MAP)
