@@ -1,0 +1,56 @@
+"""Defects of the library's queues found by the queue model-based test (tests/safety/test_model_queues.py), each
+minimized to the few calls that show it.  Time is the store's clock (``MessageStore.open(clock=...)``), which
+the queues follow: no test sleeps through an invisible time."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.queues import simple_consumer as simple_consumer_module
+
+
+class Clock:
+    """The store's clock, moved by the test (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_store_clock_drives_invisible_time(tmp_path: Path) -> None:
+    """The queues follow the store's clock (the hook the model test drives time with)."""
+    clock = Clock()
+    with MessageStore.open(str(tmp_path / "s"), StoreConfig(), clock=clock) as st:
+        st.put(Message("T", b"a"))
+        st.wait_dispatched()
+        with st.simple_consumer("G", "T", invisible_duration=30) as c:
+            assert [m.body for m in c.receive(1)] == [b"a"]
+            assert c.receive(1) == []
+            clock.now += 29.9
+            assert c.receive(1) == []
+            clock.now += 0.2
+            again = c.receive(1)
+            assert [(m.body, m.delivery_attempt) for m in again] == [(b"a", 2)]
+
+
+def test_buffered_ack_is_written_ack_linger_after_it_without_another_call(tmp_path: Path) -> None:
+    """Model seed 112 (and 20 more of 150): receiver A acks without ackSyncFlush, then makes no other call (it
+    works on something else); the ack stayed in A's buffer, so after the invisible time receiver B was given
+    the acknowledged message again, although A's process was alive and the module promised the ack written
+    ACK_LINGER seconds after it.  Fixed: a thread of the receiver writes the buffer ACK_LINGER after the first
+    buffered ack."""
+    clock = Clock()
+    with MessageStore.open(str(tmp_path / "s"), StoreConfig(), clock=clock) as st:
+        st.put(Message("T", b"a"))
+        st.wait_dispatched()
+        with st.simple_consumer("G", "T", invisible_duration=5, ack_sync_flush=False) as a, \
+                st.simple_consumer("G", "T", invisible_duration=5) as b:
+            m = a.receive(1)[0]
+            a.ack(m)
+            time.sleep(simple_consumer_module.ACK_LINGER + 0.5)  # wall clock: the linger passes
+            clock.now += 6  # the store's clock: the invisible time passes
+            assert b.receive(1) == [], "an acknowledged message was delivered again"
