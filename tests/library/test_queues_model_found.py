@@ -54,3 +54,31 @@ def test_buffered_ack_is_written_ack_linger_after_it_without_another_call(tmp_pa
             time.sleep(simple_consumer_module.ACK_LINGER + 0.5)  # wall clock: the linger passes
             clock.now += 6  # the store's clock: the invisible time passes
             assert b.receive(1) == [], "an acknowledged message was delivered again"
+
+
+def test_read_only_receiver_keeps_state_of_a_topic_its_view_has_not_followed(tmp_path: Path, monkeypatch) -> None:
+    """Model seed 1046 (and 1043, 114, 152, 167, 194, 257 of the first runs): a receiver in a read-only process
+    loaded the group state of *another* topic, whose consume queues its view had not followed yet (tail_view
+    extends only the receiver's own topic), and clamped it to that view: the other group's in-flight entries
+    and acks were dropped in memory, and its next compaction wrote them away.  The writer's receivers then read
+    those messages again as new: delivered (attempt 1) while another receiver still held them invisible (or
+    after they were acked).  Fixed: PopService._reconcile does not clamp a read-only view's state to a queue
+    end the view has not reached."""
+    from rocketstore.queues import state as state_module
+    monkeypatch.setattr(state_module, "COMPACT_BYTES", 1)  # every journal append rewrites popState.json
+    root = str(tmp_path / "s")
+    with MessageStore.open(root, StoreConfig()) as w:
+        w.put(Message("T", b"t0"))
+        w.wait_dispatched()
+        with MessageStore.open(root, read_only=True) as r:  # its view of F: nothing yet
+            w.put(Message("F", b"f0"))
+            w.put(Message("F", b"f1"))
+            w.wait_dispatched()
+            with w.simple_consumer("GF", "F", invisible_duration=30) as held:
+                assert sorted(m.body for m in held.receive(4)) == [b"f0", b"f1"]  # in flight, invisible
+                with r.simple_consumer("GT", "T", invisible_duration=30) as other:
+                    assert [m.body for m in other.receive(1)] == [b"t0"]  # applies GF's record, compacts
+                with w.simple_consumer("GF", "F", invisible_duration=30) as second:
+                    again = second.receive(4)
+                    assert [(m.body, m.delivery_attempt) for m in again] == [], \
+                        "messages held invisible by another receiver were delivered again as new"

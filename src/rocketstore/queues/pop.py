@@ -272,6 +272,12 @@ class PopService:
         """Clamp to what the store holds and to the committed offset of consumerOffset.json."""
         lo = self.store.min_offset_in_queue(qs.topic, qs.queue_id)
         hi = self.store.max_offset_in_queue(qs.topic, qs.queue_id)
+        if hi < qs.next and getattr(self.store, "read_only", False):
+            # A read-only view extends a topic's queues only when a receiver of that topic looks (tail_view):
+            # a record another process wrote is ahead of this view, not wrong.  Clamped, its in-flight entries
+            # and acks would be dropped, and the next write of this state (a compaction writes every queue)
+            # would lose them: delivered again as new while held elsewhere, acked ones too.
+            hi = qs.next
         committed = self.offsets.get(qs.topic, qs.group, qs.queue_id)
         floor = max(lo, committed if committed is not None else lo)
         if qs.committed < floor:
