@@ -470,10 +470,12 @@ class Run:
             what = self.cut_call(proc)
         self.procs[proc].kill()
         for r in [r for r in self.receivers.values() if r.proc == proc]:
-            for it, h in r.pending:  # buffered acks die with the process (the documented window)
+            for it, h in r.pending:  # buffered acks die with the process unless ACK_LINGER wrote them already
                 t = self.track(r.group, it)
                 if t.buffered == r.name:
                     t.buffered = None
+                if t.state == "open" and t.handle == h:
+                    t.maybe_acked = True
             del self.receivers[r.name]
         torn = self.rng.random() < 0.5 and self.tear_journal()
         self.note(f"  SIGKILL {proc}{' in ' + what if mid else ' idle'}{' + torn journal tail' if torn else ''}")
