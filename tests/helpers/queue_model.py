@@ -114,6 +114,8 @@ class Agent:
 
     def op_walk(self, topics: list[str]) -> list[list[Any]]:
         """Every message of these topics' queues: [topic, qid, qoff, body, tags, keys, shard]."""
+        if not self.store.read_only:
+            self.store.wait_dispatched()  # a dead letter a receive just put
         out = []
         for topic, qid in sorted(self.store.queue_keys()):
             if topic not in topics:

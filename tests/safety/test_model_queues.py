@@ -693,6 +693,8 @@ def test_model_queues_random(tmp_path: Path) -> None:
             if not keep_going:
                 raise
             failed.append(f"seed {seed}: {str(e).splitlines()[1][:300]}")
+            (tmp_path / f"s{seed}").mkdir(parents=True, exist_ok=True)
+            (tmp_path / f"s{seed}" / "failure.txt").write_text(str(e))  # the steps, for a look
             continue
         shutil.rmtree(tmp_path / f"s{seed}", ignore_errors=True)
     assert not failed, f"{len(failed)} of {SEEDS} seeds failed:\n" + "\n".join(failed)
