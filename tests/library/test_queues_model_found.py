@@ -82,3 +82,47 @@ def test_read_only_receiver_keeps_state_of_a_topic_its_view_has_not_followed(tmp
                     again = second.receive(4)
                     assert [(m.body, m.delivery_attempt) for m in again] == [], \
                         "messages held invisible by another receiver were delivered again as new"
+
+
+CRASH_AFTER_DLQ_PUT = """
+import os, signal, sys, time
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.queues import RetryPolicy
+st = MessageStore.open(sys.argv[1], StoreConfig())
+st.put(Message("T", b"x"))
+st.wait_dispatched()
+c = st.simple_consumer("G", "T", invisible_duration=0.05, retry_policy=RetryPolicy(0, (50,)))
+assert [m.body for m in c.receive(1)] == [b"x"]
+time.sleep(0.1)  # its invisible time passes: the next receive moves it to %DLQ%G
+put = st.put
+def put_then_die(m):
+    r = put(m)
+    if m.topic.startswith("%DLQ%"):
+        os.kill(os.getpid(), signal.SIGKILL)  # after the dead letter's put, before the state says so
+    return r
+st.put = put_then_die
+c.receive(1)
+"""
+
+
+def test_dead_letter_is_put_once_when_the_writer_dies_right_after_putting_it(tmp_path: Path) -> None:
+    """Model seed 3016 (120 steps): the writer was SIGKILLed in a receive that moved a message to %DLQ%<group>,
+    after the dead letter's put and before the pop state recorded it; after the restart the message was still
+    due for the DLQ and was put there a second time.  Fixed: the DLQ offset the copy will take is journaled
+    before the put, and a message whose earlier move may have happened is looked up there first."""
+    import signal
+    import subprocess
+    import sys
+    root = str(tmp_path / "s")
+    p = subprocess.run([sys.executable, "-c", CRASH_AFTER_DLQ_PUT, root], capture_output=True, timeout=60)
+    assert p.returncode == -signal.SIGKILL, p.stderr.decode()[-2000:]
+    with MessageStore.open(root, StoreConfig()) as st:
+        from rocketstore.queues import RetryPolicy
+        with st.simple_consumer("G", "T", invisible_duration=0.05, retry_policy=RetryPolicy(0, (50,))) as c:
+            time.sleep(0.1)
+            assert c.receive(1) == []
+            time.sleep(1.1)  # a parked or failed move comes back after a second
+            assert c.receive(1) == []
+        st.wait_dispatched()
+        r = st.get("%DLQ%G", 0, 0, 8)
+        assert [m.body for m in r.messages] == [b"x"], "the message is in %DLQ%G more (or less) than once"

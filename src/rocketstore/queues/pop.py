@@ -88,17 +88,22 @@ class Entry:
     suspend: bool = False
     invisible_ms: int = 0
     dlq_pending: bool = False
+    dlq_at: int = -1  # the %DLQ%<group> offset its dead letter takes, journaled before the put (-1: none yet)
 
     def to_json(self) -> list[Any]:
-        return [self.offset, self.phy, self.size, self.attempts, self.visible_at, self.token, self.tag,
-                self.msg_group, self.blocked, self.auto_renew, self.client, self.first_pop, self.suspend,
-                self.invisible_ms]
+        a = [self.offset, self.phy, self.size, self.attempts, self.visible_at, self.token, self.tag,
+             self.msg_group, self.blocked, self.auto_renew, self.client, self.first_pop, self.suspend,
+             self.invisible_ms]
+        if self.dlq_at >= 0:
+            a.append(self.dlq_at)
+        return a
 
     @classmethod
     def from_json(cls, a: list[Any]) -> "Entry":
         return cls(offset=int(a[0]), phy=int(a[1]), size=int(a[2]), attempts=int(a[3]), visible_at=int(a[4]),
                    token=str(a[5]), tag=a[6], msg_group=a[7], blocked=bool(a[8]), auto_renew=bool(a[9]),
-                   client=str(a[10]), first_pop=int(a[11]), suspend=bool(a[12]), invisible_ms=int(a[13]))
+                   client=str(a[10]), first_pop=int(a[11]), suspend=bool(a[12]), invisible_ms=int(a[13]),
+                   dlq_at=int(a[14]) if len(a) > 14 else -1)
 
 
 class QueueState:
@@ -617,6 +622,14 @@ class PopService:
         e.dlq_pending = True
         qs.recompute_due()
         return DeadLetter(group, topic, qs.queue_id, e)
+
+    def mark_dlq(self, d: DeadLetter, at: int) -> None:
+        """The dead letter of ``d`` is about to be put at ``at`` in %DLQ%<group> (journaled before the put: a
+        crash after it leaves the entry due, and the next move looks there first instead of putting twice)."""
+        qs = self.queues.get((d.group, d.topic, d.queue_id))
+        if qs is not None and qs.entries.get(d.entry.offset) is d.entry:
+            d.entry.dlq_at = at
+            self._changed(qs)
 
     def finish_dlq(self, d: DeadLetter, ok: bool) -> None:
         qs = self.queues.get((d.group, d.topic, d.queue_id))

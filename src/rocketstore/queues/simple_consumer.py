@@ -34,8 +34,8 @@ from ..format.codec import MessageExt
 from ..format.message import Message, PutMessageResult
 from .doorbell import Doorbell, Waiter
 from .pop import DeadLetter, PopService, TagFilter
-from .retry import RetryPolicy
-from .dlq import dead_letter
+from .retry import RetryPolicy, dlq_topic
+from .dlq import P_DLQ_MSG_ID, P_DLQ_TOPIC, dead_letter
 from .state import SharedPopState
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,8 @@ class QueueStore(Protocol):
     def max_offset_in_queue(self, topic: str, queue_id: int) -> int: ...
     def look(self, commit_log_offset: int, *, read_body: bool = True) -> MessageExt: ...
     def put(self, message: Message) -> PutMessageResult: ...
+    def get(self, topic: str, queue_id: int, offset: int, max_msgs: int = 32) -> Any: ...
+    def wait_dispatched(self, timeout: float = 30.0) -> bool: ...
 
 
 class ReceiptHandleError(StoreError):
@@ -136,6 +138,7 @@ class SimpleConsumer:
         self._lock = threading.Lock()
         self._linger_cv = threading.Condition(self._lock)  # wakes the ack-linger thread (see _linger_loop)
         self._linger: threading.Thread | None = None
+        self._linger_idle = False  # the ack-linger thread waits for a first buffered ack (not for a deadline)
         self._waiter: Waiter | None = None
         self._rang = False
         self.closed = False
@@ -179,6 +182,13 @@ class SimpleConsumer:
         self._ring_if_needed()
         return out, due
 
+    def _dead_letter_at(self, m: MessageExt, dlq: str, at: int) -> bool:
+        """True when %DLQ%<group> holds the dead letter of ``m`` (from this topic) at offset ``at``."""
+        origin = m.properties.get("UNIQ_KEY") or m.msg_id  # what dead_letter() names it by
+        r = self.store.get(dlq, 0, at, 1)
+        return any(x.queue_offset == at and x.properties.get(P_DLQ_TOPIC) == self.topic and x.body == m.body
+                   and x.properties.get(P_DLQ_MSG_ID) == origin for x in r.messages)
+
     def _dead_letter(self, pop: PopService, d: DeadLetter) -> None:
         if self.store.read_only:
             pop.finish_dlq(d, False)  # parked: visible again (and due for the DLQ) in a second
@@ -190,6 +200,15 @@ class SimpleConsumer:
                       self.group, d.entry.phy, e)
             pop.finish_dlq(d, True)
             return
+        dlq = dlq_topic(self.group)
+        if d.entry.dlq_at >= 0 and self._dead_letter_at(m, dlq, d.entry.dlq_at):
+            log.info("message %s of %s was moved to %s at %d before the last exit; not put again", m.msg_id,
+                     self.topic, dlq, d.entry.dlq_at)
+            pop.finish_dlq(d, True)
+            return
+        self.store.wait_dispatched()  # the DLQ's end is the offset its copy takes (one writer, under the lock)
+        pop.mark_dlq(d, self.store.max_offset_in_queue(dlq, 0))
+        self.state.journal(pop, self.ack_sync_flush)  # before the put: after a crash, look there first
         res = self.store.put(dead_letter(m, self.group, self.topic, d.entry.attempts))
         pop.finish_dlq(d, res.ok)
         if res.ok:
@@ -230,19 +249,25 @@ class SimpleConsumer:
             self._linger = threading.Thread(target=SimpleConsumer._linger_loop, args=(weakref.ref(self),),
                                             name=f"ack-linger-{self.client}", daemon=True)
             self._linger.start()
-        else:
-            self._linger_cv.notify()
+        elif self._linger_idle:
+            self._linger_cv.notify()  # (a thread waiting for an earlier deadline looks again then)
 
     @staticmethod
     def _linger_loop(ref: "weakref.ref[SimpleConsumer]") -> None:
         """Writes a receiver's buffered acks ACK_LINGER seconds after the first; ends when it is closed or gone
-        (it holds the receiver only while flushing)."""
+        (it holds the receiver for at most a second at a time, so an unclosed receiver can be collected)."""
         while True:
             c = ref()
             if c is None or c.closed:
                 return
             with c._linger_cv:
-                wait = 1.0 if not c._pending_acks else c._first_pending + ACK_LINGER - time.monotonic()
+                if not c._pending_acks:
+                    c._linger_idle = True
+                    c._linger_cv.wait(1.0)
+                    c._linger_idle = False
+                    c = None
+                    continue
+                wait = c._first_pending + ACK_LINGER - time.monotonic()
                 if wait > 0:
                     c._linger_cv.wait(min(wait, 1.0))
                     c = None

@@ -108,6 +108,11 @@ class SharedPopState:
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
+    def journal(self, pop: PopService, durable: bool = False) -> None:
+        """(Inside :meth:`locked`.)  Append the changes made so far now: a step that follows (a dead letter's
+        put) must find them after a crash."""
+        self._append(pop, durable)
+
     def _read_journal(self, start: int) -> bytes:
         size = os.fstat(self._journal_fd).st_size
         return os.pread(self._journal_fd, size - start, start) if size > start else b""
