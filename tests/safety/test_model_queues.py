@@ -388,8 +388,8 @@ class Run:
                 r.pending.append((it, h))
                 if expect and self.now < t.visible_at:
                     t.buffered = r.name  # written within ACK_LINGER: before the message could come back
-                elif expect:
-                    t.maybe_acked = True  # acked after its invisible time: a race with a redelivery
+                elif expect is not False and t.state == "open":
+                    t.maybe_acked = True  # after its invisible time (a race with a redelivery), or unknowable
                 if len(r.pending) >= 256:
                     self.apply_pending(r)
             self.note(f"  {r.name} ack (buffered) {it.uid if it else '?'} expect {expect}")
