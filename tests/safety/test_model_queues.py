@@ -288,11 +288,10 @@ class Run:
         n = n or self.rng.randint(1, 4)
         self.apply_pending(r)
         got = self.call(r.proc, "receive", r.name, n)["ok"]
-        out = []
-        for topic, qid, qoff, body, tags, keys, attempt, handle, shard in got:
-            out.append(self.delivered(r, topic, qid, qoff, unb64(body), tags, keys, attempt, handle, shard))
-        self.note(f"  {r.name}({r.group}) receive {n}: {[(i.uid, i.qid, i.qoff, a) for (i, _), a in zip(out, [g[6] for g in got])]}")
-        return out
+        self.note(f"  {r.name}({r.group}) receive {n}: (uid, queue, offset, attempt) "
+                  f"{[(uid_of(unb64(g[3])), g[1], g[2], g[6]) for g in got]}")
+        return [self.delivered(r, topic, qid, qoff, unb64(body), tags, keys, attempt, handle, shard)
+                for topic, qid, qoff, body, tags, keys, attempt, handle, shard in got]
 
     def delivered(self, r: Receiver, topic: str, qid: int, qoff: int, body: bytes, tags: Any, keys: Any, attempt: int,
                   handle: str, shard: Any) -> tuple[Item, str]:
