@@ -185,7 +185,7 @@ class MessageStore:
         with open(self.paths.abort_bak, "wb") as fh:
             fh.write(previous)
         write_file_durably(self.paths.abort, str(os.getpid()).encode())
-        self.timer = TimerService(self, self.paths.config, self._put_direct)
+        self.timer = TimerService(self, self.paths.config, self._put_direct, clock=self.files.clock)
         self.timer.start()
         self.dead_letters = DeadLetterService(self, self.paths.config)
         self.dead_letters.start()

@@ -190,8 +190,10 @@ class PopService:
     def __init__(self, store: Any, offsets: ConsumerOffsetManager, config_dir: str, *, consume_from: str = "FIRST",
                  auto_renew_ms: int = 60000, renew_ahead_ms: int = 10000, renew_max_ms: int = 3 * 3600 * 1000,
                  max_span: int = 100000, on_visible: Callable[[str, str], Any] | None = None,
-                 skip_groups: Iterable[str] = (), park_dead: bool = False, load: bool = True) -> None:
+                 skip_groups: Iterable[str] = (), park_dead: bool = False, load: bool = True,
+                 clock: Callable[[], int] = now_ms) -> None:
         self.store = store
+        self.now_ms = clock  # epoch ms; the library passes the store's clock (tests drive it)
         self.offsets = offsets
         self.path = os.path.join(config_dir, "popState.json")
         self.consume_from = consume_from
@@ -273,7 +275,7 @@ class PopService:
                     qs = QueueState(group, topic, qid, off, False)
                     self._reconcile(qs)
                     self.queues[(group, topic, qid)] = qs
-        now = now_ms()
+        now = self.now_ms()
         for qs in self.queues.values():
             for e in qs.entries.values():
                 if e.auto_renew:  # its client is gone with the old process; give it back soon
@@ -291,6 +293,12 @@ class PopService:
         """Clamp to what the store holds and to the committed offset of consumerOffset.json."""
         lo = self.store.min_offset_in_queue(qs.topic, qs.queue_id)
         hi = self.store.max_offset_in_queue(qs.topic, qs.queue_id)
+        if hi < qs.next and getattr(self.store, "read_only", False):
+            # A read-only view extends a topic's queues only when a receiver of that topic looks (tail_view):
+            # a record another process wrote is ahead of this view, not wrong.  Clamped, its in-flight entries
+            # and acks would be dropped, and the next write of this state (a compaction writes every queue)
+            # would lose them: delivered again as new while held elsewhere, acked ones too.
+            hi = qs.next
         committed = self.offsets.get(qs.topic, qs.group, qs.queue_id)
         floor = max(lo, committed if committed is not None else lo)
         if qs.committed < floor:
@@ -416,7 +424,7 @@ class PopService:
         A queue whose next message is damaged stops there (it is neither delivered nor skipped); when no
         queue gave anything, the first such :class:`CorruptRecordError` is raised.
         """
-        now = now_ms()
+        now = self.now_ms()
         out: list[Delivery] = []
         dead: list[DeadLetter] = []
         if not queue_ids:
@@ -613,7 +621,7 @@ class PopService:
         if found is None:
             return False
         qs, e = found
-        self._remove(qs, e.offset, now_ms())
+        self._remove(qs, e.offset, self.now_ms())
         return True
 
     def change_invisible(self, group: str, topic: str, handle: str, invisible_ms: int,
@@ -623,7 +631,7 @@ class PopService:
         if found is None:
             return None
         qs, e = found
-        now = now_ms()
+        now = self.now_ms()
         e.visible_at = now + invisible_ms
         e.invisible_ms = invisible_ms
         e.auto_renew = False  # a NACK: let it come back when the delay is over
@@ -648,10 +656,10 @@ class PopService:
         if qs is None or qs.entries.get(d.entry.offset) is not d.entry:
             return
         if ok:
-            self._remove(qs, d.entry.offset, now_ms())
+            self._remove(qs, d.entry.offset, self.now_ms())
         else:
             d.entry.dlq_pending = False
-            d.entry.visible_at = now_ms() + 1000
+            d.entry.visible_at = self.now_ms() + 1000
             qs.recompute_due()
             self._changed(qs)
 
@@ -670,11 +678,11 @@ class PopService:
         """The parked message is in the DLQ: done for the group."""
         qs = self.queues.get((d.group, d.topic, d.queue_id))
         if qs is not None and qs.entries.get(d.entry.offset) is d.entry:
-            self._remove(qs, d.entry.offset, now_ms())
+            self._remove(qs, d.entry.offset, self.now_ms())
 
     def release(self, deliveries: list[Delivery], group: str, topic: str) -> None:
         """Deliveries that never reached the client: visible again now, the attempt not counted."""
-        now = now_ms()
+        now = self.now_ms()
         for d in deliveries:
             qs = self.queues.get((group, topic, d.queue_id))
             if qs is None or qs.entries.get(d.entry.offset) is not d.entry:
@@ -689,7 +697,7 @@ class PopService:
 
     def release_client(self, client: str, delay_ms: int = 1000) -> int:
         """A client left: its auto-renewed messages become visible after ``delay_ms``."""
-        now = now_ms()
+        now = self.now_ms()
         n = 0
         for qs in self.queues.values():
             touched = False
@@ -707,7 +715,7 @@ class PopService:
 
     def renew(self, alive: Callable[[str], bool]) -> int:
         """Extend auto-changed receipts of live clients that are about to expire."""
-        now = now_ms()
+        now = self.now_ms()
         n = 0
         for qs in self.queues.values():
             changed = False

@@ -10,8 +10,9 @@ previous one is acked or dead-lettered.  The state is ``config/popState.json`` (
 
 Acks: with ``ack_sync_flush`` (the store config's ``ackSyncFlush``; the broker's ``popAckSyncFlush``) an ack
 is in popState.json, fsynced, before ``ack()`` returns.  Without it acks are gathered and written with the
-next receive, after ACK_BATCH acks or ACK_LINGER seconds, and at close: a process killed in that window
-loses those acks, and the messages are delivered again after their invisible time (at least once).
+receiver's next call, after ACK_BATCH acks, at close, and at the latest ACK_LINGER seconds after the first of
+them (a thread of the receiver does it when no call came): a process killed in that window loses those acks,
+and the messages are delivered again after their invisible time (at least once).
 
 A message due for the DLQ is parked in the pop state (never delivered again) and moved to ``%DLQ%<group>``
 by the writer (:mod:`rocketstore.queues.revive`, exactly once): at once by a receiver on the writable store,
@@ -26,6 +27,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -33,7 +35,7 @@ from ..errors import StoreError
 from ..format.codec import MessageExt
 from ..format.message import Message, PutMessageResult
 from .doorbell import Doorbell, Waiter
-from .pop import PopService, TagFilter, now_ms
+from .pop import PopService, TagFilter
 from .retry import RetryPolicy
 from . import revive
 from .state import SharedPopState
@@ -64,6 +66,8 @@ class QueueStore(Protocol):
     def max_offset_in_queue(self, topic: str, queue_id: int) -> int: ...
     def look(self, commit_log_offset: int, *, read_body: bool = True) -> MessageExt: ...
     def put(self, message: Message) -> PutMessageResult: ...
+    def get(self, topic: str, queue_id: int, offset: int, max_msgs: int = 32) -> Any: ...
+    def wait_dispatched(self, timeout: float = 30.0) -> bool: ...
 
 
 class ReceiptHandleError(StoreError):
@@ -123,16 +127,21 @@ class SimpleConsumer:
         if store.read_only and _view_follower is not None:
             follower = _view_follower
             follow = lambda: follower(store, [topic])  # noqa: E731
+        store_clock = getattr(store, "clock", time.time)  # seconds; the store's, so that tests can drive time
+        self._now_ms = lambda: int(store_clock() * 1000)
         self.state = SharedPopState(config_dir or os.path.join(store.root, "config"),
                                     lambda offsets: PopService(store, offsets, self.state.config_dir,
                                                                on_visible=self._on_visible, park_dead=True,
-                                                               load=True),
+                                                               load=True, clock=self._now_ms),
                                     follow)
         self._mover = None if store.read_only else revive.DeadLetterMover(store, self.state.config_dir)
         self._follow = follow
         self._pending_acks: list[str] = []
         self._first_pending = 0.0
         self._lock = threading.Lock()
+        self._linger_cv = threading.Condition(self._lock)  # wakes the ack-linger thread (see _linger_loop)
+        self._linger: threading.Thread | None = None
+        self._linger_idle = False  # the ack-linger thread waits for a first buffered ack (not for a deadline)
         self._waiter: Waiter | None = None
         self._rang = False
         self.closed = False
@@ -155,7 +164,7 @@ class SimpleConsumer:
             if out or left <= 0:
                 return out
             assert self._waiter is not None
-            self._waiter.wait(min(left, max(0.0, (due - now_ms()) / 1000)))
+            self._waiter.wait(min(left, max(0.0, (due - self._now_ms()) / 1000)))
 
     def _queue_ids(self) -> list[int]:
         return sorted(q for t, q in self.store.queue_keys() if t == self.topic)
@@ -202,10 +211,49 @@ class SimpleConsumer:
             self._check_open()
             if not self._pending_acks:
                 self._first_pending = time.monotonic()
+                self._start_linger()
             self._pending_acks.append(handle)
             due = len(self._pending_acks) >= ACK_BATCH or time.monotonic() - self._first_pending >= ACK_LINGER
         if due:
             self.flush()
+
+    def _start_linger(self) -> None:
+        """(Under ``self._lock``.)  The first ack of a batch was buffered: make sure it is written ACK_LINGER
+        seconds from now even if this receiver makes no other call; else a receiver that acks and then works
+        on something else lets the message come back after its invisible time, to another receiver."""
+        if self._linger is None:
+            self._linger = threading.Thread(target=SimpleConsumer._linger_loop, args=(weakref.ref(self),),
+                                            name=f"ack-linger-{self.client}", daemon=True)
+            self._linger.start()
+        elif self._linger_idle:
+            self._linger_cv.notify()  # (a thread waiting for an earlier deadline looks again then)
+
+    @staticmethod
+    def _linger_loop(ref: "weakref.ref[SimpleConsumer]") -> None:
+        """Writes a receiver's buffered acks ACK_LINGER seconds after the first; ends when it is closed or gone
+        (it holds the receiver for at most a second at a time, so an unclosed receiver can be collected)."""
+        while True:
+            c = ref()
+            if c is None or c.closed:
+                return
+            with c._linger_cv:
+                if not c._pending_acks:
+                    c._linger_idle = True
+                    c._linger_cv.wait(1.0)
+                    c._linger_idle = False
+                    c = None
+                    continue
+                wait = c._first_pending + ACK_LINGER - time.monotonic()
+                if wait > 0:
+                    c._linger_cv.wait(min(wait, 1.0))
+                    c = None
+                    continue
+            try:
+                c.flush()
+            except Exception as e:  # noqa: BLE001 - closed meanwhile, or the state file failed: the next call retries
+                if not c.closed:
+                    log.warning("%s@%s: writing buffered acks failed: %s", c.topic, c.group, e)
+            c = None
 
     def flush(self) -> None:
         """Write the gathered acks now."""
@@ -273,6 +321,8 @@ class SimpleConsumer:
             self.flush()
         finally:
             self.closed = True
+            with self._lock:
+                self._linger_cv.notify_all()
             if self._waiter is not None:
                 self._waiter.close()
             self._bell.close()

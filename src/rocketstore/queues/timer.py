@@ -148,8 +148,10 @@ class TimerService(ServiceThread):
     name = "TimerService"
 
     def __init__(self, store: TimerStore, config_dir: str, put: Callable[[Message], PutMessageResult],
-                 store_host: tuple[bytes, int] = (b"\x7f\x00\x00\x01", 10911)) -> None:
+                 store_host: tuple[bytes, int] = (b"\x7f\x00\x00\x01", 10911),
+                 clock: Callable[[], float] = time.time) -> None:
         super().__init__(interval=1.0)
+        self.clock = clock  # seconds: the store's clock (tests drive it); due times are compared with it
         self.store = store
         self.path = os.path.join(config_dir, STATE_FILE)
         self.put = put
@@ -165,6 +167,9 @@ class TimerService(ServiceThread):
         self._round = threading.Lock()  # one delivery round at a time
         self.retry_at = 0  # after a refused put, the next round waits until then (ms)
         self._load()
+
+    def _now_ms(self) -> int:
+        return int(self.clock() * 1000)
 
     # ------------------------------------------------------------ loading
     def _load(self) -> None:
@@ -287,18 +292,18 @@ class TimerService(ServiceThread):
 
     # ------------------------------------------------------------ delivering
     def run_once(self) -> None:
-        if now_ms() >= self.retry_at:
+        if self._now_ms() >= self.retry_at:
             self.deliver_due()
         with self.lock:
             nxt = self.heap[0][0] if self.heap else None
         if nxt is not None:
             nxt = max(nxt, self.retry_at)
-        self.interval = 1.0 if nxt is None else min(1.0, max(0.001, (nxt - now_ms()) / 1000))
+        self.interval = 1.0 if nxt is None else min(1.0, max(0.001, (nxt - self._now_ms()) / 1000))
 
     def deliver_due(self, now: int | None = None) -> int:
         """Put every due message into its topic (at most MAX_ROUND); returns how many were."""
         with self._round:
-            now = now_ms() if now is None else now
+            now = self._now_ms() if now is None else now
             with self.lock:
                 due = []
                 while self.heap and self.heap[0][0] <= now and len(due) < MAX_ROUND:
@@ -328,7 +333,7 @@ class TimerService(ServiceThread):
                             with self.lock:
                                 for rest in copies[i:]:
                                     heapq.heappush(self.heap, rest[0])
-                            self.retry_at = now_ms() + 1000
+                            self.retry_at = self._now_ms() + 1000
                             break
                         topics.add(copy.topic)
                         done += 1

@@ -1,0 +1,258 @@
+"""Mechanics of the queue model-based test (tests/safety/test_model_queues.py): agent processes that hold a store
+and SimpleConsumers and run the test's commands, so that the test can SIGKILL them at any moment.
+
+An :class:`AgentProc` is a forked child (the test process opens no store itself, so a fork is safe and costs
+milliseconds, not an interpreter start) running :class:`Agent`: the writer ``W`` (the store writable, with its
+timer service) or a reader ``R`` (the store opened read-only in another process, as a second process of
+receivers would).  Commands and answers are JSON lines over two pipes.  Every command carries the model's clock
+(epoch ms): the agent's store is opened with a clock that returns it, so invisible times, back-offs and delays
+pass when the test says so, never by sleeping.  Message identity comes from helpers/model.py: body
+``m<uid>|<bytes derived from uid>``, keys ``k<uid>``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import select
+import signal
+import time
+from typing import Any
+
+from helpers.model import body_of
+
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.queues import ReceiptHandleError, RetryPolicy
+from rocketstore.queues import simple_consumer as simple_consumer_module
+from rocketstore.queues import state as state_module
+
+FIFO_KEY = "__SHARDINGKEY"
+LINGER = 0.02
+
+
+def b64(b: bytes) -> str:
+    return base64.b64encode(b).decode("ascii")
+
+
+def unb64(s: str) -> bytes:
+    return base64.b64decode(s)
+
+
+class Agent:
+    """A store and named SimpleConsumers; :meth:`run` executes one command dict and returns the answer dict."""
+
+    def __init__(self, root: str, conf: dict[str, Any], writable: bool, now: int, compact: int = 0) -> None:
+        self.now = now
+        if compact:  # popState.json rewritten (and the journal started again) after this many journal bytes
+            state_module.COMPACT_BYTES = compact
+        # Buffered acks are written at the receiver's next call, at ACK_BATCH, at flush and close, and ACK_LINGER
+        # (wall-clock) seconds after the first of them: short here, the test waits for it (op_settle) before it
+        # lets the store's clock move on.
+        simple_consumer_module.ACK_LINGER = LINGER
+        self.store = MessageStore.open(root, StoreConfig(**conf), read_only=not writable, clock=self.clock)
+        self.consumers: dict[str, Any] = {}
+
+    def clock(self) -> float:
+        return self.now / 1000.0
+
+    def run(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self.now = max(self.now, int(cmd.get("now", self.now)))
+        try:
+            return {"ok": getattr(self, "op_" + cmd["op"])(*cmd.get("a", []))}
+        except ReceiptHandleError as e:
+            return {"err": "ReceiptHandleError", "msg": str(e)}
+
+    # ------------------------------------------------------------ commands
+    def op_put(self, topic: str, qid: int, uid: int, size: int, tags: str | None, props: dict[str, str],
+               deliver_at: int | None, delay_level: int) -> list[Any]:
+        m = Message(topic, body_of(uid, size), queue_id=qid, tags=tags, keys=f"k{uid}", properties=props,
+                    deliver_at=deliver_at, delay_level=delay_level)
+        r = self.store.put(m)
+        self.store.wait_dispatched()
+        return [r.status.value, r.queue_offset if r.ok else None, r.error]
+
+    def op_consumer(self, name: str, group: str, topic: str, fifo: bool, filt: str, inv_ms: int, max_rc: int,
+                    backoff: list[int], sync: bool) -> None:
+        self.consumers[name] = self.store.simple_consumer(
+            group, topic, tag_filter=filt, invisible_duration=inv_ms / 1000, fifo=fifo, ack_sync_flush=sync,
+            retry_policy=RetryPolicy(max_rc, tuple(backoff)))
+
+    def op_receive(self, name: str, n: int) -> list[list[Any]]:
+        return [[m.topic, m.queue_id, m.queue_offset, b64(m.body or b""), m.tags, m.keys, m.delivery_attempt,
+                 m.receipt_handle, m.properties.get(FIFO_KEY)] for m in self.consumers[name].receive(n)]
+
+    def op_ack(self, name: str, handle: str) -> None:
+        self.consumers[name].ack(handle)
+
+    def op_nack(self, name: str, handle: str) -> None:
+        self.consumers[name].nack(handle)
+
+    def op_cid(self, name: str, handle: str, ms: int) -> str:
+        return self.consumers[name].change_invisible_duration(handle, ms / 1000)
+
+    def op_flush(self, name: str) -> None:
+        self.consumers[name].flush()
+
+    def op_close(self, name: str) -> None:
+        self.consumers.pop(name).close()
+
+    def op_settle(self, names: list[str]) -> list[str]:
+        """Wait (wall clock, at most 5 s) until these receivers' buffered acks are written; the ones still not."""
+        deadline = time.monotonic() + 5
+        while True:
+            left = [n for n in names if n in self.consumers and self.consumers[n]._pending_acks]
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(LINGER / 4)
+
+    def op_tick(self) -> int:
+        """A timer round at the current time (the timer thread runs too, on the same clock)."""
+        n = self.store.timer.deliver_due() if self.store.timer is not None else 0
+        self.store.wait_dispatched()
+        return n
+
+    def op_walk(self, topics: list[str]) -> list[list[Any]]:
+        """Every message of these topics' queues: [topic, qid, qoff, body, tags, keys, shard]."""
+        if not self.store.read_only:
+            self.store.wait_dispatched()  # a dead letter a receive just put
+        out = []
+        for topic, qid in sorted(self.store.queue_keys()):
+            if topic not in topics:
+                continue
+            off = self.store.min_offset_in_queue(topic, qid)
+            end = self.store.max_offset_in_queue(topic, qid)
+            while off < end:
+                r = self.store.get(topic, qid, off, 32)
+                for m in r.messages:
+                    out.append([m.topic, m.queue_id, m.queue_offset, b64(m.body or b""), m.tags, m.keys,
+                                m.properties.get(FIFO_KEY)])
+                if r.next_begin_offset <= off:
+                    raise AssertionError(f"walk {topic}-{qid} stuck at {off}: {r.status.name}")
+                off = r.next_begin_offset
+        return out
+
+    def op_resend(self, group: str, dlq_offset: int) -> list[Any]:
+        """``rocketstore dlq resend --group G --msg-id ...``'s work for the dead letter at ``dlq_offset``."""
+        from rocketstore.cli.dlq import dead_letters
+        from rocketstore.queues.dlq import resend_message
+        for _, m in dead_letters(self.store, group):
+            if m.queue_offset == dlq_offset:
+                msg = resend_message(m)
+                r = self.store.put(msg)
+                self.store.wait_dispatched()
+                return [r.status.value, msg.topic, r.queue_offset if r.ok else None]
+        return ["NOT_FOUND", None, None]
+
+    def op_shutdown(self) -> None:
+        for c in self.consumers.values():
+            c.close()
+        self.consumers.clear()
+        self.store.close()
+
+
+def serve(rfd: int, wfd: int, root: str, conf: dict[str, Any], writable: bool, now: int, compact: int) -> None:
+    """The child's loop: one JSON command per line in, one JSON answer per line out."""
+    try:
+        agent = Agent(root, conf, writable, now, compact)
+        ans: dict[str, Any] = {"ok": "ready"}
+    except Exception as e:  # noqa: BLE001 - reported to the test, which fails naming it
+        agent, ans = None, {"crash": f"{type(e).__name__}: {e}"}
+    os.write(wfd, (json.dumps(ans) + "\n").encode())
+    if agent is None:
+        return
+    buf = b""
+    while True:
+        while b"\n" not in buf:
+            chunk = os.read(rfd, 1 << 16)
+            if not chunk:
+                return
+            buf += chunk
+        line, buf = buf.split(b"\n", 1)
+        cmd = json.loads(line)
+        try:
+            ans = agent.run(cmd)
+        except Exception as e:  # noqa: BLE001
+            import traceback
+            ans = {"crash": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"}
+        os.write(wfd, (json.dumps(ans) + "\n").encode())
+        if cmd["op"] == "shutdown":
+            return
+
+
+class AgentError(AssertionError):
+    """The agent crashed (an exception the store should not raise) or did not answer."""
+
+
+class AgentProc:
+    """The test's handle on one forked agent."""
+
+    def __init__(self, name: str, root: str, conf: dict[str, Any], writable: bool, now: int,
+                 compact: int = 0) -> None:
+        self.name = name
+        r1, w1 = os.pipe()
+        r2, w2 = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into the test
+            code = 0
+            try:
+                os.close(w1)
+                os.close(r2)
+                serve(r1, w2, root, conf, writable, now, compact)
+            except BaseException:  # noqa: BLE001
+                code = 3
+            finally:
+                os._exit(code)
+        os.close(r1)
+        os.close(w2)
+        self.pid, self.wfd, self.rfd = pid, w1, r2
+        self.buf = b""
+        self.alive = True
+        ready = self._read(60)
+        if "ok" not in ready:
+            self.kill()
+            raise AgentError(f"agent {name} did not open the store: {ready.get('crash')}")
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AgentError(f"agent {self.name} did not answer within {timeout} s")
+            ready, _, _ = select.select([self.rfd], [], [], left)
+            if ready:
+                chunk = os.read(self.rfd, 1 << 16)
+                if not chunk:
+                    raise AgentError(f"agent {self.name} died")
+                self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def send(self, op: str, now: int, *a: Any) -> None:
+        os.write(self.wfd, (json.dumps({"op": op, "now": now, "a": list(a)}) + "\n").encode())
+
+    def call(self, op: str, now: int, *a: Any) -> dict[str, Any]:
+        self.send(op, now, *a)
+        ans = self._read(60)
+        if "crash" in ans:
+            raise AgentError(f"agent {self.name}: {op}{tuple(a)} raised {ans['crash']}")
+        return ans
+
+    def kill(self) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(self.pid, 0)
+        os.close(self.wfd)
+        os.close(self.rfd)
+
+    def shutdown(self, now: int) -> None:
+        self.call("shutdown", now)
+        self.alive = False
+        os.waitpid(self.pid, 0)
+        os.close(self.wfd)
+        os.close(self.rfd)

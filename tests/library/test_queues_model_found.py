@@ -1,0 +1,128 @@
+"""Defects of the library's queues found by the queue model-based test (tests/safety/test_model_queues.py), each
+minimized to the few calls that show it.  Time is the store's clock (``MessageStore.open(clock=...)``), which
+the queues follow: no test sleeps through an invisible time."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.queues import simple_consumer as simple_consumer_module
+
+
+class Clock:
+    """The store's clock, moved by the test (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_store_clock_drives_invisible_time(tmp_path: Path) -> None:
+    """The queues follow the store's clock (the hook the model test drives time with)."""
+    clock = Clock()
+    with MessageStore.open(str(tmp_path / "s"), StoreConfig(), clock=clock) as st:
+        st.put(Message("T", b"a"))
+        st.wait_dispatched()
+        with st.simple_consumer("G", "T", invisible_duration=30) as c:
+            assert [m.body for m in c.receive(1)] == [b"a"]
+            assert c.receive(1) == []
+            clock.now += 29.9
+            assert c.receive(1) == []
+            clock.now += 0.2
+            again = c.receive(1)
+            assert [(m.body, m.delivery_attempt) for m in again] == [(b"a", 2)]
+
+
+def test_buffered_ack_is_written_ack_linger_after_it_without_another_call(tmp_path: Path) -> None:
+    """Model seed 112 (and 20 more of 150): receiver A acks without ackSyncFlush, then makes no other call (it
+    works on something else); the ack stayed in A's buffer, so after the invisible time receiver B was given
+    the acknowledged message again, although A's process was alive and the module promised the ack written
+    ACK_LINGER seconds after it.  Fixed: a thread of the receiver writes the buffer ACK_LINGER after the first
+    buffered ack."""
+    clock = Clock()
+    with MessageStore.open(str(tmp_path / "s"), StoreConfig(), clock=clock) as st:
+        st.put(Message("T", b"a"))
+        st.wait_dispatched()
+        with st.simple_consumer("G", "T", invisible_duration=5, ack_sync_flush=False) as a, \
+                st.simple_consumer("G", "T", invisible_duration=5) as b:
+            m = a.receive(1)[0]
+            a.ack(m)
+            time.sleep(simple_consumer_module.ACK_LINGER + 0.5)  # wall clock: the linger passes
+            clock.now += 6  # the store's clock: the invisible time passes
+            assert b.receive(1) == [], "an acknowledged message was delivered again"
+
+
+def test_read_only_receiver_keeps_state_of_a_topic_its_view_has_not_followed(tmp_path: Path, monkeypatch) -> None:
+    """Model seed 1046 (and 1043, 114, 152, 167, 194, 257 of the first runs): a receiver in a read-only process
+    loaded the group state of *another* topic, whose consume queues its view had not followed yet (tail_view
+    extends only the receiver's own topic), and clamped it to that view: the other group's in-flight entries
+    and acks were dropped in memory, and its next compaction wrote them away.  The writer's receivers then read
+    those messages again as new: delivered (attempt 1) while another receiver still held them invisible (or
+    after they were acked).  Fixed: PopService._reconcile does not clamp a read-only view's state to a queue
+    end the view has not reached."""
+    from rocketstore.queues import state as state_module
+    monkeypatch.setattr(state_module, "COMPACT_BYTES", 1)  # every journal append rewrites popState.json
+    root = str(tmp_path / "s")
+    with MessageStore.open(root, StoreConfig()) as w:
+        w.put(Message("T", b"t0"))
+        w.wait_dispatched()
+        with MessageStore.open(root, read_only=True) as r:  # its view of F: nothing yet
+            w.put(Message("F", b"f0"))
+            w.put(Message("F", b"f1"))
+            w.wait_dispatched()
+            with w.simple_consumer("GF", "F", invisible_duration=30) as held:
+                assert sorted(m.body for m in held.receive(4)) == [b"f0", b"f1"]  # in flight, invisible
+                with r.simple_consumer("GT", "T", invisible_duration=30) as other:
+                    assert [m.body for m in other.receive(1)] == [b"t0"]  # applies GF's record, compacts
+                with w.simple_consumer("GF", "F", invisible_duration=30) as second:
+                    again = second.receive(4)
+                    assert [(m.body, m.delivery_attempt) for m in again] == [], \
+                        "messages held invisible by another receiver were delivered again as new"
+
+
+CRASH_AFTER_DLQ_PUT = """
+import os, signal, sys, time
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.queues import RetryPolicy
+st = MessageStore.open(sys.argv[1], StoreConfig())
+st.put(Message("T", b"x"))
+st.wait_dispatched()
+c = st.simple_consumer("G", "T", invisible_duration=0.05, retry_policy=RetryPolicy(0, (50,)))
+assert [m.body for m in c.receive(1)] == [b"x"]
+time.sleep(0.1)  # its invisible time passes: the next receive moves it to %DLQ%G
+put = st.put
+def put_then_die(m):
+    r = put(m)
+    if m.topic.startswith("%DLQ%"):
+        os.kill(os.getpid(), signal.SIGKILL)  # after the dead letter's put, before the state says so
+    return r
+st.put = put_then_die
+c.receive(1)
+"""
+
+
+def test_dead_letter_is_put_once_when_the_writer_dies_right_after_putting_it(tmp_path: Path) -> None:
+    """Model seed 3016 (120 steps): the writer was SIGKILLed in a receive that moved a message to %DLQ%<group>,
+    after the dead letter's put and before the pop state recorded it; after the restart the message was still
+    due for the DLQ and was put there a second time.  Fixed: the DLQ offset the copy will take is journaled
+    before the put, and a message whose earlier move may have happened is looked up there first."""
+    import signal
+    import subprocess
+    import sys
+    root = str(tmp_path / "s")
+    p = subprocess.run([sys.executable, "-c", CRASH_AFTER_DLQ_PUT, root], capture_output=True, timeout=60)
+    assert p.returncode == -signal.SIGKILL, p.stderr.decode()[-2000:]
+    with MessageStore.open(root, StoreConfig()) as st:
+        from rocketstore.queues import RetryPolicy
+        with st.simple_consumer("G", "T", invisible_duration=0.05, retry_policy=RetryPolicy(0, (50,))) as c:
+            time.sleep(0.1)
+            assert c.receive(1) == []
+            time.sleep(1.1)  # a parked or failed move comes back after a second
+            assert c.receive(1) == []
+        st.wait_dispatched()
+        r = st.get("%DLQ%G", 0, 0, 8)
+        assert [m.body for m in r.messages] == [b"x"], "the message is in %DLQ%G more (or less) than once"

@@ -1,0 +1,718 @@
+"""Model-based test of the library's queue semantics (issue 27; docs: /work/shared/design/data-safety.md, "the
+model-based test"): random sequences of puts (plain, delayed, FIFO message groups, another topic), receives by
+several receivers of a group in two processes, acks (ackSyncFlush on and off), nacks, change_invisible_duration,
+time passing (the store's clock, driven by the test: no sleeping), maxReconsumeTimes exhaustion to
+``%DLQ%<group>``, dead-letter re-sends, clean closes and reopens of receivers and processes, SIGKILL of the writer
+or of the read-only receivers' process (idle, or in the middle of a call) and torn tails of
+``config/popState.journal``, each checked against a model of what every group was given and acknowledged.
+
+Processes (helpers/queue_model.py): ``W`` holds the store writable (its timer delivers delays) and receivers; ``R``
+holds it read-only with receivers of the same groups.  Groups: ``GA`` (QT, every tag), ``GB`` (QT, ``TagA ||
+TagB``), ``GF`` (QF, FIFO by ``__SHARDINGKEY``); topic QO is put to and consumed by nobody.
+
+Checks, on every receive and after every step (a walk of every topic through W):
+
+- a receive returns only messages of the receiver's topic matching its filter, with the body, tags and keys put;
+- a message acknowledged (an ack written: ackSyncFlush, or a buffered ack applied by the receiver's next call,
+  flush or close) is never delivered again to its group, also after a SIGKILL (the journal line is in the page
+  cache); an ack still buffered when its process is killed may be lost (the documented window): the message comes
+  back after its invisible time;
+- a message is not delivered while invisible (held by a receiver, or backing off after a nack), whoever holds it,
+  also after its holder was killed; its delivery attempt counts up by one; it is delivered at most
+  maxReconsumeTimes + 1 times; a receipt handle is accepted exactly while it is the message's current one;
+- a dead letter appears in ``%DLQ%<group>`` only after the last allowed delivery, and once (re-sending puts a new
+  copy back on its topic, which the model then expects like any message);
+- a delayed message is never in its topic before its time and is there exactly once after a timer round at or
+  after its time, across restarts and kills;
+- FIFO: a message group's next message is not delivered before the previous one (same queue) is acked or
+  dead-lettered;
+- at the end (``drain``): time passes far enough, W's receivers take and ack everything: every message put is
+  acked or dead-lettered exactly once in every group that wants it (nothing lost, no duplicate dead letter).
+
+A kill in the middle of a call leaves the model uncertain of exactly that call's effect (the message may be held
+until its invisible time, an ack may have landed); the checks it weakens say so where they do.
+
+Knobs (environment): ROCKETSTORE_MODEL_SEEDS (seeds of the random test, default 30: 25-35 s on 2 busy
+cores), ROCKETSTORE_MODEL_STEPS
+(steps per seed, default 80), ROCKETSTORE_MODEL_BASE_SEED (default 1), ROCKETSTORE_MODEL_SEED (replay one seed;
+kills in the middle of a call land at a random moment, so a replay may need a few runs),
+ROCKETSTORE_MODEL_KEEP_GOING=1 (every failing seed, each one's steps in its directory's failure.txt).
+
+Bugs it found (regression tests in tests/library/test_queues_model_found.py).  Put back, the default run
+(seeds 1-30, 80 steps) must fail again; seeds shift whenever the test's random choices change:
+
+1. a buffered ack (no ackSyncFlush) stayed in the receiver's memory until its next call: a receiver that acked and
+   then went on with other work let the message come back to another receiver after its invisible time (first
+   run: 21 of 150 seeds, e.g. 112: "its ack by R6 is buffered in a live receiver"); put back now: most seeds,
+   "acks buffered in live receivers ['R6'] are not written 5 s after the ack".
+2. a read-only receiver clamped the state of another topic's group to its own view (which follows only its own
+   topic), and its compaction wrote the clamped state (1043, 1046 of 60 steps; put back now: seeds 4, 7, 15, 17,
+   27): "delivery attempt 1, the model expects 2..2", "still invisible ... (held by W25)", "acknowledged before,
+   delivered again", "dead-lettered before", "ack of uid 5 refused, the model expects acceptance".
+3. the writer killed between a dead letter's put and the state write put it into %DLQ%<group> a second time
+   after the restart (3016 with 120 steps; put back: 2 of 100 seeds 5000-5099 with ROCKETSTORE_MODEL_STEPS=120,
+   not reliably in the default run -- the kill must land inside that window): "%DLQ%GB holds uid 20 2 times".
+
+Not modelled: power loss (the journal's unsynced tail lost: ackSyncFlush's promise), the broker's own PopService
+(snapshots, auto-renew, release of a client's messages), retention under in-flight messages, blocking receives
+(the doorbell), the asyncio twin, receivers of one group with different filters or FIFO settings, the
+max-span/blocked limits (MAX_BLOCKED_PER_QUEUE, max_span), consumerOffset.json and reset-offset, a clock that
+goes back.  A kill during a timer round lands between a copy's put and the state write only by chance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers.model import body_of, uid_of
+from helpers.queue_model import FIFO_KEY, LINGER, AgentProc, unb64
+
+SEEDS = int(os.environ.get("ROCKETSTORE_MODEL_SEEDS", "30"))
+STEPS = int(os.environ.get("ROCKETSTORE_MODEL_STEPS", "80"))
+TOPIC, FIFO_TOPIC, OTHER = "QT", "QF", "QO"
+GROUPS = {"GA": (TOPIC, False, "*"), "GB": (TOPIC, False, "TagA || TagB"), "GF": (FIFO_TOPIC, True, "*")}
+TAGS = ["TagA", "TagB", "TagC", None]
+SHARDS = ["g0", "g1", "g2", "g3"]
+CONF = dict(mappedFileSizeCommitLog=64 * 1024, mappedFileSizeConsumeQueue=50 * 20, maxHashSlotNum=64,
+            maxIndexNum=256, warmAheadBytes=0, flushDiskType="ASYNC_FLUSH")
+OPS = {"put": 8, "put_delay": 3, "put_fifo": 5, "put_other": 1, "recv": 14, "ack": 9, "nack": 3, "cid": 2,
+       "advance": 6, "flush": 2, "reopen": 1, "restart": 1, "kill": 2, "resend": 1}
+
+
+class Violation(AssertionError):
+    pass
+
+
+def tag_match(filt: str, tag: str | None) -> bool:
+    if filt.strip() in ("", "*"):
+        return True
+    return tag is not None and tag in {t.strip() for t in filt.split("||")}
+
+
+@dataclass
+class Item:
+    """One stored message of a consumed topic: a put, a delay's copy, or a dead letter's re-sent copy."""
+    uid: int
+    topic: str
+    qid: int
+    qoff: int
+    size: int
+    tags: str | None
+    shard: str | None
+    deliver_at: int | None = None
+
+
+@dataclass
+class Track:
+    """An item as one group sees it."""
+    lo: int = 0  # deliveries so far (lo..hi: a kill in the middle of a receive leaves it open)
+    hi: int = 0
+    holder: str | None = None
+    handle: str | None = None
+    visible_at: int = 0
+    state: str = "open"  # open | acked | dlq
+    maybe_acked: bool = False  # an ack whose process was killed in the call
+    fuzzy: bool = False  # a call on it was cut by a kill: invisibility and handle unknown until its next delivery
+    buffered: str | None = None  # receiver whose ack of the current handle is buffered (not written yet)
+
+
+@dataclass
+class Receiver:
+    name: str
+    proc: str
+    group: str
+    inv: int
+    sync: bool
+    pending: list[tuple[Item, str]] = field(default_factory=list)
+
+
+class Run:
+    def __init__(self, tmp: Path, seed: int, steps: int) -> None:
+        self.tmp, self.seed, self.n_steps = tmp, seed, steps
+        self.rng = random.Random(seed)
+        self.root = str(tmp / "store")
+        self.now = int(time.time() * 1000)
+        self.steps: list[str] = []
+        self.uid = 1
+        self.items: dict[tuple[str, int, int], Item] = {}
+        self.tracks: dict[tuple[str, tuple[str, int, int]], Track] = {}
+        self.sizes: dict[int, int] = {}
+        self.delays: dict[int, dict[str, Any]] = {}  # uid -> at, qid, tags, certain, ticked (a round after its time)
+        self.resends: dict[int, int] = {}  # uid -> copies re-sent (certain) ; maybe_resends: uncertain ones
+        self.maybe_resends: dict[int, int] = {}
+        self.pending_puts: dict[int, tuple[str, int, str | None, str | None]] = {}  # cut by a kill: may exist
+        self.other: set[int] = set()
+        self.dlq_seen: dict[str, dict[int, int]] = {g: {} for g in GROUPS}
+        self.policy = {g: (self.rng.randint(0, 3), [self.rng.choice([500, 2000, 5000])
+                                                     for _ in range(self.rng.randint(1, 3))]) for g in GROUPS}
+        self.compact = self.rng.choice([0, 1500, 3000, 20000])  # journal bytes before popState.json is rewritten
+        self.procs: dict[str, AgentProc] = {}
+        self.receivers: dict[str, Receiver] = {}
+        self.n_recv = 0
+        self.old_handles: list[tuple[str, str]] = []  # (group, handle) once issued
+        for p in ("W", "R"):
+            self.spawn(p)
+
+    # ------------------------------------------------------------ plumbing
+    def note(self, s: str) -> None:
+        self.steps.append(s)
+
+    def fail(self, s: str) -> None:
+        raise Violation(s)
+
+    def max_attempts(self, group: str) -> int:
+        return self.policy[group][0] + 1
+
+    def backoff(self, group: str, attempts: int) -> int:
+        b = self.policy[group][1]
+        return b[min(max(attempts, 1), len(b)) - 1]
+
+    def spawn(self, proc: str) -> None:
+        self.procs[proc] = AgentProc(proc, self.root, CONF, proc == "W", self.now, self.compact)
+        for g in GROUPS:
+            for _ in range(self.rng.randint(1, 2)):
+                self.new_receiver(proc, g)
+
+    def new_receiver(self, proc: str, group: str, sync: bool | None = None) -> Receiver:
+        self.n_recv += 1
+        r = Receiver(f"{proc}{self.n_recv}", proc, group, self.rng.choice([1000, 3000, 8000]),
+                     self.rng.random() < 0.5 if sync is None else sync)
+        topic, fifo, filt = GROUPS[group]
+        self.procs[proc].call("consumer", self.now, r.name, group, topic, fifo, filt, r.inv, self.policy[group][0],
+                              self.policy[group][1], r.sync)
+        self.receivers[r.name] = r
+        return r
+
+    def call(self, proc: str, op: str, *a: Any) -> dict[str, Any]:
+        return self.procs[proc].call(op, self.now, *a)
+
+    def track(self, group: str, item: Item) -> Track:
+        return self.tracks.setdefault((group, (item.topic, item.qid, item.qoff)), Track())
+
+    def wants(self, group: str, item: Item) -> bool:
+        topic, _, filt = GROUPS[group]
+        return item.topic == topic and tag_match(filt, item.tags)
+
+    def new_uid(self) -> int:
+        self.uid += 1
+        return self.uid - 1
+
+    # ------------------------------------------------------------ the loop
+    def run(self) -> None:
+        names, weights = list(OPS), list(OPS.values())
+        for i in range(self.n_steps):
+            op = "put" if i == 0 else self.rng.choices(names, weights)[0]
+            self.note(f"{i}:{op} t+{self.now % 100000}")
+            getattr(self, f"op_{op}")()
+            self.walk(f"after step {i} ({op})")
+        self.note("drain")
+        self.drain()
+
+    # ------------------------------------------------------------ puts
+    def _put(self, topic: str, qid: int, tags: str | None, shard: str | None, deliver_at: int | None = None,
+             level: int = 0) -> None:
+        uid = self.new_uid()
+        size = self.rng.randint(1, 200)
+        self.sizes[uid] = size
+        props = {FIFO_KEY: shard} if shard else {}
+        ans = self.call("W", "put", topic, qid, uid, size, tags, props, deliver_at, level)["ok"]
+        status, qoff, err = ans
+        if status != "PUT_OK":
+            self.fail(f"put of uid {uid} to {topic}-{qid} refused: {status} {err}")
+        delayed = level or (deliver_at is not None and deliver_at > self.now)
+        self.note(f"  put uid {uid} {topic}-{qid} tags={tags} shard={shard}"
+                  f"{f' at t+{(deliver_at or self.now + 1000 * (1, 5, 10)[level - 1]) - self.now}' if delayed else ''}"
+                  f" -> {qoff}")
+        if delayed:
+            at = deliver_at if deliver_at is not None else self.now + (1000, 5000, 10000)[level - 1]
+            self.delays[uid] = {"at": at, "qid": qid, "tags": tags, "certain": True, "ticked": False}
+        elif topic == OTHER:
+            self.other.add(uid)
+        else:
+            self.add_item(Item(uid, topic, qid, qoff, size, tags, shard, deliver_at))
+
+    def add_item(self, it: Item) -> None:
+        key = (it.topic, it.qid, it.qoff)
+        if key in self.items:
+            self.fail(f"queue offset {key} given to uid {it.uid}, already held by uid {self.items[key].uid}")
+        self.items[key] = it
+
+    def op_put(self) -> None:
+        self._put(TOPIC, self.rng.randrange(3), self.rng.choice(TAGS), None)
+
+    def op_put_delay(self) -> None:
+        qid, tags = self.rng.randrange(3), self.rng.choice(TAGS)
+        k = self.rng.random()
+        if k < 0.3:
+            self._put(TOPIC, qid, tags, None, level=self.rng.randint(1, 3))
+        elif k < 0.4:
+            self._put(TOPIC, qid, tags, None, deliver_at=self.now - self.rng.randint(0, 5000))  # already due
+        else:
+            self._put(TOPIC, qid, tags, None, deliver_at=self.now + self.rng.randint(1, 15000))
+
+    def op_put_fifo(self) -> None:
+        shard = self.rng.choice(SHARDS)
+        self._put(FIFO_TOPIC, int(shard[1]) % 2, self.rng.choice(TAGS), shard)
+
+    def op_put_other(self) -> None:
+        self._put(OTHER, self.rng.randrange(2), self.rng.choice(TAGS), None)
+
+    # ------------------------------------------------------------ receivers
+    def pick(self, proc: str | None = None) -> Receiver:
+        names = sorted(n for n, r in self.receivers.items() if proc is None or r.proc == proc)
+        return self.receivers[self.rng.choice(names)]
+
+    def apply_pending(self, r: Receiver) -> None:
+        """What the receiver's next call does first: write its buffered acks (each takes if still current)."""
+        for it, h in r.pending:
+            t = self.track(r.group, it)
+            if t.buffered == r.name:
+                t.buffered = None
+            if t.state == "open" and (t.fuzzy or t.maybe_acked or self.dlq_due(r.group, it, t)):
+                t.maybe_acked = True
+            elif t.state == "open" and t.handle == h:
+                t.state = "acked"
+        r.pending.clear()
+
+    def dlq_due(self, group: str, it: Item, t: Track) -> bool:
+        return t.hi >= self.max_attempts(group)
+
+    def op_recv(self, r: Receiver | None = None, n: int | None = None) -> list[tuple[Item, str]]:
+        r = r or self.pick()
+        n = n or self.rng.randint(1, 4)
+        self.apply_pending(r)
+        got = self.call(r.proc, "receive", r.name, n)["ok"]
+        self.note(f"  {r.name}({r.group}) receive {n}: (uid, queue, offset, attempt) "
+                  f"{[(uid_of(unb64(g[3])), g[1], g[2], g[6]) for g in got]}")
+        return [self.delivered(r, topic, qid, qoff, unb64(body), tags, keys, attempt, handle, shard)
+                for topic, qid, qoff, body, tags, keys, attempt, handle, shard in got]
+
+    def delivered(self, r: Receiver, topic: str, qid: int, qoff: int, body: bytes, tags: Any, keys: Any, attempt: int,
+                  handle: str, shard: Any) -> tuple[Item, str]:
+        g = r.group
+        gtopic, fifo, filt = GROUPS[g]
+        where = f"{r.name}({g}) received {topic}-{qid}@{qoff}"
+        if topic != gtopic:
+            self.fail(f"{where}: a message of another topic (the group consumes {gtopic})")
+        uid = uid_of(body)
+        key = (topic, qid, qoff)
+        if key not in self.items:
+            self.walk(f"{where} (unknown slot)")
+        it = self.items.get(key)
+        if it is None:
+            self.fail(f"{where}: uid {uid}, a slot the model does not know (no put, delay or re-send made it)")
+        if uid != it.uid or body != body_of(it.uid, it.size) or tags != it.tags or keys != f"k{it.uid}":
+            self.fail(f"{where}: body/tags/keys differ from uid {it.uid}'s (got uid {uid} tags {tags!r} keys {keys!r})")
+        if not tag_match(filt, tags):
+            self.fail(f"{where}: tags {tags!r} do not match the group's filter {filt!r}")
+        t = self.track(g, it)
+        what = f"{where} uid {it.uid} attempt {attempt}"
+        if t.state == "acked":
+            self.fail(f"{what}: acknowledged before, delivered again")
+        if t.state == "dlq":
+            self.fail(f"{what}: dead-lettered before, delivered again")
+        if t.buffered is not None and not t.fuzzy:
+            self.fail(f"{what}: its ack by {t.buffered} is buffered in a live receiver (not written yet), yet the "
+                      f"message was delivered again")
+        if not t.fuzzy and self.now < t.visible_at:
+            self.fail(f"{what}: still invisible until t+{t.visible_at - self.now} ms (held by {t.holder})")
+        if not (t.lo + 1 <= attempt <= t.hi + 1):
+            self.fail(f"{what}: delivery attempt {attempt}, the model expects {t.lo + 1}..{t.hi + 1}")
+        if attempt > self.max_attempts(g):
+            self.fail(f"{what}: more than maxReconsumeTimes + 1 = {self.max_attempts(g)} deliveries")
+        if it.deliver_at is not None and self.now < it.deliver_at:
+            self.fail(f"{what}: delivered before its time (t+{it.deliver_at - self.now})")
+        if fifo and it.shard:
+            self.fifo_check(g, it, what)
+        if t.maybe_acked:
+            t.maybe_acked = False  # it was not acked after all
+        t.lo = t.hi = attempt
+        t.holder, t.handle, t.visible_at, t.fuzzy = r.name, handle, self.now + r.inv, False
+        self.old_handles.append((g, handle))
+        return it, handle
+
+    def fifo_check(self, g: str, it: Item, what: str) -> None:
+        for again in (False, True):
+            before = [x for k, x in self.items.items() if k[0] == it.topic and k[1] == it.qid and x.qoff < it.qoff
+                      and x.shard == it.shard]
+            open_ = [x for x in before if self.track(g, x).state == "open" and not self.track(g, x).maybe_acked
+                     and not self.track(g, x).buffered]
+            if not open_:
+                return
+            if not again:
+                self.walk(f"{what} (FIFO check)")  # a dead letter made in this receive
+        x = open_[0]
+        self.fail(f"{what}: FIFO group {it.shard} delivered before uid {x.uid} at {x.qoff} (same queue) was acked "
+                  f"or dead-lettered ({self.track(g, x)})")
+
+    def held(self, r: Receiver) -> list[tuple[Item, Track]]:
+        out = []
+        for (g, key), t in self.tracks.items():
+            if g == r.group and t.holder == r.name and t.handle and t.state == "open" and key in self.items:
+                out.append((self.items[key], t))
+        return sorted(out, key=lambda x: (x[0].topic, x[0].qid, x[0].qoff))
+
+    def expect_valid(self, r: Receiver, it: Item, t: Track, h: str) -> bool | None:
+        if t.fuzzy or t.maybe_acked or t.buffered or (self.dlq_due(r.group, it, t) and self.now >= t.visible_at):
+            return None
+        return t.state == "open" and t.handle == h
+
+    def _handle_op(self, op: str) -> None:
+        """ack / nack / cid on something a receiver holds, or (sometimes) on an old handle."""
+        r = self.pick()
+        mine = self.held(r)
+        if mine and self.rng.random() < 0.9:
+            it, t = self.rng.choice(mine)
+            h = t.handle
+        else:
+            olds = [h for g, h in self.old_handles if g == r.group]
+            if not olds:
+                return
+            h = self.rng.choice(olds)
+            found = [(self.items[k], t) for (g, k), t in self.tracks.items()
+                     if g == r.group and k in self.items and t.handle == h]
+            it, t = found[0] if found else (None, None)
+        if not (op == "ack" and not r.sync):
+            self.apply_pending(r)  # (a buffered ack only joins the others)
+        expect = self.expect_valid(r, it, t, h) if it is not None else False
+        if op == "ack" and not r.sync:
+            self.call(r.proc, "ack", r.name, h)
+            if it is not None:
+                r.pending.append((it, h))
+                if expect and self.now < t.visible_at:
+                    t.buffered = r.name  # written within ACK_LINGER: before the message could come back
+                elif expect is not False and t.state == "open":
+                    t.maybe_acked = True  # after its invisible time (a race with a redelivery), or unknowable
+                if len(r.pending) >= 256:
+                    self.apply_pending(r)
+            self.note(f"  {r.name} ack (buffered) {it.uid if it else '?'} expect {expect}")
+            return
+        ms = self.rng.choice([0, 500, 2000, 6000, 12000])
+        args = (r.name, h, ms) if op == "cid" else (r.name, h)
+        ans = self.call(r.proc, op, *args)
+        ok = "ok" in ans
+        self.note(f"  {r.name} {op}{f' {ms} ms' if op == 'cid' else ''} uid {it.uid if it else '?'}: "
+                  f"{'ok' if ok else 'refused'} (model: {expect})")
+        if expect is not None and ok != expect:
+            self.fail(f"{r.name}({r.group}) {op} of {'uid %d' % it.uid if it else 'an old handle'} "
+                      f"{'accepted' if ok else 'refused'}, the model expects {'acceptance' if expect else 'refusal'}"
+                      f" ({t})")
+        if it is not None and t.buffered and t.state == "open":
+            if not ok:  # the buffered ack was written (ACK_LINGER) before this call
+                t.state, t.buffered = "acked", None
+                return
+            t.buffered = None  # this call superseded the handle: the buffered ack will not take
+        if not ok or it is None:
+            return
+        if op == "ack":
+            t.state, t.maybe_acked = "acked", False
+        elif op == "nack":
+            t.visible_at, t.handle, t.holder = self.now + self.backoff(r.group, max(t.lo, 1)), None, None
+            t.fuzzy = t.fuzzy or t.lo != t.hi
+        else:
+            t.visible_at, t.handle = self.now + ms, ans["ok"]
+            self.old_handles.append((r.group, ans["ok"]))
+
+    def op_ack(self) -> None:
+        self._handle_op("ack")
+
+    def op_nack(self) -> None:
+        self._handle_op("nack")
+
+    def op_cid(self) -> None:
+        self._handle_op("cid")
+
+    def op_flush(self) -> None:
+        r = self.pick()
+        self.apply_pending(r)
+        self.call(r.proc, "flush", r.name)
+        self.note(f"  flush {r.name}")
+
+    def op_reopen(self) -> None:
+        r = self.pick()
+        self.apply_pending(r)
+        self.call(r.proc, "close", r.name)
+        del self.receivers[r.name]
+        n = self.new_receiver(r.proc, r.group)
+        self.note(f"  closed {r.name}, opened {n.name}")
+
+    # ------------------------------------------------------------ time
+    def op_advance(self, ms: int | None = None) -> None:
+        ms = ms if ms is not None else self.rng.choice([100, 1000, 3000, 8000, 20000])
+        self.settle()
+        self.now += ms
+        n = self.call("W", "tick")["ok"]
+        for d in self.delays.values():
+            if d["at"] <= self.now:
+                d["ticked"] = True
+        self.note(f"  time +{ms} ms, timer round put {n}")
+
+    def settle(self) -> None:
+        """Before time passes: ACK_LINGER (wall clock) after an ack, a live receiver has written it."""
+        for proc in ("W", "R"):
+            names = [r.name for r in self.receivers.values() if r.proc == proc and r.pending]
+            if not names:
+                continue
+            left = self.call(proc, "settle", names)["ok"]
+            if left:
+                self.fail(f"acks buffered in live receivers {left} are not written 5 s after the ack (ACK_LINGER "
+                          f"is {LINGER} s): their messages would come back after their invisible time")
+            for n in names:
+                self.apply_pending(self.receivers[n])
+
+    # ------------------------------------------------------------ processes
+    def op_restart(self) -> None:
+        proc = self.rng.choice(["W", "R"])
+        for r in [r for r in self.receivers.values() if r.proc == proc]:
+            self.apply_pending(r)
+            del self.receivers[r.name]
+        self.procs[proc].shutdown(self.now)
+        self.note(f"  clean restart of {proc}")
+        self.spawn(proc)
+
+    def op_kill(self) -> None:
+        proc = self.rng.choice(["W", "R"])
+        mid = self.rng.random() < 0.5
+        what = ""
+        if mid:
+            what = self.cut_call(proc)
+        self.procs[proc].kill()
+        for r in [r for r in self.receivers.values() if r.proc == proc]:
+            for it, h in r.pending:  # buffered acks die with the process unless ACK_LINGER wrote them already
+                t = self.track(r.group, it)
+                if t.buffered == r.name:
+                    t.buffered = None
+                if t.state == "open" and t.handle == h:
+                    t.maybe_acked = True
+            del self.receivers[r.name]
+        torn = self.rng.random() < 0.5 and self.tear_journal()
+        self.note(f"  SIGKILL {proc}{' in ' + what if mid else ' idle'}{' + torn journal tail' if torn else ''}")
+        self.spawn(proc)
+
+    def cut_call(self, proc: str) -> str:
+        """Send a call and kill the process a moment later: the model does not know whether it happened."""
+        rs = [r for r in self.receivers.values() if r.proc == proc]
+        kind = self.rng.choice(["receive", "ack", "put", "tick"] if proc == "W" else ["receive", "ack"])
+        if kind == "put":
+            uid = self.new_uid()
+            size = self.rng.randint(1, 200)
+            self.sizes[uid] = size
+            qid, tags = self.rng.randrange(3), self.rng.choice(TAGS)
+            self.pending_puts[uid] = (TOPIC, qid, tags, None)
+            self.procs[proc].send("put", self.now, TOPIC, qid, uid, size, tags, {}, None, 0)
+        elif kind == "tick":
+            self.procs[proc].send("tick", self.now)
+        elif kind == "receive":
+            r = self.rng.choice(rs)
+            for it in self.items.values():  # any deliverable message of the group may now be held
+                t = self.track(r.group, it)
+                if self.wants(r.group, it) and t.state == "open":
+                    t.fuzzy, t.hi = True, t.hi + 1
+            self.apply_pending_uncertain(r)
+            self.procs[proc].send("receive", self.now, r.name, 4)
+        else:
+            r = self.rng.choice(rs)
+            mine = self.held(r)
+            if not mine:
+                return "nothing"
+            it, t = self.rng.choice(mine)
+            self.apply_pending_uncertain(r)
+            t.maybe_acked = True
+            self.procs[proc].send("ack", self.now, r.name, t.handle)
+        time.sleep(self.rng.random() * 0.004)
+        return kind
+
+    def apply_pending_uncertain(self, r: Receiver) -> None:
+        for it, _ in r.pending:
+            t = self.track(r.group, it)
+            if t.state == "open":
+                t.maybe_acked = True
+            t.buffered = None
+        r.pending.clear()
+
+    def tear_journal(self) -> bool:
+        """A record cut short by the kill (never confirmed to anyone): a prefix of a plausible line, no newline."""
+        p = Path(self.root, "config", "popState.journal")
+        if not p.exists() or p.stat().st_size == 0:
+            return False
+        lines = p.read_bytes().split(b"\n")
+        last = [ln for ln in lines if ln.strip()][-1]
+        cut = self.rng.randint(1, max(1, len(last) - 1))
+        with open(p, "ab") as fh:
+            fh.write(last[:cut])
+        return True
+
+    # ------------------------------------------------------------ dead letters
+    def op_resend(self) -> None:
+        letters = [(g, w) for g in GROUPS for w in self.walk_list([f"%DLQ%{g}"])]
+        if not letters:
+            return
+        g, w = self.rng.choice(letters)
+        status, topic, qoff = self.call("W", "resend", g, w[2])["ok"]
+        uid = uid_of(unb64(w[3]))
+        self.note(f"  dlq resend {g} uid {uid} -> {topic} {qoff}: {status}")
+        if status != "PUT_OK":
+            self.fail(f"dlq resend of uid {uid} from %DLQ%{g}: {status}")
+        self.resends[uid] = self.resends.get(uid, 0) + 1
+
+    # ------------------------------------------------------------ the walk
+    def walk_list(self, topics: list[str]) -> list[list[Any]]:
+        return self.call("W", "walk", topics)["ok"]
+
+    def walk(self, where: str) -> None:
+        """Every topic through W: each slot a known message with its body; delays and re-sends once; dead letters
+        only after the last delivery, once."""
+        rows = self.walk_list([TOPIC, FIFO_TOPIC, OTHER] + [f"%DLQ%{g}" for g in GROUPS])
+        copies: dict[int, int] = {}
+        dlq: dict[str, dict[int, int]] = {g: {} for g in GROUPS}
+        for topic, qid, qoff, body, tags, keys, shard in rows:
+            body = unb64(body)
+            uid = uid_of(body)
+            w = f"{where}: walk {topic}-{qid}@{qoff}"
+            if uid is None or uid not in self.sizes or body != body_of(uid, self.sizes[uid]):
+                self.fail(f"{w}: a body no put made (uid {uid})")
+            if keys != f"k{uid}":
+                self.fail(f"{w}: uid {uid} with keys {keys!r}")
+            if topic.startswith("%DLQ%"):
+                g = topic[5:]
+                dlq[g][uid] = dlq[g].get(uid, 0) + 1
+                continue
+            if topic == OTHER:
+                if uid not in self.other:
+                    self.fail(f"{w}: uid {uid} was not put to {OTHER}")
+                continue
+            key = (topic, qid, qoff)
+            it = self.items.get(key)
+            if it is None:
+                it = self.adopt(w, uid, topic, qid, qoff, tags, shard)
+            if it.uid != uid or it.tags != tags:
+                self.fail(f"{w}: uid {uid} tags {tags!r}, the model holds uid {it.uid} tags {it.tags!r} there")
+            copies[uid] = copies.get(uid, 0) + 1
+        for uid, d in self.delays.items():
+            n = copies.get(uid, 0)
+            if n > 1 + self.resends.get(uid, 0) + self.maybe_resends.get(uid, 0):
+                self.fail(f"{where}: delay message uid {uid} is in {TOPIC} {n} times")
+            if n == 0 and d["ticked"] and d["certain"]:
+                self.fail(f"{where}: delay message uid {uid} (due t+{d['at'] - self.now}) is not in {TOPIC} after a "
+                          f"timer round at its time")
+        for g in GROUPS:
+            for uid, n in dlq[g].items():
+                cands = [(it, self.track(g, it)) for it in self.items.values() if it.uid == uid and self.wants(g, it)]
+                due = [(it, t) for it, t in cands if self.dlq_due(g, it, t) and t.state != "acked"]
+                due.sort(key=lambda x: (x[1].state != "dlq", x[1].maybe_acked))  # the certain ones first
+                if n > len(due):
+                    self.fail(f"{where}: %DLQ%{g} holds uid {uid} {n} times; {len(due)} of its copies were delivered "
+                              f"maxReconsumeTimes + 1 = {self.max_attempts(g)} times ({[str(t) for _, t in cands]})")
+                for it, t in due[:n]:
+                    t.state = "dlq"
+            self.dlq_seen[g] = dlq[g]
+
+    def adopt(self, w: str, uid: int, topic: str, qid: int, qoff: int, tags: Any, shard: Any) -> Item:
+        """A slot the model did not put itself: a delay's copy, a re-sent dead letter, or a put cut by a kill."""
+        d = self.delays.get(uid)
+        prior = [x for x in self.items.values() if x.uid == uid]
+        if d is not None and not prior:
+            if self.now < d["at"]:
+                self.fail(f"{w}: delay message uid {uid} is in {topic} before its time (t+{d['at'] - self.now})")
+            if (topic, qid) != (TOPIC, d["qid"]):
+                self.fail(f"{w}: delay message uid {uid} delivered to {topic}-{qid}, put for {TOPIC}-{d['qid']}")
+            it = Item(uid, topic, qid, qoff, self.sizes[uid], tags, shard, d["at"])
+        elif prior and len(prior) <= self.resends.get(uid, 0) + self.maybe_resends.get(uid, 0):
+            it = Item(uid, topic, qid, qoff, self.sizes[uid], tags, shard)
+        elif uid in self.pending_puts and not prior:
+            t_, q_, tags_, _ = self.pending_puts.pop(uid)
+            if (topic, qid, tags) != (t_, q_, tags_):
+                self.fail(f"{w}: uid {uid} (a put cut by a kill) is in {topic}-{qid} tags {tags!r}")
+            it = Item(uid, topic, qid, qoff, self.sizes[uid], tags, shard)
+        else:
+            self.fail(f"{w}: uid {uid}, which the model holds at {[(x.topic, x.qid, x.qoff) for x in prior]}: a "
+                      f"copy nobody made (a delay delivered twice, a re-send that was not made)")
+        self.add_item(it)
+        return it
+
+    # ------------------------------------------------------------ the end
+    def drain(self) -> None:
+        """Time passes far enough, W's receivers take and ack everything; then every message is acked or
+        dead-lettered once in every group that wants it."""
+        for r in list(self.receivers.values()):
+            self.apply_pending(r)
+            self.call(r.proc, "flush", r.name)
+        takers = {g: self.new_receiver("W", g, sync=True) for g in GROUPS}  # (its acks are checked one by one)
+        for rnd in range(60):
+            self.op_advance(20000)
+            got = 0
+            for g, r in takers.items():
+                for it, h in self.op_recv(r, 16):
+                    got += 1
+                    t = self.track(g, it)
+                    ans = self.call("W", "ack", r.name, h)
+                    if "ok" not in ans:
+                        self.fail(f"drain: ack of uid {it.uid} by {r.name} refused ({t})")
+                    t.state = "acked"
+            self.walk(f"drain round {rnd}")
+            if not got and rnd > 2:
+                break
+        for g in GROUPS:
+            for it in self.items.values():
+                if not self.wants(g, it):
+                    continue
+                t = self.track(g, it)
+                if t.state == "open" and not t.maybe_acked:
+                    self.fail(f"drain: uid {it.uid} at {(it.topic, it.qid, it.qoff)} was never acked nor dead-lettered "
+                              f"in group {g} ({t})")
+        for uid, d in self.delays.items():
+            if d["certain"] and not any(x.uid == uid for x in self.items.values()):
+                self.fail(f"drain: delay message uid {uid} never reached {TOPIC}")
+        for uid in self.pending_puts:
+            pass  # a put cut by a kill that never landed: legitimately absent
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            p.kill()
+
+
+def run_seed(tmp: Path, seed: int, steps: int) -> None:
+    run = None
+    try:
+        run = Run(tmp, seed, steps)
+        run.run()
+    except Exception as e:  # noqa: BLE001
+        detail = "" if isinstance(e, Violation) else "\n" + traceback.format_exc()
+        raise Violation(f"seed {seed} (replay: ROCKETSTORE_MODEL_SEED={seed} ROCKETSTORE_MODEL_STEPS={steps})\n"
+                        f"{type(e).__name__}: {e}{detail}\nsteps:\n  " + "\n  ".join(run.steps[-80:] if run else [])
+                        ) from None
+    finally:
+        if run is not None:
+            run.close()
+
+
+def test_model_queues_random(tmp_path: Path) -> None:
+    """ROCKETSTORE_MODEL_SEEDS seeded sequences of ROCKETSTORE_MODEL_STEPS steps, each ending in a drain."""
+    if os.environ.get("ROCKETSTORE_MODEL_SEED"):
+        run_seed(tmp_path / "replay", int(os.environ["ROCKETSTORE_MODEL_SEED"]), STEPS)
+        return
+    base = int(os.environ.get("ROCKETSTORE_MODEL_BASE_SEED", "1"))
+    keep_going = os.environ.get("ROCKETSTORE_MODEL_KEEP_GOING") == "1"
+    failed = []
+    for seed in range(base, base + SEEDS):
+        try:
+            run_seed(tmp_path / f"s{seed}", seed, STEPS)
+        except AssertionError as e:
+            if not keep_going:
+                raise
+            failed.append(f"seed {seed}: {str(e).splitlines()[1][:300]}")
+            (tmp_path / f"s{seed}").mkdir(parents=True, exist_ok=True)
+            (tmp_path / f"s{seed}" / "failure.txt").write_text(str(e))  # the steps, for a look
+            continue
+        shutil.rmtree(tmp_path / f"s{seed}", ignore_errors=True)
+    assert not failed, f"{len(failed)} of {SEEDS} seeds failed:\n" + "\n".join(failed)
