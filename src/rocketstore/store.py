@@ -162,7 +162,7 @@ class MessageStore:
             self._services.append(FlushRealTimeService(self.files))
         self.reput = ReputMessageService(self.files, self.commitlog.max_offset())
         self.commit = GroupCommit(self.files, self.reput, sync=self.group_commit is not None,
-                                  wake_service=self.group_commit.wakeup if self.group_commit else None)
+                                  service=self.group_commit)
         if self.group_commit is not None:
             self.group_commit.commit = self.commit
         self.reput.on_dispatched = Doorbell(self.root).ring  # wakes SimpleConsumers waiting in other processes
@@ -417,7 +417,6 @@ class MessageStore:
                     f"not flushed within syncFlushTimeout {self.config.syncFlushTimeout} ms"
         elif sync:
             self.commit.request_flush(wrote_offset + wrote_bytes)
-            self.group_commit.wakeup()
         if timed:
             metrics.record_put(t2 - t0, perf_counter() - t0)
         return result

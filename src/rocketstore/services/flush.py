@@ -67,7 +67,7 @@ class GroupCommitService(ServiceThread):
             self.commit.lead_as_service()
 
     def on_shutdown(self) -> None:
-        if self.commit is not None:
+        if self.commit is not None:  # leads what is left (its own thread: wait_flushed leads here)
             self.commit.wait_flushed(self.files.commitlog.max_offset(), 30.0)
 
 

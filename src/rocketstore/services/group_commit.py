@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CommitLogWriteError, StoreClosedError
 from ..format import codec
@@ -33,6 +33,7 @@ from .dispatch import HAND_OVER_LIMIT
 
 if TYPE_CHECKING:
     from ..storage.files import StoreFiles
+    from .base import ServiceThread
     from .dispatch import ReputMessageService
 
 log = logging.getLogger(__name__)
@@ -81,12 +82,12 @@ class GroupCommit:
     """The put path's commit queue (see the module docstring)."""
 
     def __init__(self, files: "StoreFiles", reput: "ReputMessageService | None", *, sync: bool,
-                 wake_service: Callable[[], None] | None = None) -> None:
+                 service: "ServiceThread | None" = None) -> None:
         self.files = files
         self.reput = reput
         self.sync = sync
-        self.wake_service = wake_service  # SYNC_FLUSH: asks the GroupCommitService thread to lead
-        self._m = threading.Lock()  # guards _pending, _leading, _service_leads
+        self.service = service  # SYNC_FLUSH: the GroupCommitService thread, which leads when asked to
+        self._m = threading.Lock()  # guards _pending, _leading, _service_leads (the lead passed, not yet taken)
         self._pending: list[GroupCommitRequest] = []
         self._leading = False
         self._service_leads = False
@@ -186,24 +187,26 @@ class GroupCommit:
 
     def _pass_lead(self, batch: list[GroupCommitRequest]) -> None:
         """Called with ``_m`` held and requests waiting: give the next rounds to the service or a producer."""
-        if self.sync and self.wake_service is not None:
+        service = self.service
+        if service is not None and not service.stopped:
             self._service_leads = True
-            self.wake_service()
+            service.wakeup()
         else:
             nxt = batch[0]
             nxt.lead = True
             nxt.park.release()
 
     def lead_as_service(self) -> None:
-        """The GroupCommitService's round: lead if it was asked to, or if nobody leads and a flush is wanted."""
+        """The GroupCommitService's round: lead if the lead was passed to it, or if nobody leads and there is
+        work (requests, or a flush asked for)."""
         with self._m:
-            if self._leading and not self._service_leads:
+            if self._leading:
+                if not self._service_leads:
+                    return  # a producer, or the service already, leads
+                self._service_leads = False  # the passed lead is taken (once)
+            elif not self._pending and not self._flush_wanted():
                 return
-            if not self._leading:
-                if not self._pending and not self._flush_wanted():
-                    return
-                self._leading = True
-            self._service_leads = True
+            self._leading = True
         self._lead(None)
 
     def _flush_wanted(self) -> bool:
@@ -211,8 +214,9 @@ class GroupCommit:
 
     def _round(self, batch: list[GroupCommitRequest]) -> None:
         """Write the batch in order under the put lock, hand it to the dispatcher, flush once if asked to."""
-        self.rounds += 1
-        self._write(batch)
+        if batch:
+            self.rounds += 1
+            self._write(batch)
         if not self.sync:
             return
         end = 0
@@ -315,24 +319,23 @@ class GroupCommit:
 
     # ------------------------------------------------------------ flush without a put
     def request_flush(self, next_offset: int) -> None:
-        """Ask for the log to be durable up to ``next_offset`` soon, without waiting (WAIT=false puts)."""
+        """Ask for the log to be durable up to ``next_offset`` soon, without waiting (WAIT=false puts): the
+        leader's next round or the service flushes it."""
         if next_offset > self.wanted:
             self.wanted = next_offset
+        if self.service is not None:
+            self.service.wakeup()
 
     def wait_flushed(self, next_offset: int, timeout: float) -> bool:
-        """Block until the log is durable up to ``next_offset``; False on timeout or a flush error."""
+        """Block until the log is durable up to ``next_offset``; False on timeout or a flush error.  (Not on the
+        put path: closing, ``wait_dispatched``.)"""
         queue = self.files.commitlog.queue
         self.request_flush(next_offset)
         deadline = time.monotonic() + timeout
         while queue.flushed_where < next_offset and not self.failed:
-            with self._m:
-                lead = not self._leading
-                if lead:
-                    self._leading = True
-            if lead:
-                self._lead(None)
-            elif time.monotonic() >= deadline:
-                return False
-            else:
-                time.sleep(0.0005)
+            if self.service is None or self.service.stopped or threading.current_thread() is self.service.thread:
+                self.lead_as_service()  # nobody else would
+            if queue.flushed_where >= next_offset or time.monotonic() >= deadline:
+                break
+            time.sleep(0.0005)
         return not self.failed and queue.flushed_where >= next_offset
