@@ -2,21 +2,25 @@
 
 RocketMQ's GroupCommitService swaps a list of flush requests: every producer
 waiting when a flush starts is answered by it.  Here the write is grouped too
-(flat combining): a producer publishes its encoded records as a request; the
-one producer that finds no leader becomes the leader, takes every request
-published so far, stamps and writes them under the put lock in one pass (one
-``pwritev``, the put order is the commit order), hands them to the dispatcher,
-calls ``fdatasync`` once when any of them waits for the disk, and then wakes
-each of them.  Producers arriving meanwhile only publish and sleep on a lock of
-their own: sixteen waiting producers cost one lock hand-over, one write and one
-flush, where each of them taking the put lock in turn queued sixteen threads
-for it and for the GIL.
+(flat combining).  A producer publishes its encoded records as a request; the
+one that finds no writer becomes the writer: it takes every request published
+so far, stamps and writes them under the put lock in one pass (one
+``pwritev``; the put order is the commit order) and hands them to the
+dispatcher.  Producers arriving meanwhile only publish and sleep on a lock of
+their own, once per put: sixteen waiting producers cost one lock hand-over and
+one write, where each taking the put lock in turn queued sixteen threads for it
+and for the GIL.
 
-A producer alone never leaves its own thread (no hand-off to a flush thread:
-that alone cost more than the put).  A leader leads one round for its own
-put; if requests wait when it is done, the rounds go on in the
-GroupCommitService thread (SYNC_FLUSH) or in the longest-waiting producer
-(ASYNC_FLUSH), so no producer's put is held up by other producers' rounds.
+Under SYNC_FLUSH the written requests then wait for a flush.  Writing and
+flushing overlap: one thread at a time flushes, ``fdatasync`` for everything
+written when it starts, and wakes every request it covered; what was written
+during that flush is covered by the next, which starts at once.  Nobody waits
+for producers to gather, so the disk never idles while puts wait, and a loaded
+machine (slow to wake threads) groups more rather than stalling.  A producer
+alone writes and flushes its own put in its own thread (a hand-off to a flush
+thread cost more than the put); once its put is durable it passes the flushing
+on to the GroupCommitService thread if others wait, so no producer is held up
+by other producers' flushes.
 """
 
 from __future__ import annotations
@@ -38,20 +42,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# A leader of ASYNC_FLUSH puts takes this many further rounds (each a few microseconds) before it passes the
-# lead to a waiting producer; one of SYNC_FLUSH puts passes it to the GroupCommitService thread at once.
-ASYNC_EXTRA_ROUNDS = 8
-# The service gathers the producers of the last round for about one flush's time, within these bounds.
-MIN_GATHER = 0.00005
-MAX_GATHER = 0.001
-_NEVER = 1 << 62
+# A writer takes this many further rounds (each a few microseconds) once its own put is written, before it
+# passes the writing to the longest-waiting producer.
+EXTRA_WRITE_ROUNDS = 8
 
 
 class GroupCommitRequest:
     """One put on its way to the log: the records of one topic/queue and, once written, where they went."""
 
     __slots__ = ("topic", "queue_id", "records", "dispatch", "store_timestamp", "assigns", "wait_flush",
-                 "written", "queue_offset", "error", "flushed", "lead", "park")
+                 "written", "end", "queue_offset", "error", "flushed", "lead", "park")
 
     def __init__(self, topic: str, queue_id: int, records: list[EncodedRecord], dispatch: tuple | None,
                  store_timestamp: int | None, wait_flush: bool) -> None:
@@ -63,10 +63,11 @@ class GroupCommitRequest:
         self.assigns = records[0][6] & codec.TRANSACTION_MASK in codec.QUEUED_TXN  # takes queue offsets
         self.wait_flush = wait_flush  # answered only once durable (SYNC_FLUSH, WAIT not false)
         self.written: tuple[int, int, int, list[int]] | None = None  # CommitLog.append's result
+        self.end = 0  # the commitlog offset after its records, once written
         self.queue_offset = 0
         self.error: BaseException | None = None  # why it was not written (raised in the producer)
         self.flushed = False
-        self.lead = False  # woken to lead the next rounds rather than with its put done
+        self.lead = False  # woken to write the next rounds rather than with its put done
         self.park: Any = None  # the lock this producer sleeps on
 
 
@@ -86,150 +87,107 @@ class GroupCommit:
         self.files = files
         self.reput = reput
         self.sync = sync
-        self.service = service  # SYNC_FLUSH: the GroupCommitService thread, which leads when asked to
-        self._m = threading.Lock()  # guards _pending, _leading, _service_leads (the lead passed, not yet taken)
+        self.service = service  # SYNC_FLUSH: the GroupCommitService thread, which flushes when asked to
+        self._m = threading.Lock()  # guards _pending and _writing
         self._pending: list[GroupCommitRequest] = []
-        self._leading = False
-        self._service_leads = False
+        self._writing = False
+        self._fm = threading.Lock()  # guards _waiters, _flushing, _service_flushes
+        self._waiters: list[GroupCommitRequest] = []  # written, waiting for a flush, in commit order
+        self._flushing = False
+        self._service_flushes = False  # the flushing was passed to the service and not yet taken up
         self.wanted = 0  # a flush asked for without waiting (WAIT=false puts, wait_flushed)
         self.failed = False
-        self._target = _NEVER  # the service waits for this many requests (see _lead)
-        self._arrived = threading.Event()
-        self.flush_seconds = 0.0  # how long a flush takes (moving average): how long the service gathers
-        self.rounds = 0  # rounds led (tests and the bench read how many puts one flush covered)
+        self.rounds = 0  # write rounds (tests and the bench read how many puts one write or flush covered)
         self.flushes = 0
 
     # ------------------------------------------------------------ producers
     def submit(self, req: GroupCommitRequest, timeout: float) -> None:
-        """Return once ``req`` is written (and durable, if it waits for the flush) or has failed."""
+        """Return once ``req`` is written (and durable, if it waits for the flush) or has failed; raises
+        PutRefused when it waited ``timeout`` without being written."""
         m = self._m
         with m:
-            pending = self._pending
-            pending.append(req)
-            if len(pending) >= self._target:
-                self._arrived.set()
-            lead = not self._leading
+            self._pending.append(req)
+            lead = not self._writing
             if lead:
-                self._leading = True
+                self._writing = True
             else:
                 park = req.park = threading.Lock()
                 park.acquire()
-        if lead:
-            self._lead(req)
-            return
-        if park.acquire(timeout=timeout):
-            if req.lead:
-                self._lead(req)
-            return
-        with m:  # timed out: not taken by a leader yet, taken, or just told to lead
-            if req.lead:
-                lead = True
-            elif any(r is req for r in self._pending):
-                self._pending.remove(req)
-                raise PutRefused("OS_PAGE_CACHE_BUSY", f"the put waited {timeout * 1000:.0f} ms (syncFlushTimeout) "
-                                 "for the commit of other puts and was not written")
-        if lead:
-            park.acquire()  # released by the leader that handed over
-            self._lead(req)
-            return
-        while req.written is None and req.error is None:  # taken: the write is microseconds away
+        if not lead:
+            if not park.acquire(timeout=timeout):
+                with m:  # not taken by a writer yet, taken, or just told to write
+                    if not req.lead and any(r is req for r in self._pending):
+                        self._pending.remove(req)
+                        raise PutRefused("OS_PAGE_CACHE_BUSY", f"the put waited {timeout * 1000:.0f} ms "
+                                         "(syncFlushTimeout) for the commit of other puts and was not written")
+                if not req.lead:
+                    self._wait_taken(req, timeout)
+                    return
+                park.acquire()  # released by the writer that passed the writing on
+            if not req.lead:
+                return  # written (and flushed, if it waits for that) by another thread
+        self._lead_writes(req)
+        if self.sync and req.wait_flush and req.written is not None:
+            self._await_flush(req, timeout)
+
+    def _wait_taken(self, req: GroupCommitRequest, timeout: float) -> None:
+        """A request a writer has taken: the write is microseconds away; the flush is waited for no longer."""
+        park = req.park
+        while req.written is None and req.error is None:
             park.acquire(timeout=0.001)
+        if req.wait_flush and not req.flushed:
+            with self._fm:
+                if any(r is req for r in self._waiters):
+                    self._waiters.remove(req)  # answered FLUSH_DISK_TIMEOUT
 
-    # ------------------------------------------------------------ the leader
-    def _lead(self, own: GroupCommitRequest | None) -> None:
-        """Run commit rounds until no request waits, or pass the lead on once ``own`` is done.
-
-        The service (``own`` None) waits, before a round, for the producers the last round answered to come
-        back, up to one flush's time: they need the GIL one after another to make their next put, and a
-        round started at once would flush for the first of them only and make the rest wait a whole flush
-        more (rounds alternating between one put and fifteen).
-        """
-        extra = 0 if self.sync else ASYNC_EXTRA_ROUNDS
-        gather = own is None and self.sync
-        last = 0  # puts in the last round
-        waited = False
+    # ------------------------------------------------------------ writing
+    def _lead_writes(self, own: GroupCommitRequest) -> None:
+        """Write rounds until no request waits, or pass the writing on a few rounds after ``own`` is written."""
+        extra = EXTRA_WRITE_ROUNDS
+        sync = self.sync
         while True:
-            wait = False
             with self._m:
                 batch = self._pending
-                if gather and not waited and len(batch) < last:
-                    self._target = last
-                    self._arrived.clear()
-                    wait = True
-                elif not batch and not (own is None and self.sync and self._flush_wanted()):
-                    self._leading = self._service_leads = False
-                    return
-                elif own is not None and (own.written is not None or own.error is not None):
-                    if extra <= 0:  # own put answered: the next rounds are someone else's
-                        self._pass_lead(batch)
-                        return
+                if not batch:
+                    self._writing = False
+                    break
+                if own.written is not None or own.error is not None:
+                    if extra <= 0:
+                        nxt = batch[0]  # still published: it takes the batch itself
+                        nxt.lead = True
+                        nxt.park.release()
+                        break
                     extra -= 1
-                if not wait:
-                    self._pending = []
-            if wait:
-                self._arrived.wait(min(MAX_GATHER, max(MIN_GATHER, self.flush_seconds)))
-                self._target = _NEVER
-                waited = True
-                continue
-            waited = False
-            last = len(batch)
+                self._pending = []
+            waiting: list[GroupCommitRequest] = []
             try:
-                self._round(batch)
-            except BaseException as e:  # each put of the round fails with it; the lead goes on
+                self.rounds += 1
+                self._write(batch)
+            except BaseException as e:  # each put of the round fails with it; the writing goes on
                 log.exception("%s: a group commit round failed", self.files.root)
                 for r in batch:
                     if r.written is None and r.error is None:
                         r.error = e
             finally:
                 for r in batch:
-                    if r is not own and r.park is not None:
+                    if sync and r.wait_flush and r.written is not None:
+                        if r is own:
+                            r.park = threading.Lock()
+                            r.park.acquire()
+                        waiting.append(r)
+                    elif r is not own and r.park is not None:
                         r.park.release()
-
-    def _pass_lead(self, batch: list[GroupCommitRequest]) -> None:
-        """Called with ``_m`` held and requests waiting: give the next rounds to the service or a producer."""
-        service = self.service
-        if service is not None and not service.stopped:
-            self._service_leads = True
-            service.wakeup()
-        else:
-            nxt = batch[0]
-            nxt.lead = True
-            nxt.park.release()
-
-    def lead_as_service(self) -> None:
-        """The GroupCommitService's round: lead if the lead was passed to it, or if nobody leads and there is
-        work (requests, or a flush asked for)."""
-        with self._m:
-            if self._leading:
-                if not self._service_leads:
-                    return  # a producer, or the service already, leads
-                self._service_leads = False  # the passed lead is taken (once)
-            elif not self._pending and not self._flush_wanted():
-                return
-            self._leading = True
-        self._lead(None)
-
-    def _flush_wanted(self) -> bool:
-        return self.wanted > self.files.commitlog.queue.flushed_where and not self.failed
-
-    def _round(self, batch: list[GroupCommitRequest]) -> None:
-        """Write the batch in order under the put lock, hand it to the dispatcher, flush once if asked to."""
-        if batch:
-            self.rounds += 1
-            self._write(batch)
-        if not self.sync:
-            return
-        end = 0
-        flush = False
-        for r in batch:
-            if r.written is not None:
-                end = r.written[0] + r.written[1]
-                flush |= r.wait_flush
-        if flush or self._flush_wanted():
-            ok = self._flush_up_to(max(end, self.wanted))
-            for r in batch:
-                r.flushed = ok and r.written is not None and r.written[0] + r.written[1] <= \
-                    self.files.commitlog.queue.flushed_where
+                if waiting:
+                    with self._fm:
+                        self._waiters += waiting
+                        lead = not self._flushing
+                        if lead:
+                            self._flushing = True
+                    if lead and own.wait_flush is False:
+                        self._lead_flushes(None, once=True)  # no one else would flush for them now
+                    elif lead:
+                        self._lead_flushes(own)
+                        extra = 0  # own put durable: hand the writing on at the next round
 
     def _write(self, batch: list[GroupCommitRequest]) -> None:
         files = self.files
@@ -268,6 +226,7 @@ class GroupCommit:
                 results, error = commitlog.append_units(units)
             for r, res in zip(taken, results):
                 r.written = res
+                r.end = res[0] + res[1]
             if error is not None:
                 self._fail_unwritten(taken[len(results):], error)
             reput = self.reput
@@ -302,11 +261,70 @@ class GroupCommit:
         for r in failed:
             r.error = refused
 
+    # ------------------------------------------------------------ flushing
+    def _await_flush(self, own: GroupCommitRequest, timeout: float) -> None:
+        """The writer's own put, written: wait for the flush under way to cover it (the writer flushed
+        already if none was)."""
+        if own.flushed or self.failed:
+            return
+        if not own.park.acquire(timeout=timeout):
+            with self._fm:
+                if any(r is own for r in self._waiters):
+                    self._waiters.remove(own)
+
+    def _lead_flushes(self, own: GroupCommitRequest | None, once: bool = False) -> None:
+        """Flush (``_flushing`` is set) for everything written, wake the requests covered, and go on while
+        requests wait; a producer (``own``) passes that on to the service once its own put is durable."""
+        queue = self.files.commitlog.queue
+        while True:
+            ok = self._flush_up_to(self.files.commitlog.max_offset())
+            with self._fm:
+                done = queue.flushed_where
+                waiters = self._waiters
+                i = 0
+                for r in waiters:
+                    if r.end > done and ok:
+                        break
+                    r.flushed = ok
+                    i += 1
+                covered = waiters[:i]
+                del waiters[:i]
+                stop = not waiters and not self._flush_wanted()
+                if stop:
+                    self._flushing = False
+                elif own is not None or once:
+                    service = self.service
+                    if service is not None and not service.stopped:
+                        self._service_flushes = True
+                        service.wakeup()
+                        stop = True
+            for r in covered:
+                if r is not own:
+                    r.park.release()
+            if stop:
+                return
+            own = None  # (the service is gone: this thread goes on flushing for the others)
+
+    def lead_as_service(self) -> None:
+        """The GroupCommitService's round: flush if the flushing was passed to it, or if nobody flushes and
+        something waits for it (requests, or a flush asked for without waiting)."""
+        with self._fm:
+            if self._flushing:
+                if not self._service_flushes:
+                    return  # a producer, or the service already, flushes
+                self._service_flushes = False  # taken up (once)
+            elif not self._waiters and not self._flush_wanted():
+                return
+            self._flushing = True
+        self._lead_flushes(None)
+
+    def _flush_wanted(self) -> bool:
+        return self.wanted > self.files.commitlog.queue.flushed_where and not self.failed
+
     def _flush_up_to(self, target: int) -> bool:
         """fdatasync until the log is durable up to ``target`` (the rounds cross segments); False on an error."""
         files = self.files
         queue = files.commitlog.queue
-        t0 = time.perf_counter()
         for _ in range(1000):
             if queue.flushed_where >= target:
                 break
@@ -314,7 +332,6 @@ class GroupCommit:
             if not files.flush_commitlog(0, True) and files.flush_error:
                 self.failed = True
                 return False
-        self.flush_seconds += (time.perf_counter() - t0 - self.flush_seconds) / 8
         return queue.flushed_where >= target
 
     # ------------------------------------------------------------ flush without a put
