@@ -247,3 +247,47 @@ def test_an_acknowledged_sync_put_survives_a_power_cut(tmp_path):
             m = again.look(off)
             assert m.body == _body(i, k) and m.queue_offset == qoff
             assert [x.body for x in again.get("GC", i % 3, qoff, 1).messages] == [_body(i, k)]
+
+
+def test_puts_waiting_on_a_stuck_flush_time_out_saying_whether_they_were_written(tmp_path, monkeypatch):
+    """syncFlushTimeout: a put written but not yet durable is answered FLUSH_DISK_TIMEOUT with its offsets; a put
+    not even written (the writer is the one stuck in fdatasync) is refused OS_PAGE_CACHE_BUSY and never
+    written; the stuck flush's own put is answered once the disk returns."""
+    gate = threading.Event()
+    stuck = threading.Event()
+    real = mapped_file_mod.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        if "/commitlog/" in os.readlink(f"/proc/self/fd/{fd}") and not gate.is_set():
+            stuck.set()
+            gate.wait(10)
+        real(fd)
+    cfg = StoreConfig(flushDiskType="SYNC_FLUSH", syncFlushTimeout=300)
+    with MessageStore.open(str(tmp_path / "s"), cfg) as store:
+        gate.set()
+        assert store.put(Message("GC", b"before")).ok
+        monkeypatch.setattr(mapped_file_mod, "fdatasync", fdatasync)
+        gate.clear()
+        # The service flushes for a WAIT=false put and sticks; a put written meanwhile waits for that flush.
+        assert store.put(Message("GC", b"nowait", properties={"WAIT": "false"})).ok
+        assert stuck.wait(5)
+        written = store.put(Message("GC", b"written"))
+        assert written.status is PutMessageStatus.FLUSH_DISK_TIMEOUT and written.commit_log_offset > 0
+        gate.set()
+        assert store.wait_dispatched(10)
+        assert store.look(written.commit_log_offset).body == b"written"
+        # Now the writer itself is stuck in fdatasync: the put behind it is not written at all.
+        gate.clear()
+        stuck.clear()
+        first: list = []
+        t = threading.Thread(target=lambda: first.append(store.put(Message("GC", b"leader"))))
+        t.start()
+        assert stuck.wait(5)
+        end = store.commitlog.max_offset()
+        refused = store.put(Message("GC", b"refused"))
+        assert refused.status is PutMessageStatus.OS_PAGE_CACHE_BUSY and "not written" in refused.error
+        gate.set()
+        t.join(10)
+        assert first[0].ok and store.commitlog.max_offset() == end
+        assert store.wait_dispatched(10)
+        assert [m.body for m in store.get("GC", 0, 0, 10).messages] == [b"before", b"nowait", b"written", b"leader"]
