@@ -30,8 +30,9 @@ from .queues.simple_consumer import SimpleConsumer
 from .queues.timer import TIMER_TOPIC, TimerService, deliver_time, wrap as timer_record
 from .recovery.load import StoreLoader, boot_id
 from .services.clean import CleanService, DiskGuard, DiskGuardService, disk_usage_ratio
-from .services.dispatch import HAND_OVER_LIMIT, ReputMessageService
+from .services.dispatch import ReputMessageService
 from .services.flush import CheckpointService, FlushConsumeQueueService, FlushRealTimeService, GroupCommitService
+from .services.group_commit import GroupCommit, GroupCommitRequest, PutRefused
 from .services.metrics import SAMPLE_EVERY, MetricsService, StoreMetrics, snapshot as metrics_snapshot
 from .services.warm_ahead import WarmAheadService
 from .storage.consume_queue import LOWER, ConsumeQueue
@@ -68,6 +69,7 @@ class MessageStore:
         self._services: list[Any] = []
         self.reput: ReputMessageService | None = None
         self.group_commit: GroupCommitService | None = None
+        self.commit = GroupCommit(self.files, None, sync=False)  # the put path; remade with the services
         self.timer: TimerService | None = None  # delay messages: runs in the writable store with its services
         # moves messages that receivers in read-only processes parked for the DLQ (rocketstore.queues.revive)
         self.dead_letters: DeadLetterService | None = None
@@ -162,6 +164,10 @@ class MessageStore:
         else:
             self._services.append(FlushRealTimeService(self.files))
         self.reput = ReputMessageService(self.files, self.commitlog.max_offset())
+        self.commit = GroupCommit(self.files, self.reput, sync=self.group_commit is not None,
+                                  service=self.group_commit)
+        if self.group_commit is not None:
+            self.group_commit.commit = self.commit
         self.reput.on_dispatched = Doorbell(self.root).ring  # wakes SimpleConsumers waiting in other processes
         self._services += [self.reput, FlushConsumeQueueService(self.files), CheckpointService(self.files)]
         self._services += [self.clean_service, DiskGuardService(self.disk_guard), MetricsService(self.root, self._metrics_snapshot)]
@@ -234,7 +240,7 @@ class MessageStore:
         if self.reput is None:
             return True
         if self.group_commit is not None:
-            self.group_commit.wait_flushed(self.commitlog.max_offset(), timeout)
+            self.commit.wait_flushed(self.commitlog.max_offset(), timeout)
         return self.reput.wait_dispatched(self.files.confirm_offset(), timeout)
 
     # The broker's loop puts and dispatches in one thread (ASYNC_FLUSH); these let it without reaching
@@ -383,61 +389,43 @@ class MessageStore:
 
     def _append(self, topic: str, queue_id: int, records: list[codec.EncodedRecord], dispatch: tuple | None,
                 store_timestamp: int | None, store_host: Any, first: Message | None) -> PutMessageResult:
-        """The put under the lock: stamp and write the records, hand them to the dispatcher, then the flush
-        (a synchronous flush is waited for when ``first`` asks to; None: never)."""
+        """The put through the group commit: the records are stamped, written and handed to the dispatcher
+        with the other producers' waiting at the same time, then flushed with them (a synchronous flush is
+        waited for when ``first`` asks to; None: never)."""
         metrics = self.metrics
         n = metrics.puts
         metrics.puts = n + 1
         timed = not n & _UNSAMPLED
         t0 = perf_counter() if timed else 0.0
-        key = (topic, queue_id)
-        assigns = records[0][6] & codec.TRANSACTION_MASK in codec.QUEUED_TXN
-        files = self.files  # (no descriptor hop per attribute on the put path)
-        commitlog = files.commitlog
-        with commitlog.put_lock:
-            t1 = perf_counter() if timed else 0.0
-            if files.closed:
-                raise StoreClosedError(f"{self.root}: store is closed")
-            table = files.topic_queue_table
-            qoff = table.get(key, 0) if assigns else None
-            try:
-                wrote_offset, wrote_bytes, store_ts, offsets = commitlog.append(records, qoff, store_timestamp)
-            except codec.MessageTooLarge as e:
-                return PutMessageResult(PutMessageStatus.MESSAGE_ILLEGAL, error=str(e))
-            except CommitLogWriteError as e:  # nothing acknowledged; stop taking writes, as after a flush error
-                self.running_flags.make_not_writeable(str(e))
-                log.error("%s: %s; store is now read-only", self.root, e)
-                return PutMessageResult(PutMessageStatus.UNKNOWN_ERROR, error=str(e))
-            except OSError as e:
-                where = e.filename or self.paths.commitlog
-                return PutMessageResult(PutMessageStatus.CREATE_MAPPED_FILE_FAILED,
-                                        error=f"cannot create commitlog segment {where}: {e.strerror or e}")
-            if assigns:
-                table[key] = qoff + len(records)
-            # Else the dispatcher decodes these records from the log: so too past HAND_OVER_LIMIT puts not yet
-            # dispatched (a stalled flush under SYNC_FLUSH), which bounds what the hand-over holds in memory.
-            if dispatch is not None and len(self.reput.handed_over) < HAND_OVER_LIMIT:
-                self.reput.hand_over((wrote_offset, wrote_offset + wrote_bytes, topic, queue_id,
-                                      qoff if assigns else -1, store_ts, records[0][6] & codec.TRANSACTION_MASK,
-                                      offsets, codec.record_sizes(records),
-                                      *dispatch))
-            t2 = perf_counter() if timed else 0.0
+        sync = self.group_commit is not None
+        wait = sync and first is not None and _wait_store_msg_ok(first)
+        req = GroupCommitRequest(topic, queue_id, records, dispatch, store_timestamp, wait)
+        try:
+            self.commit.submit(req, self.config.syncFlushTimeout / 1000)
+        except PutRefused as e:
+            return PutMessageResult(PutMessageStatus(e.status), error=str(e))
+        written = req.written
+        if written is None:
+            e = req.error
+            if isinstance(e, PutRefused):
+                return PutMessageResult(PutMessageStatus(e.status), error=str(e))
+            raise e if e is not None else CommitLogWriteError(f"{self.root}: a put was neither written nor refused")
+        wrote_offset, wrote_bytes, store_ts, offsets = written
+        t2 = perf_counter() if timed else 0.0
         # (positional arguments and the shared default host tuple: a quarter fewer instructions for the result)
-        result = PutMessageResult(PutMessageStatus.PUT_OK, wrote_offset, wrote_bytes, qoff if assigns else 0, "",
-                                  store_ts, len(records), None,
+        result = PutMessageResult(PutMessageStatus.PUT_OK, wrote_offset, wrote_bytes,
+                                  req.queue_offset if req.assigns else 0, "", store_ts, len(records), None,
                                   DEFAULT_STORE_HOST if store_host is None else host_tuple(store_host),
                                   offsets if len(records) > 1 else None)
-        gc = self.group_commit
-        if gc is not None:
-            if first is not None and _wait_store_msg_ok(first):
-                if not gc.wait_flushed(wrote_offset + wrote_bytes, self.config.syncFlushTimeout / 1000):
-                    result.status = PutMessageStatus.FLUSH_DISK_TIMEOUT
-                    result.error = self.flush_error or \
-                        f"not flushed within syncFlushTimeout {self.config.syncFlushTimeout} ms"
-            else:
-                gc.request(wrote_offset + wrote_bytes)
+        if wait:
+            if not req.flushed:
+                result.status = PutMessageStatus.FLUSH_DISK_TIMEOUT
+                result.error = self.flush_error or \
+                    f"not flushed within syncFlushTimeout {self.config.syncFlushTimeout} ms"
+        elif sync:
+            self.commit.request_flush(wrote_offset + wrote_bytes)
         if timed:
-            metrics.record_put(t2 - t1, perf_counter() - t0)
+            metrics.record_put(t2 - t0, perf_counter() - t0)
         return result
 
     # ------------------------------------------------------------ retention

@@ -182,8 +182,8 @@ def test_dispatch_ready_without_an_index(tmp_path):
 def test_hand_over_is_bounded_and_the_rest_is_decoded_from_the_log(tmp_path, monkeypatch):
     """While the dispatcher is stalled, at most HAND_OVER_LIMIT puts wait in memory; the later ones are
     dispatched from the log once it resumes, each exactly once, keys and tags included."""
-    import rocketstore.store
-    monkeypatch.setattr(rocketstore.store, "HAND_OVER_LIMIT", 50)
+    import rocketstore.services.group_commit
+    monkeypatch.setattr(rocketstore.services.group_commit, "HAND_OVER_LIMIT", 50)  # read by the group commit
     with MessageStore.open(str(tmp_path / "s")) as store:
         assert store.put(Message("T", b"first", queue_id=0)).ok
         assert store.wait_dispatched(10)

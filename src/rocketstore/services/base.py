@@ -32,6 +32,10 @@ class ServiceThread:
         self._wake.set()
 
     @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    @property
     def stopped(self) -> bool:
         return self._stopped.is_set()
 

@@ -8,15 +8,14 @@ A failing ``fdatasync`` (EIO, ENOSPC) turns the store read-only with the reason.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import deque
 from typing import TYPE_CHECKING
 
 from .base import ServiceThread
 
 if TYPE_CHECKING:
     from ..storage.files import StoreFiles
+    from .group_commit import GroupCommit
 
 log = logging.getLogger(__name__)
 
@@ -46,18 +45,14 @@ class FlushRealTimeService(ServiceThread):
 
 
 class GroupCommitService(ServiceThread):
-    """SYNC_FLUSH: one fdatasync serves every producer waiting when it starts.
+    """SYNC_FLUSH: leads the group commit's rounds (services.group_commit) while producers keep coming.
 
-    Leader/follower: a producer that finds no flush under way calls
-    ``fdatasync`` itself, for everything written so far; producers arriving
-    meanwhile park, each on a lock of its own.  When the flush returns, the
-    leader wakes the first producer it covered and each woken producer wakes
-    the next before it returns: one thread at a time asks for the GIL, where
-    waking them all at once had sixteen threads fight for it (and for a shared
-    condition lock) on two cores.  The first producer left over, if any, is
-    woken to lead the next flush, which then overlaps with the rest of the
-    chain.  There is no hand-off to another thread on the hot path; the service
-    thread only flushes for messages put with ``WAIT=false``.
+    A producer alone writes and flushes its own put in its own thread.  When
+    others wait once its round is done, it passes the lead here and returns;
+    this thread then takes every waiting put, writes them with one gathered
+    write, calls ``fdatasync`` once and wakes them, round after round, until
+    none waits (RocketMQ's GroupCommitService swapping its request lists).
+    It also flushes for messages put with ``WAIT=false``.
     """
 
     name = "GroupCommitService"
@@ -65,92 +60,15 @@ class GroupCommitService(ServiceThread):
     def __init__(self, files: "StoreFiles") -> None:
         super().__init__(interval=0.01)
         self.files = files
-        self._lock = threading.Lock()  # guards _flushing and _parked
-        self._flushing = False
-        self._parked: list[tuple[int, threading.Lock]] = []  # (offset to be durable, the producer's parking lock)
-        self._to_wake: deque[threading.Lock] = deque()  # released by the last flush, woken one after another
-        self._wanted = 0
-        self.failed = False
-
-    def wait_flushed(self, next_offset: int, timeout: float) -> bool:
-        """Block until the log is durable up to ``next_offset``; False on timeout or a flush error."""
-        queue = self.files.commitlog.queue
-        deadline = time.monotonic() + timeout
-        while queue.flushed_where < next_offset and not self.failed:
-            with self._lock:
-                if queue.flushed_where >= next_offset or self.failed:
-                    break
-                lead = not self._flushing
-                if lead:
-                    self._flushing = True
-                else:
-                    park = threading.Lock()
-                    park.acquire()
-                    self._parked.append((next_offset, park))
-            if lead:
-                self._flush_up_to(self.files.commitlog.max_offset())
-            elif not self._park(next_offset, park, deadline):
-                return False
-        return not self.failed and queue.flushed_where >= next_offset
-
-    def _park(self, next_offset: int, park: threading.Lock, deadline: float) -> bool:
-        """Wait to be woken by a flush (then wake the next producer); False on timeout."""
-        if not park.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            with self._lock:
-                if (next_offset, park) in self._parked:
-                    self._parked.remove((next_offset, park))
-                    return False
-            park.acquire()  # a flush has just released it: take part in the chain after all
-        self._wake_next()
-        return True
-
-    def _wake_next(self) -> None:
-        try:
-            self._to_wake.popleft().release()
-        except IndexError:
-            pass
-
-    def request(self, next_offset: int) -> None:
-        """Ask for a flush without waiting (WAIT=false messages)."""
-        with self._lock:
-            if next_offset > self._wanted:
-                self._wanted = next_offset
-        self.wakeup()
-
-    def _flush_up_to(self, target: int) -> None:
-        """Flush as the leader (``_flushing`` is set), then wake the producers it covered, one after another."""
-        files = self.files
-        queue = files.commitlog.queue
-        try:
-            for _ in range(1000):
-                if queue.flushed_where >= target:
-                    break
-                if not files.flush_commitlog(0, True) and files.flush_error:
-                    self.failed = True
-                    break
-        finally:
-            with self._lock:
-                self._flushing = False
-                done = queue.flushed_where
-                covered = [p for off, p in self._parked if off <= done or self.failed]
-                self._parked = [(off, p) for off, p in self._parked if off > done and not self.failed]
-                if self._parked:  # the first producer left over leads the next flush
-                    covered.append(self._parked.pop(0)[1])
-                self._to_wake.extend(covered)
-            self._wake_next()
+        self.commit: "GroupCommit | None" = None  # set by the store once the dispatcher exists
 
     def run_once(self) -> None:
-        if self.files.commitlog.queue.flushed_where >= self._wanted:
-            return
-        with self._lock:
-            if self._flushing:
-                return
-            self._flushing = True
-        self._flush_up_to(self._wanted)
+        if self.commit is not None:
+            self.commit.lead_as_service()
 
     def on_shutdown(self) -> None:
-        self._wanted = self.files.commitlog.max_offset()
-        self.run_once()
+        if self.commit is not None:  # leads what is left (its own thread: wait_flushed leads here)
+            self.commit.wait_flushed(self.files.commitlog.max_offset(), 30.0)
 
 
 class FlushConsumeQueueService(ServiceThread):

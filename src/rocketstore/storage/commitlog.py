@@ -100,6 +100,80 @@ class CommitLog:
             w.wake()
         return base + first, total, ts, offsets
 
+    def append_units(self, units: list[tuple[list[EncodedRecord], int | None, int | None]]
+                     ) -> tuple[list[AppendResult], BaseException | None]:
+        """Append several puts' records (each a unit of one topic/queue, see :meth:`append`) in the order given,
+        with one gathered write per segment they land in: the group commit's one write for many producers.
+
+        Each unit is ``(records, queue_offset, store_timestamp)``; every unit must fit a segment (the caller
+        checked, as :meth:`append` would refuse it alone).  Returns the results of the units written, in
+        order, and the error that stopped the rest (a segment that cannot be made, a failed write), or None.
+        Units before the error are written and stay; the failed one and those after it are not written.
+        Must be called with ``put_lock`` held.
+        """
+        done: list[AppendResult] = []
+        now = int(self.clock() * 1000)
+        size = self.file_size
+        f: MappedFile | None = None
+        iov: list[bytes] = []
+        unwritten: list[AppendResult] = []  # the units in ``iov``
+        pos = base = 0
+        try:
+            for records, queue_offset, store_timestamp in units:
+                total = codec.records_size(records)
+                if f is None:
+                    f = self.queue.last_for_append(0)
+                    pos, base = f.wrote_position, f.file_from_offset
+                if total + BLANK_RECORD_SIZE > size - pos:  # to the next segment, whole
+                    self._write_units(f, iov, unwritten, done)
+                    iov, unwritten = [], []
+                    f.append(codec.blank_record(size - pos))
+                    f.wrote_position = size
+                    f = self.queue.last_for_append(0)
+                    pos, base = f.wrote_position, f.file_from_offset
+                ts = now if store_timestamp is None else store_timestamp
+                parts, offsets = codec.batch_parts(records, queue_offset or 0, 0 if queue_offset is None else 1,
+                                                   base + pos, ts)
+                iov += parts
+                unwritten.append((base + pos, total, ts, offsets))
+                pos += total
+            if f is not None:
+                self._write_units(f, iov, unwritten, done)
+        except (OSError, CommitLogWriteError) as e:
+            return done, e
+        w = self.warmer
+        if w is not None and done and done[-1][0] + done[-1][1] > w.wake_at:
+            w.wake()
+        return done, None
+
+    def _write_units(self, f: MappedFile, iov: list[bytes], units: list[AppendResult],
+                     done: list[AppendResult]) -> None:
+        """Write the gathered buffers of ``units`` at the file's write position, then move it past them."""
+        if not units:
+            return
+        end = units[-1][0] + units[-1][1] - f.file_from_offset
+        self._write_iov(f, iov, f.wrote_position, end - f.wrote_position)
+        f.wrote_position = end
+        f.store_timestamp = units[-1][2]
+        done += units
+
+    def _write_iov(self, f: MappedFile, iov: list[bytes], pos: int, total: int) -> None:
+        """pwritev ``iov`` (``total`` bytes) at file position ``pos``; CommitLogWriteError on failure."""
+        at = pos
+        try:
+            for i in range(0, len(iov), IOV_CHUNK):
+                chunk = iov[i:i + IOV_CHUNK]
+                want = sum(map(len, chunk))
+                done = os.pwritev(f.fd, chunk, pos)
+                if done < want:  # a short write (rare on a regular file): finish it from one buffer
+                    rest = memoryview(b"".join(chunk))
+                    while done < want:
+                        done += os.pwrite(f.fd, rest[done:], pos + done)
+                pos += want
+        except OSError as e:
+            raise CommitLogWriteError(f"{f.path}: write of {total} bytes at file position {at} "
+                                      f"failed: {e.strerror or e}") from None
+
     def _write_gathered(self, f: MappedFile, records: list[EncodedRecord], queue_offset: int | None, ts: int,
                         total: int) -> list[int]:
         """Write the records with ``pwritev``: each record's header, body and tail straight from their buffers.
@@ -115,20 +189,7 @@ class CommitLog:
         """
         iov, offsets = codec.batch_parts(records, queue_offset or 0, 0 if queue_offset is None else 1,
                                          f.file_from_offset + f.wrote_position, ts)
-        pos = f.wrote_position
-        try:
-            for i in range(0, len(iov), IOV_CHUNK):
-                chunk = iov[i:i + IOV_CHUNK]
-                want = sum(map(len, chunk))
-                done = os.pwritev(f.fd, chunk, pos)
-                if done < want:  # a short write (rare on a regular file): finish it from one buffer
-                    rest = memoryview(b"".join(chunk))
-                    while done < want:
-                        done += os.pwrite(f.fd, rest[done:], pos + done)
-                pos += want
-        except OSError as e:
-            raise CommitLogWriteError(f"{f.path}: write of {total} bytes at file position {f.wrote_position} "
-                                      f"failed: {e.strerror or e}") from None
+        self._write_iov(f, iov, f.wrote_position, total)
         return offsets
 
     # ------------------------------------------------------------ reading
