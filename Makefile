@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(BIN)/python -m rocketstore.cli.demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile  # two workers, each test file on one (its fixtures start once)
 
 bench: $(STAMP)
 	$(BIN)/rocketstore bench
