@@ -109,3 +109,13 @@ def spark_cluster(tmp_path_factory):
         pytest.skip("java not found (JAVA_HOME or PATH): the Spark cluster tests need Java 17+")
     with start(tmp_path_factory.mktemp("spark-cluster")) as cluster:
         yield cluster
+
+
+def short_pwritev(calls: list):
+    """A stand-in for ``os.pwritev`` that writes only a third of what it is given (ending mid-record) and notes
+    each call's offset in ``calls``: pwritev may write less than asked, and the rest must follow."""
+    def short(fd, buffers, offset):
+        calls.append(offset)
+        data = b"".join(buffers)
+        return os.pwrite(fd, data[:len(data) // 3], offset)
+    return short

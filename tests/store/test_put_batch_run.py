@@ -22,6 +22,8 @@ from rocketstore.format import codec
 from rocketstore.format.encoder import MessageEncoder
 from rocketstore.format.run import CONTIGUOUS_MAX_BODY, RecordRun
 
+from conftest import short_pwritev
+
 NOW = 1795400000.123  # a fixed clock (seconds): every put stamps this store time
 
 
@@ -207,10 +209,7 @@ def test_a_short_write_of_a_run_is_finished(tmp_path, monkeypatch, sizes):
     real = os.pwritev
     calls = []
 
-    def short(fd, buffers, offset):
-        calls.append(offset)
-        data = b"".join(buffers)
-        return os.pwrite(fd, data[:len(data) // 3], offset)  # a third, ending mid-record
+    short = short_pwritev(calls)
     msgs = [Message("T", bytes([i]) * n) for i, n in enumerate(sizes)]
     with MessageStore.open(str(tmp_path / "s"), _config(1024 * 1024)) as store:
         monkeypatch.setattr(commitlog.os, "pwritev", short)

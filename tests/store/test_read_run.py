@@ -5,7 +5,9 @@ single-bit flip in a record's header, topic, properties and body: same status, n
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -38,25 +40,31 @@ def _both(path: str, monkeypatch: pytest.MonkeyPatch, flip: tuple[int, int] | No
     ``flip`` (commitlog offset, bit mask) is applied to the segment after the store is open and undone after:
     the damage a read meets that the open's recovery did not see (which would cut the log there)."""
     runs, units = [], []
-    seg = os.path.join(path, SEG)
+    with _flipped(path, flip) as s:
+        for want in (runs, units):
+            if want is units:
+                monkeypatch.setattr(codec, "unit_run_head", lambda topic_bytes: None)
+            for off in (0, VICTIM - 1, VICTIM, VICTIM + 1):
+                for read_body in (True, False):
+                    want.append(_outcome(s, off, read_body))
+            monkeypatch.undo()
+    return runs, units
+
+
+@contextlib.contextmanager
+def _flipped(path: str, flip: tuple[int, int] | None) -> Iterator[MessageStore]:
+    """The store opened read-only with ``flip`` (commitlog offset, bit mask) applied to its segment, undone after."""
     with MessageStore.open(path, _config(), read_only=True) as s:
-        fd = os.open(seg, os.O_RDWR)
+        fd = os.open(os.path.join(path, SEG), os.O_RDWR)
         try:
             if flip is not None:
                 old = os.pread(fd, 1, flip[0])
                 os.pwrite(fd, bytes([old[0] ^ flip[1]]), flip[0])
-            for want in (runs, units):
-                if want is units:
-                    monkeypatch.setattr(codec, "unit_run_head", lambda topic_bytes: None)
-                for off in (0, VICTIM - 1, VICTIM, VICTIM + 1):
-                    for read_body in (True, False):
-                        want.append(_outcome(s, off, read_body))
-                monkeypatch.undo()
+            yield s
         finally:
             if flip is not None:
                 os.pwrite(fd, old, flip[0])
             os.close(fd)
-    return runs, units
 
 
 @pytest.fixture(scope="module")
@@ -154,21 +162,11 @@ def _batch(store: MessageStore, offset: int, count: int, names: list[str] | None
 
 def _batch_and_gets(path: str, flip: tuple[int, int] | None = None) -> tuple[list, list]:
     batches, gets = [], []
-    seg = os.path.join(path, SEG)
-    with MessageStore.open(path, _config(), read_only=True) as s:
-        fd = os.open(seg, os.O_RDWR)
-        try:
-            if flip is not None:
-                old = os.pread(fd, 1, flip[0])
-                os.pwrite(fd, bytes([old[0] ^ flip[1]]), flip[0])
-            for off in (0, VICTIM - 1, VICTIM, VICTIM + 1):
-                for names in (None, BODYLESS):
-                    batches.append(_batch(s, off, N, names))
-                    gets.append(_gets(s, off, N, names))
-        finally:
-            if flip is not None:
-                os.pwrite(fd, old, flip[0])
-            os.close(fd)
+    with _flipped(path, flip) as s:
+        for off in (0, VICTIM - 1, VICTIM, VICTIM + 1):
+            for names in (None, BODYLESS):
+                batches.append(_batch(s, off, N, names))
+                gets.append(_gets(s, off, N, names))
     return batches, gets
 
 

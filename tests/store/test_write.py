@@ -14,7 +14,7 @@ import pytest
 from rocketstore import (ConfigError, GetMessageStatus, Message, MessageStore, PutMessageStatus, StoreClosedError,
                            StoreConfig, StoreLoadError, StoreLockedError)
 from rocketstore.config import golden_config
-from conftest import GOLDEN, GOLDEN_NAMES, golden_expected, golden_queries, golden_store, run_cli
+from conftest import GOLDEN, GOLDEN_NAMES, golden_expected, golden_queries, golden_store, run_cli, short_pwritev
 from helpers.workloads import mixed_puts
 
 
@@ -408,10 +408,7 @@ def test_a_short_gathered_write_is_finished(tmp_path, monkeypatch):
     real = os.pwritev
     calls = []
 
-    def short(fd, buffers, offset):
-        calls.append(offset)
-        data = b"".join(buffers)
-        return os.pwrite(fd, data[:len(data) // 3], offset)  # a third, ending mid-record
+    short = short_pwritev(calls)
     with MessageStore.open(str(tmp_path / "s")) as store:
         monkeypatch.setattr(commitlog.os, "pwritev", short)
         msgs = [Message("T", bytes([i]) * (100 + i), keys=f"k{i}") for i in range(40)]

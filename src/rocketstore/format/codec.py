@@ -556,6 +556,16 @@ def decode_run(buf: Any, units: tuple[int, ...], j: int, base: int, wrote: int, 
     n0, total = len(out), 0
     shape_size = bl = pl = -1  # the size, body length and properties length ``unpack`` reads
     unpack: Any = None
+
+    def shape(size: int, bl: int) -> tuple[int, Any] | None:
+        """(properties length, whole-record unpack) of a ``size``-byte record with a ``bl``-byte body; None when
+        the lengths cannot be a record's."""
+        pl = size - hs - bl - tl - 2
+        if bl < 0 or pl < 0 or pl > MAX_PROPERTIES_BYTES:
+            return None
+        known = shapes.get((bl, tl, pl))
+        return pl, (known if known is not None else _run_shape(bl, tl, pl))
+
     it = islice(units, j, j + 3 * count if count > 0 else j)  # at most ``count`` units
     for phy, size, _tags in zip(it, it, it):
         pos = phy - base
@@ -563,22 +573,18 @@ def decode_run(buf: Any, units: tuple[int, ...], j: int, base: int, wrote: int, 
             break
         if size != shape_size:
             bl = _INT.unpack_from(buf, pos + hs - 4)[0]  # BODYLENGTH
-            pl = size - hs - bl - tl - 2
-            if bl < 0 or pl < 0 or pl > MAX_PROPERTIES_BYTES:
+            learnt = shape(size, bl)
+            if learnt is None:
                 break
-            unpack = shapes.get((bl, tl, pl))
-            if unpack is None:
-                unpack = _run_shape(bl, tl, pl)
+            pl, unpack = learnt
             shape_size = size
         h = unpack(buf, pos)
         if h[16] != bl:  # the same size, another body length: learn this record's shape
             bl = h[16]
-            pl = size - hs - bl - tl - 2
-            if bl < 0 or pl < 0 or pl > MAX_PROPERTIES_BYTES:
+            learnt = shape(size, bl)
+            if learnt is None:
                 break
-            unpack = shapes.get((bl, tl, pl))
-            if unpack is None:
-                unpack = _run_shape(bl, tl, pl)
+            pl, unpack = learnt
             h = unpack(buf, pos)
         if h[0] != size or h[1] != magic or h[5] != queue_offset or h[3] != queue_id or h[7] & 0x30 or \
                 h[18] != head or h[19] != pl:
