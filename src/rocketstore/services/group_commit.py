@@ -228,15 +228,9 @@ class GroupCommit:
             if q is not None:
                 table[key] = q + len(recs)
             r.written = res
-            wrote_offset, wrote_bytes, store_ts, offsets = res
-            r.end = wrote_offset + wrote_bytes
-            reput = self.reput
-            # Else the dispatcher decodes these records from the log: so too past HAND_OVER_LIMIT puts not yet
-            # dispatched (a stalled flush under SYNC_FLUSH), which bounds what the hand-over holds in memory.
-            if r.dispatch is not None and reput is not None and len(reput.handed_over) < HAND_OVER_LIMIT:
-                reput.hand_over((wrote_offset, r.end, r.topic, r.queue_id, q if q is not None else -1, store_ts,
-                                 recs[0][6] & codec.TRANSACTION_MASK, offsets,
-                                 codec.record_sizes(recs), *r.dispatch))
+            r.end = res[0] + res[1]
+            if self.reput is not None:
+                self._hand_over(self.reput, r, res)
 
     def _write(self, batch: list[GroupCommitRequest]) -> None:
         files = self.files
@@ -281,17 +275,21 @@ class GroupCommit:
             reput = self.reput
             if reput is None:
                 return
-            handed = reput.handed_over
             for r, res in zip(taken, results):
-                # Else the dispatcher decodes these records from the log: so too past HAND_OVER_LIMIT puts not
-                # yet dispatched (a stalled flush under SYNC_FLUSH), which bounds what the hand-over holds.
-                if r.dispatch is not None and len(handed) < HAND_OVER_LIMIT:
-                    wrote_offset, wrote_bytes, store_ts, offsets = res
-                    recs = r.records
-                    reput.hand_over((wrote_offset, wrote_offset + wrote_bytes, r.topic, r.queue_id,
-                                     r.queue_offset if r.assigns else -1, store_ts,
-                                     recs[0][6] & codec.TRANSACTION_MASK, offsets,
-                                     codec.record_sizes(recs), *r.dispatch))
+                self._hand_over(reput, r, res)
+
+    @staticmethod
+    def _hand_over(reput: Any, r: GroupCommitRequest, res: Any) -> None:
+        """(Under ``put_lock``.)  Give the dispatcher what it needs of a written put.  Else it decodes the records
+        from the log: so too past HAND_OVER_LIMIT puts not yet dispatched (a stalled flush under SYNC_FLUSH),
+        which bounds what the hand-over holds in memory."""
+        if r.dispatch is None or len(reput.handed_over) >= HAND_OVER_LIMIT:
+            return
+        wrote_offset, wrote_bytes, store_ts, offsets = res
+        recs = r.records
+        reput.hand_over((wrote_offset, wrote_offset + wrote_bytes, r.topic, r.queue_id,
+                         r.queue_offset if r.assigns else -1, store_ts, recs[0][6] & codec.TRANSACTION_MASK,
+                         offsets, codec.record_sizes(recs), *r.dispatch))
 
     def _fail_unwritten(self, failed: list[GroupCommitRequest], error: BaseException,
                         alone: GroupCommitRequest | None = None) -> None:
