@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from rocketstore import CorruptRecordError, Message, MessageStore
+from rocketstore import CorruptRecordError, Message, MessageStore, StoreError
 from rocketstore.config import StoreConfig
 from rocketstore.format import codec
 
@@ -214,3 +214,17 @@ def test_read_batch_across_segments_and_queues_equals_gets(tmp_path):
         assert _batch(s, 0, n, None) == _gets(s, 0, n, None)
         for off, count in ((0, 1), (7, 40), (100, 100), (149, 5), (150, 3)):
             assert _batch(s, off, count, BODYLESS) == _gets(s, off, count, BODYLESS), (off, count)
+
+
+def test_read_batch_refuses_bad_arguments_naming_them_and_the_store_stays_readable(written):
+    path, _, _ = written
+    with MessageStore.open(str(path), _config(), read_only=True) as s:
+        with pytest.raises(StoreError, match=r"unknown columns \['bodyy'\]"):
+            s.read_batch(TOPIC, 0, 0, 4, columns=["queueOffset", "bodyy"])
+        empty = s.read_batch("NoSuchTopic", 0, 0, 4)  # a queue that does not exist: no rows, not an error
+        assert empty.num_rows == 0
+        assert s.read_batch(TOPIC, 0, 0, 0).num_rows == 0
+        got = s.read_batch(TOPIC, 0, 0, N, columns=["queueOffset"])
+        assert got.column("queueOffset").to_pylist() == list(range(N))
+    with pytest.raises(StoreError, match="closed"):
+        s.read_batch(TOPIC, 0, 0, 4)
