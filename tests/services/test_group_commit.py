@@ -182,10 +182,14 @@ def test_a_flush_wakes_its_producers_one_after_another_not_as_a_herd(tmp_path, m
         real_sync(fd)
     monkeypatch.setattr(mapped_file_mod, "fdatasync", fdatasync)
     per = 20
-    with MessageStore.open(str(tmp_path / "s"), StoreConfig(flushDiskType="SYNC_FLUSH")) as store:
+    # A producer left out of a chain would wake only at its syncFlushTimeout: a long one makes that a failure.
+    cfg = StoreConfig(flushDiskType="SYNC_FLUSH", syncFlushTimeout=60_000)
+    with MessageStore.open(str(tmp_path / "s"), cfg) as store:
         monkeypatch.setattr(group_commit, "threading", counter)
+        t0 = time.monotonic()
         results = _run_threads(THREADS, lambda i: [store.put(Message("GC", _body(i, k), queue_id=i))
                                                    for k in range(per)])
+        assert time.monotonic() - t0 < 20
         assert all(r.ok for rs in results for r in rs)
         assert counts["fdatasync"] <= THREADS * per / 4  # grouped (else the test proves nothing)
         assert counter.wakes >= THREADS * per / 2
