@@ -114,6 +114,90 @@ def test_one_write_and_one_flush_cover_many_waiting_puts(tmp_path, monkeypatch):
         assert store.commit.rounds < puts / 4
 
 
+class _WakeCounter:
+    """Stand-in for the ``threading`` module in services.group_commit, put in once the store is open (so only the
+    producers' parks are its locks): they count, per thread, how many sleeping producers a thread wakes in a row
+    (reset when that thread itself sleeps or calls fdatasync)."""
+
+    def __init__(self) -> None:
+        self.in_a_row: dict[int, int] = {}
+        self.most = 0
+        self.wakes = 0
+        self.current_thread = threading.current_thread
+        self._guard = threading.Lock()
+
+    def reset(self) -> None:
+        with self._guard:
+            self.in_a_row[threading.get_ident()] = 0
+
+    def Lock(self) -> "_CountingLock":  # noqa: N802 (threading's name)
+        return _CountingLock(self)
+
+
+class _CountingLock:
+    def __init__(self, counter: _WakeCounter) -> None:
+        self._lock = threading.Lock()
+        self._counter = counter
+        self._held = False
+        self._sleeper = False  # acquired by one thread and waited on by another (a producer's park)
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._held:
+            self._sleeper = True
+            self._counter.reset()  # this thread sleeps now
+        got = self._lock.acquire(blocking, timeout)
+        self._held = self._held or got
+        return got
+
+    def release(self) -> None:
+        if self._sleeper:
+            c = self._counter
+            with c._guard:
+                me = threading.get_ident()
+                n = c.in_a_row[me] = c.in_a_row.get(me, 0) + 1
+                c.most = max(c.most, n)
+                c.wakes += 1
+            self._sleeper = False
+        self._held = False
+        self._lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def test_a_flush_wakes_its_producers_one_after_another_not_as_a_herd(tmp_path, monkeypatch):
+    """The thread that flushed wakes the first producer its flush covered; each woken producer wakes the next.
+    Woken all at once (as before), fifteen threads woke only to queue for the GIL, one context switch more per
+    put.  Counted with a stand-in lock: no thread wakes more than the next producer and the next writer in a
+    row (before: a flush covering sixteen producers woke fifteen in a row)."""
+    from rocketstore.services import group_commit
+    counts = _slow_disk(monkeypatch)
+    counter = _WakeCounter()
+    real_sync = mapped_file_mod.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        counter.reset()
+        real_sync(fd)
+    monkeypatch.setattr(mapped_file_mod, "fdatasync", fdatasync)
+    per = 20
+    # A producer left out of a chain would wake only at its syncFlushTimeout: a long one makes that a failure.
+    cfg = StoreConfig(flushDiskType="SYNC_FLUSH", syncFlushTimeout=60_000)
+    with MessageStore.open(str(tmp_path / "s"), cfg) as store:
+        monkeypatch.setattr(group_commit, "threading", counter)
+        t0 = time.monotonic()
+        results = _run_threads(THREADS, lambda i: [store.put(Message("GC", _body(i, k), queue_id=i))
+                                                   for k in range(per)])
+        assert time.monotonic() - t0 < 20
+        assert all(r.ok for rs in results for r in rs)
+        assert counts["fdatasync"] <= THREADS * per / 4  # grouped (else the test proves nothing)
+        assert counter.wakes >= THREADS * per / 2
+        assert counter.most <= 2, f"a thread woke {counter.most} producers in a row"
+        flushed = store.commitlog.queue.flushed_where
+        assert all(r.commit_log_offset + r.wrote_bytes <= flushed for rs in results for r in rs)
+
+
 def test_a_lone_sync_producer_flushes_in_its_own_thread(tmp_path, monkeypatch):
     """One producer alone: no hand-off to the service thread; the fdatasync runs in the caller's thread."""
     threads_seen = set()
