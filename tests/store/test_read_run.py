@@ -154,6 +154,16 @@ def test_every_bit_flip_in_a_record_of_a_run_is_judged_the_same_with_and_without
     assert differed > size // 2
 
 
+def test_a_run_of_empty_bodies_reads_as_unit_at_a_time(tmp_path, monkeypatch):
+    path = tmp_path / "s"
+    with MessageStore.open(str(path), _config()) as s:
+        assert s.put_batch([Message(TOPIC, b"") for _ in range(6)]).ok
+        assert s.wait_dispatched(timeout=30)
+    runs, units = _both(str(path), monkeypatch, victim=3)
+    assert runs == units
+    assert [m["queueOffset"] for m in runs[0][2]] == list(range(6)) and runs[0][2][0]["body"] == ""
+
+
 # ---------------------------------------------------------------- the column-wise read (read_batch)
 
 BODYLESS = ["topic", "queueId", "queueOffset", "commitLogOffset", "size", "bodyCrc", "storeTimestamp", "msgId",

@@ -545,13 +545,14 @@ def decode_run(buf: Any, units: tuple[int, ...], j: int, base: int, wrote: int, 
     consumer's get spends most of its time on them.
 
     Units that point at back-to-back records of one size (a batch's, or a
-    queue written alone) are read by one ``unpack_from`` of them all
-    (:func:`_contiguous_run`: one copy and ``iter_unpack`` of them all); the rest one record at a time, each by one
-    ``unpack_from`` of a Struct of its whole shape (header, body, topic length
-    and topic, properties length, properties; :func:`_run_shape`), learnt
-    from the body length and kept while the records keep their size.  A
-    record's tuple is the message's header tuple (the fields past BODYLENGTH
-    are the body and the rest, which the message holds anyway).
+    queue written alone) are read together (:func:`_contiguous_run`: one
+    copy and one ``iter_unpack``); the others one record at a time
+    (:func:`_record_run`).  Either way a record is unpacked by a Struct of
+    its whole shape (header, body, topic length and topic, properties
+    length, properties; :func:`_run_shape`), learnt from the body length:
+    one call instead of a header unpack and three slices.  A record's tuple
+    is the message's header tuple (the fields past BODYLENGTH are the body
+    and the rest, which the message holds anyway).
     """
     n0, total = len(out), 0
     end = len(units)
@@ -599,8 +600,9 @@ def _contiguous_run(buf: Any, units: tuple[int, ...], j: int, base: int, wrote: 
     """:func:`decode_run` of the units from ``units[j]`` that name back-to-back records of the first unit's size:
     (messages appended, their bytes); (0, 0) when fewer than ``_RUN_MIN`` do, or the first record is not of
     the common form.  One slice copies them all and ``iter_unpack`` splits the copy by their shape (a call
-    and a buffer export per record is what reading them one by one costs most); each is then checked as :func:`_record_run` checks it, the unit's
-    offset and size included, and the run stops before the first that fails."""
+    and a buffer export per record is what reading them one by one costs most); each is then checked as
+    :func:`_record_run` checks it (the units' offsets and sizes were), and the run stops before the first
+    that fails: :func:`decode_run` goes on from there, so the two decide alike."""
     phy, size = units[j], units[j + 1]
     hs = _V4_SIZE
     pos = phy - base
@@ -632,17 +634,18 @@ def _contiguous_run(buf: Any, units: tuple[int, ...], j: int, base: int, wrote: 
     known = _RUN_SHAPES.get((bl, tl, pl))
     records = (known if known is not None else _run_shape(bl, tl, pl)).iter_unpack(buf[pos:pos + k * size])
     crc, cls, append, magic = _crc32, _RunMessage, out.append, MAGIC_V1
-    i = 0
+    first, check = queue_offset, read_body and bl > 0  # (an empty body has no CRC to check)
+    body = None
     for h in records:
         if h[0] != size or h[1] != magic or h[5] != queue_offset or h[3] != queue_id or h[7] & 0x30 or \
                 h[16] != bl or h[18] != head or h[19] != pl:
             break
-        if read_body:
+        if check:
             body = h[17]
-            if body and crc(body) & 0x7FFFFFFF != h[2]:
+            if crc(body) & 0x7FFFFFFF != h[2]:
                 break
-        else:
-            body = None
+        elif read_body:
+            body = h[17]
         m = cls()
         m._h = h
         m.topic = topic
@@ -651,8 +654,7 @@ def _contiguous_run(buf: Any, units: tuple[int, ...], j: int, base: int, wrote: 
         m._props = None
         append(m)
         queue_offset += 1
-        i += 1
-    return i, i * size
+    return queue_offset - first, (queue_offset - first) * size
 
 
 def _record_run(buf: Any, units: tuple[int, ...], j: int, base: int, wrote: int, count: int, byte_budget: int,
