@@ -34,20 +34,21 @@ def _outcome(store: MessageStore, offset: int, read_body: bool) -> tuple:
     return (r.status, r.next_begin_offset, [m.to_json() for m in r.messages])
 
 
-def _both(path: str, monkeypatch: pytest.MonkeyPatch, flip: tuple[int, int] | None = None) -> tuple[list, list]:
+def _both(path: str, monkeypatch: pytest.MonkeyPatch, flip: tuple[int, int] | None = None,
+          victim: int = VICTIM) -> tuple[list, list]:
     """Outcomes of gets from several offsets with the run decoder, then with it off (unit at a time).
 
     ``flip`` (commitlog offset, bit mask) is applied to the segment after the store is open and undone after:
     the damage a read meets that the open's recovery did not see (which would cut the log there)."""
     runs, units = [], []
-    with _flipped(path, flip) as s:
-        for want in (runs, units):
-            if want is units:
-                monkeypatch.setattr(codec, "unit_run_head", lambda topic_bytes: None)
-            for off in (0, VICTIM - 1, VICTIM, VICTIM + 1):
+    for want in (runs, units):
+        if want is units:  # (before the open: a reader keeps a topic's run head)
+            monkeypatch.setattr(codec, "unit_run_head", lambda topic_bytes: None)
+        with _flipped(path, flip) as s:
+            for off in (0, victim - 1, victim, victim + 1):
                 for read_body in (True, False):
                     want.append(_outcome(s, off, read_body))
-            monkeypatch.undo()
+        monkeypatch.undo()
     return runs, units
 
 
@@ -96,6 +97,71 @@ def test_every_bit_flip_in_a_record_is_judged_the_same_with_and_without_runs(wri
         differed += runs != intact
     assert _both(str(path), monkeypatch)[0] == intact  # each flip was undone
     assert differed > size // 2  # the flips did change what a get sees (the test compares something)
+
+
+# ---------------------------------------------------------------- back-to-back records (one unpack for a run)
+
+BATCH_VICTIMS = (11, 19)  # in the middle of the second batch (shapes change), of the third (one shape)
+
+
+@pytest.fixture(scope="module")
+def batched(tmp_path_factory):
+    """Three batches of eight same-size records, each followed by another queue's put (so the runs of back-to-back
+    records end there), the second batch with bodies and keys one byte apart (same size, other shapes), and a
+    last batch of two: the runs ``codec._contiguous_run`` reads whole and the cases it must hand back."""
+    path = tmp_path_factory.mktemp("batched") / "s"
+    with MessageStore.open(str(path), _config()) as s:
+        for b in range(3):
+            msgs = [Message(TOPIC, bytes([b * 8 + i]) * (40 + (i % 2 if b == 1 else 0)),
+                            keys="kk" if b != 1 or i % 2 == 0 else "k") for i in range(8)]
+            assert s.put_batch(msgs).ok
+            assert s.put(Message(TOPIC, b"other queue", queue_id=1)).ok
+        assert s.put_batch([Message(TOPIC, b"tail" * 10, keys="kk") for _ in range(2)]).ok
+        assert s.wait_dispatched(timeout=30)
+        victims = {v: s.get(TOPIC, 0, v, 1).messages[0] for v in BATCH_VICTIMS}
+    return path, {v: (m.commit_log_offset, m.size) for v, m in victims.items()}
+
+
+def test_back_to_back_records_are_read_as_runs_and_the_same_as_unit_at_a_time(batched, monkeypatch):
+    path, _ = batched
+    took = []
+    real = codec._contiguous_run
+    monkeypatch.setattr(codec, "_contiguous_run", lambda *a: took.append(real(*a)) or took[-1])
+    with MessageStore.open(str(path), _config(), read_only=True) as s:
+        r = s.get(TOPIC, 0, 0, 32)
+    monkeypatch.undo()
+    assert [m.queue_offset for m in r.messages] == list(range(26))
+    assert [m.body for m in r.messages[8:10]] == [bytes([8]) * 40, bytes([9]) * 41]
+    assert sorted(k for k, _ in took if k) == [1, 1, 1, 1, 1, 8, 8]  # batch 2: its shape changes every record
+    for victim in BATCH_VICTIMS:
+        runs, units = _both(str(path), monkeypatch, victim=victim)
+        assert runs == units
+        assert [m["queueOffset"] for m in runs[0][2]] == list(range(26))
+
+
+@pytest.mark.parametrize("victim", BATCH_VICTIMS)
+def test_every_bit_flip_in_a_record_of_a_run_is_judged_the_same_with_and_without_runs(batched, monkeypatch, victim):
+    path, where = batched
+    phy, size = where[victim]
+    intact = _both(str(path), monkeypatch, victim=victim)[0]
+    differed = 0
+    for at in range(size):
+        bit = 1 << (at % 8)
+        runs, units = _both(str(path), monkeypatch, (phy + at, bit), victim=victim)
+        assert runs == units, f"byte {at} of the record, bit {bit}"
+        differed += runs != intact
+    assert _both(str(path), monkeypatch, victim=victim)[0] == intact
+    assert differed > size // 2
+
+
+def test_a_run_of_empty_bodies_reads_as_unit_at_a_time(tmp_path, monkeypatch):
+    path = tmp_path / "s"
+    with MessageStore.open(str(path), _config()) as s:
+        assert s.put_batch([Message(TOPIC, b"") for _ in range(6)]).ok
+        assert s.wait_dispatched(timeout=30)
+    runs, units = _both(str(path), monkeypatch, victim=3)
+    assert runs == units
+    assert [m["queueOffset"] for m in runs[0][2]] == list(range(6)) and runs[0][2][0]["body"] == ""
 
 
 # ---------------------------------------------------------------- the column-wise read (read_batch)

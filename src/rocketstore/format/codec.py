@@ -544,13 +544,123 @@ def decode_run(buf: Any, units: tuple[int, ...], j: int, base: int, wrote: int, 
     same checks as :func:`decode_unit`, with no call or frame per message: a
     consumer's get spends most of its time on them.
 
-    A record is read by one ``unpack_from`` of a Struct of its whole shape
-    (header, body, topic length and topic, properties length, properties;
-    :func:`_run_shape`), learnt from the body length and kept while the
-    records keep their size: one call instead of a header unpack and three
-    slices.  Its tuple is the message's header tuple (the fields past
-    BODYLENGTH are the body and the rest, which the message holds anyway).
+    Units that point at back-to-back records of one size (a batch's, or a
+    queue written alone) are read together (:func:`_contiguous_run`: one
+    copy and one ``iter_unpack``); the others one record at a time
+    (:func:`_record_run`).  Either way a record is unpacked by a Struct of
+    its whole shape (header, body, topic length and topic, properties
+    length, properties; :func:`_run_shape`), learnt from the body length:
+    one call instead of a header unpack and three slices.  A record's tuple
+    is the message's header tuple (the fields past BODYLENGTH are the body
+    and the rest, which the message holds anyway).
     """
+    n0, total = len(out), 0
+    end = len(units)
+    while count > 0 and j < end:
+        if count >= _RUN_MIN and end - j >= 3 * _RUN_MIN:
+            k, t = _contiguous_run(buf, units, j, base, wrote, count, byte_budget, read_body, topic, head, queue_id,
+                                   queue_offset, out)
+            if k:
+                j, count, byte_budget, queue_offset = j + 3 * k, count - k, byte_budget - t, queue_offset + k
+                total += t
+                continue
+        gap = _units_before_run(units, j, end if end < j + 3 * count else j + 3 * count)
+        j, k, t = _record_run(buf, units, j, base, wrote, gap, byte_budget, read_body, topic, head, queue_id,
+                              queue_offset, out)
+        total += t
+        if k < gap:  # stopped at a unit it could not read, or at the budget
+            break
+        count, byte_budget, queue_offset = count - k, byte_budget - t, queue_offset + k
+    return j, len(out) - n0, total
+
+
+_RUN_MIN = 4  # fewer back-to-back records than this are read one at a time
+
+
+def _units_before_run(units: tuple[int, ...], j: int, stop: int) -> int:
+    """How many units from ``units[j]`` (at least one) come before ``_RUN_MIN`` back-to-back ones of one size
+    (all up to ``stop`` when none do): the stretch :func:`decode_run` reads one record at a time."""
+    streak, at, size = 1, units[j] + units[j + 1], units[j + 1]
+    for i in range(j + 3, stop, 3):
+        p, z = units[i], units[i + 1]
+        if p == at and z == size:
+            streak += 1
+            if streak == _RUN_MIN:
+                first = (i - j) // 3 - _RUN_MIN + 1
+                return first if first > 0 else 1
+        else:
+            streak, size = 1, z
+        at = p + z
+    return (stop - j) // 3
+
+
+def _contiguous_run(buf: Any, units: tuple[int, ...], j: int, base: int, wrote: int, count: int, byte_budget: int,
+                    read_body: bool, topic: str, head: bytes, queue_id: int, queue_offset: int,
+                    out: list[MessageExt]) -> tuple[int, int]:
+    """:func:`decode_run` of the units from ``units[j]`` that name back-to-back records of the first unit's size:
+    (messages appended, their bytes); (0, 0) when fewer than ``_RUN_MIN`` do, or the first record is not of
+    the common form.  One slice copies them all and ``iter_unpack`` splits the copy by their shape (a call
+    and a buffer export per record is what reading them one by one costs most); each is then checked as
+    :func:`_record_run` checks it (the units' offsets and sizes were), and the run stops before the first
+    that fails: :func:`decode_run` goes on from there, so the two decide alike."""
+    phy, size = units[j], units[j + 1]
+    hs = _V4_SIZE
+    pos = phy - base
+    if pos < 0 or size < hs:
+        return 0, 0
+    k = (len(units) - j) // 3
+    if count < k:
+        k = count
+    if byte_budget < k * size:
+        k = byte_budget // size
+    if wrote < pos + k * size:
+        k = (wrote - pos) // size
+    if k < _RUN_MIN:
+        return 0, 0
+    stop = j + 3 * k
+    if units[j + 1:stop:3] != (size,) * k or units[j:stop:3] != tuple(range(phy, phy + k * size, size)):
+        k, at = 1, phy + size  # not all back to back: how many first ones are
+        for p, z in zip(islice(units, j + 3, stop, 3), islice(units, j + 4, stop, 3)):
+            if p != at or z != size:
+                break
+            k, at = k + 1, at + size
+        if k < _RUN_MIN:
+            return 0, 0
+    bl = _INT.unpack_from(buf, pos + hs - 4)[0]  # BODYLENGTH
+    tl = len(head)
+    pl = size - hs - bl - tl - 2
+    if bl < 0 or pl < 0 or pl > MAX_PROPERTIES_BYTES:
+        return 0, 0
+    known = _RUN_SHAPES.get((bl, tl, pl))
+    records = (known if known is not None else _run_shape(bl, tl, pl)).iter_unpack(buf[pos:pos + k * size])
+    crc, cls, append, magic = _crc32, _RunMessage, out.append, MAGIC_V1
+    first, check = queue_offset, read_body and bl > 0  # (an empty body has no CRC to check)
+    body = None
+    for h in records:
+        if h[0] != size or h[1] != magic or h[5] != queue_offset or h[3] != queue_id or h[7] & 0x30 or \
+                h[16] != bl or h[18] != head or h[19] != pl:
+            break
+        if check:
+            body = h[17]
+            if crc(body) & 0x7FFFFFFF != h[2]:
+                break
+        elif read_body:
+            body = h[17]
+        m = cls()
+        m._h = h
+        m.topic = topic
+        m._ps = h[20]  # decoded on first use
+        m.body = body
+        m._props = None
+        append(m)
+        queue_offset += 1
+    return queue_offset - first, (queue_offset - first) * size
+
+
+def _record_run(buf: Any, units: tuple[int, ...], j: int, base: int, wrote: int, count: int, byte_budget: int,
+                read_body: bool, topic: str, head: bytes, queue_id: int, queue_offset: int, out: list[MessageExt]
+                ) -> tuple[int, int, int]:
+    """:func:`decode_run` one record at a time: (next j, messages appended, their bytes)."""
     hs, crc, cls, append, shapes, magic = _V4_SIZE, _crc32, _RunMessage, out.append, _RUN_SHAPES, MAGIC_V1
     tl = len(head)
     n0, total = len(out), 0
@@ -564,7 +674,7 @@ def decode_run(buf: Any, units: tuple[int, ...], j: int, base: int, wrote: int, 
         if bl < 0 or pl < 0 or pl > MAX_PROPERTIES_BYTES:
             return None
         known = shapes.get((bl, tl, pl))
-        return pl, (known if known is not None else _run_shape(bl, tl, pl))
+        return pl, (known if known is not None else _run_shape(bl, tl, pl)).unpack_from
 
     it = islice(units, j, j + 3 * count if count > 0 else j)  # at most ``count`` units
     for phy, size, _tags in zip(it, it, it):
@@ -608,17 +718,17 @@ def decode_run(buf: Any, units: tuple[int, ...], j: int, base: int, wrote: int, 
     return j + 3 * n, n, total
 
 
-_RUN_SHAPES: dict[tuple[int, int, int], Any] = {}  # (body, topic part, properties lengths) -> unpack_from
+_RUN_SHAPES: dict[tuple[int, int, int], struct.Struct] = {}  # (body, topic part, properties lengths) -> Struct
 
 
-def _run_shape(body_len: int, topic_part: int, props_len: int) -> Any:
-    """``unpack_from`` of a whole V1 IPv4 record of these lengths: the header's 17 fields, the body, the topic
-    length byte with the topic, the properties length, the properties (kept for the next records: a queue's
-    records are mostly of a few shapes; the cache is emptied past 1024 shapes)."""
+def _run_shape(body_len: int, topic_part: int, props_len: int) -> struct.Struct:
+    """The Struct of a whole V1 IPv4 record of these lengths: the header's 17 fields, the body, the topic length
+    byte with the topic, the properties length, the properties (kept for the next records: a queue's records are
+    mostly of a few shapes; the cache is emptied past 1024 shapes)."""
     if len(_RUN_SHAPES) >= 1024:
         _RUN_SHAPES.clear()
     f = _RUN_SHAPES[(body_len, topic_part, props_len)] = struct.Struct(
-        f"{_V4_HEADER.format}{body_len}s{topic_part}sh{props_len}s").unpack_from
+        f"{_V4_HEADER.format}{body_len}s{topic_part}sh{props_len}s")
     return f
 
 

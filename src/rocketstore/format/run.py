@@ -88,7 +88,7 @@ class RecordRun:
         template = header.pack(total, magic, 0, queue_id, flag, 0, 0, sys_flag, born_ts, born_addr, born_port, 0,
                                store_addr, store_port, reconsume, prepared, blen) + bytes(blen) + tail
         n = len(self.bodies)
-        arr = np.frombuffer(bytearray(template * n), _layout(header.size, len(born_addr), blen, len(tail)))
+        arr = np.frombuffer(bytearray(template) * n, _layout(header.size, len(born_addr), blen, len(tail)))
         if blen:
             arr["body"] = self.bodies
         arr["crc"] = self.crcs
@@ -130,6 +130,8 @@ class RecordRun:
     def __getitem__(self, i: int) -> EncodedRecord:
         body = self.bodies[i]  # (raises IndexError as a list would)
         f = self.first
+        if i == 0:  # the first message's own record (the put path looks at ``run[0]`` twice)
+            return f
         return (f[0], self.sizes[i], f[2], int(self.crcs[i]), *f[4:14], body, f[15])
 
     def __iter__(self) -> Iterator[EncodedRecord]:
