@@ -65,6 +65,15 @@ Bugs it found (regression tests in tests/library/test_queues_model_found.py).  P
    after the restart (3016 with 120 steps; put back: 2 of 100 seeds 5000-5099 with ROCKETSTORE_MODEL_STEPS=120,
    not reliably in the default run -- the kill must land inside that window): "%DLQ%GB holds uid 20 2 times".
 
+Found while adding the power cut (by reading the code its images exercise; tests in the same file):
+
+4. a journal line a power cut damaged (a lost page or sector inside it, a later one with its newline kept) hid
+   the queue's earlier intact record: the queue fell back to popState.json and an ack fsynced by ackSyncFlush was
+   lost (the message delivered again).  The runs rarely build that shape (put back: 0 of 200 seeds 1-200).
+5. a power cut that loses the log's unflushed tail but not the fsynced acks left the pop state past the queue
+   end; a read-only receiver kept it and the next puts, given those offsets again, were never delivered.  Not
+   reachable here: the model cuts only the journal, the store's files stay as written.
+
 Not modelled: power loss of the store's files beside the journal, the broker's own PopService
 (snapshots, auto-renew, release of a client's messages), retention under in-flight messages, blocking receives
 (the doorbell), the asyncio twin, receivers of one group with different filters or FIFO settings, the
