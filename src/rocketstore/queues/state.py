@@ -91,6 +91,8 @@ def write_clamped_state(store: Any, config_dir: str) -> None:
             if pop.clamped:
                 log.warning("%s: pop state of %d queue(s) reached past the queue end (a lost log tail); clamped",
                             config_dir, len(pop.clamped))
+            else:
+                pop.offsets.dirty = False  # nothing to clamp: an open rewrites no file
     finally:
         state.close()
 
