@@ -98,8 +98,9 @@ def journal_image(live: bytes, synced: bytes, rng: random.Random, keep: float, u
         if hi > lo and rng.random() >= keep:
             out[lo:hi] = bytes(hi - lo)
             lost += 1
-    return bytes(out), (f"{start} bytes as synced{' (a journal since started again)' if synced and not start else ''}"
-                        f", {end - start} of {len(live) - start} later bytes' size kept, {lost} {unit}-byte unit(s) lost")
+    again = " (a journal since started again)" if synced and not start else ""
+    return bytes(out), (f"{start} bytes as synced{again}, {end - start} of {len(live) - start} later bytes' size "
+                        f"kept, {lost} {unit}-byte unit(s) lost")
 
 
 class Agent:

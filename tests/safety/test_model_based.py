@@ -170,9 +170,9 @@ although the tier held it intact: the model now lets such a message come back fr
 ``put,kill,recover,retention,truncate,repair_int,reimport,rm_cq`` / 1004 (a record cut inside its properties read
 as whole once the segment was extended).
 
-Seed hunt of session 12 (default profiles, seeds 20000-20160, at load 8-10; each failing seed replayed): ``index_damage``
-with a tier / 20096 (``put,kill,recover,retention,reimport,repair_int,tier_upload,tier_fault,index_damage``): a torn
-consume-queue file whose first units' records only the tier held was refilled from the local log alone, blank units
+Seed hunt of session 12 (default profiles, seeds 20000-20160, at load 8-10; each failing seed replayed):
+``index_damage`` with a tier / 20096 (profile 1:
+``put,kill,recover,retention,reimport,repair_int,tier_upload,tier_fault,index_damage``): a torn consume-queue file whose first units' records only the tier held was refilled from the local log alone, blank units
 (``get Busy-1 @10: OFFSET_FOUND_NULL, next 18: skips uid 41``); fixed (recovery places them from the tier's records,
 tests/safety/test_data_safety_tier2.py).  The smoke failure seen once at load 15 ("retention deleted up to 65536, but
 only segments below 32768 had expired and were in the tier") was the model's: it read the tier's end before the step's
