@@ -26,6 +26,7 @@ from .paths import StorePaths
 from .queues.aio import AsyncSimpleConsumer
 from .queues.doorbell import Doorbell
 from .queues.revive import DeadLetterService
+from .queues.state import write_clamped_state
 from .queues.simple_consumer import SimpleConsumer
 from .queues.timer import TIMER_TOPIC, TimerService, deliver_time, wrap as timer_record
 from .recovery.load import StoreLoader, boot_id
@@ -157,6 +158,7 @@ class MessageStore:
 
     def _start(self) -> None:
         cfg = self.config
+        write_clamped_state(self, self.paths.config)  # before a put (or a timer's copy) reuses lost queue offsets
         if cfg.flushDiskType == SYNC_FLUSH:
             self.group_commit = GroupCommitService(self.files)
             self.files.sync_flush = True

@@ -8,6 +8,10 @@ receivers would).  Commands and answers are JSON lines over two pipes.  Every co
 (epoch ms): the agent's store is opened with a clock that returns it, so invisible times, back-offs and delays
 pass when the test says so, never by sleeping.  Message identity comes from helpers/model.py: body
 ``m<uid>|<bytes derived from uid>``, keys ``k<uid>``.
+
+Power cuts: each agent copies ``config/popState.journal`` to a shadow file whenever it fsyncs the journal (under
+the pop-state flock, so the copy is what that fsync made durable); :func:`journal_image` then builds the journal
+a power cut leaves from the shadow and the live file.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import random
 import select
 import signal
 import time
@@ -37,6 +42,65 @@ def b64(b: bytes) -> str:
 
 def unb64(s: str) -> bytes:
     return base64.b64decode(s)
+
+
+SECTOR = 512  # a page's write may be torn at sector boundaries by a power cut (no atomic 4 KiB write)
+PAGE = 4096
+JOURNAL = os.path.join("config", "popState.journal")
+
+
+def install_journal_shadow(root: str, shadow: str) -> None:
+    """In an agent: after every fsync of the pop-state journal, copy the journal to ``shadow`` (atomically) and
+    append a byte to ``shadow.count``.  The fsync runs under the pop-state flock, so no other process appends
+    between it and the copy."""
+    real = os.fsync
+    journal = os.path.realpath(os.path.join(root, JOURNAL))
+
+    def fsync(fd: int) -> None:
+        real(fd)
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return
+        if path == journal:
+            data = os.pread(fd, os.fstat(fd).st_size, 0)
+            tmp = f"{shadow}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, shadow)
+            with open(shadow + ".count", "ab") as fh:  # one byte per fsync: the test sees that one happened
+                fh.write(b".")
+
+    os.fsync = fsync
+
+
+def journal_image(live: bytes, synced: bytes, rng: random.Random, keep: float, unit: int = PAGE
+                  ) -> tuple[bytes, str]:
+    """The journal a power cut leaves: ``synced`` (its content at its last fsync) plus, of what was written
+    after, each ``unit`` (a 4 KiB page, or a 512-byte sector of a page write torn by the cut) with probability
+    ``keep`` (the kernel wrote some back on its own; a unit that did not reach the disk reads as zeros when the
+    file's new size did).  Bytes the file shares with ``synced`` from its
+    start stay (a torn tail cut off and written again touches only what follows).  A journal started again since
+    the fsync (a compaction truncated it and wrote a header naming a new base) is either still the synced one
+    (the truncation did not reach the disk) or the new one with its lost pages zeroed.  Returns the image and a
+    few words saying which."""
+    if synced and live[:live.find(b"\n") + 1] != synced[:synced.find(b"\n") + 1]:
+        if rng.random() < 0.5:
+            return synced, f"the synced journal ({len(synced)} bytes; its restart since did not reach the disk)"
+        start = 0
+    else:
+        start = len(os.path.commonprefix([live, synced]))
+    end = rng.choice([start, len(live), rng.randint(start, len(live))])  # how far the file's size got
+    out = bytearray(live[:end])
+    lost = 0
+    for page in range(start - start % unit, end, unit):
+        lo, hi = max(page, start), min(page + unit, end)
+        if hi > lo and rng.random() >= keep:
+            out[lo:hi] = bytes(hi - lo)
+            lost += 1
+    again = " (a journal since started again)" if synced and not start else ""
+    return bytes(out), (f"{start} bytes as synced{again}, {end - start} of {len(live) - start} later bytes' size "
+                        f"kept, {lost} {unit}-byte unit(s) lost")
 
 
 class Agent:
@@ -151,8 +215,11 @@ class Agent:
         self.store.close()
 
 
-def serve(rfd: int, wfd: int, root: str, conf: dict[str, Any], writable: bool, now: int, compact: int) -> None:
+def serve(rfd: int, wfd: int, root: str, conf: dict[str, Any], writable: bool, now: int, compact: int,
+          shadow: str | None = None) -> None:
     """The child's loop: one JSON command per line in, one JSON answer per line out."""
+    if shadow:
+        install_journal_shadow(root, shadow)
     try:
         agent = Agent(root, conf, writable, now, compact)
         ans: dict[str, Any] = {"ok": "ready"}
@@ -188,7 +255,7 @@ class AgentProc:
     """The test's handle on one forked agent."""
 
     def __init__(self, name: str, root: str, conf: dict[str, Any], writable: bool, now: int,
-                 compact: int = 0) -> None:
+                 compact: int = 0, shadow: str | None = None) -> None:
         self.name = name
         r1, w1 = os.pipe()
         r2, w2 = os.pipe()
@@ -198,7 +265,7 @@ class AgentProc:
             try:
                 os.close(w1)
                 os.close(r2)
-                serve(r1, w2, root, conf, writable, now, compact)
+                serve(r1, w2, root, conf, writable, now, compact, shadow)
             except BaseException:  # noqa: BLE001
                 code = 3
             finally:

@@ -7,17 +7,20 @@
   does, instead of losing every message after one bad record.
 - A read-only follower goes past a damaged record in the middle of the log: the read of it names the damage,
   the messages after it are read (model seed 1018).
+- A consume-queue file cut short is rebuilt from the records the tier holds too: its units pointing below the
+  local log's start are placed, not written blank (model seed 20096).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from conftest import GOLDEN_CONF, copy_store, flip_body_bit, golden_expected, golden_store, run_cli
-from rocketstore import MessageStore
+from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig
 from rocketstore.errors import StoreError
 from rocketstore.tier.upload import upload_round
 
@@ -248,3 +251,45 @@ def test_repair_of_a_tier_held_segment_keeps_the_tier_copy_findable(tmp_path):
         assert [m.commit_log_offset for m in got] == [victim["commitLogOffset"]]
         hits = store.query(victim["topic"], victim["properties"]["UNIQ_KEY"], 4).messages
         assert victim["commitLogOffset"] in [m.commit_log_offset for m in hits]
+
+
+def test_a_torn_queue_file_is_rebuilt_from_the_records_the_tier_holds(tmp_path):
+    """Model seed 20096 (``put,kill,recover,retention,reimport,repair_int,tier_upload,tier_fault,index_damage``):
+    segment 0 in the tier and deleted locally, the queue files the tier holds deleted too; the next local queue
+    file (units 60.. of T-1, their records in segment 0) cut to a size that is no multiple of 20.  The open
+    moved it aside and refilled the queue from the local log only: units 60..65 were written blank and a read
+    there returned OFFSET_FOUND_NULL, skipping acknowledged messages the tier holds intact."""
+    root, tier = tmp_path / "s", tmp_path / "tier"
+
+    def cfg(**kw) -> StoreConfig:
+        return StoreConfig(mappedFileSizeCommitLog=32 * 1024, mappedFileSizeConsumeQueue=10 * 20, maxHashSlotNum=32,
+                           maxIndexNum=128, warmAheadBytes=0, tieredStoreUri=f"file://{tier}",
+                           tieredStoreFileReservedTime=0, tieredStoreUploadInterval=3600_000, **kw)
+
+    bodies = {}
+    with MessageStore.open(str(root), cfg()) as st:
+        for i in range(150):
+            r = st.put(Message("T", b"m%d|" % i + bytes(400), queue_id=1))
+            bodies[r.queue_offset] = b"m%d|" % i + bytes(400)
+    with MessageStore.open(str(root), cfg()) as st:
+        assert upload_round(st.files, max_segments=1)["segments"] == 1
+    first = sorted((root / "commitlog").iterdir())[0]
+    old = first.stat().st_mtime - 3 * 3600
+    os.utime(first, (old, old))
+    with MessageStore.open(str(root), cfg(fileReservedTime=1, deleteCommitLogFilesInterval=0)) as st:
+        st.delete_expired_commit_log()
+        st.clean_service.clean_consume_queues()
+        assert st.commitlog.min_offset() == 32768
+    queue_files = sorted((root / "consumequeue" / "T" / "1").iterdir())
+    assert int(queue_files[0].name) // 20 < 78  # its first units point into segment 0 (the tier's only)
+    with open(queue_files[0], "r+b") as fh:
+        fh.truncate(150)
+    with MessageStore.open(str(root), cfg()) as st:
+        off, end = st.min_offset_in_queue("T", 1), st.max_offset_in_queue("T", 1)
+        got = {}
+        while off < end:
+            r = st.get("T", 1, off, 32)
+            assert r.status is GetMessageStatus.FOUND, f"get T-1 @{off}: {r.status.name}, next {r.next_begin_offset}"
+            got.update((m.queue_offset, m.body) for m in r.messages)
+            off = r.next_begin_offset
+    assert got == bodies

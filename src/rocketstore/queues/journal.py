@@ -32,21 +32,29 @@ def header(base_id: str) -> bytes:
 _KEY_END = b',"committed":'
 
 
-def _latest_lines(lines: list[bytes]) -> list[bytes]:
-    """The last line for each queue, in journal order: a queue's record replaces its earlier ones, so those
-    need not be decoded.  A record starts with its key (``{"group":..,"topic":..,"queueId":..``) and then
+def _latest_records(lines: list[bytes]) -> list[dict[str, Any]]:
+    """The last intact record for each queue, in journal order: a queue's record replaces its earlier ones, so
+    those need not be decoded.  A record starts with its key (``{"group":..,"topic":..,"queueId":..``) and then
     ``,"committed":``, which cannot occur inside a JSON string (a quote in one is escaped); a line without it
-    is kept (decoding it says what it is)."""
+    is kept (decoding it says what it is).  A line that does not decode (a power cut lost a page inside it, a
+    later page with its newline reached the disk) replaces nothing: the queue keeps its last intact record, as
+    an fsync (ackSyncFlush) left it, not the older one popState.json holds."""
     seen: set[bytes] = set()
-    out: list[bytes] = []
+    out: list[dict[str, Any]] = []
     for ln in reversed(lines):
         cut = ln.find(_KEY_END)
-        if cut > 0:
-            key = ln[:cut]
-            if key in seen:
-                continue
-            seen.add(key)
-        out.append(ln)
+        key = ln[:cut] if cut > 0 else None
+        if key is not None and key in seen:
+            continue
+        try:
+            rec = json.loads(ln)
+        except ValueError:
+            log.warning("popState.journal: skipping a damaged record (%d bytes)", len(ln))
+            continue
+        if isinstance(rec, dict):
+            if key is not None:
+                seen.add(key)
+            out.append(rec)
     out.reverse()
     return out
 
@@ -54,29 +62,20 @@ def _latest_lines(lines: list[bytes]) -> list[bytes]:
 def parse(data: bytes, base_id: str, at_start: bool) -> tuple[list[dict[str, Any]], int, bool]:
     """The queue records in ``data`` (journal bytes from the start when ``at_start``), how many bytes the
     complete lines take, and False when the header names another base (the records are then empty).
-    Only each queue's last record is returned (replaying is "the last line for a queue wins")."""
+    Only each queue's last intact record is returned (replaying is "the last line for a queue wins")."""
     end = data.rfind(b"\n") + 1
-    records: list[dict[str, Any]] = []
     lines = data[:end].split(b"\n")[:-1]
     if at_start:
         if not lines:
-            return records, end, False  # empty (or a header cut short): the next append writes the header
+            return [], end, False  # empty (or a header cut short): the next append writes the header
         try:
             head = json.loads(lines[0])
         except ValueError:
             head = None
         if not isinstance(head, dict) or head.get("base") != base_id:
-            return records, end, False
+            return [], end, False
         lines = lines[1:]
-    for ln in _latest_lines(lines):
-        try:
-            rec = json.loads(ln)
-        except ValueError:
-            log.warning("popState.journal: skipping a damaged record (%d bytes)", len(ln))
-            continue
-        if isinstance(rec, dict):
-            records.append(rec)
-    return records, end, True
+    return _latest_records(lines), end, True
 
 
 def read(state_path: str, base_id: str) -> list[dict[str, Any]]:

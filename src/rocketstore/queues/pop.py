@@ -206,6 +206,9 @@ class PopService:
         self.queues: dict[tuple[str, str, int], QueueState] = {}
         self.dirty = False
         self.changed_keys: set[tuple[str, str, int]] = set()  # for the journal (queues.state)
+        # Queues whose record reached past the end of the queue on a writable store (a power cut or a cut of the
+        # log took records whose acks survived): the clamped state must be written before a put reuses them.
+        self.clamped: set[tuple[str, str, int]] = set()
         self._damaged_seen: set[tuple[str, str, int, int | None]] = set()  # logged once at error level
         self._run = os.urandom(3).hex()
         self._seq = itertools.count(1)
@@ -253,6 +256,7 @@ class PopService:
         """(Re)build the queues from popState.json (or ``data``, its parsed text), its journal (or ``records``)
         and consumerOffset.json."""
         self.queues = {}
+        self.clamped = set()
         if data is None:
             data = read_json_lenient(self.path) or {}
         if not isinstance(data, dict):
@@ -263,7 +267,8 @@ class PopService:
             qs = self._from_record(q)
             if qs is None:
                 continue
-            self._reconcile(qs)
+            if self._reconcile(qs):
+                self.clamped.add((qs.group, qs.topic, qs.queue_id))
             self.queues[(qs.group, qs.topic, qs.queue_id)] = qs
         # Groups known only from consumerOffset.json (e.g. written by RocketMQ) start at their offset.
         for key, queues in self.offsets.table.items():
@@ -273,7 +278,8 @@ class PopService:
             for qid, off in queues.items():
                 if (group, topic, qid) not in self.queues:
                     qs = QueueState(group, topic, qid, off, False)
-                    self._reconcile(qs)
+                    if self._reconcile(qs):
+                        self.clamped.add((group, topic, qid))
                     self.queues[(group, topic, qid)] = qs
         now = self.now_ms()
         for qs in self.queues.values():
@@ -289,11 +295,14 @@ class PopService:
             log.debug("consumer state: %d queues of %d groups", len(self.queues),
                      len({k[0] for k in self.queues}))
 
-    def _reconcile(self, qs: QueueState) -> None:
-        """Clamp to what the store holds and to the committed offset of consumerOffset.json."""
+    def _reconcile(self, qs: QueueState) -> bool:
+        """Clamp to what the store holds and to the committed offset of consumerOffset.json; True when the
+        record reached past the end of the queue of a writable store (only a lost tail of the log does that)."""
         lo = self.store.min_offset_in_queue(qs.topic, qs.queue_id)
         hi = self.store.max_offset_in_queue(qs.topic, qs.queue_id)
-        if hi < qs.next and getattr(self.store, "read_only", False):
+        read_only = getattr(self.store, "read_only", False)
+        past_end = hi < qs.next and not read_only
+        if hi < qs.next and read_only:
             # A read-only view extends a topic's queues only when a receiver of that topic looks (tail_view):
             # a record another process wrote is ahead of this view, not wrong.  Clamped, its in-flight entries
             # and acks would be dropped, and the next write of this state (a compaction writes every queue)
@@ -315,6 +324,7 @@ class PopService:
         qs.entries = {o: e for o, e in qs.entries.items() if o < qs.next}
         qs.acked = {o for o in qs.acked if o < qs.next}
         self._derive(qs)
+        return past_end
 
     def _derive(self, qs: QueueState) -> None:
         """The FIFO groups, blocked count and next due time of a queue built from a record; its committed

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import threading
 import time
@@ -35,6 +36,7 @@ from ..storage.jsonfile import fsync_dir
 from . import journal
 from .pop import PopService, state_document
 
+log = logging.getLogger(__name__)
 OFFSETS_EVERY = 1.0
 COMPACT_BYTES = 4 << 20
 OWNER_FILE = "popState.owner"
@@ -65,6 +67,34 @@ def claim_pop_state(config_dir: str, *, exclusive: bool) -> int:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"broker pid {os.getpid()}".encode("ascii"), 0)
     return fd
+
+
+def write_clamped_state(store: Any, config_dir: str) -> None:
+    """At a writable open, before a put is taken: write the pop state clamped to the queues' ends.
+
+    A power cut can take the log's unflushed tail (ASYNC_FLUSH) while acks of those messages survive in the
+    fsynced journal (ackSyncFlush), or an operator cuts the log.  The group's state then reaches past the end of
+    the queue, and the next puts are given those queue offsets again.  A writable store clamps such a state
+    when it loads it, but a read-only receiver cannot tell a lost tail from its own view lagging behind, keeps
+    it, and skips the new messages; so the writer writes the clamped state (journal, fsynced; consumerOffset.json)
+    before anything is put."""
+    state_path = os.path.join(config_dir, "popState.json")
+    if not any(os.path.exists(p) and os.path.getsize(p) for p in (state_path, journal.journal_path(state_path))):
+        return
+    try:
+        state = SharedPopState(config_dir, lambda offsets: PopService(store, offsets, config_dir, park_dead=True,
+                                                                      load=False))
+    except StoreLockedError:
+        return  # a broker owns the pop state: it clamps what it loads and writes it itself
+    try:
+        with state.locked(durable=True) as pop:
+            if pop.clamped:
+                log.warning("%s: pop state of %d queue(s) reached past the queue end (a lost log tail); clamped",
+                            config_dir, len(pop.clamped))
+            else:
+                pop.offsets.dirty = False  # nothing to clamp: an open rewrites no file
+    finally:
+        state.close()
 
 
 class SharedPopState:
@@ -144,6 +174,9 @@ class SharedPopState:
         self.pop.load(data, records)
         self.pop.changed_keys.clear()
         self.pop.dirty = False
+        if self.pop.clamped:  # records past the end of their queue (a lost log tail): journal the clamped state
+            self.pop.changed_keys |= self.pop.clamped
+            self.pop.dirty = True
 
     def _append(self, pop: PopService, durable: bool) -> None:
         texts = pop.changed_records()

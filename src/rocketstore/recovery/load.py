@@ -172,6 +172,8 @@ class StoreLoader:
             topic, _, qid = name.rpartition("/")
             if (cq := self._cq_table.get((topic, int(qid)))) is not None:
                 cq.pad_gaps = True
+        if not ro:
+            self._refill_from_tier(self.refill_from())
         self.recovery_report = recover(self.files, self.last_exit_ok, self.refill_from())
         self.recovery_report.index_files_dropped = dropped
         if not ro:
@@ -442,6 +444,39 @@ class StoreLoader:
         for cq in refilled:
             cq.pad_gaps = False
         self.files.recover_topic_queue_table()
+
+    def _refill_from_tier(self, start: int | None) -> None:
+        """A queue being rebuilt whose kept units end below the local log's start: the records in between are
+        in the tier only (the commitlog is local segments plus the tier's, data-safety rule 1), and recovery
+        walks the local segments.  Their units are placed here first, in commitlog order, else they would be
+        written as blank units and their acknowledged messages skipped.  With the tier down the open is
+        refused and the rebuild marker stays (missing is not empty)."""
+        local = self.commitlog.min_offset()
+        if start is None or self.tier is None or start >= local:
+            return
+        rebuilt = set(self.queues_to_rebuild)
+        from ..services.dispatch import CommitLogDispatcher
+        dispatcher = CommitLogDispatcher(self.files)
+        dispatched_before = self.checkpoint.logics_dispatched
+        n = 0
+        try:
+            for off, _size, msg, problem in self.messages(max(start, self.commitlog.min_offset_with_tier()),
+                                                          read_body=False, skip_damaged=True):
+                if off >= local:
+                    break
+                if msg is None:
+                    log.warning("queue rebuild from the tier: %s; not placed", problem)
+                    continue
+                if msg.commit_log_offset == off and f"{msg.topic}/{msg.queue_id}" in rebuilt:
+                    dispatcher.dispatch(msg, index=False, queue=True)
+                    n += 1
+        except TierError as e:
+            raise StoreLoadError(f"{self.paths.cq_rebuild}: the rebuild of consume queues {sorted(rebuilt)} must "
+                                 f"read the records the tier holds from commitlog offset {start}: {e}; a writable "
+                                 "open with the tier reachable finishes it") from None
+        self.checkpoint.logics_dispatched = dispatched_before
+        log.warning("consume queues %s: %d unit(s) placed from records the tier holds", ", ".join(sorted(rebuilt)),
+                    n)
 
     def refill_from(self) -> int | None:
         """The commitlog offset from which recovery must offer every record: where the shortest queue being
