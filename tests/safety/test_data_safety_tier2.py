@@ -293,3 +293,56 @@ def test_a_torn_queue_file_is_rebuilt_from_the_records_the_tier_holds(tmp_path):
             got.update((m.queue_offset, m.body) for m in r.messages)
             off = r.next_begin_offset
     assert got == bodies
+
+
+@pytest.mark.parametrize("lost", ["bucket", "bucket-and-local"])
+def test_a_torn_queue_file_is_never_rebuilt_blank_while_the_tier_manifest_is_lost(tmp_path, lost):
+    """As above, with the tier's ``tier.json`` lost (and, in one case, the store's local copy too) when the
+    torn queue file is found: the units of the records only the tier holds are placed from the tier once its
+    manifest is put back, or the open is refused naming the tier; never written blank (missing is not empty)."""
+    root, tier = tmp_path / "s", tmp_path / "tier"
+
+    def cfg(**kw) -> StoreConfig:
+        return StoreConfig(mappedFileSizeCommitLog=32 * 1024, mappedFileSizeConsumeQueue=10 * 20, maxHashSlotNum=32,
+                           maxIndexNum=128, warmAheadBytes=0, tieredStoreUri=f"file://{tier}",
+                           tieredStoreFileReservedTime=0, tieredStoreUploadInterval=3600_000, **kw)
+
+    bodies = {}
+    with MessageStore.open(str(root), cfg()) as st:
+        for i in range(150):
+            r = st.put(Message("T", b"m%d|" % i + bytes(400), queue_id=1))
+            bodies[r.queue_offset] = b"m%d|" % i + bytes(400)
+    with MessageStore.open(str(root), cfg()) as st:
+        assert upload_round(st.files, max_segments=1)["segments"] == 1
+    first = sorted((root / "commitlog").iterdir())[0]
+    old = first.stat().st_mtime - 3 * 3600
+    os.utime(first, (old, old))
+    with MessageStore.open(str(root), cfg(fileReservedTime=1, deleteCommitLogFilesInterval=0)) as st:
+        st.delete_expired_commit_log()
+        st.clean_service.clean_consume_queues()
+        assert st.commitlog.min_offset() == 32768
+    queue_files = sorted((root / "consumequeue" / "T" / "1").iterdir())
+    with open(queue_files[0], "r+b") as fh:
+        fh.truncate(150)
+    manifests = [p for p in tier.rglob("tier.json")]
+    assert manifests, "the bucket holds a tier.json"
+    for p in manifests:
+        p.unlink()
+    if lost == "bucket-and-local":
+        for p in (root / "config").glob("tierManifest.json*"):
+            p.unlink()
+    try:
+        st = MessageStore.open(str(root), cfg())
+    except StoreError as e:
+        assert "tier" in str(e)
+        assert (root / "consumequeue" / "T" / "1").exists()
+        return
+    with st:
+        off, end = st.min_offset_in_queue("T", 1), st.max_offset_in_queue("T", 1)
+        got = {}
+        while off < end:
+            r = st.get("T", 1, off, 32)
+            assert r.status is GetMessageStatus.FOUND, f"get T-1 @{off}: {r.status.name}, next {r.next_begin_offset}"
+            got.update((m.queue_offset, m.body) for m in r.messages)
+            off = r.next_begin_offset
+    assert got == bodies
