@@ -361,3 +361,54 @@ def test_a_time_the_timestamp_column_cannot_hold_fails_the_read_naming_file_and_
     with pytest.raises(segment.RecordFormatError, match=f"{seg0} at offset 696 .*bornTimestamp .* outside"):
         rows(["commitLogOffset", "bornTimestamp"])
     assert len(rows(["commitLogOffset", "storeTimestamp"])) == 3000
+
+
+def _record_offsets(root) -> list[int]:
+    return sorted(e["commitLogOffset"] for e in golden_expected("basic"))
+
+
+def test_a_record_that_disagrees_with_its_unit_is_walked_from_the_last_checked_batch(tmp_path, monkeypatch):
+    """Issue 29.3: the records are checked against their consume-queue units batch by batch, just before each
+    is decoded; at one that disagrees (its PHYSICALOFFSET here) the walk takes over from that batch's first
+    record, which the batches before proved a record start: the same rows as a walk from the segment start."""
+    store = copy_store(golden_store("basic"), tmp_path / "s")
+    seg0 = store / "commitlog" / "00000000000000000000"
+    offsets = [o for o in _record_offsets(store) if o < 1048576]
+    damaged = offsets[600]
+    data = bytearray(seg0.read_bytes())
+    data[damaged + 28:damaged + 36] = (damaged + 1).to_bytes(8, "big")  # PHYSICALOFFSET
+    seg0.write_bytes(bytes(data))
+    task = plan.plan_scan(str(store), RowFilter())[0]
+    assert task.path == str(seg0) and task.queues
+    names = ["commitLogOffset", "queueOffset", "topic"]
+    walked = [r for b in segment.read_range(task.path, task.start, task.end, names, batch_rows=100)
+              for r in b.to_pylist()]
+    assert [r["commitLogOffset"] for r in walked][:600] == offsets[:600]
+    starts = []
+    real_walk = segment.walk
+
+    def walk(mm, pos, limit, **kw):
+        starts.append(pos)
+        return real_walk(mm, pos, limit, **kw)
+    monkeypatch.setattr(segment, "walk", walk)
+    got = [r for b in segment.read_range(task.path, task.start, task.end, names, batch_rows=100,
+                                         queues=task.queues) for r in b.to_pylist()]
+    assert got == walked
+    assert starts == [offsets[600]]  # batch 7 (records 600..699) is the first that does not check out
+
+
+def test_a_damaged_record_inside_the_newest_segment_fails_the_scan_naming_it(tmp_path):
+    """A record in the middle of the newest segment that is not a record any more (its MAGICCODE zeroed)
+    fails the scan naming file and offset; it used to end the scan there silently (the planner's tail
+    stopped at it), hiding every message after it."""
+    store = copy_store(golden_store("basic"), tmp_path / "s")
+    newest = store / "commitlog" / "00000000000003145728"
+    base = int(newest.name)
+    offsets = [o for o in _record_offsets(store) if o >= base]
+    damaged = offsets[len(offsets) // 2]
+    data = bytearray(newest.read_bytes())
+    data[damaged - base + 4:damaged - base + 8] = bytes(4)
+    newest.write_bytes(bytes(data))
+    assert plan.find_tail(str(store)) == plan.find_tail(str(golden_store("basic")))
+    with pytest.raises(segment.RecordFormatError, match=f"{newest}.* {damaged - base}"):
+        read_store(str(store), ["commitLogOffset"])

@@ -384,7 +384,7 @@ def queue_slices(root: str, segs: list[SegmentInfo]) -> dict[int, list[tuple[str
     """For each segment, the consume-queue units that point into it: (queue dir, file size, first, end unit).
 
     The executors read these slices instead of walking the record headers and
-    check them against the records (:func:`segment.positions_from_queues`).
+    check them against the records (:func:`segment.queue_layout`).
     """
     cq_root = StorePaths(root).consumequeue
     if not segs or not os.path.isdir(cq_root):
@@ -652,12 +652,14 @@ def _local_tail(root: str, start: int | None = None, max_bytes: int | None = Non
 
 def _queue_verified_prefix(root: str, base: int, path: str, size: int) -> tuple[int, int] | None:
     """(position of the last record, position after it) of the longest run of consume-queue units that
-    tiles segment ``base`` from its start and whose records match their units, or None.
+    tiles segment ``base`` from its start, when the record at its last unit matches that unit; else None.
 
-    A header walk from the segment start would pass exactly these records (it
-    checks the magic and size of each), so :func:`find_tail` starts its walk
-    after them: one vectorised check instead of a Python loop over every
-    record of the newest segment on each scan's planning.
+    A unit is written only after its record, and a single writer appends in
+    order, so the end of the last dispatched record is where the records not
+    yet dispatched begin: :func:`find_tail` walks from there.  The records
+    before it are not read here: every task that reads them checks them against
+    their units or walks their headers (:func:`rocketstore.spark.segment.read_range`),
+    and fails naming file and offset at one that is not a record.
     """
     slices = queue_slices(root, [SegmentInfo(path, base, size, size)]).get(base)
     units = _segment.queue_units(slices) if slices else None
@@ -667,9 +669,9 @@ def _queue_verified_prefix(root: str, base: int, path: str, size: int) -> tuple[
     breaks = np.flatnonzero(units[1:, 0] != ends[:-1])
     n = int(breaks[0]) + 1 if len(breaks) else len(units)
     with Segment(path) as seg:
-        pos = _segment.tiled_positions(seg, units[:n], 0)
-    if pos is None:
-        return None
+        pos = _segment.unit_positions(seg, units[:n], 0)
+        if pos is None or not _segment.records_match_units(seg, pos[-1:], units[n - 1:n, 1]):
+            return None
     return int(pos[-1]), int(ends[n - 1] - base)
 
 

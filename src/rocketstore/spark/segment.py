@@ -188,7 +188,7 @@ def read_range(path: str, start: int, end: int, names: Sequence[str], flt: RowFi
     ``start`` must be a record boundary unless ``boundary_known`` is False, in
     which case the walk starts at the file start and skips what lies before.
     ``queues``: the consume-queue units that point into this segment (see
-    :func:`positions_from_queues`), which spare the walk over record headers.
+    :func:`queue_layout`), which spare the walk over record headers.
     ``drop_cache``: tell the kernel the range's pages are not needed any more
     (``posix_fadvise`` DONTNEED), so an export of a live store keeps its hot set.
     ``skip_damaged``: drop (and log) records whose body fails its CRC rather than fail (see :func:`decode`).
@@ -196,25 +196,56 @@ def read_range(path: str, start: int, end: int, names: Sequence[str], flt: RowFi
     seg = Segment(path)
     try:
         end = min(end, seg.size)
-        pos = positions_from_queues(seg, queues, end, start) if queues else None
-        if pos is None:
-            if not boundary_known and start > 0:
-                w = walk(seg.mm, 0, end, zeros_end=zeros_end, path=path)
-            else:
-                w = walk(seg.mm, start, end, zeros_end=zeros_end, path=path)
-            if w.problem is not None:
-                raise RecordFormatError(w.problem)
-            pos = w.positions
-        if start > 0 and len(pos) and pos[0] < start:
-            pos = pos[pos >= start]
+        units = queue_layout(seg, queues, end, start) if queues else None
+        if units is None:
+            yield from _decode_batches(seg, _walked(seg, path, start, end, zeros_end, boundary_known), names, flt,
+                                       batch_rows, end, skip_damaged)
+            return
+        pos, size = units
+        # Each batch's records are checked against their units just before it is decoded (not all up front),
+        # so the first rows reach Spark without waiting for a pass over the whole segment.
         for i in range(0, len(pos), batch_rows):
-            b = decode(seg, pos[i:i + batch_rows], names, flt, limit=end, skip_damaged=skip_damaged)
+            p = pos[i:i + batch_rows]
+            if not records_match_units(seg, p, size[i:i + batch_rows]):
+                # Up to here the records matched their units, so p[0] is a record start (the one at the
+                # segment's or piece's start for the first batch): walk on from there, as a walk from the
+                # start would.
+                log.info("%s: a record from file position %d on does not match its consume-queue unit; "
+                         "walking the record headers", path, int(p[0]))
+                if i == 0:
+                    rest = _walked(seg, path, start, end, zeros_end, boundary_known)
+                else:
+                    rest = _walked(seg, path, int(p[0]), end, zeros_end, True)
+                yield from _decode_batches(seg, rest, names, flt, batch_rows, end, skip_damaged)
+                return
+            b = decode(seg, p, names, flt, limit=end, skip_damaged=skip_damaged)
             if b is not None and b.num_rows:
                 yield b
     finally:
         seg.close()
         if drop_cache:
             drop_page_cache(path, start, end)
+
+
+def _walked(seg: Segment, path: str, start: int, end: int, zeros_end: bool, boundary_known: bool) -> np.ndarray:
+    """Record positions from ``start`` to ``end`` by a walk over the headers (from the file start when
+    ``start`` is not known to be a record boundary); a walk that stops at something that is not a record
+    raises :class:`RecordFormatError`."""
+    w = walk(seg.mm, 0 if not boundary_known and start > 0 else start, end, zeros_end=zeros_end, path=path)
+    if w.problem is not None:
+        raise RecordFormatError(w.problem)
+    pos = w.positions
+    if start > 0 and len(pos) and pos[0] < start:
+        pos = pos[pos >= start]
+    return pos
+
+
+def _decode_batches(seg: Segment, pos: np.ndarray, names: Sequence[str], flt: RowFilter | None, batch_rows: int,
+                    end: int, skip_damaged: bool) -> Iterator[pa.RecordBatch]:
+    for i in range(0, len(pos), batch_rows):
+        b = decode(seg, pos[i:i + batch_rows], names, flt, limit=end, skip_damaged=skip_damaged)
+        if b is not None and b.num_rows:
+            yield b
 
 
 def drop_page_cache(path: str, start: int, end: int) -> None:
@@ -278,28 +309,30 @@ def records_match_units(seg: Segment, pos: np.ndarray, size: np.ndarray) -> bool
     return bool(ok.all())
 
 
-def tiled_positions(seg: Segment, units: np.ndarray, start: int = 0) -> np.ndarray | None:
-    """File positions of ``units`` (sorted) if they tile the segment from ``start`` with no gap or overlap and
-    every record they point at matches its unit (:func:`records_match_units`), else None."""
+def unit_positions(seg: Segment, units: np.ndarray, start: int) -> np.ndarray | None:
+    """File positions of ``units`` (sorted) if they tile the segment from ``start`` with no gap or overlap
+    (the units alone: the records are not read), else None."""
     pos = units[:, 0] - seg.base
     size = units[:, 1]
     if pos[0] != start or (size < MIN_RECORD_SIZE).any() or (pos[1:] != pos[:-1] + size[:-1]).any():
         return None
     if int(pos[-1] + size[-1]) > seg.size:
         return None
-    return pos if records_match_units(seg, pos, size) else None
+    return pos
 
 
-def positions_from_queues(seg: Segment, queues: Sequence[QueueSlice], end: int, start: int = 0
-                          ) -> np.ndarray | None:
-    """Record positions from the consume queues, or None when they do not account for every record.
+def queue_layout(seg: Segment, queues: Sequence[QueueSlice], end: int, start: int = 0
+                 ) -> tuple[np.ndarray, np.ndarray] | None:
+    """(file positions, sizes) of the records from ``start`` to ``end`` by the consume queues, or None when
+    their units do not account for every record.
 
-    They must tile the segment from its start (or from ``start``, the first
+    The units must tile the segment from its start (or from ``start``, the first
     record of a piece of a split segment) to ``end`` (or to its blank record)
-    with no gap or overlap, and every record they point at must say so itself:
-    the right magic, TOTALSIZE equal to the unit's size and PHYSICALOFFSET equal
-    to its own offset.  Otherwise (a transaction half in no queue, a queue behind
-    or damaged) the caller walks the record headers instead.
+    with no gap or overlap.  Otherwise (a transaction half in no queue, a queue
+    behind or damaged) the caller walks the record headers instead.  The records
+    themselves must still say so (the right magic, TOTALSIZE equal to the unit's
+    size and PHYSICALOFFSET equal to its own offset: :func:`records_match_units`),
+    which the caller checks batch by batch before decoding them.
     """
     units = queue_units(queues)
     if units is None:
@@ -314,7 +347,16 @@ def positions_from_queues(seg: Segment, queues: Sequence[QueueSlice], end: int, 
         head = seg.mm[last_end:last_end + 8] if last_end + 8 <= seg.size else b""
         if len(head) < 8 or _HEAD8.unpack(head)[1] != codec.BLANK_MAGIC:
             return None
-    return tiled_positions(seg, units, first)
+    pos = unit_positions(seg, units, first)
+    if pos is None:
+        return None
+    size = units[:, 1]
+    if start > 0 and pos[0] < start:
+        keep = pos >= start
+        pos, size = pos[keep], size[keep]
+        if not len(pos) or pos[0] != start:
+            return None  # ``start`` is not where a unit starts
+    return pos, size
 
 
 def store_times(seg: Segment, positions: np.ndarray) -> np.ndarray:
