@@ -172,8 +172,8 @@ def test_a_receiver_whose_view_is_a_moment_older_keeps_the_others_in_flight_mess
 
 def test_the_broker_dead_letters_a_message_library_receivers_parked(store: MessageStore, monkeypatch) -> None:
     """A message parked for the DLQ by library receivers (no writer moved it) in a store the broker then serves:
-    the broker's PopService hands it to its own dead-letter path (receive's ``dead``), never delivers it."""
-    from rocketstore.queues.revive import DeadLetterMover
+    the broker's PopService keeps it parked (never delivers it) and the shared protocol moves it, once."""
+    from rocketstore.queues.revive import DeadLetterMover, DeadLetterMoves
     from rocketstore.queues import RetryPolicy
 
     monkeypatch.setattr(DeadLetterMover, "run", lambda self: 0)  # nobody moves it
@@ -186,4 +186,11 @@ def test_the_broker_dead_letters_a_message_library_receivers_parked(store: Messa
     pop = PopService(store, ConsumerOffsetManager(config), config)
     out, dead = pop.receive("G", "T", [0], 10, 60_000, TagFilter("*"), fifo=False, max_attempts=1, client="b",
                             auto_renew=False)
-    assert out == [] and [d.entry.offset for d in dead] == [0]
+    assert out == [] and dead == [] and [d.entry.offset for d in pop.parked()] == [0]
+    moves = DeadLetterMoves(store, pop)
+    assert moves.mark() is False
+    [d] = moves.marked()
+    assert moves.placed(d, store.put(moves.letter(d))) and pop.parked() == []
+    assert store.wait_dispatched(10)
+    got = store.get("%DLQ%G", 0, 0, 10).messages
+    assert [m.body for m in got] == [b"m0"] and got[0].properties["DLQ_ORIGIN_TOPIC"] == "T"

@@ -131,7 +131,7 @@ class SimpleConsumer:
         self._now_ms = lambda: int(store_clock() * 1000)
         self.state = SharedPopState(config_dir or os.path.join(store.root, "config"),
                                     lambda offsets: PopService(store, offsets, self.state.config_dir,
-                                                               on_visible=self._on_visible, park_dead=True,
+                                                               on_visible=self._on_visible,
                                                                load=True, clock=self._now_ms),
                                     follow)
         self._mover = None if store.read_only else revive.DeadLetterMover(store, self.state.config_dir)
@@ -174,13 +174,12 @@ class SimpleConsumer:
         with self._lock, self.state.locked() as pop:
             self._apply_acks(pop)
             qids = self._queue_ids()
-            deliveries, _ = pop.receive(self.group, self.topic, qids, n, self.invisible_ms, self.filter,
-                                        fifo=self.fifo, max_attempts=self.retry.max_attempts,
-                                        client=self.client, auto_renew=False)
+            deliveries, parked = pop.receive(self.group, self.topic, qids, n, self.invisible_ms, self.filter,
+                                             fifo=self.fifo, max_attempts=self.retry.max_attempts,
+                                             client=self.client, auto_renew=False)
             for d in deliveries:
                 out.append(ReceivedMessage(d.message, d.handle, d.entry.attempts))
             due = pop.next_due(self.group, self.topic, qids)
-            parked, pop.parked_now = pop.parked_now, 0
         self._ring_if_needed()
         if parked:
             self._move_parked()
