@@ -51,6 +51,14 @@ MAX_READ_PER_QUEUE = 256
 PARKED = "dlq"  # an entry's 15th field when it is parked for the DLQ (a string: found in the files unparsed)
 
 
+_str = json.encoder.encode_basestring  # a str as json.dumps(ensure_ascii=False) writes it (C-accelerated)
+_TF = {False: "false", True: "true"}
+
+
+def _opt_str(v: str | None) -> str:
+    return "null" if v is None else _str(v)
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -95,13 +103,17 @@ class Entry:
     parked: bool = False
     dlq_from: int = -1
 
-    def to_json(self) -> list[Any]:
-        a = [self.offset, self.phy, self.size, self.attempts, self.visible_at, self.token, self.tag,
-             self.msg_group, self.blocked, self.auto_renew, self.client, self.first_pop, self.suspend,
-             self.invisible_ms]
+    def to_text(self) -> str:
+        """The entry as compact JSON: ``[offset, phy, size, attempts, visible_at, token, tag, msg_group,
+        blocked, auto_renew, client, first_pop, suspend, invisible_ms]`` (then ``"dlq", dlq_from`` when parked).
+        Written out here, not by ``json.dumps`` of a list: every lock section encodes the entries of each
+        queue it changed, and this is several times faster (same text; the tests compare the two)."""
+        t = (f"[{self.offset},{self.phy},{self.size},{self.attempts},{self.visible_at},{_str(self.token)},"
+             f"{_opt_str(self.tag)},{_opt_str(self.msg_group)},{_TF[self.blocked]},{_TF[self.auto_renew]},"
+             f"{_str(self.client)},{self.first_pop},{_TF[self.suspend]},{self.invisible_ms}")
         if self.parked:
-            a += [PARKED, self.dlq_from]
-        return a
+            return f'{t},"{PARKED}",{self.dlq_from}]'
+        return t + "]"
 
     @classmethod
     def from_json(cls, a: list[Any]) -> "Entry":
@@ -148,10 +160,14 @@ class QueueState:
             moved = True
         return moved
 
-    def to_json(self) -> dict[str, Any]:
-        return {"group": self.group, "topic": self.topic, "queueId": self.queue_id, "committed": self.committed,
-                "next": self.next, "fifo": self.fifo, "acked": _ranges(self.acked),
-                "entries": [e.to_json() for _, e in sorted(self.entries.items())]}
+    def to_text(self) -> str:
+        """This queue's record in popState.json and its journal, as compact JSON; its key comes first
+        (``{"group":..,"topic":..,"queueId":..`` then ``,"committed":``: see journal._latest_lines)."""
+        acked = ",".join([f"[{a},{b}]" for a, b in _ranges(self.acked)])
+        entries = ",".join([e.to_text() for _, e in sorted(self.entries.items())])
+        return (f'{{"group":{_str(self.group)},"topic":{_str(self.topic)},"queueId":{self.queue_id},'
+                f'"committed":{self.committed},"next":{self.next},"fifo":{_TF[self.fifo]},"acked":[{acked}],'
+                f'"entries":[{entries}]}}')
 
 
 def _ranges(offsets: Iterable[int]) -> list[list[int]]:
@@ -339,7 +355,7 @@ class PopService:
             qs = self.queues.get(key)
             if qs is not None:
                 if qs.text is None:
-                    qs.text = json.dumps(qs.to_json(), ensure_ascii=False, separators=(",", ":"))
+                    qs.text = qs.to_text()
                 texts.append(qs.text)
         self.changed_keys.clear()
         return texts
@@ -355,7 +371,7 @@ class PopService:
         texts = []
         for _, qs in sorted(self.queues.items()):
             if qs.text is None:
-                qs.text = json.dumps(qs.to_json(), ensure_ascii=False, separators=(",", ":"))
+                qs.text = qs.to_text()
             texts.append(qs.text)
         return texts
 
