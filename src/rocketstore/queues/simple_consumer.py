@@ -163,8 +163,11 @@ class SimpleConsumer:
             self._check_open()
             if wait > 0 and self._waiter is None:
                 self._waiter = Waiter(self.store.root)  # bound before looking: a put after the look rings it
-            # (Rings are not drained before a look, only by the wait after it: one left from before the look
-            # costs one more look, and a receive that finds messages makes no socket call.)
+            elif self._waiter is not None and self._dispatch is None:
+                # A read-only receiver: rings are its only news, and one left from before this look would cost
+                # another look after it.  The writer skips this socket call per receive: it dispatches its own
+                # puts before looking, and a stale ring costs it at most one more look.
+                self._waiter.drain()
             out, due = self._receive_once(max_messages)
             left = deadline - time.monotonic()
             if out or left <= 0:
