@@ -169,8 +169,9 @@ def test_pop_filters_fifo_and_dead_letters(store):
     assert got[0].entry.attempts == 2
     time.sleep(1.1)
     got, dead = recv(pop, "DG", "D", inv=1, attempts=2)
-    assert got == [] and len(dead) == 1 and dead[0].entry.offset == 0
-    pop.finish_dlq(dead[0], True)
+    assert got == [] and len(dead) == 1 and dead[0].entry.offset == 0 and dead[0].entry.parked
+    assert recv(pop, "DG", "D", inv=1, attempts=2) == ([], []), "parked: neither delivered nor parked again"
+    pop.settle_dlq(dead[0])
     assert offsets.get("D", "DG", 0) == 1
 
 

@@ -172,8 +172,8 @@ def test_a_receiver_whose_view_is_a_moment_older_keeps_the_others_in_flight_mess
 
 def test_the_broker_dead_letters_a_message_library_receivers_parked(store: MessageStore, monkeypatch) -> None:
     """A message parked for the DLQ by library receivers (no writer moved it) in a store the broker then serves:
-    the broker's PopService hands it to its own dead-letter path (receive's ``dead``), never delivers it."""
-    from rocketstore.queues.revive import DeadLetterMover
+    the broker's PopService keeps it parked (never delivers it) and the shared protocol moves it, once."""
+    from rocketstore.queues.revive import DeadLetterMover, DeadLetterMoves
     from rocketstore.queues import RetryPolicy
 
     monkeypatch.setattr(DeadLetterMover, "run", lambda self: 0)  # nobody moves it
@@ -186,4 +186,51 @@ def test_the_broker_dead_letters_a_message_library_receivers_parked(store: Messa
     pop = PopService(store, ConsumerOffsetManager(config), config)
     out, dead = pop.receive("G", "T", [0], 10, 60_000, TagFilter("*"), fifo=False, max_attempts=1, client="b",
                             auto_renew=False)
-    assert out == [] and [d.entry.offset for d in dead] == [0]
+    assert out == [] and dead == [] and [d.entry.offset for d in pop.parked()] == [0]
+    moves = DeadLetterMoves(store, pop)
+    assert moves.mark() is False
+    [d] = moves.marked()
+    assert moves.placed(d, store.put(moves.letter(d))) and pop.parked() == []
+    assert store.wait_dispatched(10)
+    got = store.get("%DLQ%G", 0, 0, 10).messages
+    assert [m.body for m in got] == [b"m0"] and got[0].properties["DLQ_ORIGIN_TOPIC"] == "T"
+
+
+def test_a_queue_record_is_written_as_json_dumps_would_and_reads_back() -> None:
+    """QueueState.to_text writes its JSON by hand (speed): the same text as json.dumps of the record, for
+    awkward strings (quotes, backslashes, control and non-ASCII characters), None tags and parked entries."""
+    import json
+    import random
+
+    from rocketstore.queues.pop import PARKED, Entry, QueueState
+
+    rnd = random.Random(7)
+    texts = ["", "a", 'q"uo\\te', "tab\tnl\n\x01", "ünï \u2028 \U0001f600", "||", None]
+    for _ in range(200):
+        qs = QueueState(rnd.choice(["G", 'g"1', "gr\u00fcppe"]), rnd.choice(["T", "%RETRY%x", "t\\\\"]),
+                        rnd.randrange(8), rnd.randrange(1 << 40), rnd.random() < 0.5)
+        qs.next = qs.committed + 50
+        qs.acked = {qs.committed + rnd.randrange(50) for _ in range(rnd.randrange(10))}
+        for off in rnd.sample(range(qs.committed, qs.next), rnd.randrange(6)):
+            e = Entry(off, rnd.randrange(1 << 50), rnd.randrange(1 << 20), rnd.choice(texts), rnd.choice(texts),
+                      rnd.randrange(20), rnd.randrange(1 << 42), rnd.choice(["", "ab12f", 'x"y']),
+                      rnd.random() < 0.5, rnd.random() < 0.5, rnd.choice(["", "123-4", "c\u00e9"]),
+                      rnd.randrange(1 << 42), rnd.random() < 0.5, rnd.randrange(1 << 20))
+            if rnd.random() < 0.3:
+                e.parked, e.dlq_from = True, rnd.randrange(-1, 1000)
+            qs.entries[off] = e
+        ranges: list[list[int]] = []
+        for o in sorted(qs.acked):
+            if ranges and ranges[-1][1] == o:
+                ranges[-1][1] = o + 1
+            else:
+                ranges.append([o, o + 1])
+        entries = [[e.offset, e.phy, e.size, e.attempts, e.visible_at, e.token, e.tag, e.msg_group, e.blocked,
+                    e.auto_renew, e.client, e.first_pop, e.suspend, e.invisible_ms]
+                   + ([PARKED, e.dlq_from] if e.parked else []) for _, e in sorted(qs.entries.items())]
+        record = {"group": qs.group, "topic": qs.topic, "queueId": qs.queue_id, "committed": qs.committed,
+                  "next": qs.next, "fifo": qs.fifo, "acked": ranges, "entries": entries}
+        text = qs.to_text()
+        assert text == json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+        back = [Entry.from_json(a) for a in json.loads(text)["entries"]]
+        assert back == [e for _, e in sorted(qs.entries.items())]

@@ -21,6 +21,7 @@ from typing import Any
 from ..errors import StoreError
 from ..format.message import Message, PutMessageResult, PutMessageStatus
 from .clients import ClientRegistry
+from .deadletters import BrokerDeadLetters
 from .config import BrokerConfig
 from .longpoll import LongPolling
 from .metrics import BrokerMetrics, count_deliveries
@@ -57,6 +58,7 @@ class Broker:
         self.pop: PopService | None = None
         self.timer: TimerService | None = None
         self.transactions: TransactionService | None = None
+        self.dead_letters = BrokerDeadLetters(self)
         self.longpoll = LongPolling()
         self.metrics = BrokerMetrics()
         self._tasks: list[asyncio.Task] = []
@@ -93,6 +95,7 @@ class Broker:
                        loop.create_task(every(1.0, self._housekeeping, "housekeeping"), name="housekeeping")]
         self.store.assist_dispatch(True)  # our ASYNC_FLUSH puts are dispatched on the loop (see put)
         self.started = True
+        self.dead_letters.left = bool(self.pop.parked())  # parked before a crash or by library receivers
 
     async def stop(self) -> None:
         """Stop the services and write every state file (the store stays open)."""
@@ -216,6 +219,8 @@ class Broker:
 
     async def _housekeeping(self) -> None:
         self.pop.renew(self.clients.alive)
+        if self.dead_letters.left:
+            await self.dead_letters.move()
         for cid in self.clients.expired():
             log.info("client %s expired (no heartbeat, no Telemetry stream)", cid)
             self.clients.remove(cid)

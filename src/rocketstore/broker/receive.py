@@ -49,8 +49,8 @@ class Receiving:
                 while True:
                     deliveries, dead = pop.receive(group, t.name, qids, batch, inv, flt, fifo=fifo,
                                                    max_attempts=attempts, client=cid, auto_renew=auto_renew)
-                    for d in dead:
-                        self._background(self._dead_letter(d))
+                    if dead:
+                        self._background(self.broker.dead_letters.move())
                     if deliveries:
                         break
                     left = deadline - time.monotonic()

@@ -1,5 +1,5 @@
-"""Producing: SendMessage (each message through small steps), EndTransaction, RecallMessage, and moving messages
-to the dead letter queue (ForwardMessageToDeadLetterQueue and the pop service's dead letters)."""
+"""Producing: SendMessage (each message through small steps), EndTransaction, RecallMessage, and a client's
+ForwardMessageToDeadLetterQueue (moved by the broker's dead letters, rocketstore.broker.deadletters)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 
 from ..format.message import Message, PutMessageResult, PutMessageStatus
 from .dedup import digest
-from .convert import (DELAY, FIFO, GZIP, P_DLQ_MSG_ID, P_DLQ_TOPIC, P_ORIGIN_MSG_ID, P_RECONSUME, P_RETRY_TOPIC,
-                      TRANSACTION, TYPE_NAMES, BadMessage, Code, host_from, store_properties, ts_ms, validate)
-from ..queues.pop import DeadLetter, now_ms
+from .convert import (DELAY, FIFO, GZIP, TRANSACTION, TYPE_NAMES, BadMessage, Code, host_from, store_properties,
+                      ts_ms, validate)
+from ..queues.pop import now_ms
 from .topics import TopicConfig
 from .proto import pb, svc
 from .calls import (INTERNAL_CODE, MAX_SEND_MESSAGES, OK_CODE, OK_TEXT, PUB, PUT_CODES, Caller, guarded,
@@ -201,41 +201,6 @@ class Sending:
         set_status(resp.status, Code.UNSUPPORTED, "recalling delay messages is not supported")
         return resp
 
-    async def _dead_letter(self, d: DeadLetter) -> bool:
-        pop = self.broker.pop
-        try:
-            m = self.broker.store.look(d.entry.phy)
-        except Exception as e:
-            log.error("message at %d for %s unreadable (%s); dropped instead of dead-lettered", d.entry.phy,
-                      d.group, e)
-            pop.finish_dlq(d, True)
-            return True
-        try:
-            dlq = await self.topics.ensure_dlq_topic(d.group)
-        except OSError as e:
-            log.error("cannot create the dead letter topic of %s: %s", d.group, e)
-            pop.finish_dlq(d, False)
-            return False
-        props = dict(m.properties)
-        uniq = props.get("UNIQ_KEY") or m.msg_id
-        props.setdefault(P_DLQ_TOPIC, d.topic)
-        props.setdefault(P_DLQ_MSG_ID, uniq)
-        props.setdefault(P_ORIGIN_MSG_ID, uniq)
-        props[P_RETRY_TOPIC] = d.topic
-        props[P_RECONSUME] = str(d.entry.attempts)
-        msg = Message(topic=dlq.name, body=m.body or b"", queue_id=0, properties=props, flag=m.flag,
-                      sys_flag=m.sys_flag & ~0xC, born_timestamp=m.born_timestamp,
-                      born_host=(m.born_addr, m.born_port), store_host=self.broker.store_host,
-                      reconsume_times=d.entry.attempts)
-        res = await self.broker.put(msg)
-        pop.finish_dlq(d, res.ok)
-        if res.ok:
-            log.info("message %s of %s moved to %s after %d deliveries", uniq, d.topic, dlq.name, d.entry.attempts)
-            self.broker.notify(dlq.name)
-        else:
-            log.error("moving message %s to %s failed: %s", uniq, dlq.name, res.status.value)
-        return res.ok
-
     @guarded(svc.ForwardMessageToDeadLetterQueueResponse)
     async def ForwardMessageToDeadLetterQueue(self, request: Any, context: Any) -> Any:
         resp = svc.ForwardMessageToDeadLetterQueueResponse()
@@ -246,7 +211,7 @@ class Sending:
         if d is None:
             set_status(resp.status, Code.INVALID_RECEIPT_HANDLE, "receipt handle is unknown, expired or superseded")
             return resp
-        if await self._dead_letter(d):
+        if await self.broker.dead_letters.forward(d):
             set_status(resp.status, Code.OK)
         else:
             set_status(resp.status, Code.INTERNAL_SERVER_ERROR, "could not write to the dead letter queue")

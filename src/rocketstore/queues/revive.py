@@ -1,16 +1,18 @@
 """Moving parked messages to ``%DLQ%<group>``: what RocketMQ's broker does for a message past maxReconsumeTimes.
 
-A library receiver (:class:`~rocketstore.queues.simple_consumer.SimpleConsumer`) that finds a message due for
-the DLQ parks it in the pop state (``Entry.parked``: never delivered again); only the writer (the process
-holding the store open for writing) can put, so the writer moves it: a receiver in the writer process at once,
-and :class:`DeadLetterService`, one of the writable store's services, for receivers in read-only processes
-(they ring its bell, ``REVIVE``; it also looks at start, so messages parked while no writer ran move when one
-opens the store, and every ``interval`` seconds when the pop state changed, in case a ring was lost).
+A receiver that finds a message due for the DLQ parks it in the pop state (``Entry.parked``: never delivered
+again); a mover puts it there.  :class:`DeadLetterMoves` is the one protocol, used by the library's
+:class:`DeadLetterMover` and by the gRPC broker (``rocketstore.broker.deadletters``), which differ only in how
+they write the state and put.  In the library only the writer (the process holding the store open for writing)
+can put: a receiver in the writer process moves at once, and :class:`DeadLetterService`, one of the writable
+store's services, moves for receivers in read-only processes (they ring its bell, ``REVIVE``; it also looks at
+start, so messages parked while no writer ran move when one opens the store, and every ``interval`` seconds
+when the pop state changed, in case a ring was lost).
 
 Exactly once: the mover first writes, durably, each parked message's ``dlq_from`` (the DLQ queue's end before
-its put), then, in one lock section, looks for the copy from there (same DLQ_ORIGIN_MESSAGE_ID, origin topic
-and born time: a crash between an earlier put and its state write left it there), puts it if it is not there,
-and removes the message from the group's state.  Movers in one process, or after a crash, never put twice.
+its put), then looks for the copy from there (same DLQ_ORIGIN_MESSAGE_ID, origin topic and born time: a crash
+between an earlier put and its state write left it there), puts it if it is not there, and removes the
+message from the group's state.  Movers in one process, or after a crash, never put twice.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 from ..errors import StoreLockedError
 from ..format.codec import MessageExt
+from ..format.message import Message, PutMessageResult
 from ..services.base import ServiceThread
 from . import journal
 from .dlq import P_DLQ_MSG_ID, P_RETRY_TOPIC, dead_letter
@@ -85,7 +88,7 @@ class DeadLetterMover:
         with self._lock:
             try:
                 state = SharedPopState(self.config_dir, lambda offsets: PopService(
-                    self.store, offsets, self.config_dir, park_dead=True))
+                    self.store, offsets, self.config_dir))
             except StoreLockedError:
                 return 0  # a broker serves the store: it dead-letters by itself
             try:
@@ -95,49 +98,85 @@ class DeadLetterMover:
 
     def _move(self, state: SharedPopState) -> int:
         with state.locked(durable=True) as pop:
-            parked = pop.parked()
-            if not parked:
-                return 0
-            retried = any(d.entry.dlq_from >= 0 for d in parked)  # a move cut short before: look for copies
-            for d in parked:
-                if d.entry.dlq_from < 0:
-                    pop.intend_dlq(d, self.store.max_offset_in_queue(dlq_topic(d.group), 0))
+            retried = DeadLetterMoves(self.store, pop).mark()
         if retried:
             wait = getattr(self.store, "wait_dispatched", None)
             if wait is not None:
                 wait(5.0)  # a copy put just before a failure must be in its queue to be found
         moved = 0
-        matched: set[tuple[str, int]] = set()
         with state.locked(durable=True) as pop:
-            for d in pop.parked():
-                if d.entry.dlq_from < 0:
-                    continue  # parked since the first section: the next round
-                moved += self._move_one(pop, d, matched)
+            moves = DeadLetterMoves(self.store, pop)
+            for d in moves.marked():
+                msg = moves.letter(d)
+                if msg is not None:
+                    moved += moves.placed(d, self.store.put(msg))
         return moved
 
-    def _move_one(self, pop: PopService, d: DeadLetter, matched: set[tuple[str, int]]) -> int:
+
+class DeadLetterMoves:
+    """One round of moving a pop state's parked messages (the caller serialises rounds on one state).
+
+    The caller: :meth:`mark`, then makes the state durable (no put before that), waits for the store's
+    dispatch if :meth:`mark` said so, and for each of :meth:`marked`: puts :meth:`letter` unless it is None
+    and hands the result to :meth:`placed`; then writes the state (a lost write only makes the next round
+    find the copies).
+    """
+
+    def __init__(self, store: Any, pop: PopService, store_host: Any = None) -> None:
+        self.store = store
+        self.pop = pop
+        self.store_host = store_host
+        self.matched: set[tuple[str, int]] = set()  # DLQ positions already taken as some message's copy
+
+    def mark(self) -> bool:
+        """Record each parked message's DLQ end; True when one had it already: a move cut short, whose copy
+        may be in the DLQ (the store's dispatch must have caught up for it to be found)."""
+        retried = False
+        for d in self.pop.parked():
+            if d.entry.dlq_from < 0:
+                self.pop.intend_dlq(d, self.store.max_offset_in_queue(dlq_topic(d.group), 0))
+            else:
+                retried = True
+        return retried
+
+    def marked(self) -> list[DeadLetter]:
+        """The parked messages whose DLQ end is recorded (parked since :meth:`mark`: the next round)."""
+        return [d for d in self.pop.parked() if d.entry.dlq_from >= 0]
+
+    def letter(self, d: DeadLetter) -> Message | None:
+        """The dead letter to put for ``d``; None when none is needed (its copy is in the DLQ: a move cut short;
+        or the message is unreadable: dropped), ``d`` then removed from the state."""
+        if not self.pop.holds(d):
+            return None
         try:
             m = self.store.look(d.entry.phy)
         except Exception as e:  # noqa: BLE001 - gone or damaged: never delivered again either way
             log.error("%s@%s: message at %d unreadable (%s); dropped instead of dead-lettered", d.topic, d.group,
                       d.entry.phy, e)
-            pop.settle_dlq(d)
-            return 0
+            self.pop.settle_dlq(d)
+            return None
         dlq = dlq_topic(d.group)
-        if self._find_copy(dlq, d, m, matched):
+        if self._find_copy(dlq, d, m):
             log.info("message %s of %s was in %s already (a move cut short); settled", m.msg_id, d.topic, dlq)
-            pop.settle_dlq(d)
-            return 0
-        res = self.store.put(dead_letter(m, d.group, d.topic, d.entry.attempts))
-        if not res.ok:
-            log.error("moving message %s to %s failed: %s; the next round tries again", m.msg_id, dlq, res.status)
-            return 0
-        matched.add((dlq, res.queue_offset))
-        pop.settle_dlq(d)
-        log.info("message %s of %s moved to %s after %d deliveries", m.msg_id, d.topic, dlq, d.entry.attempts)
-        return 1
+            self.pop.settle_dlq(d)
+            return None
+        return dead_letter(m, d.group, d.topic, d.entry.attempts, self.store_host)
 
-    def _find_copy(self, dlq: str, d: DeadLetter, m: MessageExt, matched: set[tuple[str, int]]) -> bool:
+    def placed(self, d: DeadLetter, res: PutMessageResult) -> bool:
+        """The put of ``d``'s letter returned ``res``: on success ``d`` leaves the state; else it stays parked
+        (with its DLQ end: the next round looks for a copy first)."""
+        dlq = dlq_topic(d.group)
+        if not res.ok:
+            log.error("moving the message at %d of %s to %s failed: %s; the next round tries again", d.entry.phy,
+                      d.topic, dlq, res.status.value)
+            return False
+        self.matched.add((dlq, res.queue_offset))
+        self.pop.settle_dlq(d)
+        log.info("message at %d of %s moved to %s after %d deliveries", d.entry.phy, d.topic, dlq,
+                 d.entry.attempts)
+        return True
+
+    def _find_copy(self, dlq: str, d: DeadLetter, m: MessageExt) -> bool:
         """Whether ``m``'s dead letter is in the DLQ at or after the recorded end (the move's earlier put)."""
         uniq = m.properties.get("UNIQ_KEY") or m.msg_id
         off = max(d.entry.dlq_from, self.store.min_offset_in_queue(dlq, 0))
@@ -147,9 +186,9 @@ class DeadLetterMover:
             if not res.messages:
                 break
             for c in res.messages:
-                if (dlq, c.queue_offset) not in matched and c.properties.get(P_DLQ_MSG_ID) == uniq and \
+                if (dlq, c.queue_offset) not in self.matched and c.properties.get(P_DLQ_MSG_ID) == uniq and \
                         c.properties.get(P_RETRY_TOPIC) == d.topic and c.born_timestamp == m.born_timestamp:
-                    matched.add((dlq, c.queue_offset))
+                    self.matched.add((dlq, c.queue_offset))
                     return True
             if res.next_begin_offset <= off:
                 break

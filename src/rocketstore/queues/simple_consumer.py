@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 ACK_BATCH = 256
 ACK_LINGER = 0.2
+OWN_DISPATCH_WAIT = 0.01  # seconds a writer's receive waits for the dispatch thread's round under way
 _clients = itertools.count(1)
 # How a read-only store extends its view to what the writer appended (registered by the package root:
 # rocketstore.tail_view sits above the facade, this package below it).
@@ -68,6 +69,8 @@ class QueueStore(Protocol):
     def put(self, message: Message) -> PutMessageResult: ...
     def get(self, topic: str, queue_id: int, offset: int, max_msgs: int = 32) -> Any: ...
     def wait_dispatched(self, timeout: float = 30.0) -> bool: ...
+    def max_phy_offset(self) -> int: ...
+    def dispatched_to(self, offset: int) -> bool: ...
 
 
 class ReceiptHandleError(StoreError):
@@ -131,10 +134,13 @@ class SimpleConsumer:
         self._now_ms = lambda: int(store_clock() * 1000)
         self.state = SharedPopState(config_dir or os.path.join(store.root, "config"),
                                     lambda offsets: PopService(store, offsets, self.state.config_dir,
-                                                               on_visible=self._on_visible, park_dead=True,
+                                                               on_visible=self._on_visible,
                                                                load=True, clock=self._now_ms),
                                     follow)
         self._mover = None if store.read_only else revive.DeadLetterMover(store, self.state.config_dir)
+        # The writer dispatches what it wrote itself before a receive (as the broker's loop does): a put just
+        # before is receivable at once, not after the dispatch thread's next round and its doorbell ring.
+        self._dispatch = None if store.read_only else getattr(store, "dispatch_ready", None)
         self._follow = follow
         self._pending_acks: list[str] = []
         self._first_pending = 0.0
@@ -157,7 +163,10 @@ class SimpleConsumer:
             self._check_open()
             if wait > 0 and self._waiter is None:
                 self._waiter = Waiter(self.store.root)  # bound before looking: a put after the look rings it
-            elif self._waiter is not None:
+            elif self._waiter is not None and self._dispatch is None:
+                # A read-only receiver: rings are its only news, and one left from before this look would cost
+                # another look after it.  The writer skips this socket call per receive: it dispatches its own
+                # puts before looking, and a stale ring costs it at most one more look.
                 self._waiter.drain()
             out, due = self._receive_once(max_messages)
             left = deadline - time.monotonic()
@@ -171,20 +180,33 @@ class SimpleConsumer:
 
     def _receive_once(self, n: int) -> tuple[list[ReceivedMessage], int]:
         out: list[ReceivedMessage] = []
+        if self._dispatch is not None:
+            self._dispatch_own_puts()
         with self._lock, self.state.locked() as pop:
             self._apply_acks(pop)
             qids = self._queue_ids()
-            deliveries, _ = pop.receive(self.group, self.topic, qids, n, self.invisible_ms, self.filter,
-                                        fifo=self.fifo, max_attempts=self.retry.max_attempts,
-                                        client=self.client, auto_renew=False)
+            deliveries, parked = pop.receive(self.group, self.topic, qids, n, self.invisible_ms, self.filter,
+                                             fifo=self.fifo, max_attempts=self.retry.max_attempts,
+                                             client=self.client, auto_renew=False)
             for d in deliveries:
                 out.append(ReceivedMessage(d.message, d.handle, d.entry.attempts))
             due = pop.next_due(self.group, self.topic, qids)
-            parked, pop.parked_now = pop.parked_now, 0
         self._ring_if_needed()
         if parked:
             self._move_parked()
         return out, due
+
+    def _dispatch_own_puts(self) -> None:
+        """(The writer.)  Make what was written so far receivable: dispatched here, or, when the dispatch
+        thread is in a round, after it (at most OWN_DISPATCH_WAIT; else the doorbell wakes a waiting receive)."""
+        store = self.store
+        end = store.max_phy_offset()
+        if store.dispatched_to(end):
+            return
+        assert self._dispatch is not None
+        self._dispatch()
+        if not store.dispatched_to(end):
+            store.wait_dispatched(OWN_DISPATCH_WAIT)
 
     def _move_parked(self) -> None:
         """Messages parked for the DLQ: moved now on the writer, else by the writer's dead-letter service."""
