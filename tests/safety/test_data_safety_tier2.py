@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -253,12 +254,10 @@ def test_repair_of_a_tier_held_segment_keeps_the_tier_copy_findable(tmp_path):
         assert victim["commitLogOffset"] in [m.commit_log_offset for m in hits]
 
 
-def test_a_torn_queue_file_is_rebuilt_from_the_records_the_tier_holds(tmp_path):
-    """Model seed 20096 (``put,kill,recover,retention,reimport,repair_int,tier_upload,tier_fault,index_damage``):
-    segment 0 in the tier and deleted locally, the queue files the tier holds deleted too; the next local queue
-    file (units 60.. of T-1, their records in segment 0) cut to a size that is no multiple of 20.  The open
-    moved it aside and refilled the queue from the local log only: units 60..65 were written blank and a read
-    there returned OFFSET_FOUND_NULL, skipping acknowledged messages the tier holds intact."""
+def _tiered_store_with_a_torn_queue_file(tmp_path: Path) -> tuple[Path, Path, Any, dict[int, bytes]]:
+    """Segment 0 in the tier and deleted locally, the queue files the tier holds deleted too; the next local queue
+    file (units 60.. of T-1, their records in segment 0) cut to a size that is no multiple of 20.
+    Returns (store root, tier root, config maker, queue offset -> body)."""
     root, tier = tmp_path / "s", tmp_path / "tier"
 
     def cfg(**kw) -> StoreConfig:
@@ -284,47 +283,36 @@ def test_a_torn_queue_file_is_rebuilt_from_the_records_the_tier_holds(tmp_path):
     assert int(queue_files[0].name) // 20 < 78  # its first units point into segment 0 (the tier's only)
     with open(queue_files[0], "r+b") as fh:
         fh.truncate(150)
+    return root, tier, cfg, bodies
+
+
+def _read_queue(st: MessageStore) -> dict[int, bytes]:
+    off, end = st.min_offset_in_queue("T", 1), st.max_offset_in_queue("T", 1)
+    got = {}
+    while off < end:
+        r = st.get("T", 1, off, 32)
+        assert r.status is GetMessageStatus.FOUND, f"get T-1 @{off}: {r.status.name}, next {r.next_begin_offset}"
+        got.update((m.queue_offset, m.body) for m in r.messages)
+        off = r.next_begin_offset
+    return got
+
+
+def test_a_torn_queue_file_is_rebuilt_from_the_records_the_tier_holds(tmp_path):
+    """Model seed 20096 (``put,kill,recover,retention,reimport,repair_int,tier_upload,tier_fault,index_damage``):
+    the open moved the torn queue file aside and refilled the queue from the local log only: units 60..65 were
+    written blank and a read there returned OFFSET_FOUND_NULL, skipping acknowledged messages the tier holds."""
+    root, _tier, cfg, bodies = _tiered_store_with_a_torn_queue_file(tmp_path)
     with MessageStore.open(str(root), cfg()) as st:
-        off, end = st.min_offset_in_queue("T", 1), st.max_offset_in_queue("T", 1)
-        got = {}
-        while off < end:
-            r = st.get("T", 1, off, 32)
-            assert r.status is GetMessageStatus.FOUND, f"get T-1 @{off}: {r.status.name}, next {r.next_begin_offset}"
-            got.update((m.queue_offset, m.body) for m in r.messages)
-            off = r.next_begin_offset
-    assert got == bodies
+        assert _read_queue(st) == bodies
 
 
 @pytest.mark.parametrize("lost", ["bucket", "bucket-and-local"])
 def test_a_torn_queue_file_is_never_rebuilt_blank_while_the_tier_manifest_is_lost(tmp_path, lost):
     """As above, with the tier's ``tier.json`` lost (and, in one case, the store's local copy too) when the
-    torn queue file is found: the units of the records only the tier holds are placed from the tier once its
-    manifest is put back, or the open is refused naming the tier; never written blank (missing is not empty)."""
-    root, tier = tmp_path / "s", tmp_path / "tier"
-
-    def cfg(**kw) -> StoreConfig:
-        return StoreConfig(mappedFileSizeCommitLog=32 * 1024, mappedFileSizeConsumeQueue=10 * 20, maxHashSlotNum=32,
-                           maxIndexNum=128, warmAheadBytes=0, tieredStoreUri=f"file://{tier}",
-                           tieredStoreFileReservedTime=0, tieredStoreUploadInterval=3600_000, **kw)
-
-    bodies = {}
-    with MessageStore.open(str(root), cfg()) as st:
-        for i in range(150):
-            r = st.put(Message("T", b"m%d|" % i + bytes(400), queue_id=1))
-            bodies[r.queue_offset] = b"m%d|" % i + bytes(400)
-    with MessageStore.open(str(root), cfg()) as st:
-        assert upload_round(st.files, max_segments=1)["segments"] == 1
-    first = sorted((root / "commitlog").iterdir())[0]
-    old = first.stat().st_mtime - 3 * 3600
-    os.utime(first, (old, old))
-    with MessageStore.open(str(root), cfg(fileReservedTime=1, deleteCommitLogFilesInterval=0)) as st:
-        st.delete_expired_commit_log()
-        st.clean_service.clean_consume_queues()
-        assert st.commitlog.min_offset() == 32768
-    queue_files = sorted((root / "consumequeue" / "T" / "1").iterdir())
-    with open(queue_files[0], "r+b") as fh:
-        fh.truncate(150)
-    manifests = [p for p in tier.rglob("tier.json")]
+    torn queue file is found: the open is refused naming the tier, or the units of the records only the tier
+    holds are placed from it; never written blank (missing is not empty)."""
+    root, tier, cfg, bodies = _tiered_store_with_a_torn_queue_file(tmp_path)
+    manifests = list(tier.rglob("tier.json"))
     assert manifests, "the bucket holds a tier.json"
     for p in manifests:
         p.unlink()
@@ -335,14 +323,6 @@ def test_a_torn_queue_file_is_never_rebuilt_blank_while_the_tier_manifest_is_los
         st = MessageStore.open(str(root), cfg())
     except StoreError as e:
         assert "tier" in str(e)
-        assert (root / "consumequeue" / "T" / "1").exists()
         return
     with st:
-        off, end = st.min_offset_in_queue("T", 1), st.max_offset_in_queue("T", 1)
-        got = {}
-        while off < end:
-            r = st.get("T", 1, off, 32)
-            assert r.status is GetMessageStatus.FOUND, f"get T-1 @{off}: {r.status.name}, next {r.next_begin_offset}"
-            got.update((m.queue_offset, m.body) for m in r.messages)
-            off = r.next_begin_offset
-    assert got == bodies
+        assert _read_queue(st) == bodies
