@@ -107,27 +107,78 @@ def test_sync_flush_put_stays_off_the_loop(tmp_path):
     assert len(threads) == 1 and threads[0] != loop_thread  # it waits for fdatasync: not on the loop
 
 
-def test_async_flush_sends_are_dispatched_on_the_loop_once_per_iteration(tmp_path):
-    """The consume queues are still built after the send is answered, but by one call on the loop for every send
-    of the loop iteration, not by waking the store's dispatch thread (which then waits longer between rounds)."""
+def test_async_flush_sends_nobody_waits_for_are_dispatched_together_on_the_loop(tmp_path):
+    """The consume queues are built after the sends are answered, on the loop (not by waking the store's dispatch
+    thread, which then waits longer between rounds), and by one call for the sends of DISPATCH_LINGER seconds:
+    sends in three loop iterations take one dispatch call (a call per loop iteration was about one per send)."""
     from helpers.workloads import put_units_threads
+    from rocketstore.broker.broker import DISPATCH_LINGER
 
     async def scenario(broker, service, store):
         assert store.reput.assisted
         await service.SendMessage(_send_request(8), Context())  # one per queue: the dispatch thread makes them
         assert await asyncio.to_thread(store.wait_dispatched, 10)
-        with put_units_threads() as writers:
-            resps = [await service.SendMessage(_send_request(1), Context()) for _ in range(3)]  # (no await waits)
-            queued_at_answer = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
-            await asyncio.sleep(0)
-            queued_after = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
-        return resps, queued_at_answer, queued_after, writers, threading.get_ident()
+        await asyncio.sleep(DISPATCH_LINGER * 2)  # (the dispatch call of those eight has run)
+        calls: list[int] = []
+        real = store.dispatch_ready
 
-    resps, at_answer, after, writers, loop_thread = _run(tmp_path, "ASYNC_FLUSH", scenario)
+        def dispatch_ready():
+            calls.append(threading.get_ident())
+            return real()
+        store.dispatch_ready = dispatch_ready
+        with put_units_threads() as writers:
+            resps = []
+            for _ in range(3):
+                resps.append(await service.SendMessage(_send_request(1), Context()))
+                await asyncio.sleep(0)  # a loop iteration between the sends
+            queued_before = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
+            await asyncio.sleep(DISPATCH_LINGER * 3)
+            queued_after = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
+        return resps, queued_before, queued_after, calls, writers, threading.get_ident()
+
+    resps, before, after, calls, writers, loop_thread = _run(tmp_path, "ASYNC_FLUSH", scenario)
     assert [r.status.code for r in resps] == [pb.Code.OK] * 3
-    assert at_answer == 8  # asynchronous: not in the queues when answered
+    assert before == 8  # asynchronous: not in the queues when answered, nor one iteration later
     assert after == 11
-    assert writers == [loop_thread] * 3  # three queues, one dispatch call
+    assert calls == [loop_thread]  # one dispatch call for the three sends
+    assert writers == [loop_thread] * 3  # three queues
+
+
+def _receive_request(poll_ms: int) -> object:
+    req = svc.ReceiveMessageRequest()
+    req.group.name = "g"
+    req.message_queue.topic.name = "SendT"
+    req.filter_expression.type = pb.FilterType.TAG
+    req.filter_expression.expression = "*"
+    req.batch_size = 32
+    req.invisible_duration.seconds = 30
+    req.long_polling_timeout.nanos = poll_ms * 1_000_000
+    return req
+
+
+class _ReceiveContext(Context):
+    def time_remaining(self):
+        return None
+
+
+def test_a_receive_finds_the_sends_made_before_it_whose_dispatch_lingers(tmp_path):
+    """A receive dispatches the pending sends before it looks: one that does not wait (long polling 0) finds a
+    message sent just before it, though the dispatch of sends nobody waits for lingers."""
+    async def scenario(broker, service, store):
+        await service.SendMessage(_send_request(8), Context())
+        assert await asyncio.to_thread(store.wait_dispatched, 10)
+        first = [r async for r in service.ReceiveMessage(_receive_request(0), _ReceiveContext())]
+        sent = await service.SendMessage(_send_request(1), Context())
+        queued = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
+        second = [r async for r in service.ReceiveMessage(_receive_request(0), _ReceiveContext())]
+        return first, sent, queued, second
+
+    first, sent, queued, second = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    assert first[0].status.code == pb.Code.OK and len(first) == 8 + 2  # status, 8 messages, delivery time
+    assert queued == 8  # the send's dispatch was pending when the receive began
+    assert second[0].status.code == pb.Code.OK
+    got = [r.message.system_properties.message_id for r in second[1:-1]]
+    assert got == [sent.entries[0].message_id]
 
 
 class _AnyTag:
@@ -137,7 +188,8 @@ class _AnyTag:
 
 
 def test_a_send_to_a_waited_for_topic_wakes_the_receive(tmp_path):
-    """A receive waits for SendT: the send is dispatched in its own loop iteration and the receive woken."""
+    """A receive waits for SendT: the send is dispatched in the next loop iteration (no linger) and the receive
+    woken."""
     async def scenario(broker, service, store):
         await service.SendMessage(_send_request(8), Context())  # one per queue: the dispatch thread makes them
         assert await asyncio.to_thread(store.wait_dispatched, 10)
@@ -157,8 +209,8 @@ def test_a_send_to_a_waited_for_topic_wakes_the_receive(tmp_path):
 
 
 def test_a_receive_that_starts_waiting_before_the_dispatch_is_woken_by_it(tmp_path):
-    """A send nobody waited for is remembered until its dispatch (after the callback that put it): a receive
-    that looked in between, found nothing and began to wait is woken by it, not left to its next look
+    """A send nobody waited for is remembered until its dispatch: a receive that looked in between, found
+    nothing and began to wait brings the dispatch forward and is woken by it, not left to its next look
     (LONG_POLL_RECHECK, 2 s)."""
     async def scenario(broker, service, store):
         await service.SendMessage(_send_request(8), Context())
