@@ -391,3 +391,46 @@ def test_a_metered_send_reads_its_request_without_an_async_generator(tmp_path):
     assert [r.status.code for r in resps] == [pb.Code.OK] * 20
     assert [r.entries[0].offset for r in resps][:9] == [0] * 8 + [1]  # stored, round robin over 8 queues
     assert not [n for n in started if "receiver" in n.lower()], started
+
+
+def test_the_metadata_of_the_handler_lookup_reaches_the_handler(tmp_path, monkeypatch):
+    """gRPC builds a call's metadata for its handler lookup; admission hands that tuple to the handler, which
+    does not build it again (``context.invocation_metadata()``: a named tuple per header, ~17 us a call)."""
+    from rocketstore.broker import calls
+
+    seen: list[bool] = []
+    real = calls.call_metadata
+
+    def call_metadata(context):
+        handed = calls._handed
+        seen.append(handed is not None and handed[0] is context)
+        return real(context)
+    monkeypatch.setattr(calls, "call_metadata", call_metadata)
+
+    async def run(stub):
+        meta = (("x-mq-client-id", "c1"), ("x-mq-date-time", "20261125T000000Z"))
+        return [await stub.SendMessage(_send_request(1), metadata=meta, timeout=10) for _ in range(5)]
+
+    resps = _serve_in_process(tmp_path, run)
+    assert [r.status.code for r in resps] == [pb.Code.OK] * 5
+    assert seen == [True] * 5
+
+
+def test_handed_metadata_serves_only_its_own_call():
+    from rocketstore.broker import calls
+
+    class Ctx:
+        def __init__(self, md):
+            self.md = md
+
+        def invocation_metadata(self):
+            return self.md
+
+    a = Ctx((("x-mq-client-id", "own-a"),))
+    b = Ctx((("x-mq-client-id", "own-b"),))
+    calls.hand_metadata(a, (("x-mq-client-id", "handed-a"), ("x-mq-client-id", "second")))
+    assert calls.caller_headers(b)["x-mq-client-id"] == "own-b"  # another call: its own metadata
+    assert calls.caller_headers(a)["x-mq-client-id"] == "handed-a"  # the first of a name wins
+    assert calls.caller_headers(a)["x-mq-client-id"] == "own-a"  # taken once
+    calls.hand_metadata(a, None)
+    assert calls.caller_headers(a)["x-mq-client-id"] == "own-a"
