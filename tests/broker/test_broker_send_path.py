@@ -434,3 +434,48 @@ def test_handed_metadata_serves_only_its_own_call():
     assert calls.caller_headers(a)["x-mq-client-id"] == "own-a"  # taken once
     calls.hand_metadata(a, None)
     assert calls.caller_headers(a)["x-mq-client-id"] == "own-a"
+
+
+def test_validate_reads_the_stored_properties_in_their_written_order():
+    """validate checks an entry and reads what is stored of it in one pass: the properties come in the order
+    the record holds them (user properties, TAGS, KEYS, UNIQ_KEY, __SHARDINGKEY, TIMER_DELIVER_MS,
+    TRACE_CONTEXT; a transaction's TRAN_MSG, PGROUP, CHECK_IMMUNITY_TIME_IN_SECONDS)."""
+    from rocketstore.broker.convert import BadMessage, validate
+
+    m = pb.Message()
+    m.topic.name = "T"
+    m.body = b"x"
+    m.user_properties["b"] = "2"
+    m.user_properties["a"] = "1"
+    sp = m.system_properties
+    sp.message_id = "id-1"
+    sp.tag = "tg"
+    sp.keys.extend(["k1", "k2"])
+    sp.message_group = "g"
+    sp.trace_context = "tc"
+    sp.born_timestamp.seconds, sp.born_timestamp.nanos = 1700000000, 5_000_000
+    mtype, body, props, born, deliver = validate(m, sp, "id-1", 1024)
+    assert (mtype, body, born, deliver) == (pb.MessageType.FIFO, b"x", 1700000000005, 0)  # the group implies FIFO
+    assert list(props.items()) == [*dict(m.user_properties).items(), ("TAGS", "tg"), ("KEYS", "k1 k2"),
+                                   ("UNIQ_KEY", "id-1"), ("__SHARDINGKEY", "g"), ("TRACE_CONTEXT", "tc")]
+
+    d = pb.Message()
+    d.topic.name = "T"
+    d.body = b"y"
+    d.system_properties.delivery_timestamp.seconds = 1800000000
+    mtype, _, props, born, deliver = validate(d, d.system_properties, "id-2", 1024)
+    assert (mtype, born, deliver) == (pb.MessageType.DELAY, 0, 1800000000000)
+    assert props == {"UNIQ_KEY": "id-2", "TIMER_DELIVER_MS": "1800000000000"}
+
+    t = pb.Message()
+    t.topic.name = "T"
+    t.body = b"z"
+    t.system_properties.message_type = pb.MessageType.TRANSACTION
+    t.system_properties.orphaned_transaction_recovery_duration.seconds = 0
+    mtype, _, props, _, _ = validate(t, t.system_properties, "id-3", 1024)
+    assert list(props.items()) == [("UNIQ_KEY", "id-3"), ("TRAN_MSG", "true"), ("PGROUP", "T"),
+                                   ("CHECK_IMMUNITY_TIME_IN_SECONDS", "1")]
+    t.system_properties.message_group = "g"
+    with pytest.raises(BadMessage) as e:
+        validate(t, t.system_properties, "id-3", 1024)
+    assert e.value.code == pb.Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE
