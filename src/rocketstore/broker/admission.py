@@ -38,11 +38,13 @@ import grpc
 
 from .acl import AccessControl, AuthenticationError
 from .calls import hand_metadata, peer_ip, set_status
+from .wire import frame_size
 from .convert import Code
 from .proto import svc
 
 log = logging.getLogger(__name__)
 
+EOF = grpc.aio.EOF
 ADMISSION_WAIT = 1.0  # seconds a read waits for room under the caps before RESOURCE_EXHAUSTED
 _UNMETERED = frozenset(("Telemetry",))
 
@@ -110,6 +112,8 @@ class RequestBudget:
             self.by_peer[peer] = left
         else:
             self.by_peer.pop(peer, None)
+        if not self._waiters:
+            return
         for p, m, fut in list(self._waiters):  # in arrival order; a waiter that does not fit is skipped
             if not fut.done() and self._fits(p, m):
                 self._add(p, m)
@@ -200,10 +204,13 @@ class Admission:
             kept = 0  # what stays reserved once read; all of it is given back if the read fails or is cancelled
             try:
                 request = await context.read()  # (not the request iterator: see the module's docstring)
-                if request is grpc.aio.EOF:
+                if request is EOF:
                     request = None
-                elif keep_size and hasattr(request, "ByteSize"):
-                    kept = min(limit, request.ByteSize())
+                elif keep_size:
+                    size = frame_size(request)
+                    if size is None and hasattr(request, "ByteSize"):
+                        size = request.ByteSize()
+                    kept = min(limit, size or 0)
             finally:
                 budget.give(peer, limit - kept)
             return request, peer, kept
