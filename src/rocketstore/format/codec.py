@@ -180,7 +180,7 @@ def properties_to_string(props: Mapping[str, str], capacity: int = 16) -> str:
     """
     if not props:
         return ""
-    names = tuple(k for k, v in props.items() if v is not None)
+    names = tuple(props) if None not in props.values() else tuple(k for k, v in props.items() if v is not None)
     order = _ORDER_CACHE.get((names, capacity))
     if order is None:
         cap = _hashmap_capacity(len(names), capacity)
