@@ -34,6 +34,7 @@ from .topics import TRANS_GROUP, TopicManager
 from .transaction import TransactionService
 
 log = logging.getLogger(__name__)
+PUT_OK = PutMessageStatus.PUT_OK
 
 DISPATCH_WAIT = 0.2  # seconds a long-poll wake-up may wait for the dispatcher
 # Seconds the dispatch of ASYNC_FLUSH puts nobody waits for may wait, so that one call serves the puts of many
@@ -71,6 +72,7 @@ class Broker:
         self._dispatch_soon = False  # ... scheduled for the next loop iteration, not after DISPATCH_LINGER
         self._unnotified: list[tuple[str, int | None, str | None]] = []  # its puts that nobody waited for
         self.started = False
+        self._puts_inline = not store.puts_wait_for_flush  # ASYNC_FLUSH: puts run on the loop (see put)
         self._pop_owner = -1  # config/popState.owner, held exclusively while started
 
     # ------------------------------------------------------------ lifecycle
@@ -136,7 +138,7 @@ class Broker:
         on one flush; the dispatch thread follows the flushed end.
         """
         try:
-            if not self.store.puts_wait_for_flush:
+            if self._puts_inline:
                 res = self.store.put(msg)
                 if self._dispatch_at is None:
                     self._dispatch_at = asyncio.get_running_loop().call_later(DISPATCH_LINGER, self._dispatch)
@@ -146,7 +148,7 @@ class Broker:
             res = PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=str(e))
         except RuntimeError as e:  # executor shut down
             res = PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=str(e))
-        self.metrics.stored(res.ok, len(msg.body))
+        self.metrics.stored(res.status is PUT_OK, len(msg.body))
         return res
 
     def dispatch_now(self) -> None:
