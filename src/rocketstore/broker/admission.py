@@ -194,6 +194,7 @@ class Admission:
         lookup_metadata = self._lookup_metadata
 
         async def read(context: Any) -> tuple[Any, str, int]:
+            """Reserve, read the request, keep what a send holds; (request or None at EOF, peer, kept)."""
             peer = context.peer() or ""
             if not budget.try_take(peer, limit) and not await budget.take(peer, limit, ADMISSION_WAIT):
                 log.info("%s from %s refused: %d request bytes in flight (%d from it), caps %d / %d", method,

@@ -237,7 +237,7 @@ class Calls:
         if name is None:
             set_status(status, Code.BAD_REQUEST, nsutil.illegal_namespace(res.resource_namespace) or "illegal namespace")
             return None
-        if not self._permit(caller, status, rtype, name, actions):
+        if self.access is not None and not self._permit(caller, status, rtype, name, actions):
             return None
         return name
 
