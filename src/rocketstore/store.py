@@ -403,7 +403,7 @@ class MessageStore:
         wait = sync and first is not None and _wait_store_msg_ok(first)
         req = GroupCommitRequest(topic, queue_id, records, dispatch, store_timestamp, wait)
         try:
-            self.commit.submit(req, self.config.syncFlushTimeout / 1000)
+            self.commit.submit(req, self.files.config.syncFlushTimeout / 1000)
         except PutRefused as e:
             return PutMessageResult(PutMessageStatus(e.status), error=str(e))
         written = req.written

@@ -107,27 +107,78 @@ def test_sync_flush_put_stays_off_the_loop(tmp_path):
     assert len(threads) == 1 and threads[0] != loop_thread  # it waits for fdatasync: not on the loop
 
 
-def test_async_flush_sends_are_dispatched_on_the_loop_once_per_iteration(tmp_path):
-    """The consume queues are still built after the send is answered, but by one call on the loop for every send
-    of the loop iteration, not by waking the store's dispatch thread (which then waits longer between rounds)."""
+def test_async_flush_sends_nobody_waits_for_are_dispatched_together_on_the_loop(tmp_path):
+    """The consume queues are built after the sends are answered, on the loop (not by waking the store's dispatch
+    thread, which then waits longer between rounds), and by one call for the sends of DISPATCH_LINGER seconds:
+    sends in three loop iterations take one dispatch call (a call per loop iteration was about one per send)."""
     from helpers.workloads import put_units_threads
+    from rocketstore.broker.broker import DISPATCH_LINGER
 
     async def scenario(broker, service, store):
         assert store.reput.assisted
         await service.SendMessage(_send_request(8), Context())  # one per queue: the dispatch thread makes them
         assert await asyncio.to_thread(store.wait_dispatched, 10)
-        with put_units_threads() as writers:
-            resps = [await service.SendMessage(_send_request(1), Context()) for _ in range(3)]  # (no await waits)
-            queued_at_answer = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
-            await asyncio.sleep(0)
-            queued_after = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
-        return resps, queued_at_answer, queued_after, writers, threading.get_ident()
+        await asyncio.sleep(DISPATCH_LINGER * 2)  # (the dispatch call of those eight has run)
+        calls: list[int] = []
+        real = store.dispatch_ready
 
-    resps, at_answer, after, writers, loop_thread = _run(tmp_path, "ASYNC_FLUSH", scenario)
+        def dispatch_ready():
+            calls.append(threading.get_ident())
+            return real()
+        store.dispatch_ready = dispatch_ready
+        with put_units_threads() as writers:
+            resps = []
+            for _ in range(3):
+                resps.append(await service.SendMessage(_send_request(1), Context()))
+                await asyncio.sleep(0)  # a loop iteration between the sends
+            queued_before = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
+            await asyncio.sleep(DISPATCH_LINGER * 3)
+            queued_after = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
+        return resps, queued_before, queued_after, calls, writers, threading.get_ident()
+
+    resps, before, after, calls, writers, loop_thread = _run(tmp_path, "ASYNC_FLUSH", scenario)
     assert [r.status.code for r in resps] == [pb.Code.OK] * 3
-    assert at_answer == 8  # asynchronous: not in the queues when answered
+    assert before == 8  # asynchronous: not in the queues when answered, nor one iteration later
     assert after == 11
-    assert writers == [loop_thread] * 3  # three queues, one dispatch call
+    assert calls == [loop_thread]  # one dispatch call for the three sends
+    assert writers == [loop_thread] * 3  # three queues
+
+
+def _receive_request(poll_ms: int) -> object:
+    req = svc.ReceiveMessageRequest()
+    req.group.name = "g"
+    req.message_queue.topic.name = "SendT"
+    req.filter_expression.type = pb.FilterType.TAG
+    req.filter_expression.expression = "*"
+    req.batch_size = 32
+    req.invisible_duration.seconds = 30
+    req.long_polling_timeout.nanos = poll_ms * 1_000_000
+    return req
+
+
+class _ReceiveContext(Context):
+    def time_remaining(self):
+        return None
+
+
+def test_a_receive_finds_the_sends_made_before_it_whose_dispatch_lingers(tmp_path):
+    """A receive dispatches the pending sends before it looks: one that does not wait (long polling 0) finds a
+    message sent just before it, though the dispatch of sends nobody waits for lingers."""
+    async def scenario(broker, service, store):
+        await service.SendMessage(_send_request(8), Context())
+        assert await asyncio.to_thread(store.wait_dispatched, 10)
+        first = [r async for r in service.ReceiveMessage(_receive_request(0), _ReceiveContext())]
+        sent = await service.SendMessage(_send_request(1), Context())
+        queued = sum(store.max_offset_in_queue("SendT", q) for q in range(8))
+        second = [r async for r in service.ReceiveMessage(_receive_request(0), _ReceiveContext())]
+        return first, sent, queued, second
+
+    first, sent, queued, second = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    assert first[0].status.code == pb.Code.OK and len(first) == 8 + 2  # status, 8 messages, delivery time
+    assert queued == 8  # the send's dispatch was pending when the receive began
+    assert second[0].status.code == pb.Code.OK
+    got = [r.message.system_properties.message_id for r in second[1:-1]]
+    assert got == [sent.entries[0].message_id]
 
 
 class _AnyTag:
@@ -137,7 +188,8 @@ class _AnyTag:
 
 
 def test_a_send_to_a_waited_for_topic_wakes_the_receive(tmp_path):
-    """A receive waits for SendT: the send is dispatched in its own loop iteration and the receive woken."""
+    """A receive waits for SendT: the send is dispatched in the next loop iteration (no linger) and the receive
+    woken."""
     async def scenario(broker, service, store):
         await service.SendMessage(_send_request(8), Context())  # one per queue: the dispatch thread makes them
         assert await asyncio.to_thread(store.wait_dispatched, 10)
@@ -157,8 +209,8 @@ def test_a_send_to_a_waited_for_topic_wakes_the_receive(tmp_path):
 
 
 def test_a_receive_that_starts_waiting_before_the_dispatch_is_woken_by_it(tmp_path):
-    """A send nobody waited for is remembered until its dispatch (after the callback that put it): a receive
-    that looked in between, found nothing and began to wait is woken by it, not left to its next look
+    """A send nobody waited for is remembered until its dispatch: a receive that looked in between, found
+    nothing and began to wait brings the dispatch forward and is woken by it, not left to its next look
     (LONG_POLL_RECHECK, 2 s)."""
     async def scenario(broker, service, store):
         await service.SendMessage(_send_request(8), Context())
@@ -339,3 +391,108 @@ def test_a_metered_send_reads_its_request_without_an_async_generator(tmp_path):
     assert [r.status.code for r in resps] == [pb.Code.OK] * 20
     assert [r.entries[0].offset for r in resps][:9] == [0] * 8 + [1]  # stored, round robin over 8 queues
     assert not [n for n in started if "receiver" in n.lower()], started
+
+
+def test_the_metadata_of_the_handler_lookup_reaches_the_handler(tmp_path, monkeypatch):
+    """gRPC builds a call's metadata for its handler lookup; admission hands that tuple to the handler, which
+    does not build it again (``context.invocation_metadata()``: a named tuple per header, ~17 us a call)."""
+    from rocketstore.broker import calls
+
+    seen: list[bool] = []
+    real = calls.call_metadata
+
+    def call_metadata(context):
+        handed = calls._handed
+        seen.append(handed is not None and handed[0] is context)
+        return real(context)
+    monkeypatch.setattr(calls, "call_metadata", call_metadata)
+
+    async def run(stub):
+        meta = (("x-mq-client-id", "c1"), ("x-mq-date-time", "20261125T000000Z"))
+        return [await stub.SendMessage(_send_request(1), metadata=meta, timeout=10) for _ in range(5)]
+
+    resps = _serve_in_process(tmp_path, run)
+    assert [r.status.code for r in resps] == [pb.Code.OK] * 5
+    assert seen == [True] * 5
+
+
+def test_handed_metadata_serves_only_its_own_call():
+    from rocketstore.broker import calls
+
+    class Ctx:
+        def __init__(self, md):
+            self.md = md
+
+        def invocation_metadata(self):
+            return self.md
+
+    a = Ctx((("x-mq-client-id", "own-a"),))
+    b = Ctx((("x-mq-client-id", "own-b"),))
+    calls.hand_metadata(a, (("x-mq-client-id", "handed-a"), ("x-mq-client-id", "second")))
+    assert calls.caller_headers(b)["x-mq-client-id"] == "own-b"  # another call: its own metadata
+    assert calls.caller_headers(a)["x-mq-client-id"] == "handed-a"  # the first of a name wins
+    assert calls.caller_headers(a)["x-mq-client-id"] == "own-a"  # taken once
+    calls.hand_metadata(a, None)
+    assert calls.caller_headers(a)["x-mq-client-id"] == "own-a"
+
+
+def test_validate_reads_the_stored_properties_in_their_written_order():
+    """validate checks an entry and reads what is stored of it in one pass: the properties come in the order
+    the record holds them (user properties, TAGS, KEYS, UNIQ_KEY, __SHARDINGKEY, TIMER_DELIVER_MS,
+    TRACE_CONTEXT; a transaction's TRAN_MSG, PGROUP, CHECK_IMMUNITY_TIME_IN_SECONDS)."""
+    from rocketstore.broker.convert import BadMessage, validate
+
+    m = pb.Message()
+    m.topic.name = "T"
+    m.body = b"x"
+    m.user_properties["b"] = "2"
+    m.user_properties["a"] = "1"
+    sp = m.system_properties
+    sp.message_id = "id-1"
+    sp.tag = "tg"
+    sp.keys.extend(["k1", "k2"])
+    sp.message_group = "g"
+    sp.trace_context = "tc"
+    sp.born_timestamp.seconds, sp.born_timestamp.nanos = 1700000000, 5_000_000
+    mtype, body, props, born, deliver = validate(m, sp, "id-1", 1024)
+    assert (mtype, body, born, deliver) == (pb.MessageType.FIFO, b"x", 1700000000005, 0)  # the group implies FIFO
+    assert list(props.items()) == [*dict(m.user_properties).items(), ("TAGS", "tg"), ("KEYS", "k1 k2"),
+                                   ("UNIQ_KEY", "id-1"), ("__SHARDINGKEY", "g"), ("TRACE_CONTEXT", "tc")]
+
+    d = pb.Message()
+    d.topic.name = "T"
+    d.body = b"y"
+    d.system_properties.delivery_timestamp.seconds = 1800000000
+    mtype, _, props, born, deliver = validate(d, d.system_properties, "id-2", 1024)
+    assert (mtype, born, deliver) == (pb.MessageType.DELAY, 0, 1800000000000)
+    assert props == {"UNIQ_KEY": "id-2", "TIMER_DELIVER_MS": "1800000000000"}
+
+    t = pb.Message()
+    t.topic.name = "T"
+    t.body = b"z"
+    t.system_properties.message_type = pb.MessageType.TRANSACTION
+    t.system_properties.orphaned_transaction_recovery_duration.seconds = 0
+    mtype, _, props, _, _ = validate(t, t.system_properties, "id-3", 1024)
+    assert list(props.items()) == [("UNIQ_KEY", "id-3"), ("TRAN_MSG", "true"), ("PGROUP", "T"),
+                                   ("CHECK_IMMUNITY_TIME_IN_SECONDS", "1")]
+    t.system_properties.message_group = "g"
+    with pytest.raises(BadMessage) as e:
+        validate(t, t.system_properties, "id-3", 1024)
+    assert e.value.code == pb.Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE
+
+
+def test_a_decoded_request_knows_its_frame_size_once():
+    """Admission keeps a send's frame size reserved while it is handled: the lenient decoder remembers the size
+    of the frame it decoded last, for that request only (``ByteSize()`` walked the message, ~1 us a send)."""
+    from rocketstore.broker import wire
+
+    decode = wire.lenient("SendMessage", svc.SendMessageRequest.FromString, 1 << 20)
+    data, data2 = _send_request(2).SerializeToString(), _send_request(1).SerializeToString()
+    req = decode(data)
+    other = decode(data2)
+    assert wire.frame_size(req) is None  # not the request decoded last
+    assert wire.frame_size(other) == len(data2)
+    req = decode(data)
+    assert wire.frame_size(req) == len(data)
+    assert wire.frame_size(req) is None  # taken once
+    assert isinstance(decode(b"\xff\xff"), wire.Undecodable) and wire.frame_size(req) is None

@@ -228,3 +228,33 @@ def test_interleaved_queues_get_one_write_each_per_round(tmp_path):
             assert [m.queue_offset for m in got] == [1, 2, 3, 4, 5]
             assert [m.commit_log_offset for m in got] == [r.commit_log_offset for r in results[q::4]]
             assert store.get("T", q, 1, 8, tag_filter=f"t{q}").messages == got
+
+
+def test_a_periodic_round_leaves_young_handed_over_puts_to_the_assistant(tmp_path):
+    """While assisted, a service round that was not woken takes no handed-over put younger than
+    ASSISTED_INTERVAL (the assistant dispatches it within that time; taking it meant a GIL fight and the same
+    work in another thread); a woken round, and a periodic round for an older put, take them as before."""
+    with MessageStore.open(str(tmp_path / "s")) as store:
+        reput = store.reput
+        reput.assisted = True
+        assert store.put(Message("T", b"first", queue_id=0)).ok
+        assert store.wait_dispatched(10)
+        _service_paused(store)
+        start = reput.reput_from_offset
+        assert store.put(Message("T", b"young", queue_id=0)).ok
+        reput._periodic = True
+        type(reput).run_once(reput)
+        assert reput.reput_from_offset == start  # left to the assistant
+        reput._periodic = False
+        type(reput).run_once(reput)  # a woken round (the assistant left it, or someone waits)
+        assert reput.reput_from_offset == store.commitlog.max_offset()
+
+        assert store.put(Message("T", b"old", queue_id=0)).ok
+        real = store.files.clock
+        store.files.clock = lambda: real() + 2 * dispatch.ASSISTED_INTERVAL
+        reput._periodic = True
+        type(reput).run_once(reput)  # nobody dispatched it within ASSISTED_INTERVAL: taken
+        assert reput.reput_from_offset == store.commitlog.max_offset()
+        store.files.clock = real
+        assert [m.body for m in store.get("T", 0, 0, 8).messages] == [b"first", b"young", b"old"]
+        _service_resumed(store)

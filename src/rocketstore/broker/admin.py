@@ -188,6 +188,7 @@ class AdminActions:
         return len(qs.entries) if qs is not None else None
 
     def _lag_rows(self, group: str | None, topic: str | None) -> list[dict[str, Any]]:
+        self.broker.dispatch_now()  # every message stored so far counts
         table = {k: v for k, v in self.broker.offsets.table.items() if not k.endswith("@" + TRANS_GROUP)}
         rows = lag_table(self.store, group, topic, table=table)
         for r in rows:
@@ -239,6 +240,7 @@ class AdminActions:
 
     # -------------------------------------------------------- metrics
     def metrics_snapshot(self) -> dict[str, Any]:
+        self.broker.dispatch_now()
         s = store_snapshot(self.store.files, self.store.metrics, self.store.disk_guard,
                            self.store.dispatch_behind_bytes())
         return {"lag": self._lag_rows(None, None), "flushLagBytes": s["flushLagBytes"],

@@ -13,6 +13,9 @@ when gRPC looks up its handler (by the service's generic handler, :mod:`.wire`),
   waits up to :data:`ADMISSION_WAIT` seconds for earlier reads to finish, then the call gets gRPC
   RESOURCE_EXHAUSTED.  Once read, a SendMessage keeps its encoded size reserved until it is answered.
 
+The metadata gRPC built for the handler lookup is handed to the handler (:func:`~.calls.hand_metadata`),
+which then does not build it again from the context.
+
 Telemetry streams are authenticated here but not metered: their reads wait for the next command, and a
 reservation held meanwhile would starve everybody else (each command is small and read one at a time).
 
@@ -28,17 +31,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from asyncio import current_task
 from typing import Any, AsyncIterator, Callable
 
 import grpc
 
 from .acl import AccessControl, AuthenticationError
-from .calls import peer_ip, set_status
+from .calls import hand_metadata, peer_ip, set_status
+from .wire import frame_size
 from .convert import Code
 from .proto import svc
 
 log = logging.getLogger(__name__)
 
+EOF = grpc.aio.EOF
 ADMISSION_WAIT = 1.0  # seconds a read waits for room under the caps before RESOURCE_EXHAUSTED
 _UNMETERED = frozenset(("Telemetry",))
 
@@ -106,6 +112,8 @@ class RequestBudget:
             self.by_peer[peer] = left
         else:
             self.by_peer.pop(peer, None)
+        if not self._waiters:
+            return
         for p, m, fut in list(self._waiters):  # in arrival order; a waiter that does not fit is skipped
             if not fut.done() and self._fits(p, m):
                 self._add(p, m)
@@ -121,9 +129,13 @@ class Admission:
         self.frame_limit = frame_limit
         self._metered: dict[str, Any] = {}
         self.on_refused: Callable[[str], None] | None = None  # the broker's ACL refusal counter, once it exists
+        self._looked_up: tuple[Any, Any] | None = None  # (task, metadata) of the last handler lookup
 
     def admit(self, handler: Any, details: Any) -> Any:
         """The handler gRPC is to run for a call of ``handler``'s method (``details``: its method and metadata)."""
+        # gRPC runs the lookup in the call's own task and starts the handler right after it: the metered
+        # handler takes the metadata from here when its task is the one that looked up (see _lookup_metadata).
+        self._looked_up = (current_task(), details.invocation_metadata)
         if self.access is not None:
             refusal = self._authenticate(handler, details)
             if refusal is not None:
@@ -135,6 +147,12 @@ class Admission:
                 else self._meter(handler, method)
             found = self._metered[details.method] = (handler, metered)
         return found[1]
+
+    def _lookup_metadata(self) -> Any:
+        """The metadata of this task's handler lookup, or None when another task looked up since (then the
+        handler reads the context's own)."""
+        looked, self._looked_up = self._looked_up, None
+        return looked[1] if looked is not None and looked[0] is current_task() else None
 
     def _authenticate(self, handler: Any, details: Any) -> Any:
         """None when the call's signature verifies, else a handler refusing it."""
@@ -173,8 +191,10 @@ class Admission:
     def _meter(self, handler: Any, method: str) -> Any:
         """``handler`` (a unary-request one) behind a reservation of the largest frame, taken before the read."""
         budget, limit, keep_size = self.budget, self.frame_limit, method == "SendMessage"
+        lookup_metadata = self._lookup_metadata
 
         async def read(context: Any) -> tuple[Any, str, int]:
+            """Reserve, read the request, keep what a send holds; (request or None at EOF, peer, kept)."""
             peer = context.peer() or ""
             if not budget.try_take(peer, limit) and not await budget.take(peer, limit, ADMISSION_WAIT):
                 log.info("%s from %s refused: %d request bytes in flight (%d from it), caps %d / %d", method,
@@ -185,10 +205,13 @@ class Admission:
             kept = 0  # what stays reserved once read; all of it is given back if the read fails or is cancelled
             try:
                 request = await context.read()  # (not the request iterator: see the module's docstring)
-                if request is grpc.aio.EOF:
+                if request is EOF:
                     request = None
-                elif keep_size and hasattr(request, "ByteSize"):
-                    kept = min(limit, request.ByteSize())
+                elif keep_size:
+                    size = frame_size(request)
+                    if size is None and hasattr(request, "ByteSize"):
+                        size = request.ByteSize()
+                    kept = min(limit, size or 0)
             finally:
                 budget.give(peer, limit - kept)
             return request, peer, kept
@@ -200,11 +223,13 @@ class Admission:
 
         if handler.response_streaming:
             async def metered_stream(request_iterator: Any, context: Any) -> AsyncIterator[Any]:
+                md = lookup_metadata()  # (before the first await)
                 request, peer, kept = await read(context)
                 try:
                     if request is None:
                         yield no_request(context)
                         return
+                    hand_metadata(context, md)
                     async for r in handler.unary_stream(request, context):
                         yield r
                 finally:
@@ -213,10 +238,12 @@ class Admission:
                                                          response_serializer=handler.response_serializer)
 
         async def metered(request_iterator: Any, context: Any) -> Any:
+            md = lookup_metadata()  # (before the first await)
             request, peer, kept = await read(context)
             try:
                 if request is None:
                     return no_request(context)
+                hand_metadata(context, md)
                 return await handler.unary_unary(request, context)
             finally:
                 budget.give(peer, kept)

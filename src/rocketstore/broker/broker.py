@@ -4,9 +4,10 @@ It owns the topic and group tables, consumer offsets, the pop state, the
 timer (delay messages), transactions and the connected clients, and runs the
 periodic work: writing state files, renewing auto-renewed receipts, expiring
 clients.  Everything runs on one asyncio loop, ASYNC_FLUSH puts too, and so
-does their dispatch into the consume queues and the index, once per loop
-iteration (the store's dispatch thread is left what is not quick); in
-SYNC_FLUSH mode a put waits for the group commit, so those run in a thread pool.
+does their dispatch into the consume queues and the index, by one call for the
+puts of up to DISPATCH_LINGER seconds (at once when a receive waits or looks;
+the store's dispatch thread is left what is not quick); in SYNC_FLUSH mode a put
+waits for the group commit, so those run in a thread pool.
 """
 
 from __future__ import annotations
@@ -34,8 +35,13 @@ from .topics import TRANS_GROUP, TopicManager
 from .transaction import TransactionService
 
 log = logging.getLogger(__name__)
+PUT_OK = PutMessageStatus.PUT_OK
 
 DISPATCH_WAIT = 0.2  # seconds a long-poll wake-up may wait for the dispatcher
+# Seconds the dispatch of ASYNC_FLUSH puts nobody waits for may wait, so that one call serves the puts of many
+# loop iterations (a dispatch call costs about three times a put's own share of it).  A receive dispatches
+# what is pending before it looks, and a put to a topic a receive waits for is dispatched at once.
+DISPATCH_LINGER = 0.01
 POP_WRITE_SPACING = 10  # popState.json waits this many times its last write's duration before the next one
 
 
@@ -59,14 +65,16 @@ class Broker:
         self.timer: TimerService | None = None
         self.transactions: TransactionService | None = None
         self.dead_letters = BrokerDeadLetters(self)
-        self.longpoll = LongPolling()
+        self.longpoll = LongPolling(on_wait=self._expedite_dispatch)
         self.metrics = BrokerMetrics()
         self._tasks: list[asyncio.Task] = []
         self._persist_lock: asyncio.Lock | None = None
         self._pop_next_write = 0.0
-        self._dispatch_due = False  # a dispatch_ready call is scheduled for this loop iteration
+        self._dispatch_at: asyncio.Handle | None = None  # the scheduled dispatch call of the puts so far
+        self._dispatch_soon = False  # ... scheduled for the next loop iteration, not after DISPATCH_LINGER
         self._unnotified: list[tuple[str, int | None, str | None]] = []  # its puts that nobody waited for
         self.started = False
+        self._puts_inline = not store.puts_wait_for_flush  # ASYNC_FLUSH: puts run on the loop (see put)
         self._pop_owner = -1  # config/popState.owner, held exclusively while started
 
     # ------------------------------------------------------------ lifecycle
@@ -103,6 +111,9 @@ class Broker:
             return
         self.started = False
         self.store.assist_dispatch(False)
+        if self._dispatch_at is not None:
+            self._dispatch_at.cancel()  # the store's dispatch thread takes what is pending
+            self._dispatch_at = None
         await cancel(*self._tasks)
         if self.timer:
             await self.timer.stop()
@@ -124,28 +135,42 @@ class Broker:
         ASYNC_FLUSH: the put runs on the loop.  It appends to the mapped commitlog and hands the record to the
         dispatcher (tens of microseconds); sending it to a thread cost more than the put itself (a pool
         submit, a thread wake-up and a loop wake-up per send).  The records are dispatched on the loop too,
-        after the current callback (so, as ever, asynchronously to the put), by one call for every put of
-        the loop iteration: waking the store's dispatch thread for them cost more than the dispatch.
-        SYNC_FLUSH: the put waits for the group commit's fdatasync, so it runs in the pool, where several wait
+        asynchronously to the put as ever, by one call for the puts of up to DISPATCH_LINGER seconds: waking
+        the store's dispatch thread for them cost more than the dispatch, and so did a call per loop
+        iteration (with many producers, an iteration holds about one send).  SYNC_FLUSH: the put waits for the group commit's fdatasync, so it runs in the pool, where several wait
         on one flush; the dispatch thread follows the flushed end.
         """
         try:
-            if not self.store.puts_wait_for_flush:
+            if self._puts_inline:
                 res = self.store.put(msg)
-                if not self._dispatch_due:
-                    self._dispatch_due = True
-                    asyncio.get_running_loop().call_soon(self._dispatch)
+                if self._dispatch_at is None:
+                    self._dispatch_at = asyncio.get_running_loop().call_later(DISPATCH_LINGER, self._dispatch)
             else:
                 res = await asyncio.get_running_loop().run_in_executor(self.executor, self.store.put, msg)
         except StoreError as e:
             res = PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=str(e))
         except RuntimeError as e:  # executor shut down
             res = PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=str(e))
-        self.metrics.stored(res.ok, len(msg.body))
+        self.metrics.stored(res.status is PUT_OK, len(msg.body))
         return res
 
+    def dispatch_now(self) -> None:
+        """Dispatch the puts whose dispatch is pending, in this call: a receive (or an admin reading the
+        queues) then sees every message stored before it, as if each put had been dispatched at once."""
+        if self._dispatch_at is not None:
+            self._dispatch_at.cancel()
+            self._dispatch()
+
+    def _expedite_dispatch(self) -> None:
+        """A receive waits: the pending puts are dispatched at the next loop iteration, not after the linger."""
+        if self._dispatch_at is not None and not self._dispatch_soon:
+            self._dispatch_at.cancel()
+            self._dispatch_soon = True
+            self._dispatch_at = asyncio.get_running_loop().call_soon(self._dispatch)
+
     def _dispatch(self) -> None:
-        self._dispatch_due = False
+        self._dispatch_at = None
+        self._dispatch_soon = False
         self.store.dispatch_ready()  # what fails here is left to the dispatch thread
         if self._unnotified:
             unnotified, self._unnotified = self._unnotified, []
@@ -158,15 +183,16 @@ class Broker:
         """A message was stored in ``topic`` (queue and tag when known): wake the receives that may take it.
 
         The wake-up waits until the store's dispatcher has put what is written so far into the consume queues
-        (at most DISPATCH_WAIT): a receive woken earlier would find nothing and sleep on.  It is first tried
-        after the loop's dispatch of this iteration's puts (scheduled before it), so it is usually not delayed.
-        A put nobody waits for is remembered until that dispatch, which wakes the receives that looked in
-        between (found nothing yet: not dispatched) and began to wait; they would sleep to their next look.
+        (at most DISPATCH_WAIT): a receive woken earlier would find nothing and sleep on.  The pending dispatch
+        is brought forward to the next loop iteration, and the wake-up is first tried after it (scheduled
+        before it), so it is usually not delayed.  A put nobody waits for is remembered until its dispatch,
+        which wakes the receives that began to wait in between; they would sleep to their next look.
         """
         if self.longpoll.has_waiters(topic):
+            self._expedite_dispatch()
             asyncio.get_running_loop().call_soon(self._wake, topic, queue_id, tag, self.store.max_phy_offset(),
                                                  time.monotonic() + DISPATCH_WAIT)
-        elif self._dispatch_due:
+        elif self._dispatch_at is not None:
             self._unnotified.append((topic, queue_id, tag))
 
     def _wake(self, topic: str, queue_id: int | None, tag: str | None, end: int, give_up: float) -> None:

@@ -67,11 +67,6 @@ GZIP = pb.Encoding.GZIP
 PLAIN_ENCODINGS = (pb.Encoding.IDENTITY, pb.Encoding.ENCODING_UNSPECIFIED)
 
 
-# (field, status code when it is out of range) of the Timestamps validate checks; built once, as each Code.X is a
-# Python-level enum lookup
-_TIMESTAMP_FIELDS = (("born_timestamp", Code.BAD_REQUEST), ("delivery_timestamp", Code.ILLEGAL_DELIVERY_TIME))
-
-
 class BadMessage(Exception):
     """A message the broker refuses: carries the RocketMQ status code."""
 
@@ -115,20 +110,6 @@ def set_ts(ts, ms: int) -> None:
     ts.nanos *= 1_000_000
 
 
-def message_type_of(m) -> int:
-    """The declared type, or the one implied by the system properties."""
-    sp = m.system_properties
-    if sp.message_type in TYPE_NAMES:
-        return sp.message_type
-    if sp.message_type != UNSPECIFIED:
-        return sp.message_type  # LITE, PRIORITY, ...: refused by the caller
-    if sp.HasField("message_group"):
-        return FIFO
-    if sp.HasField("delivery_timestamp"):
-        return DELAY
-    return NORMAL
-
-
 def inflate(data: bytes, limit: int) -> bytes:
     """A GZIP-encoded body (gzip members, or a zlib stream) decompressed, never to more than ``limit`` bytes.
 
@@ -157,14 +138,21 @@ def inflate(data: bytes, limit: int) -> bytes:
     return bytes(out)
 
 
-def validate(m, max_body: int, inflate_left: int | None = None) -> tuple[int, bytes]:
-    """Check one SendMessage entry; returns (message type, body) or raises BadMessage.
+def validate(m, sp, message_id: str, max_body: int,
+             inflate_left: int | None = None) -> tuple[int, bytes, dict[str, str], int, int]:
+    """Check one SendMessage entry and read what is stored of it, each field once: (message type, plain body,
+    stored properties, born time in epoch ms or 0 when not given, delivery time of a DELAY message or 0);
+    raises BadMessage.  ``sp`` is ``m.system_properties`` and ``message_id`` its message id, as the caller
+    read them (each read of a protobuf field builds a new object).
 
     ``inflate_left``: how many bytes GZIP bodies of the request may still inflate to (a request of many small
     bombs would otherwise cost many times ``max_body`` of work).
+
+    The stored properties are the user properties, then TAGS, KEYS (space separated), UNIQ_KEY, __SHARDINGKEY,
+    TIMER_DELIVER_MS, TRACE_CONTEXT and, for a transaction, TRAN_MSG, PGROUP (the topic: the proxy's producer
+    group for gRPC clients) and CHECK_IMMUNITY_TIME_IN_SECONDS, in that order (the order they are written in).
     """
-    sp = m.system_properties
-    mid = sp.message_id  # (each read of a protobuf string field builds a new str)
+    mid = message_id
     if not mid or not mid.strip() or len(mid) > 128 or _has_control(mid):
         raise BadMessage(Code.ILLEGAL_MESSAGE_ID, "message_id is blank or malformed")
     body = m.body
@@ -185,65 +173,77 @@ def validate(m, max_body: int, inflate_left: int | None = None) -> tuple[int, by
     if len(body) > max_body:
         raise BadMessage(Code.MESSAGE_BODY_TOO_LARGE,
                          f"message body of {len(body)} bytes exceeds the limit of {max_body} bytes")
-    if sp.HasField("tag"):
+    has = sp.HasField
+    tag = None
+    if has("tag"):
         tag = sp.tag
         if not tag.strip() or "|" in tag or _has_control(tag):
             raise BadMessage(Code.ILLEGAL_MESSAGE_TAG, "tag is blank or contains '|' or control characters")
-    for k in sp.keys:
-        if not k.strip() or _has_control(k):
-            raise BadMessage(Code.ILLEGAL_MESSAGE_KEY, "a key is blank or contains control characters")
-    if sp.HasField("message_group"):
-        g = sp.message_group
-        if not g.strip() or len(g) > 64 or _has_control(g):
+    keys = sp.keys
+    if keys:
+        for k in keys:
+            if not k.strip() or _has_control(k):
+                raise BadMessage(Code.ILLEGAL_MESSAGE_KEY, "a key is blank or contains control characters")
+    group = None
+    if has("message_group"):
+        group = sp.message_group
+        if not group.strip() or len(group) > 64 or _has_control(group):
             raise BadMessage(Code.ILLEGAL_MESSAGE_GROUP, "message group is blank, longer than 64 or has control characters")
-    for k, v in m.user_properties.items():
-        if not k or k in RESERVED or _has_control(k):
-            raise BadMessage(Code.ILLEGAL_MESSAGE_PROPERTY_KEY, f"property name {k[:40]!r} is reserved or malformed")
-        if "\x01" in v or "\x02" in v:
-            raise BadMessage(Code.ILLEGAL_MESSAGE_PROPERTY_KEY, f"property {k[:40]!r} has a control character value")
-    for field, code in _TIMESTAMP_FIELDS:
-        if sp.HasField(field):
-            why = bad_timestamp(getattr(sp, field))
-            if why:
-                raise BadMessage(code, f"{field} {why}")
-    mtype = message_type_of(m)
+    up = m.user_properties
+    if up:  # (an empty map is not iterated: its items() is a Python-level view)
+        for k, v in up.items():
+            if not k or k in RESERVED or _has_control(k):
+                raise BadMessage(Code.ILLEGAL_MESSAGE_PROPERTY_KEY, f"property name {k[:40]!r} is reserved or malformed")
+            if "\x01" in v or "\x02" in v:
+                raise BadMessage(Code.ILLEGAL_MESSAGE_PROPERTY_KEY, f"property {k[:40]!r} has a control character value")
+    born = 0
+    if has("born_timestamp"):
+        ts = sp.born_timestamp
+        why = bad_timestamp(ts)
+        if why:
+            raise BadMessage(Code.BAD_REQUEST, f"born_timestamp {why}")
+        if ts.seconds:
+            born = ts_ms(ts)
+    deliver = None
+    if has("delivery_timestamp"):
+        ts = sp.delivery_timestamp
+        why = bad_timestamp(ts)
+        if why:
+            raise BadMessage(Code.ILLEGAL_DELIVERY_TIME, f"delivery_timestamp {why}")
+        deliver = ts_ms(ts)
+    mtype = sp.message_type
     if mtype not in TYPE_NAMES:
-        name = pb.MessageType.Name(mtype) if mtype in pb.MessageType.values() else str(mtype)
-        raise BadMessage(Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE, f"message type {name} is not supported")
-    if mtype == TRANSACTION and (sp.HasField("message_group") or sp.HasField("delivery_timestamp")):
+        if mtype != UNSPECIFIED:  # LITE, PRIORITY, ...
+            name = pb.MessageType.Name(mtype) if mtype in pb.MessageType.values() else str(mtype)
+            raise BadMessage(Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE, f"message type {name} is not supported")
+        mtype = FIFO if group is not None else DELAY if deliver is not None else NORMAL  # implied by the fields
+    if mtype == TRANSACTION and (group is not None or deliver is not None):
         raise BadMessage(Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE,
                          "a transactional message cannot carry a message group or a delivery timestamp")
-    if mtype == FIFO and not sp.HasField("message_group"):
+    if mtype == FIFO and group is None:
         raise BadMessage(Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE, "a FIFO message needs a message group")
-    if mtype == DELAY and not sp.HasField("delivery_timestamp"):
+    if mtype == DELAY and deliver is None:
         raise BadMessage(Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE, "a DELAY message needs a delivery timestamp")
-    return mtype, body
-
-
-def store_properties(m, mtype: int, message_id: str | None = None) -> dict[str, str]:
-    """The stored properties of a SendMessage entry (before any system-topic rewriting); ``message_id``: its
-    ``system_properties.message_id`` when the caller has read it already."""
-    sp = m.system_properties
-    up = m.user_properties
     props = dict(up) if up else {}
-    if sp.HasField("tag"):
-        props[P_TAGS] = sp.tag
-    if sp.keys:
-        props[P_KEYS] = " ".join(sp.keys)
-    props[P_UNIQ] = sp.message_id if message_id is None else message_id
-    if sp.HasField("message_group"):
-        props[P_SHARDING] = sp.message_group
-    if sp.HasField("delivery_timestamp"):
-        props[P_TIMER_DELIVER] = str(ts_ms(sp.delivery_timestamp))
-    if sp.HasField("trace_context") and sp.trace_context:
-        props[P_TRACE] = sp.trace_context
+    if tag is not None:
+        props[P_TAGS] = tag
+    if keys:
+        props[P_KEYS] = " ".join(keys)
+    props[P_UNIQ] = mid
+    if group is not None:
+        props[P_SHARDING] = group
+    if deliver is not None:
+        props[P_TIMER_DELIVER] = str(deliver)
+    if has("trace_context"):
+        trace = sp.trace_context
+        if trace:
+            props[P_TRACE] = trace
     if mtype == TRANSACTION:
         props[P_TRAN] = "true"
-        props[P_PGROUP] = m.topic.name  # the proxy's producer group for gRPC clients is the topic
-        if sp.HasField("orphaned_transaction_recovery_duration"):
-            d = sp.orphaned_transaction_recovery_duration
-            props[P_CHECK_IMMUNITY] = str(max(1, d.seconds))
-    return props
+        props[P_PGROUP] = m.topic.name
+        if has("orphaned_transaction_recovery_duration"):
+            props[P_CHECK_IMMUNITY] = str(max(1, sp.orphaned_transaction_recovery_duration.seconds))
+    return mtype, body, props, born, deliver if mtype == DELAY else 0
 
 
 # Longest born host / peer text kept in the caches below: an IP text with a port is under 50 characters, and a

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Any, Collection
+from typing import Any, Callable, Collection
 
 __all__ = ["LongPolling"]
 
@@ -29,7 +29,10 @@ class _Waiter:
 
 
 class LongPolling:
-    def __init__(self) -> None:
+    """``on_wait`` is called as a receive begins to wait (the broker brings its pending dispatch forward)."""
+
+    def __init__(self, on_wait: Callable[[], None] | None = None) -> None:
+        self.on_wait = on_wait
         self._waiting: dict[str, dict[str, dict[int, _Waiter]]] = {}  # topic -> group -> waiters, oldest first
         self._ids = itertools.count()
         self.size = 0  # receives waiting now
@@ -85,6 +88,8 @@ class LongPolling:
         waiters = self._waiting.setdefault(topic, {}).setdefault(group, {})
         waiters[key] = _Waiter(frozenset(queues), flt, fut)
         self.size += 1
+        if self.on_wait is not None:
+            self.on_wait()
         try:
             await asyncio.wait((fut,), timeout=timeout)
         except asyncio.CancelledError:

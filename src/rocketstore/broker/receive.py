@@ -47,6 +47,7 @@ class Receiving:
             replies: list[Any] = []
             try:
                 while True:
+                    self.broker.dispatch_now()  # every message stored before this look is in the queues
                     deliveries, dead = pop.receive(group, t.name, qids, batch, inv, flt, fifo=fifo,
                                                    max_attempts=attempts, client=cid, auto_renew=auto_renew)
                     if dead:

@@ -11,8 +11,7 @@ from typing import Any
 
 from ..format.message import Message, PutMessageResult, PutMessageStatus
 from .dedup import digest
-from .convert import (DELAY, FIFO, GZIP, TRANSACTION, TYPE_NAMES, BadMessage, Code, host_from, store_properties,
-                      ts_ms, validate)
+from .convert import FIFO, GZIP, P_TAGS, TRANSACTION, TYPE_NAMES, BadMessage, Code, host_from, validate
 from ..queues.pop import now_ms
 from .topics import TopicConfig
 from .proto import pb, svc
@@ -35,53 +34,63 @@ class Sending:
         if not caller.client_id:
             set_status(resp.status, Code.CLIENT_ID_REQUIRED, "x-mq-client-id is missing")
             return resp
-        if not request.messages:
+        messages = request.messages
+        n = len(messages)
+        if not n:
             set_status(resp.status, Code.BAD_REQUEST, "no message to send")
             return resp
-        if len(request.messages) > MAX_SEND_MESSAGES:
+        if n > MAX_SEND_MESSAGES:
             set_status(resp.status, Code.BAD_REQUEST, f"more than {MAX_SEND_MESSAGES} messages in one request")
             return resp
         peer = caller.peer
         budget = [self._inflate_budget]  # what the request's GZIP bodies may inflate to, together
         entries = resp.entries
-        for m in request.messages:
-            await self._send_one(caller, m, entries.add(), peer, budget)
+        all_ok = True
+        for m in messages:
+            if not await self._send_one(caller, m, entries.add(), peer, budget):
+                all_ok = False
+        if all_ok:
+            resp.status.code, resp.status.message = OK_CODE, OK_TEXT
+            return resp
         first = entries[0].status
-        if len(entries) == 1 or all(e.status.code == first.code for e in entries):
+        if n == 1 or all(e.status.code == first.code for e in entries):
             resp.status.code, resp.status.message = first.code, first.message  # (Status: these two fields)
         else:
             set_status(resp.status, Code.MULTIPLE_RESULTS, "entries have different results")
         return resp
 
-    async def _send_one(self, caller: Caller, m: Any, entry: Any, peer: str, budget: list[int]) -> None:
-        """One message of a SendMessage: each step fills ``entry.status`` and returns None when it refuses."""
+    async def _send_one(self, caller: Caller, m: Any, entry: Any, peer: str, budget: list[int]) -> bool:
+        """One message of a SendMessage: each step fills ``entry.status`` and returns None when it refuses;
+        True when the message is stored (or was, by an earlier send of it): the entry's status is OK."""
         sp = m.system_properties
         mid = entry.message_id = sp.message_id  # (each read of a protobuf string field builds a new str)
         status = entry.status
         t = await self._send_target(caller, m.topic, status)
         if t is None:
-            return
+            return False
         now = now_ms()  # one clock reading for the delivery-time check, the born fallback and the routing
-        checked = self._checked_body(m, t, status, budget, now)
+        checked = self._checked_body(m, sp, mid, t, status, budget, now)
         if checked is None:
-            return
-        mtype, body, deliver_at = checked
+            return False
+        mtype, body, props, born, deliver_at = checked
         body_digest = digest(body)
         tname = t.name
         if await self._already_stored(t, mid, mtype, body, body_digest, entry):
-            return
+            return True
         qid = self._choose_queue(t, mtype, sp)
-        msg = Message(topic=tname, body=body, queue_id=qid, properties=store_properties(m, mtype, mid),
-                      born_timestamp=self._born(sp, now), born_host=host_from(sp.born_host, peer),
-                      store_host=self.broker.store_host)
-        res, txid = await self._route(msg, mtype, deliver_at, now, sp)
+        # (positional: topic, body, queue id, tags, keys, properties, flag, sys flag, born time, born host,
+        # store host; keyword arguments cost a tenth of the construction)
+        msg = Message(tname, body, qid, None, None, props, 0, 0, born or now, host_from(sp.born_host, peer),
+                      self.broker.store_host)
+        res, txid = await self._route(msg, mtype, deliver_at, now, props.get(P_TAGS))
         if res.status is not PUT_OK and self._refused_by_store(res, tname, status):
-            return
+            return False
         offset = entry.offset = res.queue_offset if res.queue_offset >= 0 else 0
         if txid:
             entry.transaction_id = txid
         self.dedup.remember(tname, mid, offset, txid, body_digest)
         status.code, status.message = OK_CODE, OK_TEXT
+        return True
 
     async def _send_target(self, caller: Caller, topic: Any, status: Any) -> TopicConfig | None:
         """ACL and topic: the caller may publish to the (auto-created) topic, and it takes writes."""
@@ -96,18 +105,19 @@ class Sending:
             return None
         return t
 
-    def _checked_body(self, m: Any, t: TopicConfig, status: Any, budget: list[int],
-                      now: int) -> tuple[int, bytes, int] | None:
-        """Validation: (message type, plain body, delivery time or 0), the GZIP budget charged for the inflating."""
-        sp = m.system_properties
+    def _checked_body(self, m: Any, sp: Any, mid: str, t: TopicConfig, status: Any, budget: list[int],
+                      now: int) -> tuple[int, bytes, dict[str, str], int, int] | None:
+        """Validation (:func:`~.convert.validate`: type, plain body, stored properties, born and delivery
+        times), the GZIP budget charged for the inflating, the topic's accepted types, the delay's limit."""
         max_body = self._max_body
         try:
-            mtype, body = validate(m, max_body, budget[0])
+            checked = validate(m, sp, mid, max_body, budget[0])
         except BadMessage as e:
             if sp.body_encoding == GZIP:  # refused, but the inflating was done: it counts
                 budget[0] -= min(max_body, max(0, budget[0])) + 1
             set_status(status, e.code, str(e))
             return None
+        mtype, body, _, _, deliver_at = checked
         if sp.body_encoding == GZIP:
             budget[0] -= len(body)
         tname = TYPE_NAMES[mtype]
@@ -115,12 +125,11 @@ class Sending:
             set_status(status, Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE,
                        f"topic {t.name} accepts {'/'.join(t.accepts())} messages, not {tname}")
             return None
-        deliver_at = ts_ms(sp.delivery_timestamp) if mtype == DELAY else 0
         if deliver_at and deliver_at > now + self.cfg.maxDelayTime:
             set_status(status, Code.ILLEGAL_DELIVERY_TIME,
                        f"delivery time is more than {self.cfg.maxDelayTime} ms ahead")
             return None
-        return mtype, body, deliver_at
+        return checked
 
     async def _already_stored(self, t: TopicConfig, message_id: str, mtype: int, body: bytes, body_digest: Any,
                               entry: Any) -> bool:
@@ -145,16 +154,8 @@ class Sending:
             rr = self._rr[t.name] = itertools.count()
         return next(rr) % t.write_queue_nums
 
-    @staticmethod
-    def _born(sp: Any, now: int) -> int:
-        if sp.HasField("born_timestamp"):
-            ts = sp.born_timestamp
-            if ts.seconds:
-                return ts_ms(ts)
-        return now
-
     async def _route(self, msg: Message, mtype: int, deliver_at: int, now: int,
-                     sp: Any) -> tuple[PutMessageResult, str]:
+                     tag: str | None) -> tuple[PutMessageResult, str]:
         """Routing: a transaction's half message, a delay message to the timer, the rest stored (and its receivers
         woken); returns the store's result and the transaction id."""
         if mtype == TRANSACTION:
@@ -162,8 +163,8 @@ class Sending:
         if deliver_at > now:
             return await self.broker.timer.submit(msg, deliver_at), ""
         res = await self.broker.put(msg)
-        if res.ok:
-            self.broker.notify(msg.topic, msg.queue_id, sp.tag if sp.HasField("tag") else None)
+        if res.status is PUT_OK:
+            self.broker.notify(msg.topic, msg.queue_id, tag)
         return res, ""
 
     @staticmethod

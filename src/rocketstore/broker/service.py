@@ -53,7 +53,8 @@ class MessagingService(Calls, Sessions, Sending, Receiving, svc_grpc.MessagingSe
         self._max_body = broker.store.config.maxMessageSize  # (fixed while the store is open)
         self._inflate_budget = inflate_budget(self._max_body)
         self.dedup = SendDedup(broker.store)
-        self._legal_topics: set[str] = set()  # names illegal_name has passed
+        self._legal_topics: set[str] = set()  # names illegal_name has passed, of no system topic
+        self._callers: dict[tuple[str, str, str], Any] = {}  # (client id, namespace, peer): Caller, ACL off
         self._tasks: set[asyncio.Task] = set()
 
     @guarded(svc.QueryAssignmentResponse)

@@ -35,6 +35,21 @@ def soft_send_limit(max_message_size: int) -> int:
     return max_message_size + 1024 * 1024
 
 
+_decoded: tuple[Any, int] | None = None  # the request decoded last and the size of its frame (frame_size)
+
+
+def frame_size(request: Any) -> int | None:
+    """The size of the frame ``request`` was decoded from, when it is the request decoded last (gRPC decodes a
+    request as its handler reads it: the reader asks at once), else None; taken once.  Cheaper than
+    ``ByteSize()``, which walks the message (~1 us for a 1 KiB send)."""
+    global _decoded
+    d = _decoded
+    if d is not None and d[0] is request:
+        _decoded = None
+        return d[1]
+    return None
+
+
 class Undecodable:
     """Stands in for a request that could not be decoded; ``code`` and ``why`` go into the reply's status."""
 
@@ -51,12 +66,15 @@ def lenient(method: str, parse: Callable[[bytes], Any], limit: int) -> Callable[
         if len(data) > limit:
             log.info("%s request of %d bytes refused (limit %d)", method, len(data), limit)
             return Undecodable(too_large, f"{method} request of {len(data)} bytes exceeds the limit of {limit}")
+        global _decoded
         try:
-            return parse(data)
+            request = parse(data)
         except Exception as e:  # protobuf's DecodeError, or anything a hostile frame provokes
             log.info("undecodable %s request of %d bytes: %s", method, len(data), e)
             return Undecodable(Code.BAD_REQUEST, f"{method} request of {len(data)} bytes is not a valid "
                                                  f"protobuf message")
+        _decoded = (request, len(data))
+        return request
     return decode
 
 

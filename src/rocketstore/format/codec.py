@@ -180,7 +180,7 @@ def properties_to_string(props: Mapping[str, str], capacity: int = 16) -> str:
     """
     if not props:
         return ""
-    names = tuple(k for k, v in props.items() if v is not None)
+    names = tuple(props) if None not in props.values() else tuple(k for k, v in props.items() if v is not None)
     order = _ORDER_CACHE.get((names, capacity))
     if order is None:
         cap = _hashmap_capacity(len(names), capacity)
@@ -1090,13 +1090,16 @@ def record_sizes(records: list[EncodedRecord]) -> list[int] | tuple[int]:
 
 def write_record(buf: Any, pos: int, rec: EncodedRecord, queue_offset: int, physical_offset: int,
                  store_ts: int) -> None:
-    """Write an encoded record at ``pos`` of a buffer or map (see :func:`record_parts`)."""
-    header, body, tail = record_parts(rec, queue_offset, physical_offset, store_ts)
-    p = pos + len(header)
+    """Write an encoded record at ``pos`` of a buffer or map: :func:`record_parts`'s fields, the header packed
+    in place (no header bytes made and copied: a single put's record goes into the map this way)."""
+    (header, total, magic, crc, queue_id, flag, sys_flag, born_ts, born_addr, born_port, store_addr, store_port,
+     reconsume, prepared, body, tail) = rec
+    header.pack_into(buf, pos, total, magic, crc, queue_id, flag, queue_offset, physical_offset, sys_flag, born_ts,
+                     born_addr, born_port, store_ts, store_addr, store_port, reconsume, prepared, len(body))
+    p = pos + header.size
     e = p + len(body)
-    buf[pos:p] = header
     buf[p:e] = body
-    buf[e:pos + rec[1]] = tail
+    buf[e:pos + total] = tail
 
 
 def encode_bytes(*args: Any, queue_offset: int = 0, physical_offset: int = 0, store_timestamp: int = 0,

@@ -82,8 +82,8 @@ class MessageEncoder:
          properties_string, _, _, _) = more_fields(m)
         if properties_string is not None:
             props = properties_string.encode("utf-8")
-        elif tags is None and keys is None and not properties:
-            props = b""  # no properties to serialise
+        elif tags is None and keys is None:  # (what build_properties does then, from the fields read above)
+            props = codec.properties_to_string(properties).encode("utf-8") if properties else b""
         else:
             props = m.build_properties().encode("utf-8")
         born_addr, born_port = LOCALHOST if born_host is None else host_tuple(born_host)
@@ -159,15 +159,17 @@ class MessageEncoder:
             return None
         if is_plain(m):
             return PLAIN_DISPATCH  # the common message: no tags, no keys
-        if m.properties_string is not None:
+        tags, keys, props, _, _, _, _, _, _, _, properties_string, _, _, _ = more_fields(m)
+        if properties_string is not None:
             return None
-        props = m.properties
-        if not props and m.tags is None and m.keys is None:
+        if not props and tags is None and keys is None:
             return PLAIN_DISPATCH
-        tags = m.tags if m.tags is not None else props.get("TAGS")
-        keys = m.keys if m.keys is None or isinstance(m.keys, str) else " ".join(m.keys)
+        if tags is None:
+            tags = props.get("TAGS")
         if keys is None:
             keys = props.get("KEYS")
+        elif not isinstance(keys, str):
+            keys = " ".join(keys)
         uniq = props.get("UNIQ_KEY")
         for v in (tags, keys, uniq):
             if v is not None and ("\x01" in v or "\x02" in v):

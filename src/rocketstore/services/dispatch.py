@@ -118,12 +118,17 @@ class ReputMessageService(ServiceThread):
 
     A process whose puts all come from one thread (the broker's event loop)
     can take the common case off this thread: it sets ``assisted`` and calls
-    :meth:`dispatch_ready` after its puts (once per loop iteration).  The
+    :meth:`dispatch_ready` soon after its puts (within ASSISTED_INTERVAL).  The
     service then runs a round only every ASSISTED_INTERVAL (or when woken)
     for what the assistant leaves: records not handed over, new files, the
     index catch-up.  Polling every millisecond woke this thread for one or
     two records a time, and each wake-up fought the putting thread for the
-    GIL; that cost more than dispatching the records.
+    GIL; that cost more than dispatching the records.  For the same reason a
+    round that was not woken leaves the handed-over puts younger than
+    ASSISTED_INTERVAL to the assistant: the broker dispatches its puts a few
+    milliseconds after them, so such a round always found some and took them
+    (a tenth of the broker's puts, each with a fight for the GIL); older ones
+    (another thread's put, an assistant that stopped) are taken as before.
     """
 
     name = "ReputMessageService"
@@ -142,12 +147,28 @@ class ReputMessageService(ServiceThread):
         self._round = threading.Lock()  # one dispatch round at a time: this thread's, or an assistant's
         self.assisted = False  # an assistant calls dispatch_ready after its puts (the broker's loop)
         self.on_dispatched: Callable[[], None] | None = None  # after a round made messages readable (doorbell)
+        self._periodic = False  # this round runs because ASSISTED_INTERVAL passed, not because it was woken
 
     def behind(self) -> int:
         return max(0, self.files.confirm_offset() - self.reput_from_offset)
 
     def wait_for_running(self, timeout: float) -> None:
-        super().wait_for_running(max(timeout, ASSISTED_INTERVAL) if self.assisted else timeout)
+        if not self.assisted:
+            self._periodic = False
+            super().wait_for_running(timeout)
+            return
+        woken = self._wake.wait(max(timeout, ASSISTED_INTERVAL))
+        if woken:
+            self._wake.clear()
+        self._periodic = not woken  # the next round is the periodic one (see _left_to_assistant)
+
+    def _left_to_assistant(self, put: tuple) -> bool:
+        """In a round that was not woken, while assisted: whether the handed-over ``put`` is younger than
+        ASSISTED_INTERVAL, so the assistant's own dispatch takes it (a clock gone back counts as old)."""
+        if not (self._periodic and self.assisted):
+            return False
+        age = self.files.clock() * 1000 - put[5]  # (its store timestamp)
+        return 0 <= age < ASSISTED_INTERVAL * 1000
 
     def run_once(self) -> None:
         with self._round:
@@ -209,6 +230,8 @@ class ReputMessageService(ServiceThread):
             while pending and pending[0][0] < self.reput_from_offset:
                 pending.popleft()  # already dispatched from the log
             if pending and pending[0][0] == self.reput_from_offset:
+                if self._left_to_assistant(pending[0]):
+                    break
                 progressed |= self._dispatch_handed_over(pending, end)
                 continue
             before = self.reput_from_offset

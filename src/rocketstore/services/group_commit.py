@@ -109,6 +109,14 @@ class GroupCommit:
         """Return once ``req`` is written (and durable, if it waits for the flush) or has failed; raises
         PutRefused when it waited ``timeout`` without being written."""
         m = self._m
+        if not self.sync:
+            with m:
+                alone = not self._writing
+                if alone:
+                    self._writing = True
+            if alone:
+                self._write_alone(req)
+                return
         with m:
             self._pending.append(req)
             lead = not self._writing
@@ -173,6 +181,23 @@ class GroupCommit:
         return live[0] if live else None
 
     # ------------------------------------------------------------ writing
+    def _write_alone(self, req: GroupCommitRequest) -> None:
+        """ASYNC_FLUSH and no writer: ``req`` is written as a round of its own, without being published (the
+        broker's loop, a lone producer: the common case, kept short); the puts published meanwhile are then
+        written by this thread as any writer's (:meth:`_lead_writes`)."""
+        self.rounds += 1
+        try:
+            self._write_one(req)
+        except BaseException as e:  # the put fails with it; the writing goes on
+            log.exception("%s: a group commit round failed", self.files.root)
+            if req.written is None and req.error is None:
+                req.error = e
+        with self._m:
+            if not self._pending:
+                self._writing = False
+                return
+        self._lead_writes(req)
+
     def _lead_writes(self, own: GroupCommitRequest) -> None:
         """Write rounds until no request waits, or pass the writing on a few rounds after ``own`` is written.
         When written puts wait for a flush and none is under way, this thread flushes before its next round:
