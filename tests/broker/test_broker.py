@@ -211,6 +211,7 @@ def test_restart_keeps_offsets_and_inflight(tmp_path):
         assert b.stop() == 0
         offsets = json.loads((Path(store) / "config" / "consumerOffset.json").read_text())
         table = offsets["offsetTable"]
+        assert "Restart1@Restart1G" in table, (offsets, state, b.tail_log())
         assert sum(table["Restart1@Restart1G"].values()) >= 4
         assert (Path(store) / "config" / "topics.json").exists()
         assert not (Path(store) / "abort").exists(), "clean shutdown removes the abort file"
