@@ -546,9 +546,21 @@ class _RunMessage(MessageExt):
     def _h(self, h: tuple) -> None:
         self._full = h
 
+    @property
+    def properties(self) -> dict[str, str]:
+        # (a run leaves ``_props`` unset: one store less per message)
+        try:
+            props = self._props
+        except AttributeError:
+            props = None
+        if props is None:
+            props = self._props = parse_properties(self.properties_string)
+        return props
+
     def __getstate__(self) -> tuple[None, dict[str, Any]]:
         """The slots of a MessageExt (what pickling stored before the header became lazy)."""
-        return None, {"_h": self._h, "topic": self.topic, "_ps": self._ps, "body": self.body, "_props": self._props}
+        return None, {"_h": self._h, "topic": self.topic, "_ps": self._ps, "body": self.body,
+                      "_props": getattr(self, "_props", None)}
 
 
 def decode_run(buf: Any, units: tuple[int, ...], j: int, base: int, wrote: int, count: int, byte_budget: int,
@@ -679,7 +691,6 @@ def _contiguous_run(buf: Any, units: tuple[int, ...], j: int, base: int, wrote: 
         m.topic = topic
         m._ps = c[10]  # decoded on first use
         m.body = body
-        m._props = None
         append(m)
         queue_offset += 1
     return queue_offset - first, (queue_offset - first) * size
