@@ -523,7 +523,8 @@ class _RunMessage(MessageExt):
     the object (cheaper than ``object.__new__``), its slots are then set directly.
 
     A message of a contiguous run holds the tuple its checks unpacked (``_c``: :func:`_run_check_shape`'s fields)
-    and the run's copied bytes (``_run``: bytes, first queue offset, record size) in place of the header tuple;
+    and the run's copied bytes (``_run``: bytes, first queue offset, record size, topic part, properties length)
+    in place of the header tuple;
     the header is unpacked on the first read of a field (most consumers read only topic, body and properties),
     and the message then lets go of the run's bytes.  Pickled, it is the plain message it was before."""
 
@@ -537,8 +538,8 @@ class _RunMessage(MessageExt):
         except AttributeError:
             pass
         c = self._c
-        raw, first, size = self._run
-        h = self._full = _V4_UNPACK(raw, (c[4] - first) * size) + c[7:]
+        raw, first, size, head, pl = self._run
+        h = self._full = _V4_UNPACK(raw, (c[3] - first) * size) + (c[6], head, pl, c[8])
         del self._run
         return h
 
@@ -673,23 +674,24 @@ def _contiguous_run(buf: Any, units: tuple[int, ...], j: int, base: int, wrote: 
     records = (known if known is not None else _run_check_shape(bl, tl, pl)).iter_unpack(raw)
     crc, cls, append, magic = _crc32, _RunMessage, out.append, MAGIC_V1
     first, check = queue_offset, read_body and bl > 0  # (an empty body has no CRC to check)
-    run = (raw, first, size)
+    run = (raw, first, size, head, pl)
+    lead, tail = _RUN_LEAD.pack(size, magic), head + _SHORT.pack(pl)  # the bytes every record of the run has
     body = None
-    for c in records:  # size, magic, BODYCRC, queue id, queue offset, sysFlag, body length, body, topic, props
-        if c[0] != size or c[1] != magic or c[4] != queue_offset or c[3] != queue_id or c[5] & 0x30 or \
-                c[6] != bl or c[8] != head or c[9] != pl:
+    for c in records:  # size+magic, BODYCRC, queue id, queue offset, sysFlag, body length, body, topic+props length,
+        #              properties (see _run_check_shape)
+        if c[0] != lead or c[3] != queue_offset or c[2] != queue_id or c[4] & 0x30 or c[5] != bl or c[7] != tail:
             break
         if check:
-            body = c[7]
-            if crc(body) & 0x7FFFFFFF != c[2]:
+            body = c[6]
+            if crc(body) & 0x7FFFFFFF != c[1]:
                 break
         elif read_body:
-            body = c[7]
+            body = c[6]
         m = cls()
         m._c = c
         m._run = run
         m.topic = topic
-        m._ps = c[10]  # decoded on first use
+        m._ps = c[8]  # decoded on first use
         m.body = body
         append(m)
         queue_offset += 1
@@ -771,20 +773,22 @@ def _run_shape(body_len: int, topic_part: int, props_len: int) -> struct.Struct:
     return f
 
 
-# The fields of a whole V1 IPv4 record that decode_run's checks read, the others skipped: 11 objects per
-# record instead of 21 (FLAG, PHYSICALOFFSET and BORNTIMESTAMP to PREPARED TRANSACTION OFFSET are unpacked
-# only when a message's field is first read).
-_V4_CHECK_FORMAT = ">iIii4xq8xi44xi"
+# The fields of a whole V1 IPv4 record that decode_run's checks read, the others skipped: 9 objects per record
+# instead of 21 (FLAG, PHYSICALOFFSET and BORNTIMESTAMP to PREPARED TRANSACTION OFFSET are unpacked only when
+# a message's field is first read).  TOTALSIZE with MAGICCODE, and the topic with the properties length, are
+# read as bytes: each pair is then one comparison (bytes equal exactly when both fields do).
+_V4_CHECK_FORMAT = ">8sii4xq8xi44xi"
+_RUN_LEAD = struct.Struct(">iI")  # TOTALSIZE, MAGICCODE
 _RUN_CHECK_SHAPES: dict[tuple[int, int, int], struct.Struct] = {}
 
 
 def _run_check_shape(body_len: int, topic_part: int, props_len: int) -> struct.Struct:
-    """:func:`_run_shape` with only the checked fields (size, magic, BODYCRC, queue id, queue offset, sysFlag,
-    body length, body, topic part, properties length, properties)."""
+    """:func:`_run_shape` with only the checked fields (size and magic as bytes, BODYCRC, queue id, queue offset,
+    sysFlag, body length, body, topic part with the properties length as bytes, properties)."""
     if len(_RUN_CHECK_SHAPES) >= 1024:
         _RUN_CHECK_SHAPES.clear()
     f = _RUN_CHECK_SHAPES[(body_len, topic_part, props_len)] = struct.Struct(
-        f"{_V4_CHECK_FORMAT}{body_len}s{topic_part}sh{props_len}s")
+        f"{_V4_CHECK_FORMAT}{body_len}s{topic_part + 2}s{props_len}s")
     assert f.size == _V4_SIZE + body_len + topic_part + 2 + props_len
     return f
 
