@@ -537,10 +537,13 @@ class _RunMessage(MessageExt):
             return self._full
         except AttributeError:
             pass
+        run = self._run
+        if run is None:  # another thread unpacked it meanwhile (it sets _full before letting go of the run)
+            return self._full
+        raw, first, size, head, pl = run
         c = self._c
-        raw, first, size, head, pl = self._run
         h = self._full = _V4_UNPACK(raw, (c[3] - first) * size) + (c[6], head, pl, c[8])
-        del self._run
+        self._run = None
         return h
 
     @_h.setter
