@@ -294,3 +294,49 @@ def test_read_batch_refuses_bad_arguments_naming_them_and_the_store_stays_readab
         assert got.column("queueOffset").to_pylist() == list(range(N))
     with pytest.raises(StoreError, match="closed"):
         s.read_batch(TOPIC, 0, 0, 4)
+
+
+# ---------------------------------------------------------------- a run's messages unpack their header lazily
+
+_PUBLIC = sorted(n for n in dir(codec.MessageExt) if not n.startswith("_") and n != "to_json")
+
+
+def _public(m: codec.MessageExt) -> dict:
+    return {n: getattr(m, n) for n in _PUBLIC} | {"json": m.to_json(), "repr": repr(m)}
+
+
+@pytest.mark.parametrize("first_use", ["pickle", "deepcopy", "field", "json", "eq", "properties"])
+def test_messages_of_a_run_read_and_pickle_as_unit_at_a_time_ones(batched, monkeypatch, first_use):
+    """A contiguous run's messages keep only their checked fields and the run's bytes until a field is read:
+    whatever is done with one first (pickled, copied, a field, to_json, compared, properties), every public
+    attribute then equals the unit-at-a-time message's, and a pickled message carries no run bytes."""
+    import copy
+    import pickle
+    path, _ = batched
+    with MessageStore.open(str(path), _config(), read_only=True) as s:
+        runs = s.get(TOPIC, 0, 16, 8).messages  # the third batch: one contiguous run of eight
+    monkeypatch.setattr(codec, "unit_run_head", lambda topic_bytes: None)
+    with MessageStore.open(str(path), _config(), read_only=True) as s:
+        units = s.get(TOPIC, 0, 16, 8).messages
+    assert len(runs) == len(units) == 8
+    assert all(type(m) is codec._RunMessage for m in runs) and not any(type(m) is codec._RunMessage for m in units)
+    for m, u in zip(runs, units):
+        if first_use == "pickle":
+            data = pickle.dumps(m)
+            assert len(data) < 2 * m.size  # the message, not the run's bytes
+            got = pickle.loads(data)
+            assert _public(got) == _public(u) and got == u and type(got) is type(m)
+        elif first_use == "deepcopy":
+            got = copy.deepcopy(m)
+            assert _public(got) == _public(u) and got == u
+        elif first_use == "field":
+            assert (m.commit_log_offset, m.store_port, m.flag) == (u.commit_log_offset, u.store_port, u.flag)
+        elif first_use == "json":
+            assert m.to_json() == u.to_json()
+        elif first_use == "eq":
+            assert m == u and u == m
+        else:
+            assert m.properties == u.properties and m.keys == u.keys == "kk"
+        assert _public(m) == _public(u) and m == u
+        assert pickle.loads(pickle.dumps(m)) == u
+    assert [m.queue_offset for m in runs] == list(range(16, 24))
