@@ -82,8 +82,7 @@ def write_clamped_state(store: Any, config_dir: str) -> None:
     if not any(os.path.exists(p) and os.path.getsize(p) for p in (state_path, journal.journal_path(state_path))):
         return
     try:
-        state = SharedPopState(config_dir, lambda offsets: PopService(store, offsets, config_dir,
-                                                                      load=False))
+        state = SharedPopState(config_dir, lambda offsets: PopService(store, offsets, config_dir, load=False))
     except StoreLockedError:
         return  # a broker owns the pop state: it clamps what it loads and writes it itself
     try:

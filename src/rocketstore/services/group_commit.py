@@ -185,13 +185,7 @@ class GroupCommit:
         """ASYNC_FLUSH and no writer: ``req`` is written as a round of its own, without being published (the
         broker's loop, a lone producer: the common case, kept short); the puts published meanwhile are then
         written by this thread as any writer's (:meth:`_lead_writes`)."""
-        self.rounds += 1
-        try:
-            self._write_one(req)
-        except BaseException as e:  # the put fails with it; the writing goes on
-            log.exception("%s: a group commit round failed", self.files.root)
-            if req.written is None and req.error is None:
-                req.error = e
+        self._write_round([req])
         with self._m:
             if not self._pending:
                 self._writing = False
@@ -221,21 +215,27 @@ class GroupCommit:
                 self._pending = []
             flush = False
             try:
-                self.rounds += 1
-                if len(batch) == 1:
-                    self._write_one(batch[0])
-                else:
-                    self._write(batch)
-            except BaseException as e:  # each put of the round fails with it; the writing goes on
-                log.exception("%s: a group commit round failed", self.files.root)
-                for r in batch:
-                    if r.written is None and r.error is None:
-                        r.error = e
+                self._write_round(batch)
             finally:
                 flush = self._answer(batch, own)
             if flush:
                 self._lead_flushes(own)
                 extra = 0  # own put durable (or it waits for none): hand the writing on at the next round
+
+    def _write_round(self, batch: list[GroupCommitRequest]) -> None:
+        """One write round; when it fails, each put of it not yet answered fails with the error (the writing
+        goes on: the next round is tried)."""
+        self.rounds += 1
+        try:
+            if len(batch) == 1:
+                self._write_one(batch[0])
+            else:
+                self._write(batch)
+        except BaseException as e:
+            log.exception("%s: a group commit round failed", self.files.root)
+            for r in batch:
+                if r.written is None and r.error is None:
+                    r.error = e
 
     def _answer(self, batch: list[GroupCommitRequest], own: GroupCommitRequest) -> bool:
         """Wake the written puts that wait for no flush (and the failed ones); queue the others for the flush.
