@@ -309,8 +309,10 @@ def test_a_torn_queue_file_is_rebuilt_from_the_records_the_tier_holds(tmp_path):
 @pytest.mark.parametrize("lost", ["bucket", "bucket-and-local"])
 def test_a_torn_queue_file_is_never_rebuilt_blank_while_the_tier_manifest_is_lost(tmp_path, lost):
     """As above, with the tier's ``tier.json`` lost (and, in one case, the store's local copy too) when the
-    torn queue file is found: the open is refused naming the tier, or the units of the records only the tier
-    holds are placed from it; never written blank (missing is not empty)."""
+    torn queue file is found: a read-only open is refused naming the torn file and touches nothing; a writable open
+    puts the manifest back first (from the local copy, or rebuilt from the tier's objects), then places the
+    units of the records only the tier holds from it; never written blank (missing is not empty).  Before, the
+    writable open was refused as well, and nothing short of restoring tier.json by hand opened the store."""
     root, tier, cfg, bodies = _tiered_store_with_a_torn_queue_file(tmp_path)
     manifests = list(tier.rglob("tier.json"))
     assert manifests, "the bucket holds a tier.json"
@@ -319,10 +321,16 @@ def test_a_torn_queue_file_is_never_rebuilt_blank_while_the_tier_manifest_is_los
     if lost == "bucket-and-local":
         for p in (root / "config").glob("tierManifest.json*"):
             p.unlink()
-    try:
-        st = MessageStore.open(str(root), cfg())
-    except StoreError as e:
-        assert "tier" in str(e)
-        return
-    with st:
+    before = _tree_bytes(root)
+    with pytest.raises(StoreError, match="consumequeue/T/1/.*150 bytes"):
+        MessageStore.open(str(root), cfg(), read_only=True)
+    assert _tree_bytes(root) == before, "a refused read-only open changed the store"
+    with MessageStore.open(str(root), cfg()) as st:
         assert _read_queue(st) == bodies
+    assert list(tier.rglob("tier.json")), "the writable open republished the manifest"
+    with MessageStore.open(str(root), cfg(), read_only=True) as st:
+        assert _read_queue(st) == bodies
+
+
+def _tree_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}

@@ -259,6 +259,19 @@ class StoreLoader:
         index.damaged.clear()
         os.unlink(self.paths.index_rebuild)
 
+    def _republish_lost_manifest(self) -> None:
+        """A writable open that must read the tier before its upload round runs puts a lost or stale
+        ``tier.json`` back first, as that round would (the local copy once its objects check out, else one
+        rebuilt from the tier's objects): otherwise the store stays unopenable until an operator restores the
+        manifest by hand.  A republish that fails leaves the fault, and the read that needs the tier refuses."""
+        tier = self.tier
+        if self.read_only or tier is None or tier.error is None or tier.fault is None or not tier.republishable:
+            return
+        try:
+            tier.republish()
+        except TierError as e:
+            log.warning("tier: %s could not be republished during the open: %s", tier.loc.uri, e)
+
     def _unindexed_from(self) -> int:
         """Where the records no index file holds may start, for a rebuild of lost index entries.
 
@@ -455,13 +468,14 @@ class StoreLoader:
         if start is None or self.tier is None or start >= local:
             return
         rebuilt = set(self.queues_to_rebuild)
+        self._republish_lost_manifest()
         from ..services.dispatch import CommitLogDispatcher
         dispatcher = CommitLogDispatcher(self.files)
         dispatched_before = self.checkpoint.logics_dispatched
         n = 0
+        start = max(start, self.commitlog.min_offset_with_tier())
         try:
-            for off, _size, msg, problem in self.messages(max(start, self.commitlog.min_offset_with_tier()),
-                                                          read_body=False, skip_damaged=True):
+            for off, _size, msg, problem in self.messages(start, read_body=False, skip_damaged=True):
                 if off >= local:
                     break
                 if msg is None:
