@@ -148,10 +148,12 @@ def test_lost_tier_json_with_an_altered_object_still_local_is_not_republished(tm
         reads = []
         real = s.tier.objects.checksum
         s.tier.objects.checksum = lambda key: reads.append(key) or real(key)
-        for _ in range(3):  # the upload service's rounds: the tier is read back once, not every round
+        # The open tried to republish and read the object back once; the upload service's rounds keep that
+        # verdict (the tier is not read back every round).
+        for _ in range(3):
             with pytest.raises(StoreError, match="CRC-32"):
                 upload_round(s.files)
-        assert reads == ["commitlog/00000000000000000000"]
+        assert reads == []
         _free_local(s)
         assert len(s.commitlog.queue.files) == 4  # the good local copies stay
 
@@ -571,13 +573,15 @@ def test_seeded_tier_faults_never_skip_an_acknowledged_message(tmp_path):
 
 
 def test_no_republish_while_the_tier_cannot_be_reached(tmp_path):
-    """tier.json lost, then the directory unmounted: the round must not check objects it cannot see (and
-    remember that as the verdict); once remounted, the next round republishes."""
+    """tier.json lost, then the directory unmounted: the open and the round must not check objects they cannot
+    see (and remember that as the verdict); once remounted, the next round republishes."""
     store_path, tier = _tiered(tmp_path)
     (tier / MANIFEST).unlink()
-    with MessageStore.open(str(store_path), start_services=False) as store:
+    with MessageStore.open(str(store_path), start_services=False, read_only=True) as store:
         assert store.tier.republishable
-        tier.rename(tmp_path / "away")
+    tier.rename(tmp_path / "away")
+    with MessageStore.open(str(store_path), start_services=False) as store:
+        assert store.tier.error is not None and not store.tier.republishable
         with pytest.raises(StoreError, match="does not exist"):
             upload_round(store.files)
         (tmp_path / "away").rename(tier)

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from typing import Any
@@ -231,27 +232,79 @@ def test_a_follower_consumer_names_damage_a_writer_left_and_reads_on(tmp_path):
     assert got == [0, 1, 2, 3, 4] + list(range(6, 25))
 
 
-@pytest.mark.xfail(strict=True, reason="open: verify --repair rewrites the local copy of a segment the tier holds "
-                   "intact (a tombstone, and an index without the message's keys); once retention deletes the "
-                   "local copy, reads go to the tier's intact record, which no key finds (model seed 1148)")
 def test_repair_of_a_tier_held_segment_keeps_the_tier_copy_findable(tmp_path):
     """A record damaged in the local copy of a segment the tier already holds intact: the commitlog (local plus
     tier) still has the message.  After ``verify --repair`` and retention, ``get`` returns the tier's record, and
-    a query by its key must find it too (repair should take the record from the tier, not tombstone it)."""
+    a query by its key finds it too: repair writes the tier's intact copy back (model seed 1148: it wrote a
+    tombstone and rebuilt the index without the message's keys, so after retention no key found it)."""
     store_path, _tier = _golden_with_tier(tmp_path)
     with MessageStore.open(str(store_path), start_services=False) as s:
         assert upload_round(s.files)["segments"] == 3
     victim = _in_segment(2)  # past the index file the tier holds (records up to 1838741)
+    seg = store_path / f"commitlog/{2 * SEG:020d}"
+    original = seg.read_bytes()
     flip_body_bit(store_path, victim["commitLogOffset"], f"commitlog/{2 * SEG:020d}")
-    r = run_cli("verify", "--repair", store_path)
+    dry = json.loads(run_cli("verify", "--repair", "--dry-run", "--json", store_path).stdout)
+    assert dry["lost"] == [] and [s["offset"] for s in dry["restored"]] == [victim["commitLogOffset"]]
+    assert dry["repaired"] == [f"commitlog: would rewrite {victim['size']} bytes at "
+                               f"{victim['commitLogOffset']} as tier copy"]
+    r = run_cli("verify", "--repair", "--json", store_path)
     assert b"Traceback" not in r.stderr, r.stderr
+    result = json.loads(r.stdout)
+    assert r.returncode == 0 and result["ok"] and result["lost"] == [], result
+    assert seg.read_bytes() == original, "the local segment is the tier's copy again, byte for byte"
     with MessageStore.open(str(store_path), start_services=False) as store:
+        [m] = store.get(victim["topic"], victim["queueId"], victim["queueOffset"], 1).messages
+        assert m.body == base64.b64decode(victim["body"])
         _free_local(store)
         assert store.min_phy_offset() == 3 * SEG
         got = store.get(victim["topic"], victim["queueId"], victim["queueOffset"], 1).messages
         assert [m.commit_log_offset for m in got] == [victim["commitLogOffset"]]
         hits = store.query(victim["topic"], victim["properties"]["UNIQ_KEY"], 4).messages
         assert victim["commitLogOffset"] in [m.commit_log_offset for m in hits]
+
+
+def test_a_writable_open_republishes_a_manifest_a_crash_left_one_generation_behind(tmp_path):
+    """A publish writes the local copy and tierStore.json's generation before the bucket's tier.json: a crash
+    between leaves the bucket one generation behind (model seed 1125, a child killed inside an upload round).
+    The next writable open must read tier-held messages at once; they raised "an older manifest" until the
+    open's first upload round (tieredStoreUploadInterval later) republished it.  A read-only open still reports
+    the stale manifest by name (it may not write the bucket) and reads after the writable open work."""
+    store, tier = _tiered(tmp_path)
+    stale = (tier / "tier.json").read_bytes()
+    with MessageStore.open(str(store), start_services=False) as s:
+        s.tier.publish(s.tier.new_manifest() if s.tier.manifest is None else s.tier.manifest)
+    (tier / "tier.json").write_bytes(stale)  # the bucket write of that publish lost to the crash
+    first = EXPECTED[0]
+    with MessageStore.open(str(store), start_services=False, read_only=True) as s:
+        with pytest.raises(StoreError, match="older manifest"):
+            s.get(first["topic"], first["queueId"], first["queueOffset"], 1)
+    with MessageStore.open(str(store), start_services=False) as s:
+        got = s.get(first["topic"], first["queueId"], first["queueOffset"], 1).messages
+        assert [m.commit_log_offset for m in got] == [first["commitLogOffset"]]
+        assert _unfound(s) == []
+    with MessageStore.open(str(store), start_services=False, read_only=True) as s:
+        assert s.get(first["topic"], first["queueId"], first["queueOffset"], 1).messages[0].commit_log_offset == 0
+
+
+def test_repair_writes_a_tombstone_when_the_tier_copy_is_damaged_as_well(tmp_path):
+    """The tier's copy is taken only when its bytes are trusted records covering the damaged span: a copy with
+    the same flipped bit is not, so the span gets its tombstone as before (reported lost, originals kept), and
+    the tier's object is never read as the message."""
+    store_path, tier = _golden_with_tier(tmp_path)
+    with MessageStore.open(str(store_path), start_services=False) as s:
+        assert upload_round(s.files)["segments"] == 3
+    victim = _in_segment(2)
+    name = f"{2 * SEG:020d}"
+    flip_body_bit(store_path, victim["commitLogOffset"], f"commitlog/{name}")
+    [obj] = [p for p in tier.rglob(name) if p.is_file()]
+    flip_body_bit(obj.parent, victim["commitLogOffset"], name)
+    r = run_cli("verify", "--repair", "--json", store_path)
+    result = json.loads(r.stdout)
+    assert r.returncode == 1 and not result["ok"] and result["restored"] == [], result
+    assert [s["offset"] for s in result["lost"]] == [victim["commitLogOffset"]]
+    assert result["repaired"][0] == (f"commitlog: {victim['size']} bytes at {victim['commitLogOffset']} rewritten "
+                                     "as tombstone")
 
 
 def _tiered_store_with_a_torn_queue_file(tmp_path: Path) -> tuple[Path, Path, Any, dict[int, bytes]]:
@@ -270,7 +323,7 @@ def _tiered_store_with_a_torn_queue_file(tmp_path: Path) -> tuple[Path, Path, An
         for i in range(150):
             r = st.put(Message("T", b"m%d|" % i + bytes(400), queue_id=1))
             bodies[r.queue_offset] = b"m%d|" % i + bytes(400)
-    with MessageStore.open(str(root), cfg()) as st:
+    with MessageStore.open(str(root), cfg(), start_services=False) as st:  # (the upload service's round would race)
         assert upload_round(st.files, max_segments=1)["segments"] == 1
     first = sorted((root / "commitlog").iterdir())[0]
     old = first.stat().st_mtime - 3 * 3600

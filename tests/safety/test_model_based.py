@@ -137,10 +137,6 @@ ROCKETSTORE_MODEL_OPS, e.g. ``ROCKETSTORE_MODEL_OPS=all``):
   the open (recovery's order check) cuts Busy-2 at the swapped unit and cannot rebuild it ("units 3..34 are not in
   the commitlog recovery checked from 65536"): ``get Busy-2 @28: OFFSET_OVERFLOW_BADLY (queue 3..3)`` before the
   repair.
-- ``repair_int`` with a tier (``put,kill,recover,retention,reimport,repair_int,tier_upload,tier_fault,index_damage``
-  / 1148): ``verify --repair`` tombstones a record damaged in the local copy of a segment the tier holds intact
-  (and rebuilds the index without its keys); after retention reads go to the tier's intact record, which
-  ``query`` does not find (tests/safety/test_data_safety_tier2.py, xfail).
 
 Fixed since the first run of this test (they must fail again if put back): ``truncate`` twice / 8008, 1048 (an all-zero short last segment in its place moved aside: now extended as the log's torn end); ``repair_int`` + ``rm_cq`` / 4015, 4020 (the model did not excuse a consumer error naming a lost queue slot); ``rm_cq`` / 1004 (a directory removed
 after a clean stop whose records all lie before the re-checked segment: the store now keeps a durable queue
@@ -150,6 +146,10 @@ read as OFFSET_TOO_SMALL before the repair); ``cq_damage`` / 5002 and ``rm_cq`` 
 ``powerloss,powerloss_dirent``: a queue rebuilt after its records expired, by ``verify --repair`` or after ``rm_cq``,
 handed their queue offsets out again; the queue registry now keeps each queue's next offset);
 ``repair_int`` on a tiered store (smoke seed 7 with all ops: repair rebuilt from the local commitlog only);
+``repair_int`` with a tier (``put,kill,recover,retention,reimport,repair_int,tier_upload,tier_fault,index_damage``
+/ 1148: repair tombstoned a record damaged in the local copy of a segment the tier holds intact and rebuilt the
+index without its keys, so after retention ``query`` did not find the tier's record; a finished repair must now
+give the message back, see test_repair_of_a_tier_held_segment_keeps_the_tier_copy_findable);
 ``powerloss`` / 1009, 1005 (a record torn after its body accepted); ``powerloss`` / 1015
 (``put,kill,powerloss,powerloss_dirent,recover``, keep=0.7, may need ROCKETSTORE_MODEL_REPEAT=5: the cut of units past
 the recovered commitlog end stopped at an empty last queue file, verify ``cq-dangling``);
@@ -578,6 +578,16 @@ class Run:
         if b"Traceback" in err and not (b"KeyboardInterrupt" in err and importing):
             # (a Ctrl-C while Python still imports the modules, before the command runs, is not a repair's)
             self.fail(f"verify --repair ({how}) printed a traceback: {err.decode()[-2000:]}")
+        if how == "finish" and p.returncode in (0, 1) and self.model.tier_copies:
+            # A finished repair writes the tier's intact copy back over a record damaged locally: that message
+            # is held again (get, query, walk) wherever the tier still lists its segment.
+            tm = self.tier_manifest()
+            held = {x["name"] for x in tm["commitlog"]} if tm else set()
+            for uid, m in list(self.model.tier_copies.items()):
+                if f"{m.phy - m.phy % (32 * 1024):020d}" in held:
+                    self.model.revive(uid)
+                    self.lost_slots.discard(m.slot)
+                    self.note(f"  uid {uid} must be back from the tier's copy")
 
     def op_tier_upload(self) -> None:
         if not self.tier_dir:

@@ -302,18 +302,22 @@ def test_recovery_after_a_crash_keeps_units_that_point_into_the_tier(tmp_path, s
 
 
 def test_a_malformed_manifest_is_refused_with_its_name_and_the_store_stays_readable(tmp_path, s3_server):
-    """Garbage in the bucket's tier.json, or in the local copy: the open still works on local data, the error
-    names the file, nothing is deleted on the strength of it, and `tier status` exits 1 with one line."""
+    """Garbage in the bucket's tier.json, or in the local copy: a read-only open still works on local data, the
+    error names the file, nothing is deleted on the strength of it, and `tier status` exits 1 with one line.
+    A writable open puts a manifest rebuilt from the tier's objects back before anything reads the tier."""
     store_path, bucket, conf = _golden_tiered(tmp_path, s3_server)
     with MessageStore.open(str(store_path), start_services=False) as store:
         upload_round(store.files)
     s3_server.client().put_object(Bucket=bucket, Key=f"stores/basic/{MANIFEST}", Body=b'{"format": "x"')
     (store_path / "config" / "tierManifest.json").write_text("not json")
-    with MessageStore.open(str(store_path), start_services=False) as store:
+    with MessageStore.open(str(store_path), start_services=False, read_only=True) as store:
         assert f"{MANIFEST}: bad tier manifest" in store.tier.error
-        _free_local(store)
-        assert len(store.commitlog.queue.files) == 4
         assert store.get("TopicA", 0, 0).status == GetMessageStatus.FOUND
     r = run_cli("tier", "status", store_path, "--format", "json")
     assert r.returncode == 1 and "bad tier manifest" in json.loads(r.stdout)["error"]
+    assert len(_dump(store_path)) == len(golden_expected("basic"))
+    with MessageStore.open(str(store_path), start_services=False) as store:
+        assert store.tier.error is None, store.tier.error
+        _free_local(store)
+        assert store.get("TopicA", 0, 0).status == GetMessageStatus.FOUND
     assert len(_dump(store_path)) == len(golden_expected("basic"))

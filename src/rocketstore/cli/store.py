@@ -182,6 +182,8 @@ def print_verify_table(result: dict[str, Any]) -> None:
     if "repaired" in result:
         rows.append(("would repair" if result.get("dryRun") else "repaired", ", ".join(result["repaired"]) or "nothing"))
         rows.append(("records not kept", len(result["lost"])))
+        if result.get("restored"):
+            rows.append(("from the tier's copy", len(result["restored"])))
     if result.get("quarantine"):
         rows.append(("originals kept in", result["quarantine"]))
     width = max(len(k) for k, _ in rows)
@@ -190,6 +192,9 @@ def print_verify_table(result: dict[str, Any]) -> None:
     for s in result.get("lost", []):
         sys.stdout.write(f"  {'not kept':<15} {s['file']} @ {s['offset']} ({s['length']} bytes, {s['action']}): "
                          f"{s['reason']}\n")
+    for s in result.get("restored", []):
+        sys.stdout.write(f"  {'from the tier':<15} {s['file']} @ {s['offset']} ({s['length']} bytes): {s['reason']}; "
+                         "the tier's intact copy written back\n")
     for g in result.get("gaps", []):
         sys.stdout.write(f"  {'gap':<15} {g['topic']}-{g['queueId']} queue offsets {g['from']}..{g['to']}: no record "
                          "left in the commitlog\n")

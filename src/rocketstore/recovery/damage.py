@@ -54,12 +54,15 @@ class DamagedSpan:
     all_zero: bool
     resume_store_timestamp: int = 0  # of the next valid record (or the one before), for the fillers
     messages: list[dict[str, Any]] = field(default_factory=list)  # what the old consume queues said was here
-    # What the span is rewritten as: (commitlog offset, length, "filler"/"tombstone"/"blank", message or None).
+    # What the span is rewritten as: (commitlog offset, length, "filler"/"tombstone"/"blank"/"tier copy",
+    # message or None).
     pieces: list[tuple[int, int, str, dict[str, Any] | None]] = field(default_factory=list)
+    restored: bytes | None = None  # the tier's copy of these bytes, trusted records: written back as they are
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("resume_store_timestamp")
+        d.pop("restored")
         d["allZero"] = d.pop("all_zero")
         d["rewrite"] = [{"offset": o, "length": n, "as": kind} for o, n, kind, _m in d.pop("pieces")]
         return d

@@ -149,6 +149,7 @@ class StoreLoader:
         if cfg.tieredStoreUri:
             self.tier = TieredStorage(self.root, cfg, read_only=ro)
             self.tier.refresh(quiet=True)  # a tier that cannot be reached is recorded, not fatal: local data stays readable
+            self._republish_lost_manifest()
             self.commitlog.tier = self.tier
         self._load_consume_queues()
         self._check_quarantine()  # before the checkpoint and the index are touched
@@ -260,17 +261,19 @@ class StoreLoader:
         os.unlink(self.paths.index_rebuild)
 
     def _republish_lost_manifest(self) -> None:
-        """A writable open that must read the tier before its upload round runs puts a lost or stale
-        ``tier.json`` back first, as that round would (the local copy once its objects check out, else one
-        rebuilt from the tier's objects): otherwise the store stays unopenable until an operator restores the
-        manifest by hand.  A republish that fails leaves the fault, and the read that needs the tier refuses."""
+        """A writable open puts a lost or stale ``tier.json`` back before anything reads the tier, as its upload
+        round would later (the local copy once its objects check out, else one rebuilt from the tier's objects).
+        Otherwise a crash between a publish's local copy and its bucket write left reads of tier-held records
+        failing until that round ran, and a torn queue file whose records only the tier holds left the store
+        unopenable until an operator restored the manifest.  A republish that fails leaves the fault: reads
+        that need the tier raise naming it."""
         tier = self.tier
         if self.read_only or tier is None or tier.error is None or tier.fault is None or not tier.republishable:
             return
         try:
             tier.republish()
         except TierError as e:
-            log.warning("tier: %s could not be republished during the open: %s", tier.loc.uri, e)
+            log.info("tier: %s could not be republished during the open: %s", tier.loc.uri, e)  # (reads say why)
 
     def _unindexed_from(self) -> int:
         """Where the records no index file holds may start, for a rebuild of lost index entries.
@@ -468,7 +471,6 @@ class StoreLoader:
         if start is None or self.tier is None or start >= local:
             return
         rebuilt = set(self.queues_to_rebuild)
-        self._republish_lost_manifest()
         from ..services.dispatch import CommitLogDispatcher
         dispatcher = CommitLogDispatcher(self.files)
         dispatched_before = self.checkpoint.logics_dispatched

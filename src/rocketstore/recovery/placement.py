@@ -81,6 +81,69 @@ def _local_commitlog_min(cdir: str) -> int:
     return next((int(n) for n in names if os.path.getsize(os.path.join(cdir, n)) > 0), 0)
 
 
+def _tier_reader(root: str, cfg: StoreConfig, below: int) -> Any:
+    """The reader of the tier's published manifest; None when no tier was ever published.  A tier that was
+    published but cannot be read raises StoreError: repair is refused rather than work from half the log."""
+    from ..tier.tiered import TieredStorage
+    try:
+        tier = TieredStorage(root, cfg, read_only=True)
+        tier.refresh(quiet=True)
+    except StoreError as e:
+        raise StoreError(f"tier {cfg.tieredStoreUri}: {e}; it holds the records below commitlog offset {below} "
+                         "(the local commitlog's start): repair refused, nothing was changed") from None
+    reader = tier.reader
+    why = tier.fault or (tier.error if reader is None else None)
+    if reader is None and why is None and tier.deleted_end <= 0:
+        return None  # no tier published
+    if reader is None or why is not None:
+        raise StoreError(f"tier {tier.loc.uri}: cannot be read ({why or 'no manifest'}); it holds the records "
+                         f"below commitlog offset {below}: repair refused, nothing was changed")
+    return reader
+
+
+def tier_copies(root: str, cfg: StoreConfig, spans: list[Any]) -> int:
+    """Give each damaged span of a segment the tier holds the tier's bytes for it (``span.restored``), when
+    those bytes are trusted records (magic, size, PHYSICALOFFSET, body CRC) covering the span exactly, up to a
+    blank end-of-file record at most.  The commitlog is the local segments plus the tier's: a record damaged
+    locally but intact in the tier's copy is not lost, and a tombstone in its place would hide it from key
+    queries once retention reads the segment from the tier.  Returns how many spans got a copy."""
+    if not cfg.tieredStoreUri or not spans:
+        return 0
+    reader = _tier_reader(root, cfg, _local_commitlog_min(StorePaths(root).commitlog))
+    if reader is None:
+        return 0
+    from ..tier.reader import segment_key
+    n = 0
+    for s in spans:
+        seg = reader.manifest.segment_for(s.offset)
+        if seg is None or s.offset + s.length > seg.base + seg.size:
+            continue
+        try:
+            data = reader.read(segment_key(seg.name), s.offset - seg.base, s.length)
+        except StoreError as e:
+            log.warning("%s: the tier's copy of %d bytes at commitlog offset %d cannot be read: %s", s.file,
+                        s.length, s.offset, e)
+            continue
+        if len(data) == s.length and _trusted_cover(data, s.offset):
+            s.restored = data
+            n += 1
+    return n
+
+
+def _trusted_cover(data: bytes, base: int) -> bool:
+    """Whether ``data`` (the bytes at commitlog offset ``base``) is whole trusted records end to end, or up to
+    a blank end-of-file record."""
+    pos = 0
+    while pos < len(data):
+        size, msg, _reason = codec.check(data, pos, len(data), check_crc=True, parsed=True, base=base)
+        if size == 0:
+            return True
+        if size < 0 or msg is None:
+            return False
+        pos += size
+    return pos == len(data)
+
+
 def tier_records(root: str, cfg: StoreConfig) -> Iterator[codec.MessageExt]:
     """The trusted records the tier holds below the local commitlog, in commitlog order.
 
@@ -92,30 +155,19 @@ def tier_records(root: str, cfg: StoreConfig) -> Iterator[codec.MessageExt]:
     below = _local_commitlog_min(StorePaths(root).commitlog)
     if not cfg.tieredStoreUri or below <= 0:
         return
-    from ..tier.tiered import TieredStorage
-    try:
-        tier = TieredStorage(root, cfg, read_only=True)
-        tier.refresh(quiet=True)
-    except StoreError as e:
-        raise StoreError(f"tier {cfg.tieredStoreUri}: {e}; it holds the records below commitlog offset {below} "
-                         "(the local commitlog's start): repair refused, nothing was changed") from None
-    reader = tier.reader
-    why = tier.fault or (tier.error if reader is None else None)
-    if reader is None and why is None and tier.deleted_end <= 0:
+    reader = _tier_reader(root, cfg, below)
+    if reader is None:
         return  # no tier published: nothing below the local start to read
-    if reader is None or why is not None:
-        raise StoreError(f"tier {tier.loc.uri}: cannot be read ({why or 'no manifest'}); it holds the records "
-                         f"below commitlog offset {below}: repair refused, nothing was changed")
     try:
         for off, _size, msg, problem in reader.scan(reader.manifest.min_offset, below, check_crc=True):
             if msg is None:
-                raise StoreError(f"tier {tier.loc.uri}: record at commitlog offset {off}: {problem}; repair "
+                raise StoreError(f"tier {reader.objects.loc.uri}: record at commitlog offset {off}: {problem}; repair "
                                  "refused, nothing was changed")
             yield msg
     except StoreError as e:
         if "repair refused" in str(e):
             raise
-        raise StoreError(f"tier {tier.loc.uri}: {e}; it holds the records below commitlog offset {below}: "
+        raise StoreError(f"tier {reader.objects.loc.uri}: {e}; it holds the records below commitlog offset {below}: "
                          "repair refused, nothing was changed") from None
 
 

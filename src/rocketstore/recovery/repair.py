@@ -102,7 +102,7 @@ from .verify import finding, verify_store
 
 from .damage import (DamagedSpan, held_queue_offsets, lost_messages, filler_pieces, filler_record, header_fixes,
                      layout, plan, tombstone_record)
-from .placement import old_unit_reader, place_queues, tier_records, trusted_records, write_queue
+from .placement import old_unit_reader, place_queues, tier_copies, tier_records, trusted_records, write_queue
 
 from ..storage.jsonfile import fsync_dir
 
@@ -265,6 +265,8 @@ def _apply(spans: list[DamagedSpan], qdir: str, file_size: int) -> list[DamagedS
                     at = off - base
                     if kind == "blank":
                         os.pwrite(fh.fileno(), codec.blank_record(file_size - at), at)
+                    elif kind == "tier copy":
+                        os.pwrite(fh.fileno(), s.restored, at)
                     elif kind == "tombstone":
                         rec = tombstone_record(length, m, off, s.resume_store_timestamp, os.path.basename(qdir))
                         os.pwrite(fh.fileno(), rec, at)
@@ -525,13 +527,17 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
         if not dry_run:  # a torn last segment is extended, as an open would, before its records are walked
             extend_torn_last_segment(paths.commitlog, cfg.mappedFileSizeCommitLog, False)
         spans = plan(path, cfg.mappedFileSizeCommitLog)
-        lost_messages(paths.consumequeue, spans)
+        tier_copies(path, cfg, spans)  # damaged here, intact in the tier's copy: not lost, written back
+        lost_messages(paths.consumequeue, [s for s in spans if s.restored is None])
         held = held_queue_offsets(spans, cfg.mappedFileSizeCommitLog)
         # Records whose routing fields contradict the old unit pointing at them: reported, never rewritten
         # (no CRC covers those fields, and the old unit is a cache: it may be the damaged one).
         suspects = header_fixes(paths.consumequeue, paths.commitlog, cfg.mappedFileSizeCommitLog, spans)
         qname = f"repair-{int(time.time() * 1000)}"  # the tombstones' note: decided before they are laid out
         for s in spans:
+            if s.restored is not None:
+                s.pieces = [(s.offset, s.length, "tier copy", None)]
+                continue
             s.pieces = layout(s, held, qname)
             kept_as = {id(m) for _o, _n, kind, m in s.pieces if kind == "tombstone"}
             for m in s.messages:
@@ -553,17 +559,20 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
                           "consumeQueueUnits": 0, "indexFiles": 0, "indexEntries": 0,
                           "problems": [finding("unreadable", path, 0, f"{e} (the rebuild replaces it)")]}
             result["dryRun"] = True
-            result["lost"] = [s.to_json() for s in spans]
+            result["lost"] = [s.to_json() for s in spans if s.restored is None]
+            result["restored"] = [s.to_json() for s in spans if s.restored is not None]
             result["repaired"] = [f"commitlog: would rewrite {s.length} bytes at {s.offset} as "
                                   + ", ".join(kind for _o, _n, kind, _m in s.pieces) for s in spans if s.pieces]
             result["suspect"] = [f.to_json() for f in suspects]
-            result["ok"] = result["ok"] and not spans
+            result["ok"] = result["ok"] and not result["lost"]
             return result
         qdir = os.path.join(paths.quarantine, qname)
         touched = sorted({os.path.basename(s.file) for s in spans if s.pieces})
         marker = {"operation": "verify --repair", "phase": "commitlog", "quarantine": qname, "segments": touched,
                   "pid": os.getpid(), "geometry": {k: getattr(cfg, k) for k in GEOMETRY_KEYS},
-                  "report": {"lost": [s.to_json() for s in spans], "suspect": [f.to_json() for f in suspects]}}
+                  "report": {"lost": [s.to_json() for s in spans if s.restored is None],
+                             "restored": [s.to_json() for s in spans if s.restored is not None],
+                             "suspect": [f.to_json() for f in suspects]}}
         _write_marker(paths, marker)  # before anything changes: the next open rolls back or finishes
         _step("marked")
         os.makedirs(qdir, exist_ok=True)
@@ -580,11 +589,12 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
             result = verify_store(files)
     report = marker["report"]
     result["lost"] = report["lost"]
+    result["restored"] = report.get("restored", [])
     result["suspect"] = report["suspect"]
     result["gaps"] = report.get("gaps", [])
     result["unplaced"] = report.get("unplaced", [])
     result["repaired"] = report["repaired"]
     if report.get("kept"):
         result["quarantine"] = qdir
-    result["ok"] = result["ok"] and not spans
+    result["ok"] = result["ok"] and not report["lost"]
     return result
