@@ -172,3 +172,44 @@ def test_after_a_flush_the_blocks_the_next_puts_land_on_are_written(tmp_path, ze
     else:
         assert ahead, "expected the blocks past the write position to be unwritten without zeros ahead"
     cl.close()
+
+
+def test_a_failing_zero_write_stops_zeroing_that_segment_and_the_puts_go_on(tmp_path, monkeypatch):
+    """Zeroing ahead is advice: an error there (an I/O error, a full disk on a file system without fallocate)
+    is not the put's; the record itself is written and read back, and the segment is not zeroed again."""
+    cl = _open(tmp_path, gather_all=True)
+    tries = []
+    real = os.pwrite
+
+    def failing(fd, data, pos):
+        if not any(data):
+            tries.append(pos)
+            raise OSError(5, "Input/output error")
+        return real(fd, data, pos)
+    monkeypatch.setattr(commitlog_mod.os, "pwrite", failing)
+    with cl.put_lock:
+        put = [cl.append([_record(i)], i) for i in range(400)]
+    assert len(tries) == 1
+    assert cl.queue.last().zeroed_position == SIZE
+    for i, (off, *_rest) in enumerate(put):
+        assert cl.read_message(off, check_crc=True).queue_offset == i
+    cl.close()
+
+
+def test_the_group_commits_gathered_writes_keep_zeros_ahead_too(tmp_path, monkeypatch):
+    """append_units (several producers' puts in one pwritev) goes through _write_units: the same rule."""
+    cl = _open(tmp_path, gather_all=True)
+    spy = _ZeroWrites(cl, monkeypatch)
+    offsets = []
+    for r in range(150):
+        units = [([_record(r * 8 + k)], r * 8 + k, None) for k in range(8)]
+        with cl.put_lock:
+            done, error = cl.append_units(units)
+        assert error is None and len(done) == 8
+        offsets += [d[0] for d in done]
+        f = cl.queue.last()
+        assert f.zeroed_position - f.wrote_position >= HALF
+    assert spy.calls and all(pos >= wrote for pos, _, wrote in spy.calls)
+    for i, off in enumerate(offsets):
+        assert cl.read_message(off, check_crc=True).queue_offset == i
+    cl.close()
