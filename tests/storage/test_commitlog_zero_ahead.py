@@ -213,3 +213,23 @@ def test_the_group_commits_gathered_writes_keep_zeros_ahead_too(tmp_path, monkey
     for i, off in enumerate(offsets):
         assert cl.read_message(off, check_crc=True).queue_offset == i
     cl.close()
+
+
+@pytest.mark.parametrize("flush", ["SYNC_FLUSH", "ASYNC_FLUSH"])
+def test_a_store_zeroes_ahead_under_sync_flush_only(tmp_path, flush):
+    """The store's put path (group commit, default geometry): zeros ahead of the log's write position under
+    SYNC_FLUSH, where every put waits for an fdatasync; none under ASYNC_FLUSH."""
+    from rocketstore import MessageStore, StoreConfig
+    from rocketstore.format.message import Message
+
+    store = MessageStore.open(str(tmp_path / "s"), StoreConfig(flushDiskType=flush, warmAheadBytes=0))
+    try:
+        for i in range(20):
+            assert store.put(Message("TopicZ", bytes(1024), queue_id=i % 2)).ok
+        f = store.commitlog.queue.last()
+        if flush == "SYNC_FLUSH":
+            assert f.zeroed_position - f.wrote_position >= HALF
+        else:
+            assert f.zeroed_position == 0
+    finally:
+        store.close()
