@@ -171,11 +171,12 @@ class CommitLog:
         position, so that the next puts land on blocks that are already written.
 
         A segment's blocks are reserved with ``fallocate``: unwritten extents.  The first write to each
-        4 KiB block converts its extent at writeback, and on this store's ext4 (no journal) the put's
-        ``fdatasync`` then also writes the extent-tree leaf and the inode, one after the other: two more
-        disk round trips for one put in four (1 KiB bodies), measured as the commitlog's fdatasync being
-        30-40 % slower than the floor's.  Converted here a chunk at a time, the next ``fdatasync`` writes the
-        zeros along with the put's own page (one request) and the extent metadata once per chunk.
+        4 KiB block converts its extent at writeback, and the put's ``fdatasync`` must then make that
+        metadata durable too (ext4 without a journal: the extent-tree leaf and the inode, written one after
+        the other; with one: a journal commit): one put in four with 1 KiB bodies, measured as the
+        commitlog's fdatasync taking 30-40 % longer than a floor's (docs/bench.md).  Converted here a chunk
+        at a time, the next ``fdatasync`` writes the zeros in the same request as the put's own page, and the
+        extent metadata once per chunk.
 
         Only bytes past the write position are written, and they are zeros already (a fresh segment reads
         as zeros; recovery zeroes what lies past a recovered end): the file's content does not change, and
