@@ -60,6 +60,7 @@ def warm(mf: "MappedFile") -> None:
     for pos in range(0, mf.file_size, len(chunk)):
         os.pwrite(mf.fd, chunk[:min(len(chunk), mf.file_size - pos)], pos)
     os.fdatasync(mf.fd)
+    mf.zeroed_position = mf.file_size
 
 
 class MappedFile:
@@ -103,6 +104,9 @@ class MappedFile:
                 raise
         self.wrote_position = 0
         self.flushed_position = 0
+        # Up to where the file's blocks hold written bytes (zeros past the write position, see
+        # CommitLog.zero_ahead): 0 for a new file, whose fallocated blocks are unwritten extents.
+        self.zeroed_position = 0
         self.store_timestamp = 0
         self._refs = 1
         self._available = True
@@ -122,6 +126,7 @@ class MappedFile:
     def set_positions(self, pos: int) -> None:
         self.wrote_position = pos
         self.flushed_position = pos
+        self.zeroed_position = pos
 
     def data_ranges(self, pos: int, end: int) -> Iterator[tuple[int, int]]:
         """The [start, stop) ranges of [pos, end) that may hold non-zero bytes.
