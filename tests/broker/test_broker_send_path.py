@@ -29,6 +29,7 @@ class Context:
 
     def __init__(self) -> None:
         self.reads = 0
+        self.peers = 0
 
     def invocation_metadata(self):
         self.reads += 1
@@ -36,6 +37,7 @@ class Context:
                 ("x-mq-namespace", ""), ("x-mq-date-time", "20261125T000000Z"))
 
     def peer(self) -> str:
+        self.peers += 1
         return "ipv4:127.0.0.1:5555"
 
 
@@ -577,3 +579,40 @@ def test_the_resend_digest_is_keyed_unless_the_hash_seed_is_fixed():
                                    check=True).stdout.split()
     assert out[None] == out["random"] == ["_keyed_digest", "True"]
     assert out["0"] == out["7"] == ["_fixed_digest", "True"]
+
+
+def test_the_peer_admission_read_reaches_the_handler(tmp_path):
+    """Admission reads the call's peer for its byte caps; the handler takes that string instead of asking gRPC's
+    core for another copy, and the same caller's next send is found by its raw header values and peer."""
+    from rocketstore.broker import calls
+
+    async def scenario(broker, service, store):
+        out = []
+        for _ in range(2):
+            ctx = Context()
+            calls.hand_metadata(ctx, ctx.invocation_metadata(), "ipv4:127.0.0.1:5555")
+            ctx.reads = 0
+            resp = await service.SendMessage(_send_request(1), ctx)
+            out.append((resp.status.code, ctx.peers, ctx.reads))
+        ctx = Context()  # nothing handed over: the context's own
+        resp = await service.SendMessage(_send_request(1), ctx)
+        out.append((resp.status.code, ctx.peers, ctx.reads))
+        return out, len(service._callers)
+
+    out, callers = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    assert out == [(pb.Code.OK, 0, 0), (pb.Code.OK, 0, 0), (pb.Code.OK, 1, 1)]
+    assert callers == 1
+
+
+def test_a_caller_with_an_illegal_namespace_is_refused_every_time(tmp_path):
+    """Callers are kept by their raw header values: only legal ones, so a bad namespace is refused each time."""
+    class BadNs(Context):
+        def invocation_metadata(self):
+            return (("x-mq-client-id", "c1"), ("x-mq-namespace", "bad ns!"))
+
+    async def scenario(broker, service, store):
+        return [(await service.SendMessage(_send_request(1), BadNs())).status.code for _ in range(2)], \
+            len(service._callers)
+
+    codes, callers = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    assert codes == [pb.Code.BAD_REQUEST] * 2 and callers == 0
