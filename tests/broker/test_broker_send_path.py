@@ -29,6 +29,7 @@ class Context:
 
     def __init__(self) -> None:
         self.reads = 0
+        self.peers = 0
 
     def invocation_metadata(self):
         self.reads += 1
@@ -36,6 +37,7 @@ class Context:
                 ("x-mq-namespace", ""), ("x-mq-date-time", "20261125T000000Z"))
 
     def peer(self) -> str:
+        self.peers += 1
         return "ipv4:127.0.0.1:5555"
 
 
@@ -496,3 +498,121 @@ def test_a_decoded_request_knows_its_frame_size_once():
     assert wire.frame_size(req) == len(data)
     assert wire.frame_size(req) is None  # taken once
     assert isinstance(decode(b"\xff\xff"), wire.Undecodable) and wire.frame_size(req) is None
+
+
+def _coroutines_entered(fn) -> list[str]:
+    """The coroutine functions entered while ``fn()`` runs (sys.setprofile sees each start or resume)."""
+    import inspect
+    import sys
+    entered: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_flags & inspect.CO_COROUTINE:
+            entered.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return entered
+
+
+def test_a_plain_send_to_a_known_topic_enters_no_coroutine_below_the_handler(tmp_path):
+    """Every coroutine entered is a frame built and torn down on the path of each send: the steps that may wait
+    (topic creation, the store lookup of an earlier send, transactions, delays, the pool put) are entered only
+    when needed.  (Old code: eight per send, the handler's wrapper, SendMessage, _send_one, _send_target,
+    _topic_for, _already_stored, _route, Broker.put.)"""
+    async def scenario(broker, service, store):
+        first = await service.SendMessage(_send_request(1), Context())  # creates the topic
+        req = _send_request(1)
+        out = []
+        coro = service.SendMessage(req, Context())
+
+        def step():
+            try:
+                coro.send(None)
+            except StopIteration as e:
+                out.append(e.value)
+        entered = _coroutines_entered(step)
+        return first, out, entered, store.max_phy_offset()
+
+    first, out, entered, end = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    assert first.status.code == pb.Code.OK
+    assert len(out) == 1 and out[0].status.code == pb.Code.OK  # answered without suspending
+    assert out[0].entries[0].offset == 0 and end > 0  # stored (queue 1 of 8: its first offset)
+    assert entered == ["inner", "SendMessage", "_send_one"], entered  # the guard's, the handler, the message
+
+
+def test_a_reused_message_id_with_another_body_is_stored_and_a_resend_is_not(tmp_path):
+    """The resend check compares bodies by digest: the same id with another body is a new message (stored,
+    never dropped); the same id and body as the send before is answered with that send's result."""
+    async def scenario(broker, service, store):
+        a = _send_request(1)
+        b = svc.SendMessageRequest()
+        b.CopyFrom(a)
+        b.messages[0].body = b"another body"
+        out = []
+        for r in (a, b, b):
+            resp = await service.SendMessage(r, Context())
+            out.append((resp.status.code, resp.entries[0].offset, store.commitlog.max_offset()))
+        return out
+
+    (ca, oa, end_a), (cb, ob, end_b), (cb2, ob2, end_b2) = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    assert ca == cb == cb2 == pb.Code.OK
+    assert 0 < end_a < end_b == end_b2  # a and b stored, the resend of b wrote nothing
+    assert ob2 == ob  # ... and is answered with b's offset
+
+
+def test_the_resend_digest_is_keyed_unless_the_hash_seed_is_fixed():
+    """Python's hash of a body is a keyed SipHash only while its key is random; with PYTHONHASHSEED set anybody
+    can compute it, so the resend check falls back to BLAKE2b (a collision would answer a new message as a
+    resend of another: an acknowledged message not stored)."""
+    import subprocess
+    import sys
+    code = "from rocketstore.broker import dedup; print(dedup.digest.__name__, dedup.digest(b'x') == dedup.digest(b'x'))"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    out = {}
+    for seed in (None, "random", "0", "7"):
+        e = dict(env) if seed is None else dict(env, PYTHONHASHSEED=seed)
+        out[seed] = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True,
+                                   check=True).stdout.split()
+    assert out[None] == out["random"] == ["_keyed_digest", "True"]
+    assert out["0"] == out["7"] == ["_fixed_digest", "True"]
+
+
+def test_the_peer_admission_read_reaches_the_handler(tmp_path):
+    """Admission reads the call's peer for its byte caps; the handler takes that string instead of asking gRPC's
+    core for another copy, and the same caller's next send is found by its raw header values and peer."""
+    from rocketstore.broker import calls
+
+    async def scenario(broker, service, store):
+        out = []
+        for _ in range(2):
+            ctx = Context()
+            calls.hand_metadata(ctx, ctx.invocation_metadata(), "ipv4:127.0.0.1:5555")
+            ctx.reads = 0
+            resp = await service.SendMessage(_send_request(1), ctx)
+            out.append((resp.status.code, ctx.peers, ctx.reads))
+        ctx = Context()  # nothing handed over: the context's own
+        resp = await service.SendMessage(_send_request(1), ctx)
+        out.append((resp.status.code, ctx.peers, ctx.reads))
+        return out, len(service._callers)
+
+    out, callers = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    assert out == [(pb.Code.OK, 0, 0), (pb.Code.OK, 0, 0), (pb.Code.OK, 1, 1)]
+    assert callers == 1
+
+
+def test_a_caller_with_an_illegal_namespace_is_refused_every_time(tmp_path):
+    """Callers are kept by their raw header values: only legal ones, so a bad namespace is refused each time."""
+    class BadNs(Context):
+        def invocation_metadata(self):
+            return (("x-mq-client-id", "c1"), ("x-mq-namespace", "bad ns!"))
+
+    async def scenario(broker, service, store):
+        return [(await service.SendMessage(_send_request(1), BadNs())).status.code for _ in range(2)], \
+            len(service._callers)
+
+    codes, callers = _run(tmp_path, "ASYNC_FLUSH", scenario)
+    assert codes == [pb.Code.BAD_REQUEST] * 2 and callers == 0

@@ -229,7 +229,7 @@ class Admission:
                     if request is None:
                         yield no_request(context)
                         return
-                    hand_metadata(context, md)
+                    hand_metadata(context, md, peer)
                     async for r in handler.unary_stream(request, context):
                         yield r
                 finally:
@@ -243,7 +243,7 @@ class Admission:
             try:
                 if request is None:
                     return no_request(context)
-                hand_metadata(context, md)
+                hand_metadata(context, md, peer)
                 return await handler.unary_unary(request, context)
             finally:
                 budget.give(peer, kept)

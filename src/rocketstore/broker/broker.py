@@ -129,24 +129,37 @@ class Broker:
             self._pop_owner = -1
 
     # ------------------------------------------------------------ store access
+    def put_inline(self, msg: Message) -> PutMessageResult | None:
+        """ASYNC_FLUSH: store ``msg`` now, on the loop, and give the store's result; None when puts run in the
+        pool (SYNC_FLUSH: then :meth:`put`).  The send path calls this first: no coroutine per put."""
+        if not self._puts_inline:
+            return None
+        try:
+            res = self.store.put(msg)
+            if self._dispatch_at is None:
+                self._dispatch_at = asyncio.get_running_loop().call_later(DISPATCH_LINGER, self._dispatch)
+        except (StoreError, RuntimeError) as e:
+            res = PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=str(e))
+        self.metrics.stored(res.status is PUT_OK, len(msg.body))
+        return res
+
     async def put(self, msg: Message) -> PutMessageResult:
         """Store ``msg``; the result is what the store says (a send is answered OK only on PUT_OK).
 
-        ASYNC_FLUSH: the put runs on the loop.  It appends to the mapped commitlog and hands the record to the
-        dispatcher (tens of microseconds); sending it to a thread cost more than the put itself (a pool
-        submit, a thread wake-up and a loop wake-up per send).  The records are dispatched on the loop too,
-        asynchronously to the put as ever, by one call for the puts of up to DISPATCH_LINGER seconds: waking
-        the store's dispatch thread for them cost more than the dispatch, and so did a call per loop
-        iteration (with many producers, an iteration holds about one send).  SYNC_FLUSH: the put waits for the group commit's fdatasync, so it runs in the pool, where several wait
-        on one flush; the dispatch thread follows the flushed end.
+        ASYNC_FLUSH: the put runs on the loop (:meth:`put_inline`).  It appends to the mapped commitlog and
+        hands the record to the dispatcher (tens of microseconds); sending it to a thread cost more than the
+        put itself (a pool submit, a thread wake-up and a loop wake-up per send).  The records are dispatched
+        on the loop too, asynchronously to the put as ever, by one call for the puts of up to DISPATCH_LINGER
+        seconds: waking the store's dispatch thread for them cost more than the dispatch, and so did a call
+        per loop iteration (with many producers, an iteration holds about one send).  SYNC_FLUSH: the put
+        waits for the group commit's fdatasync, so it runs in the pool, where several wait on one flush; the
+        dispatch thread follows the flushed end.
         """
+        res = self.put_inline(msg)
+        if res is not None:
+            return res
         try:
-            if self._puts_inline:
-                res = self.store.put(msg)
-                if self._dispatch_at is None:
-                    self._dispatch_at = asyncio.get_running_loop().call_later(DISPATCH_LINGER, self._dispatch)
-            else:
-                res = await asyncio.get_running_loop().run_in_executor(self.executor, self.store.put, msg)
+            res = await asyncio.get_running_loop().run_in_executor(self.executor, self.store.put, msg)
         except StoreError as e:
             res = PutMessageResult(PutMessageStatus.SERVICE_NOT_AVAILABLE, error=str(e))
         except RuntimeError as e:  # executor shut down

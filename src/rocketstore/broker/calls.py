@@ -75,15 +75,18 @@ PUT_CODES = {
 
 
 _handed: tuple[Any, Any] | None = None  # (servicer context, its call's metadata): see hand_metadata
+_handed_peer: tuple[Any, str] | None = None  # (servicer context, its call's peer string): see call_peer
 
 
-def hand_metadata(context: Any, metadata: Any) -> None:
+def hand_metadata(context: Any, metadata: Any, peer: str | None = None) -> None:
     """Give the handler about to start for ``context`` the metadata gRPC built for the call's handler lookup
     (:class:`~rocketstore.broker.admission.Admission` saw it there): ``context.invocation_metadata()`` builds
     it again, a named tuple per header, ~17 us for the official client's nine.  The handler takes it with
-    :func:`call_metadata` before its first await; None (not known) makes that ask the context."""
-    global _handed
+    :func:`call_metadata` before its first await; None (not known) makes that ask the context.  ``peer``:
+    the call's ``context.peer()`` when admission read it already (each read asks gRPC's core for a copy)."""
+    global _handed, _handed_peer
     _handed = None if metadata is None else (context, metadata)
+    _handed_peer = None if peer is None else (context, peer)
 
 
 def call_metadata(context: Any) -> Any:
@@ -94,6 +97,16 @@ def call_metadata(context: Any) -> Any:
         _handed = None
         return h[1]
     return context.invocation_metadata() or ()
+
+
+def call_peer(context: Any) -> str:
+    """The call's gRPC peer string: the one handed over for this very context, else the context's own."""
+    global _handed_peer
+    h = _handed_peer
+    if h is not None and h[0] is context:
+        _handed_peer = None
+        return h[1]
+    return context.peer() or ""
 
 
 def header(context: Any, name: str) -> str:
@@ -180,21 +193,24 @@ class Calls:
     def _caller(self, context: Any, status: Any) -> Caller | None:
         """Authenticate the request (with ACL on) and check that its client id is the caller's own."""
         h = caller_headers(context)
+        peer = call_peer(context)
+        if self.access is None:
+            # The same few callers send again and again: their Caller is kept (a pure function of the three
+            # header values and the peer), found before the values are checked and stripped.
+            key = (h.get("x-mq-client-id", ""), h.get("x-mq-namespace", ""), peer)
+            c = self._callers.get(key)
+            if c is not None:
+                return c
         cid = _text(h.get("x-mq-client-id", "")).strip()
         ns = _text(h.get("x-mq-namespace", "")).strip()
         why = nsutil.illegal_namespace(ns)
         if why:
             set_status(status, Code.BAD_REQUEST, why)
             return None
-        peer = context.peer() or ""
         if self.access is None:
-            # The same few callers send again and again: their Caller is kept (a pure function of the three).
-            key = (cid, ns, peer)
-            c = self._callers.get(key)
-            if c is None:
-                if len(self._callers) >= 4096:
-                    self._callers.clear()
-                c = self._callers[key] = Caller("", cid, ns, peer_ip(peer), peer)
+            if len(self._callers) >= 4096:
+                self._callers.clear()
+            c = self._callers[key] = Caller("", cid, ns, peer_ip(peer), peer)
             return c
         ip = peer_ip(peer)
         try:

@@ -90,15 +90,18 @@ def ts_ms(ts) -> int:
     return ts.seconds * 1000 + ts.nanos // 1_000_000
 
 
-def bad_timestamp(ts) -> str | None:
-    """Why a Timestamp cannot be a stored time (before 1970, nanos out of range, past int64 milliseconds)."""
-    if not 0 <= ts.nanos < 1_000_000_000:
-        return f"has nanos {ts.nanos} outside 0..999999999"
-    if ts.seconds < 0:
-        return f"is before 1970 ({ts.seconds} s)"
-    if ts_ms(ts) >= 1 << 63:
-        return f"is out of range ({ts.seconds} s)"
-    return None
+def stored_ms(ts) -> tuple[int, str | None]:
+    """A Timestamp as epoch milliseconds, and why it cannot be a stored time (before 1970, nanos out of range,
+    past int64 milliseconds) or None; each field read once (a read is a call into protobuf)."""
+    seconds, nanos = ts.seconds, ts.nanos
+    if not 0 <= nanos < 1_000_000_000:
+        return 0, f"has nanos {nanos} outside 0..999999999"
+    if seconds < 0:
+        return 0, f"is before 1970 ({seconds} s)"
+    ms = seconds * 1000 + nanos // 1_000_000
+    if ms >= 1 << 63:
+        return 0, f"is out of range ({seconds} s)"
+    return ms, None
 
 
 def set_ts(ts, ms: int) -> None:
@@ -194,19 +197,16 @@ def validate(m, sp, message_id: str, max_body: int,
                 raise BadMessage(Code.ILLEGAL_MESSAGE_PROPERTY_KEY, f"property {k[:40]!r} has a control character value")
     born = 0
     if has("born_timestamp"):
-        ts = sp.born_timestamp
-        why = bad_timestamp(ts)
+        ms, why = stored_ms(sp.born_timestamp)
         if why:
             raise BadMessage(Code.BAD_REQUEST, f"born_timestamp {why}")
-        if ts.seconds:
-            born = ts_ms(ts)
+        if ms >= 1000:  # (a born time within the epoch's first second is taken as not given)
+            born = ms
     deliver = None
     if has("delivery_timestamp"):
-        ts = sp.delivery_timestamp
-        why = bad_timestamp(ts)
+        deliver, why = stored_ms(sp.delivery_timestamp)
         if why:
             raise BadMessage(Code.ILLEGAL_DELIVERY_TIME, f"delivery_timestamp {why}")
-        deliver = ts_ms(ts)
     mtype = sp.message_type
     if mtype not in TYPE_NAMES:
         if mtype != UNSPECIFIED:  # LITE, PRIORITY, ...

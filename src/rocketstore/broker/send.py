@@ -61,13 +61,22 @@ class Sending:
 
     async def _send_one(self, caller: Caller, m: Any, entry: Any, peer: str, budget: list[int]) -> bool:
         """One message of a SendMessage: each step fills ``entry.status`` and returns None when it refuses;
-        True when the message is stored (or was, by an earlier send of it): the entry's status is OK."""
+        True when the message is stored (or was, by an earlier send of it): the entry's status is OK.
+
+        A send to a known topic, not seen before, put on the loop (ASYNC_FLUSH) awaits nothing: the steps that
+        may wait (creating the topic, looking for an earlier send in the store, a transaction, a delay, a put
+        in the pool) are coroutines entered only when needed (each coroutine entered costs its frame)."""
         sp = m.system_properties
         mid = entry.message_id = sp.message_id  # (each read of a protobuf string field builds a new str)
         status = entry.status
-        t = await self._send_target(caller, m.topic, status)
-        if t is None:
+        name = self._resolve(caller, status, m.topic, "Topic", PUB)
+        if name is None:
             return False
+        t = self._writable_topic(name)
+        if t is None:
+            t = await self._send_target(name, status)
+            if t is None:
+                return False
         now = now_ms()  # one clock reading for the delivery-time check, the born fallback and the routing
         checked = self._checked_body(m, sp, mid, t, status, budget, now)
         if checked is None:
@@ -75,16 +84,28 @@ class Sending:
         mtype, body, props, born, deliver_at = checked
         body_digest = digest(body)
         tname = t.name
-        if await self._already_stored(t, mid, mtype, body, body_digest, entry):
+        seen = self.dedup.recent(tname, mid, body_digest)
+        if seen is None and mtype != TRANSACTION and self.dedup.needs_lookup(tname, mid):
+            seen = await self._stored_before(tname, mid, body)
+        if seen is not None:  # a resend: answered with the first send's result
+            entry.offset, entry.transaction_id = seen
+            status.code, status.message = OK_CODE, OK_TEXT
             return True
         qid = self._choose_queue(t, mtype, sp)
         # (positional: topic, body, queue id, tags, keys, properties, flag, sys flag, born time, born host,
         # store host; keyword arguments cost a tenth of the construction)
         msg = Message(tname, body, qid, None, None, props, 0, 0, born or now, host_from(sp.born_host, peer),
                       self.broker.store_host)
-        res, txid = await self._route(msg, mtype, deliver_at, now, props.get(P_TAGS))
-        if res.status is not PUT_OK and self._refused_by_store(res, tname, status):
-            return False
+        plain = mtype != TRANSACTION and deliver_at <= now
+        res = self.broker.put_inline(msg) if plain else None
+        txid = ""
+        if res is None:
+            res, txid = await self._route(msg, mtype, deliver_at, now)
+        if res.status is not PUT_OK:
+            if self._refused_by_store(res, tname, status):
+                return False
+        elif plain:
+            self.broker.notify(tname, qid, props.get(P_TAGS))
         offset = entry.offset = res.queue_offset if res.queue_offset >= 0 else 0
         if txid:
             entry.transaction_id = txid
@@ -92,17 +113,26 @@ class Sending:
         status.code, status.message = OK_CODE, OK_TEXT
         return True
 
-    async def _send_target(self, caller: Caller, topic: Any, status: Any) -> TopicConfig | None:
-        """ACL and topic: the caller may publish to the (auto-created) topic, and it takes writes."""
-        name = self._resolve(caller, status, topic, "Topic", PUB)
-        if name is None:
-            return None
+    def _writable_topic(self, name: str) -> TopicConfig | None:
+        """The topic a send may go to, when it passed :meth:`_send_target` before and still takes writes; None:
+        ask :meth:`_send_target` (a first send, a topic being created, changed or refused)."""
+        if name in self._send_topics:
+            t = self.topics.ready_topic(name)
+            if t is not None and t.writable and t.write_queue_nums > 0:
+                return t
+        return None
+
+    async def _send_target(self, name: str, status: Any) -> TopicConfig | None:
+        """The (auto-created) topic of a send, when its name is legal and it takes writes."""
         t = await self._topic_for(name, create=True, status=status, send=True)
         if t is None:
             return None
         if not t.writable or t.write_queue_nums <= 0:
             set_status(status, Code.FORBIDDEN, f"topic {t.name} is not writable")
             return None
+        if len(self._send_topics) >= 10000:
+            self._send_topics.clear()
+        self._send_topics.add(name)
         return t
 
     def _checked_body(self, m: Any, sp: Any, mid: str, t: TopicConfig, status: Any, budget: list[int],
@@ -131,19 +161,12 @@ class Sending:
             return None
         return checked
 
-    async def _already_stored(self, t: TopicConfig, message_id: str, mtype: int, body: bytes, body_digest: Any,
-                              entry: Any) -> bool:
-        """Dedup: a client resend of a message already stored is answered with the first send's result."""
-        seen = self.dedup.recent(t.name, message_id, body_digest)
-        if seen is None and mtype != TRANSACTION and self.dedup.needs_lookup(t.name, message_id):
-            off = await asyncio.get_running_loop().run_in_executor(self.broker.executor, self.dedup.stored,
-                                                                   t.name, message_id, body)
-            seen = None if off is None else (off, "")
-        if seen is None:
-            return False
-        entry.offset, entry.transaction_id = seen
-        set_status(entry.status, Code.OK)
-        return True
+    async def _stored_before(self, topic: str, message_id: str, body: bytes) -> tuple[int, str] | None:
+        """Dedup after a restart: (queue offset, "") of this message stored before this process started, found
+        through the store's index in the pool (:meth:`~.dedup.SendDedup.stored`); None if it is not."""
+        off = await asyncio.get_running_loop().run_in_executor(self.broker.executor, self.dedup.stored,
+                                                               topic, message_id, body)
+        return None if off is None else (off, "")
 
     def _choose_queue(self, t: TopicConfig, mtype: int, sp: Any) -> int:
         """FIFO messages of one group share a queue (crc32 of the group); the rest go round-robin per topic."""
@@ -154,18 +177,15 @@ class Sending:
             rr = self._rr[t.name] = itertools.count()
         return next(rr) % t.write_queue_nums
 
-    async def _route(self, msg: Message, mtype: int, deliver_at: int, now: int,
-                     tag: str | None) -> tuple[PutMessageResult, str]:
-        """Routing: a transaction's half message, a delay message to the timer, the rest stored (and its receivers
-        woken); returns the store's result and the transaction id."""
+    async def _route(self, msg: Message, mtype: int, deliver_at: int, now: int) -> tuple[PutMessageResult, str]:
+        """Routing of what is not put on the loop (:meth:`~.broker.Broker.put_inline`): a transaction's half
+        message, a delay message to the timer, a put in the pool (SYNC_FLUSH); the store's result and the
+        transaction id."""
         if mtype == TRANSACTION:
             return await self.broker.transactions.submit(msg)
         if deliver_at > now:
             return await self.broker.timer.submit(msg, deliver_at), ""
-        res = await self.broker.put(msg)
-        if res.status is PUT_OK:
-            self.broker.notify(msg.topic, msg.queue_id, tag)
-        return res, ""
+        return await self.broker.put(msg), ""
 
     @staticmethod
     def _refused_by_store(res: PutMessageResult, topic: str, status: Any) -> bool:

@@ -54,6 +54,7 @@ class MessagingService(Calls, Sessions, Sending, Receiving, svc_grpc.MessagingSe
         self._inflate_budget = inflate_budget(self._max_body)
         self.dedup = SendDedup(broker.store)
         self._legal_topics: set[str] = set()  # names illegal_name has passed, of no system topic
+        self._send_topics: set[str] = set()  # names a send was let through to before (Sending._writable_topic)
         self._callers: dict[tuple[str, str, str], Any] = {}  # (client id, namespace, peer): Caller, ACL off
         self._tasks: set[asyncio.Task] = set()
 
