@@ -11,10 +11,9 @@ messages one by one.
 
 Bodies of one length (the usual batch) are laid out in one numpy record array
 outside the lock: one ``join`` puts the bodies between copies of the shared
-header and tail, and the CRCs are filled in with one call; under the lock two
-column assignments stamp the offsets (queue and physical offset side by side
-are one column of pairs) and the time, and the batch goes to the file as one
-buffer.  Other runs pack their headers with one ``struct`` call per record
+header and tail, and the CRCs are filled in with one call; under the lock three
+column assignments stamp the offsets and the time, and the batch goes to the
+file as one buffer.  Other runs pack their headers with one ``struct`` call per record
 through ``map`` (no Python frame per record) and are written gathered.
 """
 
@@ -33,36 +32,22 @@ CONTIGUOUS_MAX_BODY = 16384
 
 _CRC_MASK = np.uint32(0x7FFFFFFF)
 _layouts: dict[tuple[int, int, int, int], np.dtype] = {}
-_steps: dict[tuple[int, int, int], np.ndarray] = {}
 
 
 def _layout(header_size: int, born_addr_len: int, body_len: int, tail_len: int) -> np.dtype:
-    """The fields of a record a run sets per record, at their offsets in RocketMQ's layout (big-endian);
-    QUEUEOFFSET and PHYSICALOFFSET, side by side, are one field of two."""
+    """The fields of a record a run sets per record, at their offsets in RocketMQ's layout (big-endian)."""
     key = (header_size, born_addr_len, body_len, tail_len)
     dt = _layouts.get(key)
     if dt is None:
         if len(_layouts) > 256:
             _layouts.clear()
         dt = _layouts[key] = np.dtype({
-            "names": ["crc", "offsets", "ts", "body"],
-            "formats": [">u4", (">i8", (2,)), ">i8", f"V{body_len}" if body_len else "V1"],
-            # BODYCRC at 8, QUEUEOFFSET 20 and PHYSICALOFFSET 28, STORETIMESTAMP after the born host and port
-            "offsets": [8, 20, 48 + born_addr_len + 4, header_size],
+            "names": ["crc", "qoff", "phys", "ts"],
+            "formats": [">u4", ">i8", ">i8", ">i8"],
+            # BODYCRC at 8, QUEUEOFFSET 20, PHYSICALOFFSET 28, STORETIMESTAMP after the born host and port
+            "offsets": [8, 20, 28, 48 + born_addr_len + 4],
             "itemsize": header_size + body_len + tail_len})
     return dt
-
-
-def _offset_steps(n: int, total: int, step: int) -> np.ndarray:
-    """(n, 2) int64: record i's queue offset and physical offset from the first record's (i * step, i * total)."""
-    key = (n, total, step)
-    steps = _steps.get(key)
-    if steps is None:
-        if len(_steps) > 256:
-            _steps.clear()
-        steps = _steps[key] = np.stack([np.arange(n, dtype=np.int64) * step,
-                                        np.arange(n, dtype=np.int64) * total], axis=1)
-    return steps
 
 
 class RecordRun:
@@ -122,7 +107,8 @@ class RecordRun:
         arr = self._array
         if arr is not None:
             total = self.first[1]
-            arr["offsets"] = _offset_steps(n, total, 1 if step else 0) + (queue_offset, physical_offset)
+            arr["qoff"] = np.arange(queue_offset, queue_offset + n) if step else queue_offset
+            arr["phys"] = np.arange(physical_offset, physical_offset + n * total, total)
             arr["ts"] = store_ts
             # (bytes: the writer counts what pwritev must write by len(), and finishes a short write)
             return [self._buf], list(range(physical_offset, physical_offset + n * total, total))
