@@ -415,7 +415,7 @@ class MessageStore:
         wrote_offset, wrote_bytes, store_ts, offsets = written
         t2 = perf_counter() if timed else 0.0
         # (positional arguments and the shared default host tuple: a quarter fewer instructions for the result)
-        result = PutMessageResult(PutMessageStatus.PUT_OK, wrote_offset, wrote_bytes,
+        result = PutMessageResult(_PUT_OK, wrote_offset, wrote_bytes,
                                   req.queue_offset if req.assigns else 0, "", store_ts, len(records), None,
                                   DEFAULT_STORE_HOST if store_host is None else host_tuple(store_host),
                                   offsets if len(records) > 1 else None)
@@ -570,6 +570,7 @@ def _wait_store_msg_ok(m: Message) -> bool:
 
 
 _UNSAMPLED = SAMPLE_EVERY - 1
+_PUT_OK = PutMessageStatus.PUT_OK  # (read through the Enum class, a member costs a metaclass __getattr__ round)
 
 
 def batch_problem(messages: list[Message]) -> str | None:

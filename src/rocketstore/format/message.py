@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -197,12 +196,6 @@ def _set_properties(self: Message, value: Mapping[str, str]) -> None:
 Message.properties = property(_get_properties, _set_properties, doc="Message.properties")  # type: ignore[assignment]
 del _i, _name
 
-_MORE = operator.attrgetter("_more")
-_TOPIC = operator.attrgetter("topic")
-_QUEUE = operator.attrgetter("queue_id")
-_BODY = operator.attrgetter("body")
-
-
 def is_plain(m: Message) -> bool:
     """Whether ``m`` has nothing but a topic, a body and a queue id (every other field at its default)."""
     return m._more is None
@@ -217,13 +210,16 @@ def more_fields(m: Message) -> tuple[Any, ...]:
 
 def batch_bodies(messages: list[Message]) -> list[bytes] | None:
     """The bodies of a batch whose messages are all plain (:func:`is_plain`), of one topic and queue, with
-    ``bytes`` bodies; None for any other batch.  Each test is one C-level pass over the batch."""
+    ``bytes`` bodies; None for any other batch.  Each test is one pass over the batch: a comprehension, whose
+    attribute reads the interpreter specialises to slot reads (a third cheaper than ``map`` with an
+    ``attrgetter``, which looks each attribute up through the type), and one ``count``."""
     n = len(messages)
     first = messages[0]
-    if list(map(_MORE, messages)).count(None) != n or list(map(_TOPIC, messages)).count(first.topic) != n or \
-            list(map(_QUEUE, messages)).count(first.queue_id) != n:
+    topic, queue_id = first.topic, first.queue_id
+    if [m._more for m in messages].count(None) != n or [m.topic for m in messages].count(topic) != n or \
+            [m.queue_id for m in messages].count(queue_id) != n:
         return None
-    bodies = list(map(_BODY, messages))
+    bodies = [m.body for m in messages]
     return bodies if list(map(type, bodies)).count(bytes) == n else None
 
 

@@ -10,11 +10,11 @@ a column; its bytes are the records ``codec.batch_parts`` writes for the same
 messages one by one.
 
 Bodies of one length (the usual batch) are laid out in one numpy record array
-outside the lock: the header template broadcast, the bodies and their CRCs
-filled in one call each; under the lock three column assignments stamp the
-offsets and the time, and the batch goes to the file as one buffer.  Other
-runs pack their headers with one ``struct`` call per record through ``map``
-(no Python frame per record) and are written gathered.
+outside the lock: one ``join`` puts the bodies between copies of the shared
+header and tail, and the CRCs are filled in with one call; under the lock three
+column assignments stamp the offsets and the time, and the batch goes to the
+file as one buffer.  Other runs pack their headers with one ``struct`` call per record
+through ``map`` (no Python frame per record) and are written gathered.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .codec import EncodedRecord, crc32
 CONTIGUOUS_MAX_BODY = 16384
 
 _CRC_MASK = np.uint32(0x7FFFFFFF)
-_layouts: dict[tuple[int, int, int], np.dtype] = {}
+_layouts: dict[tuple[int, int, int, int], np.dtype] = {}
 
 
 def _layout(header_size: int, born_addr_len: int, body_len: int, tail_len: int) -> np.dtype:
@@ -42,10 +42,10 @@ def _layout(header_size: int, born_addr_len: int, body_len: int, tail_len: int) 
         if len(_layouts) > 256:
             _layouts.clear()
         dt = _layouts[key] = np.dtype({
-            "names": ["crc", "qoff", "phys", "ts", "body"],
-            "formats": [">u4", ">i8", ">i8", ">i8", f"V{body_len}" if body_len else "V1"],
+            "names": ["crc", "qoff", "phys", "ts"],
+            "formats": [">u4", ">i8", ">i8", ">i8"],
             # BODYCRC at 8, QUEUEOFFSET 20, PHYSICALOFFSET 28, STORETIMESTAMP after the born host and port
-            "offsets": [8, 20, 28, 48 + born_addr_len + 4, header_size],
+            "offsets": [8, 20, 28, 48 + born_addr_len + 4],
             "itemsize": header_size + body_len + tail_len})
     return dt
 
@@ -60,7 +60,7 @@ class RecordRun:
     ``codec.records_size`` / ``codec.record_sizes`` take the columns instead.
     """
 
-    __slots__ = ("first", "bodies", "sizes", "size", "crcs", "_array")
+    __slots__ = ("first", "bodies", "sizes", "size", "crcs", "_array", "_buf")
 
     def __init__(self, first: EncodedRecord, bodies: list[bytes], lens: list[int]) -> None:
         self.first = first  # the first message's record, from MessageEncoder.encode (all checks made)
@@ -71,6 +71,7 @@ class RecordRun:
         self.crcs = crcs
         total, blen = first[1], lens[0]
         self._array: np.ndarray | None = None
+        self._buf: memoryview | None = None  # the array's bytes
         if lens.count(blen) == n:
             self.sizes = [total] * n
             self.size = total * n
@@ -82,15 +83,20 @@ class RecordRun:
             self.size = sum(self.sizes)
 
     def _lay_out(self, blen: int) -> np.ndarray:
-        """Every record but the fields stamped under the lock, in one array (header and tail broadcast)."""
+        """Every record but the fields stamped under the lock, in one array.
+
+        One ``join`` copies the bodies in between copies of (tail, header): joined over ("", bodies..., "")
+        that is the records one after another, with one spare tail before them and one spare header after
+        (cheaper than broadcasting a template and assigning the bodies as a numpy column, which converts each
+        body on its own)."""
         (header, total, magic, _, queue_id, flag, sys_flag, born_ts, born_addr, born_port, store_addr,
          store_port, reconsume, prepared, _, tail) = self.first
-        template = header.pack(total, magic, 0, queue_id, flag, 0, 0, sys_flag, born_ts, born_addr, born_port, 0,
-                               store_addr, store_port, reconsume, prepared, blen) + bytes(blen) + tail
+        head = header.pack(total, magic, 0, queue_id, flag, 0, 0, sys_flag, born_ts, born_addr, born_port, 0,
+                           store_addr, store_port, reconsume, prepared, blen)
         n = len(self.bodies)
-        arr = np.frombuffer(bytearray(template) * n, _layout(header.size, len(born_addr), blen, len(tail)))
-        if blen:
-            arr["body"] = self.bodies
+        buf = bytearray(tail + head).join([b"", *self.bodies, b""])
+        self._buf = memoryview(buf)[len(tail):len(tail) + n * total]  # the records
+        arr = np.frombuffer(buf, _layout(header.size, len(born_addr), blen, len(tail)), n, len(tail))
         arr["crc"] = self.crcs
         return arr
 
@@ -104,8 +110,8 @@ class RecordRun:
             arr["qoff"] = np.arange(queue_offset, queue_offset + n) if step else queue_offset
             arr["phys"] = np.arange(physical_offset, physical_offset + n * total, total)
             arr["ts"] = store_ts
-            # (as bytes: the writer counts what pwritev must write by len(), and finishes a short write)
-            return [arr.view(np.uint8)], list(range(physical_offset, physical_offset + n * total, total))
+            # (bytes: the writer counts what pwritev must write by len(), and finishes a short write)
+            return [self._buf], list(range(physical_offset, physical_offset + n * total, total))
         (header, _, magic, _, queue_id, flag, sys_flag, born_ts, born_addr, born_port, store_addr, store_port,
          reconsume, prepared, _, tail) = self.first
         sizes = self.sizes

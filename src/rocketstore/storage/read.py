@@ -27,6 +27,10 @@ from .read_units import BLANK_UNIT_SIZE, UnitChecks, lost_unit, signed32
 
 log = logging.getLogger(__name__)
 
+# (an Enum member read through its class costs a metaclass __getattr__ round of ~1,000 instructions: the two every
+# get reads are looked up once here)
+_FOUND, _NO_MATCHED = GetMessageStatus.FOUND, GetMessageStatus.NO_MATCHED_MESSAGE
+
 
 def _damaged_unit(seg: Any, pos: int, size: int, cq: ConsumeQueue, cq_file: Any, topic: str, queue_id: int,
                   unit: int, check_crc: bool) -> CorruptRecordError:
@@ -136,7 +140,7 @@ class StoreReader(TierReads, UnitChecks, BatchReads):
             units_per_file = cq.file_size // CQ_STORE_UNIT_SIZE
             nxt = offset + units_per_file - offset % units_per_file
             return GetMessageResult(GetMessageStatus.OFFSET_FOUND_NULL, nxt, lo, hi)
-        status = GetMessageStatus.NO_MATCHED_MESSAGE
+        status = _NO_MATCHED
         out: list[MessageExt] = []
         n = total = 0  # messages and bytes in ``out``
         cfg = files.config
@@ -184,7 +188,7 @@ class StoreReader(TierReads, UnitChecks, BatchReads):
                                     if seg is not None else (j, 0, 0))
                         if k:
                             if not n:
-                                count_cap, byte_cap, status = cc, bc, GetMessageStatus.FOUND
+                                count_cap, byte_cap, status = cc, bc, _FOUND
                             j, idx, n, total = j2, idx + k, n + k, total + t
                             if j >= nb or n >= count_cap:
                                 break
@@ -200,7 +204,7 @@ class StoreReader(TierReads, UnitChecks, BatchReads):
                     idx += 1
                     if tag_filter is not None and signed32(tags) not in tag_filter and size != BLANK_UNIT_SIZE:
                         if not n:
-                            status = GetMessageStatus.NO_MATCHED_MESSAGE
+                            status = _NO_MATCHED
                         continue
                     if skip_file_start <= phy < skip_file_end and size != BLANK_UNIT_SIZE:  # its segment is gone
                         continue
@@ -277,7 +281,7 @@ class StoreReader(TierReads, UnitChecks, BatchReads):
                         raise _damaged_unit(seg, pos, size, cq, f, topic, queue_id, idx - 1, read_body)
                     if not n:
                         count_cap, byte_cap = self._transfer_caps(phy, count_cap, byte_cap)
-                        status = GetMessageStatus.FOUND
+                        status = _FOUND
                     out.append(msg)
                     n += 1
                     total += size
