@@ -15,6 +15,8 @@ import json
 import threading
 from pathlib import Path
 
+import pytest
+
 from rocketstore.broker.broker import Broker
 from rocketstore.broker.config import BrokerConfig
 from rocketstore.config import StoreConfig
@@ -104,3 +106,41 @@ def test_a_clean_stop_while_a_periodic_write_waits_keeps_its_order(tmp_path):
     assert offsets["offsetTable"].get("T@G") == {"0": 4}, offsets
     q = _pop_queue(pop)
     assert q["committed"] == 4 and sorted(e[0] for e in q["entries"]) == [4, 5], q
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), ValueError("a bug in a writer")])
+def test_a_failed_state_write_is_written_by_the_next_persist(tmp_path, error):
+    """The write fails (a full disk; or an unexpected error): persist says False, the changes stay dirty, and the
+    next persist writes them (a failure is never left in the way of every later persist)."""
+    root = str(tmp_path / "store")
+    store = MessageStore.open(root, SMALL)
+    for i in range(6):
+        assert store.put(Message(topic="T", body=b"m%d" % i, queue_id=0)).ok
+    assert store.wait_dispatched(10)
+
+    async def main() -> tuple[bool, bool]:
+        broker = Broker(store, BrokerConfig(flushConsumerOffsetInterval=3_600_000))
+        await broker.start()
+        _receive_and_ack(broker, 4)
+        real = broker.offsets.write
+        calls = []
+
+        def failing(snapshot):
+            calls.append(1)
+            if len(calls) == 1:
+                raise error
+            real(snapshot)
+        broker.offsets.write = failing
+        first = await broker.persist()
+        assert broker.offsets.dirty and broker.pop.dirty, "the failed write's changes are dirty again"
+        second = await broker.persist()
+        await broker.stop()
+        return first, second
+
+    try:
+        first, second = asyncio.run(main())
+    finally:
+        store.close()
+    assert (first, second) == (False, True)
+    offsets = _read(Path(root) / "config" / "consumerOffset.json", {"offsetTable": {}})
+    assert offsets["offsetTable"].get("T@G") == {"0": 4}, offsets

@@ -237,7 +237,8 @@ class Broker:
             return ok
 
     async def _write_state(self, pop_snap: list[str] | None, off_snap: dict[str, Any] | None) -> bool:
-        """Write the snapshots in the state writer's thread; on failure mark them dirty again, False."""
+        """Write the snapshots in the state writer's thread; on failure mark them dirty again, False (it raises
+        nothing: a persist cancelled meanwhile leaves it to the next persist, which awaits it)."""
         def write() -> None:
             if pop_snap is not None:
                 self.pop.write(pop_snap)
@@ -246,8 +247,8 @@ class Broker:
 
         try:
             await asyncio.get_running_loop().run_in_executor(self.io_executor, write)
-        except OSError as e:
-            log.error("writing consumer state failed: %s", e)
+        except Exception as e:  # noqa: BLE001 (OSError mostly: a full or failing disk)
+            log.error("writing consumer state failed: %s", e, exc_info=not isinstance(e, OSError))
             if pop_snap is not None:
                 self.pop.dirty = True
             if off_snap is not None:
