@@ -127,3 +127,37 @@ def test_a_second_lost_tail_leaves_only_blank_units_and_the_queue_reads_as_empty
                 if got:
                     break
             assert [m.body for m in got] == [b"after two power cuts"]
+
+
+def _cq(root: Path, file_units: int = 10):
+    from rocketstore.storage.consume_queue import ConsumeQueue
+    cq = ConsumeQueue(str(root), "QT", 2, 20 * file_units)
+    Path(cq.directory).mkdir(parents=True, exist_ok=True)
+    cq.load()
+    return cq
+
+
+@pytest.mark.parametrize("expired", [False, True])
+def test_the_first_unit_of_a_queue_emptied_by_the_cut_goes_to_its_queue_offset(tmp_path, expired):
+    """ConsumeQueue alone: every unit cut (truncate_dirty_logic, as recovery after a lost tail; the store-level
+    tests above keep the file, empty), the next unit's queue offset past them.  ``expired``: the queue's first file had gone to retention,
+    the cut takes the second (zeroed by the power cut) and the next unit belongs two files further."""
+    cq = _cq(tmp_path)
+    first = 10 if expired else 0
+    for q in range(first + 3):
+        assert cq.put_unit(100 * q, 100, q, q)
+    if expired:
+        cq.delete_expired_file(100 * first, 0)
+        assert len(cq.queue.files) == 1
+        f = cq.queue.files[0]
+        f.zero_from(0, f.wrote_position)  # the power cut took the file's pages too: zeros, the file kept
+    cq.truncate_dirty_logic(100 * first)  # the lost tail: every unit left goes
+    nxt = first + 3 if not expired else 25  # the registry's next offset (expired: a later one, out of the file)
+    assert cq.put_unit(100 * first, 100, 7, nxt)
+    assert cq.get_unit(nxt) == (100 * first, 100, 7)
+    assert cq.min_offset_in_queue == nxt and cq.max_offset_in_queue == nxt + 1
+    cq.close()
+    again = _cq(tmp_path)
+    again.recover()
+    assert again.get_unit(nxt) == (100 * first, 100, 7) and again.max_offset_in_queue == nxt + 1
+    again.close()
