@@ -7,6 +7,7 @@ offset 0" and at 1 answered OFFSET_OVERFLOW_ONE: an acknowledged message nobody 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -17,12 +18,13 @@ CONF = dict(mappedFileSizeCommitLog=64 * 1024, mappedFileSizeConsumeQueue=50 * 2
             maxIndexNum=256, warmAheadBytes=0, flushDiskType="ASYNC_FLUSH")
 
 
-def _power_cut_at(root: str, at: int) -> None:
+def _power_cut_at(root: str, at: int, reopen: bool = True) -> None:
     """The image a power cut leaves when the log's pages from ``at`` on were never written back: zeros there, the
     abort file of another boot.  A writable open ran in between (the writer restarted after a crash, the page
     cache kept the records): it wrote the queue registry, durably, with the queues' next offsets."""
-    MessageStore.open(root, StoreConfig(**CONF)).close()
-    assert "QT/2 " in Path(root, "config", "consumeQueues.registry").read_text()
+    if reopen:
+        MessageStore.open(root, StoreConfig(**CONF)).close()
+        assert Path(root, "config", "consumeQueues.registry").read_text().strip()
     seg = Path(root, "commitlog", "%020d" % (at - at % CONF["mappedFileSizeCommitLog"]))
     with open(seg, "r+b") as fh:
         length = fh.seek(0, 2)
@@ -140,8 +142,9 @@ def _cq(root: Path, file_units: int = 10):
 @pytest.mark.parametrize("expired", [False, True])
 def test_the_first_unit_of_a_queue_emptied_by_the_cut_goes_to_its_queue_offset(tmp_path, expired):
     """ConsumeQueue alone: every unit cut (truncate_dirty_logic, as recovery after a lost tail; the store-level
-    tests above keep the file, empty), the next unit's queue offset past them.  ``expired``: the queue's first file had gone to retention,
-    the cut takes the second (zeroed by the power cut) and the next unit belongs two files further."""
+    tests above keep the file, empty), the next unit's queue offset past them.  ``expired``: the queue's first
+    file had gone to retention, the cut takes the second (zeroed by the power cut) and the next unit belongs two
+    files further."""
     cq = _cq(tmp_path)
     first = 10 if expired else 0
     for q in range(first + 3):
@@ -161,3 +164,36 @@ def test_the_first_unit_of_a_queue_emptied_by_the_cut_goes_to_its_queue_offset(t
     again.recover()
     assert again.get_unit(nxt) == (100 * first, 100, 7) and again.max_offset_in_queue == nxt + 1
     again.close()
+
+
+def test_a_group_known_only_from_consumer_offsets_is_clamped_too(tmp_path):
+    """Queue model seed 44 (the log cut): a group's receive passed over a message its filter does not take, so
+    its committed offset (consumerOffset.json) went past it; the power cut took that message from the log and
+    the pop state's journal (nothing fsynced: no ackSyncFlush), popState.json was never written.  The writable
+    open's clamp (write_clamped_state) looked at popState.json and the journal only, found neither and did not
+    look at consumerOffset.json, from which the group's queue state is then built: the next put at the lost
+    offset, which the filter takes, was never delivered to the group."""
+    root = str(tmp_path / "s")
+    with MessageStore.open(root, StoreConfig(**CONF)) as store:
+        lost = store.put(Message("QT", b"x" * 100 + b"not for GB", queue_id=0, tags="TagC"))
+        assert store.wait_dispatched(10)
+        with store.simple_consumer("GB", "QT", tag_filter="TagA || TagB") as c:
+            assert c.receive(8, wait=0.05) == []  # passes over offset 0
+    config = Path(root, "config")
+    offsets = json.loads((config / "consumerOffset.json").read_text())
+    assert offsets["offsetTable"]["QT@GB"]["0"] == 1, offsets
+    for name in ("popState.json", "popState.journal"):  # never fsynced: the power cut took them
+        if (config / name).exists():
+            (config / name).unlink()
+    _power_cut_at(root, lost.commit_log_offset, reopen=False)  # (no open since the put: its offset is given again)
+    with MessageStore.open(root, StoreConfig(**CONF)) as store:
+        new = store.put(Message("QT", b"for GB", queue_id=0, tags="TagA"))
+        assert new.ok
+        assert store.wait_dispatched(10)
+        with store.simple_consumer("GB", "QT", tag_filter="TagA || TagB") as c:
+            got = []
+            for _ in range(40):
+                got += c.receive(8, wait=0.05)
+                if got:
+                    break
+            assert [m.body for m in got] == [b"for GB"], (new.queue_offset, got)
