@@ -69,6 +69,7 @@ class Broker:
         self.metrics = BrokerMetrics()
         self._tasks: list[asyncio.Task] = []
         self._persist_lock: asyncio.Lock | None = None
+        self._state_write: asyncio.Task | None = None  # persist's write in progress (see persist)
         self._pop_next_write = 0.0
         self._dispatch_at: asyncio.Handle | None = None  # the scheduled dispatch call of the puts so far
         self._dispatch_soon = False  # ... scheduled for the next loop iteration, not after DISPATCH_LINGER
@@ -227,34 +228,46 @@ class Broker:
         """
         assert self._persist_lock is not None
         async with self._persist_lock:
+            if self._state_write is not None:  # left by a persist cancelled while it wrote: its changes first
+                await asyncio.shield(self._state_write)
+                self._state_write = None
             started = time.monotonic()
             pop_due = self.pop is not None and (final or started >= self._pop_next_write)
             pop_snap = self.pop.snapshot() if pop_due else None
             off_snap = self.offsets.snapshot()
             if pop_snap is None and off_snap is None:
                 return True
-            loop = asyncio.get_running_loop()
-
-            def write() -> None:
-                if pop_snap is not None:
-                    self.pop.write(pop_snap)
-                if off_snap is not None:
-                    self.offsets.write(off_snap)
-
-            try:
-                await loop.run_in_executor(self.io_executor, write)
-            except OSError as e:
-                log.error("writing consumer state failed: %s", e)
-                if pop_snap is not None:
-                    self.pop.dirty = True
-                self.offsets.dirty = True
-                return False
-            if pop_snap is not None:
+            # The snapshots cleared the dirty flags: the write must happen even if this call is cancelled (the
+            # periodic task at stop, an ack's RPC cut by the server's grace), or no later persist writes them.
+            self._state_write = asyncio.get_running_loop().create_task(self._write_state(pop_snap, off_snap))
+            ok = await asyncio.shield(self._state_write)
+            self._state_write = None
+            if ok and pop_snap is not None:
                 took = time.monotonic() - started
                 self._pop_next_write = time.monotonic() + POP_WRITE_SPACING * took
                 if took > 0.05:
                     log.debug("popState.json: %d queues written in %.0f ms", len(pop_snap), took * 1000)
-            return True
+            return ok
+
+    async def _write_state(self, pop_snap: list[str] | None, off_snap: dict[str, Any] | None) -> bool:
+        """Write the snapshots in the state writer's thread; on failure mark them dirty again, False (it raises
+        nothing: a persist cancelled meanwhile leaves it to the next persist, which awaits it)."""
+        def write() -> None:
+            if pop_snap is not None:
+                self.pop.write(pop_snap)
+            if off_snap is not None:
+                self.offsets.write(off_snap)
+
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.io_executor, write)
+        except Exception as e:  # noqa: BLE001 (OSError mostly: a full or failing disk)
+            log.error("writing consumer state failed: %s", e, exc_info=not isinstance(e, OSError))
+            if pop_snap is not None:
+                self.pop.dirty = True
+            if off_snap is not None:
+                self.offsets.dirty = True
+            return False
+        return True
 
     async def _housekeeping(self) -> None:
         self.pop.renew(self.clients.alive)

@@ -110,6 +110,11 @@ class SimpleConsumer:
             raise ValueError(f"bad consumer group {group!r}")
         if not topic:
             raise ValueError("topic is required")
+        for what, name in (("consumer group", group), ("topic", topic)):
+            try:  # (a lone surrogate) the pop state is UTF-8 JSON: its first write would fail, not this call
+                name.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"bad {what} {name!r}: not encodable as UTF-8") from None
         if invisible_duration <= 0:
             raise ValueError(f"invisible_duration must be positive, not {invisible_duration}")
         self.store = store

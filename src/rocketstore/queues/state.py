@@ -79,7 +79,10 @@ def write_clamped_state(store: Any, config_dir: str) -> None:
     it, and skips the new messages; so the writer writes the clamped state (journal, fsynced; consumerOffset.json)
     before anything is put."""
     state_path = os.path.join(config_dir, "popState.json")
-    if not any(os.path.exists(p) and os.path.getsize(p) for p in (state_path, journal.journal_path(state_path))):
+    # (consumerOffset.json too: a group's queue state is built from its committed offset when neither popState.json
+    # nor the journal holds the queue, e.g. both lost with the log's tail, nothing fsynced without ackSyncFlush)
+    sources = (state_path, journal.journal_path(state_path), os.path.join(config_dir, "consumerOffset.json"))
+    if not any(os.path.exists(p) and os.path.getsize(p) for p in sources):
         return
     try:
         state = SharedPopState(config_dir, lambda offsets: PopService(store, offsets, config_dir, load=False))

@@ -522,9 +522,17 @@ class ConsumeQueue:
             return True
         expect = cq_offset * CQ_STORE_UNIT_SIZE
         queue = self.queue
-        first_ever = not queue.files
+        files = queue.files
+        first_ever = not files
+        if cq_offset != 0 and len(files) == 1 and files[0].wrote_position == 0 and not self.pad_gaps and \
+                not files[0].file_from_offset <= expect < files[0].file_from_offset + self.file_size:
+            files.pop().destroy()  # (see below) an empty file that cannot hold the unit at its place
+            first_ever = True
         f = queue.last_for_append(expect)
-        if first_ever and cq_offset != 0 and f.wrote_position == 0:
+        # The first unit of a new queue, or of one whose every unit a lost log tail took (recovery keeps its file,
+        # empty) while the queue registry keeps its offsets: at its own queue offset, blank units before it.  (A
+        # rebuild's gap at an empty queue's start is padded below: its blank units are judged when read.)
+        if cq_offset != 0 and len(files) == 1 and f.wrote_position == 0 and (first_ever or not self.pad_gaps):
             self.min_logic_offset = expect
             fill = expect - f.file_from_offset
             f.mm[0:fill] = PRE_BLANK_UNIT * (fill // CQ_STORE_UNIT_SIZE)

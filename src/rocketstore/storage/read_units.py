@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 # UnitChecks._misplaced_unit_record): a few RocketMQ maximum-size messages.
 MISPLACED_SEARCH_BYTES = 16 << 20
 BLANK_UNIT_SIZE = 0x7FFFFFFF  # the size of a blank consume-queue unit (PRE_BLANK_UNIT): it names no record
+BLANK_QUEUE_SCAN = 65536  # blank units at a queue's start settle_queue_min looks through for one naming a record
 BLANK_LOOK_BACK = 65536  # units a get looks back over for the last one before a blank unit that names a record
 
 
@@ -149,6 +150,9 @@ class UnitChecks:
             return
         at, naming = blank
         verdict, _phy, first = self.queue_start(cq.topic, cq.queue_id)
+        if verdict == "end" and naming is None:
+            self._settle_blank_queue(cq, at)
+            return
         if verdict != "found" or first <= at or (naming is not None and first > naming):
             return  # (past the next unit naming a record: that record's queue offset is damaged)
         target = first if naming is None or first < naming else naming
@@ -156,6 +160,22 @@ class UnitChecks:
             log.info("%s-%d: units %d..%d are blank and the queue's first record in the commitlog is at queue "
                      "offset %d: its minimum moves to %d", cq.topic, cq.queue_id, at, target - 1, first, target)
             cq.min_logic_offset = target * CQ_STORE_UNIT_SIZE
+
+    def _settle_blank_queue(self, cq: ConsumeQueue, at: int) -> None:
+        """(settle_queue_min)  The walk of the whole local log found no record of the queue: when no unit from
+        ``at`` to the queue's end names one either, those blank units hold no message (a queue placed at its
+        registered offset after its records expired or were lost, whose units a lost log tail then took): the
+        queue is empty, its minimum moves to its end."""
+        end = cq.max_offset_in_queue
+        if end - at > BLANK_QUEUE_SCAN:
+            return  # (a long run of blank units: left to the reads, which name what they find)
+        for i in range(at, end):
+            unit = cq.get_unit(i)
+            if unit is None or 0 < unit[1] < BLANK_UNIT_SIZE:
+                return
+        log.info("%s-%d: units %d..%d are blank and the commitlog holds no record of the queue: it is empty, its "
+                 "minimum moves to %d", cq.topic, cq.queue_id, at, end - 1, end)
+        cq.min_logic_offset = end * CQ_STORE_UNIT_SIZE
 
     def queue_start(self, topic: str, queue_id: int, local_min: int | None = None) -> tuple[str, int, int]:
         """(verdict, commitlog offset, queue offset) of the queue's first trusted record at or after the local
