@@ -81,9 +81,10 @@ def write_clamped_state(store: Any, config_dir: str) -> None:
     state_path = os.path.join(config_dir, "popState.json")
     # (consumerOffset.json too: a group's queue state is built from its committed offset when neither popState.json
     # nor the journal holds the queue, e.g. both lost with the log's tail, nothing fsynced without ackSyncFlush)
-    sources = (state_path, journal.journal_path(state_path), os.path.join(config_dir, "consumerOffset.json"))
-    if not any(os.path.exists(p) and os.path.getsize(p) for p in sources):
-        return
+    pop_files = (state_path, journal.journal_path(state_path))
+    if not any(os.path.exists(p) and os.path.getsize(p) for p in pop_files) and \
+            not _committed_past_queue_end(store, config_dir):
+        return  # (a store that never popped gets no pop-state files for nothing)
     try:
         state = SharedPopState(config_dir, lambda offsets: PopService(store, offsets, config_dir, load=False))
     except StoreLockedError:
@@ -97,6 +98,18 @@ def write_clamped_state(store: Any, config_dir: str) -> None:
                 pop.offsets.dirty = False  # nothing to clamp: an open rewrites no file
     finally:
         state.close()
+
+
+def _committed_past_queue_end(store: Any, config_dir: str) -> bool:
+    """Whether consumerOffset.json commits an offset past its queue's end (a lost log tail)."""
+    if not os.path.exists(os.path.join(config_dir, "consumerOffset.json")):
+        return False
+    for key, queues in ConsumerOffsetManager(config_dir).table.items():
+        topic = key.split("@", 1)[0]
+        for qid, offset in queues.items():
+            if offset > store.max_offset_in_queue(topic, qid):
+                return True
+    return False
 
 
 class SharedPopState:
