@@ -457,6 +457,28 @@ def test_default_min_partitions_is_the_sessions_parallelism():
     explicit = source(options={"path": BASIC, "minPartitions": "3"})
     assert explicit.reader(explicit.schema()).min_partitions == 3
 
+def test_session_jvm_reads_arrow_without_per_value_checks(spark):
+    """A session from jobs.session runs its JVM without Arrow Java's per-value bounds, reference-count and
+    null checks (about a third of the JVM's work per row of a Python source); the golden comparisons in this
+    module run in that JVM, so the values read stay exactly those Java decoded."""
+    jvm = spark.sparkContext._jvm
+    assert jvm.java.lang.System.getProperty("arrow.enable_unsafe_memory_access") == "true"
+    assert jvm.java.lang.System.getProperty("arrow.enable_null_check_for_get") == "false"
+    assert jvm.org.apache.arrow.memory.BoundsChecking.BOUNDS_CHECKING_ENABLED is False
+    assert jvm.org.apache.arrow.vector.NullCheckingForGet.NULL_CHECKING_ENABLED is False
+
+
+def test_session_java_options_keep_the_users_and_can_keep_arrow_checks():
+    from rocketstore.spark import jobs
+    conf = jobs.java_options({"spark.executor.extraJavaOptions": "-Dx=1", "spark.app.name": "a"})
+    assert conf["spark.executor.extraJavaOptions"] == "-Dx=1 " + " ".join(jobs.ARROW_UNCHECKED)
+    assert conf["spark.driver.extraJavaOptions"] == " ".join(jobs.ARROW_UNCHECKED)
+    assert conf["spark.app.name"] == "a"
+    mine = {"spark.driver.extraJavaOptions": "-Darrow.enable_unsafe_memory_access=false"}
+    assert jobs.java_options(mine)["spark.driver.extraJavaOptions"] == "-Darrow.enable_unsafe_memory_access=false"
+    assert jobs.java_options({"k": "v"}, arrow_checks=True) == {"k": "v"}
+
+
 
 def test_worker_errors_show_the_workers_exception(spark):
     """The CLI's one line for a failure inside a Python worker is that worker's exception, not Spark's
