@@ -679,6 +679,14 @@ def test_bench_function(spark, tmp_path):
     from rocketstore.bench.spark_scan import bench_spark_scan
     r = bench_spark_scan(BASIC, str(tmp_path), spark=spark, repeats=1)
     assert r["rows"] == 3000 and r["rocketstoreRowsPerSec"] > 0 and r["parquetRowsPerSec"] > 0 and r["ratio"] > 0
+    # diagnostics: where each side's CPU went, how many tasks each side had, the export's row groups
+    for side in ("rocketstore", "parquet"):
+        split = r["runs"][side][0]["cpuSplit"]
+        assert set(split) == {"jvm", "tasks", "python"}
+        assert r["runs"][side][0]["cpuSeconds"] == pytest.approx(split["jvm"] + split["python"], abs=0.002)
+        assert r["partitions"][side] >= 1
+    assert r["runs"]["rocketstore"][0]["cpuSplit"]["python"] > 0  # the source decodes in Python workers
+    assert r["parquetRowGroups"] >= 1
 
 
 def test_spark_submit_with_the_package_zipped_into_py_files(tmp_path):
