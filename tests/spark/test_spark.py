@@ -459,7 +459,7 @@ def test_default_min_partitions_is_the_sessions_parallelism():
 
 def test_session_jvm_reads_arrow_without_per_value_checks(spark):
     """A session from jobs.session runs its JVM without Arrow Java's per-value bounds, reference-count and
-    null checks (about a third of the JVM's work per row of a Python source); the golden comparisons in this
+    null checks (about a quarter of the JVM task thread's CPU for a Python source); the golden comparisons in this
     module run in that JVM, so the values read stay exactly those Java decoded."""
     jvm = spark.sparkContext._jvm
     assert jvm.java.lang.System.getProperty("arrow.enable_unsafe_memory_access") == "true"

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 # Arrow Java checks every value a JVM reads from an Arrow vector: the index against the buffer, the buffer's
 # reference count, and (in get) the validity bit even of a non-null column.  Spark's JVM reads every value of a
-# Python data source's batches that way, so the checks cost about a third of its per-row work (bench/results/
+# Python data source's batches that way, so the checks cost about a quarter of its task thread's CPU (bench/results/
 # profile-spark-2026-11-27-angles.txt).  Spark checks nulls itself before each read of a nullable column, and the
 # batches come from Arrow's own IPC reader, so the JVMs of a session made here run without them, as Iceberg's and
 # Comet's Arrow readers recommend.  ``session(..., arrow_checks=True)`` keeps them.
