@@ -457,6 +457,28 @@ def test_default_min_partitions_is_the_sessions_parallelism():
     explicit = source(options={"path": BASIC, "minPartitions": "3"})
     assert explicit.reader(explicit.schema()).min_partitions == 3
 
+def test_session_jvm_reads_arrow_without_per_value_checks(spark):
+    """A session from jobs.session runs its JVM without Arrow Java's per-value bounds, reference-count and
+    null checks (about a quarter of the JVM task thread's CPU for a Python source); the golden comparisons in this
+    module run in that JVM, so the values read stay exactly those Java decoded."""
+    jvm = spark.sparkContext._jvm
+    assert jvm.java.lang.System.getProperty("arrow.enable_unsafe_memory_access") == "true"
+    assert jvm.java.lang.System.getProperty("arrow.enable_null_check_for_get") == "false"
+    assert jvm.org.apache.arrow.memory.BoundsChecking.BOUNDS_CHECKING_ENABLED is False
+    assert jvm.org.apache.arrow.vector.NullCheckingForGet.NULL_CHECKING_ENABLED is False
+
+
+def test_session_java_options_keep_the_users_and_can_keep_arrow_checks():
+    from rocketstore.spark import jobs
+    conf = jobs.java_options({"spark.executor.extraJavaOptions": "-Dx=1", "spark.app.name": "a"})
+    assert conf["spark.executor.extraJavaOptions"] == "-Dx=1 " + " ".join(jobs.ARROW_UNCHECKED)
+    assert conf["spark.driver.extraJavaOptions"] == " ".join(jobs.ARROW_UNCHECKED)
+    assert conf["spark.app.name"] == "a"
+    mine = {"spark.driver.extraJavaOptions": "-Darrow.enable_unsafe_memory_access=false"}
+    assert jobs.java_options(mine)["spark.driver.extraJavaOptions"] == "-Darrow.enable_unsafe_memory_access=false"
+    assert jobs.java_options({"k": "v"}, arrow_checks=True) == {"k": "v"}
+
+
 
 def test_worker_errors_show_the_workers_exception(spark):
     """The CLI's one line for a failure inside a Python worker is that worker's exception, not Spark's
@@ -657,6 +679,14 @@ def test_bench_function(spark, tmp_path):
     from rocketstore.bench.spark_scan import bench_spark_scan
     r = bench_spark_scan(BASIC, str(tmp_path), spark=spark, repeats=1)
     assert r["rows"] == 3000 and r["rocketstoreRowsPerSec"] > 0 and r["parquetRowsPerSec"] > 0 and r["ratio"] > 0
+    # diagnostics: where each side's CPU went, how many tasks each side had, the export's row groups
+    for side in ("rocketstore", "parquet"):
+        split = r["runs"][side][0]["cpuSplit"]
+        assert set(split) == {"jvm", "tasks", "python"}
+        assert r["runs"][side][0]["cpuSeconds"] == pytest.approx(split["jvm"] + split["python"], abs=0.002)
+        assert r["partitions"][side] >= 1
+    assert r["runs"]["rocketstore"][0]["cpuSplit"]["python"] > 0  # the source decodes in Python workers
+    assert r["parquetRowGroups"] >= 1
 
 
 def test_spark_submit_with_the_package_zipped_into_py_files(tmp_path):

@@ -43,37 +43,66 @@ def make_bench_store(path: str, messages: int, *, seed: int = 7, segment_bytes: 
     return path
 
 
-def _process_cpu(root_pid: int) -> float:
-    """CPU seconds (user + system) of every descendant of ``root_pid`` (the Spark JVM and its Python workers)."""
+def _process_cpu(root_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of every descendant of ``root_pid``: ``jvm`` (the Spark JVM, its task
+    threads apart as ``tasks``) and ``python`` (its Python workers), which shows which side a scan waits on."""
     children: dict[int, list[int]] = {}
     ticks: dict[int, int] = {}
+    names: dict[int, str] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[-1].split()
+                text = fh.read()
         except OSError:
             continue
+        fields = text.rsplit(")", 1)[-1].split()
         pid = int(name)
+        names[pid] = text[text.find("(") + 1:text.rfind(")")]
         children.setdefault(int(fields[1]), []).append(pid)
         ticks[pid] = int(fields[11]) + int(fields[12])
-    total, stack = 0, [root_pid]
+    out = {"jvm": 0, "tasks": 0, "python": 0}
+    stack = [root_pid]
     while stack:
         for c in children.get(stack.pop(), []):
-            total += ticks.get(c, 0)
+            if names.get(c) == "java":
+                out["jvm"] += ticks.get(c, 0)
+                out["tasks"] += _task_thread_ticks(c)
+            else:
+                out["python"] += ticks.get(c, 0)
             stack.append(c)
-    return total / os.sysconf("SC_CLK_TCK")
+    return {k: v / os.sysconf("SC_CLK_TCK") for k, v in out.items()}
 
 
-def _timed(df: Any) -> tuple[float, float]:
+def _task_thread_ticks(pid: int) -> int:
+    """CPU ticks of the JVM's task threads (Spark names them "Executor task launch worker ...")."""
+    total = 0
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for t in threads:
+        try:
+            with open(f"/proc/{pid}/task/{t}/stat") as fh:
+                text = fh.read()
+        except OSError:
+            continue
+        if "(Executor task" in text:
+            fields = text.rsplit(")", 1)[-1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total
+
+
+def _timed(df: Any) -> tuple[float, float, dict[str, float]]:
+    """Wall seconds of writing ``df`` to the noop sink, the CPU seconds it took, and those split by side."""
     have_proc = os.path.isdir("/proc")
-    c0 = _process_cpu(os.getpid()) if have_proc else 0.0
+    c0 = _process_cpu(os.getpid()) if have_proc else {}
     t0 = time.perf_counter()
     df.write.format("noop").mode("overwrite").save()
     wall = time.perf_counter() - t0
-    cpu = (_process_cpu(os.getpid()) - c0) if have_proc else 0.0
-    return wall, cpu
+    split = {k: round(v - c0[k], 3) for k, v in _process_cpu(os.getpid()).items()} if have_proc else {}
+    return wall, split.get("jvm", 0.0) + split.get("python", 0.0), split
 
 
 def bench_spark_scan(store_path: str, workdir: str, *, spark: Any = None, repeats: int = 3) -> dict[str, Any]:
@@ -103,18 +132,22 @@ def bench_spark_scan(store_path: str, workdir: str, *, spark: Any = None, repeat
             return spark.read.parquet(parquet).drop("body")
         _timed(rs())  # warm-up: JVM JIT, Python workers
         _timed(pq())
-        runs: dict[str, list[tuple[float, float]]] = {"rocketstore": [], "parquet": []}
+        runs: dict[str, list[tuple[float, float, dict[str, float]]]] = {"rocketstore": [], "parquet": []}
         for _ in range(max(1, repeats)):
             runs["rocketstore"].append(_timed(rs()))
             runs["parquet"].append(_timed(pq()))
-        best = {k: min(w for w, _ in v) for k, v in runs.items()}
-        cpu = {k: min(c for _, c in v) for k, v in runs.items()}
+        best = {k: min(w for w, _, _ in v) for k, v in runs.items()}
+        cpu = {k: min(c for _, c, _ in v) for k, v in runs.items()}
         out: dict[str, Any] = {
             "rows": rows, "master": spark.sparkContext.master, "exportSeconds": round(export_s, 2),
             "rocketstoreRowsPerSec": round(rows / best["rocketstore"]),
             "parquetRowsPerSec": round(rows / best["parquet"]),
             "ratio": round(best["parquet"] / best["rocketstore"], 3),
-            "runs": {k: [{"seconds": round(w, 3), "cpuSeconds": round(c, 3)} for w, c in v] for k, v in runs.items()},
+            "runs": {k: [{"seconds": round(w, 3), "cpuSeconds": round(c, 3), "cpuSplit": split} for w, c, split in v]
+                     for k, v in runs.items()},
+            # Spark's tasks on each side, and the export's row groups: a Parquet split without one reads nothing.
+            "partitions": {"rocketstore": rs().rdd.getNumPartitions(), "parquet": pq().rdd.getNumPartitions()},
+            "parquetRowGroups": _row_groups(parquet),
         }
         if all(cpu.values()):
             cores = _cores(spark.sparkContext.master)
@@ -156,6 +189,13 @@ def bench_spark_write(spark: Any, parquet: str, workdir: str, *, repeats: int = 
     return {"rows": rows, "rocketstoreRowsPerSec": round(rows / best["rocketstore"]),
             "parquetRowsPerSec": round(rows / best["parquet"]),
             "runs": {k: [round(x, 3) for x in v] for k, v in runs.items()}}
+
+
+def _row_groups(path: str) -> int:
+    import glob
+
+    import pyarrow.parquet as pq
+    return sum(pq.ParquetFile(f).metadata.num_row_groups for f in glob.glob(os.path.join(path, "*.parquet")))
 
 
 def _cores(master: str) -> int:

@@ -94,6 +94,7 @@ def _header_dtype(born6: bool, store6: bool) -> np.dtype:
 _DTYPES = {fam: _header_dtype(bool(fam & codec.SYSFLAG_BORNHOST_V6), bool(fam & codec.SYSFLAG_STOREHOST_V6))
            for fam in (0x00, 0x10, 0x20, 0x30)}
 assert _DTYPES[0].itemsize == 88 and _DTYPES[0x30].itemsize == 112
+HEADER_BYTES = _DTYPES[0].itemsize  # the header of the IPv4/IPv4 layout, which most records have
 
 
 class RecordFormatError(ValueError):
@@ -171,11 +172,12 @@ def _numeric(values: np.ndarray, typ: pa.DataType) -> pa.Array:
 # ---------------------------------------------------------------- decoding
 
 def decode(seg: Any, positions: np.ndarray, names: Sequence[str], flt: Any = None,
-           limit: int | None = None, skip_damaged: bool = False, check_crc: bool = False
-           ) -> pa.RecordBatch | None:
+           limit: int | None = None, skip_damaged: bool = False, check_crc: bool = False,
+           head: np.ndarray | None = None) -> pa.RecordBatch | None:
     """Decode the records at ``positions`` (file positions) into a batch of the columns ``names``.
 
-    Rows not passing ``flt`` are dropped before the expensive columns are built.
+    Rows not passing ``flt`` are dropped before the expensive columns are built.  ``head``: the
+    ``HEADER_BYTES`` at ``positions`` when the caller has read them already (:func:`headers`).
     Raises :class:`RecordFormatError` at the first record whose fields disagree with its size, and, when
     the body is read (or ``check_crc``), at the first whose body fails its BODYCRC (``skip_damaged``: such
     rows are dropped and logged instead).
@@ -190,10 +192,12 @@ def decode(seg: Any, positions: np.ndarray, names: Sequence[str], flt: Any = Non
         if flt.offset_hi is not None:
             keep &= offs <= flt.offset_hi
         positions = positions[keep]
+        head = None if head is None else head[keep]
     n = len(positions)
     if n == 0:
         return None
-    head = headers(seg, positions, _DTYPES[0].itemsize)  # the IPv4/IPv4 layout; most records have it
+    if head is None:
+        head = headers(seg, positions, HEADER_BYTES)
     fams = head[:, 36:40].copy().view(">i4").ravel() & 0x30
     if not fams.any():
         groups = [(0, None)]

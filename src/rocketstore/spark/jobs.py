@@ -32,12 +32,39 @@ log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------- the session
 
-def session(master: str | None = None, conf: dict[str, str] | None = None, app_name: str = "rocketstore") -> Any:
+# Arrow Java checks every value a JVM reads from an Arrow vector: the index against the buffer, the buffer's
+# reference count, and (in get) the validity bit even of a non-null column.  Spark's JVM reads every value of a
+# Python data source's batches that way, so the checks cost about a quarter of its task thread's CPU (bench/results/
+# profile-spark-2026-11-27-angles.txt).  Spark checks nulls itself before each read of a nullable column, and the
+# batches come from Arrow's own IPC reader, so the JVMs of a session made here run without them, as Iceberg's and
+# Comet's Arrow readers recommend.  ``session(..., arrow_checks=True)`` keeps them.
+ARROW_UNCHECKED = ("-Darrow.enable_unsafe_memory_access=true", "-Darrow.enable_null_check_for_get=false")
+JAVA_OPTION_KEYS = ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions")
+
+
+def java_options(conf: dict[str, str], arrow_checks: bool = False) -> dict[str, str]:
+    """``conf`` with :data:`ARROW_UNCHECKED` appended to the driver's and executors' Java options, unless
+    ``arrow_checks`` or the options already set an ``arrow.enable_`` property (the user's choice wins)."""
+    out = dict(conf)
+    if arrow_checks:
+        return out
+    for key in JAVA_OPTION_KEYS:
+        given = out.get(key, "").strip()
+        if "-Darrow.enable_" not in given:
+            out[key] = " ".join([given, *ARROW_UNCHECKED]).strip()
+    return out
+
+
+def session(master: str | None = None, conf: dict[str, str] | None = None, app_name: str = "rocketstore",
+            arrow_checks: bool = False) -> Any:
     """A SparkSession with the ``rocketstore`` format registered.
 
     ``master`` defaults to ``local[*]`` unless the process runs under
     spark-submit (which sets the master itself).  SPARK_LOCAL_IP and
-    PYSPARK_PYTHON default to the loopback address and this Python.
+    PYSPARK_PYTHON default to the loopback address and this Python.  The
+    JVMs run without Arrow Java's per-value checks (:data:`ARROW_UNCHECKED`)
+    unless ``arrow_checks``; under spark-submit the driver's JVM is already
+    running, so only the executors get them.
     """
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -52,7 +79,7 @@ def session(master: str | None = None, conf: dict[str, str] | None = None, app_n
     if master is not None or not under_submit:
         builder = builder.master(master or "local[*]")
     defaults = {"spark.ui.showConsoleProgress": "false", "spark.sql.session.timeZone": "UTC"}
-    for k, v in {**defaults, **(conf or {})}.items():
+    for k, v in java_options({**defaults, **(conf or {})}, arrow_checks).items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     _serve_submitted_py_files(spark)

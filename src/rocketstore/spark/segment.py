@@ -27,7 +27,8 @@ import pyarrow as pa
 
 from ..format import codec
 # (the decoder's names, used by the data source through this module)
-from ..format.columns import ARROW_TYPES, COLUMN_NAMES, COLUMNS, RecordFormatError, arrow_schema, decode, headers
+from ..format.columns import (ARROW_TYPES, COLUMN_NAMES, COLUMNS, HEADER_BYTES, RecordFormatError, arrow_schema,
+                              decode, headers)
 from ..format.gather import fixed
 from ..storage.queue_checked import UNIT_DTYPE
 
@@ -206,7 +207,8 @@ def read_range(path: str, start: int, end: int, names: Sequence[str], flt: RowFi
         # so the first rows reach Spark without waiting for a pass over the whole segment.
         for i in range(0, len(pos), batch_rows):
             p = pos[i:i + batch_rows]
-            if not records_match_units(seg, p, size[i:i + batch_rows]):
+            head = headers(seg, p, HEADER_BYTES)  # read once: checked against the units, then decoded
+            if not records_match_units(seg, p, size[i:i + batch_rows], head):
                 # Up to here the records matched their units, so p[0] is a record start (the one at the
                 # segment's or piece's start for the first batch): walk on from there, as a walk from the
                 # start would.
@@ -218,7 +220,7 @@ def read_range(path: str, start: int, end: int, names: Sequence[str], flt: RowFi
                     rest = _walked(seg, path, int(p[0]), end, zeros_end, True)
                 yield from _decode_batches(seg, rest, names, flt, batch_rows, end, skip_damaged)
                 return
-            b = decode(seg, p, names, flt, limit=end, skip_damaged=skip_damaged)
+            b = decode(seg, p, names, flt, limit=end, skip_damaged=skip_damaged, head=head)
             if b is not None and b.num_rows:
                 yield b
     finally:
@@ -298,10 +300,12 @@ def queue_units(queues: Sequence[QueueSlice]) -> np.ndarray | None:
     return units[np.argsort(units[:, 0], kind="stable")]
 
 
-def records_match_units(seg: Segment, pos: np.ndarray, size: np.ndarray) -> bool:
+def records_match_units(seg: Segment, pos: np.ndarray, size: np.ndarray, head: np.ndarray | None = None) -> bool:
     """Whether every record at ``pos`` says it is the unit: the right magic, TOTALSIZE ``size`` and
-    PHYSICALOFFSET its own offset (what a header walk would have found, checked in one vectorised pass)."""
-    head = headers(seg, pos, 36)  # TOTALSIZE .. PHYSICALOFFSET
+    PHYSICALOFFSET its own offset (what a header walk would have found, checked in one vectorised pass).
+    ``head``: at least the first 36 bytes at each of ``pos``, when the caller has read them."""
+    if head is None:
+        head = headers(seg, pos, 36)  # TOTALSIZE .. PHYSICALOFFSET
     total = head[:, 0:4].copy().view(">i4").ravel()
     magic = head[:, 4:8].copy().view(">u4").ravel()
     phy = head[:, 28:36].copy().view(">i8").ravel()
