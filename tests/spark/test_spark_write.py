@@ -220,8 +220,9 @@ def test_commit_killed_midway_leaves_every_queue_a_prefix(tmp_path):
     while time.monotonic() < deadline:  # kill once records reach the second segment, well before the end
         try:
             with open(second, "rb") as fh:
-                if fh.read(4) != bytes(4):  # a record's size, not a pre-allocated file's zeros
-                    break
+                head = fh.read(4)
+                if len(head) == 4 and head != bytes(4):  # a record's size, not a pre-allocated file's zeros (nor
+                    break  # the empty file the next segment is for an instant after its creation)
         except FileNotFoundError:
             pass
         time.sleep(0.005)
