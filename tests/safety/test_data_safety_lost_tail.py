@@ -34,6 +34,16 @@ def _power_cut_at(root: str, at: int, reopen: bool = True) -> None:
     Path(root, "abort.bootid").write_text("boot-before-the-power-cut")
 
 
+def _first_received(store: MessageStore) -> list[bytes]:
+    """The bodies of group G's first non-empty receive from QT (up to 2 s)."""
+    with store.simple_consumer("G", "QT") as c:
+        for _ in range(40):
+            got = c.receive(8, wait=0.05)
+            if got:
+                return [m.body for m in got]
+    return []
+
+
 @pytest.mark.parametrize("kept,torn", [(0, 0), (0, 30), (3, 0), (3, 10)])
 def test_the_next_put_after_a_lost_tail_took_a_queues_every_unit_is_read_at_its_offset(tmp_path, kept, torn):
     """``kept`` records of another queue stay before the cut; the lost queue's two records go (the cut at a
@@ -88,13 +98,7 @@ def test_a_simple_consumer_whose_acks_outlived_the_lost_tail_gets_the_next_put(t
     with MessageStore.open(root, StoreConfig(**CONF)) as store:
         assert store.put(Message("QT", b"after the power cut", queue_id=2)).ok
         assert store.wait_dispatched(10)
-        with store.simple_consumer("G", "QT") as c:
-            got = []
-            for _ in range(40):
-                got += c.receive(8, wait=0.05)
-                if got:
-                    break
-            assert [m.body for m in got] == [b"after the power cut"]
+        assert _first_received(store) == [b"after the power cut"]
 
 
 def test_a_second_lost_tail_leaves_only_blank_units_and_the_queue_reads_as_empty(tmp_path):
@@ -122,13 +126,7 @@ def test_a_second_lost_tail_leaves_only_blank_units_and_the_queue_reads_as_empty
         r = store.get("QT", 2, store.min_offset_in_queue("QT", 2), 32)
         assert [m.body for m in r.messages] == [b"after two power cuts"] and r.messages[0].queue_offset == \
             new.queue_offset
-        with store.simple_consumer("G", "QT") as c:
-            got = []
-            for _ in range(40):
-                got += c.receive(8, wait=0.05)
-                if got:
-                    break
-            assert [m.body for m in got] == [b"after two power cuts"]
+        assert _first_received(store) == [b"after two power cuts"]
 
 
 def _cq(root: Path, file_units: int = 10):
