@@ -195,3 +195,41 @@ def test_a_group_known_only_from_consumer_offsets_is_clamped_too(tmp_path):
                 if got:
                     break
             assert [m.body for m in got] == [b"for GB"], (new.queue_offset, got)
+
+
+def test_a_committed_offset_past_the_end_in_consumer_offsets_alone_is_clamped_and_written(tmp_path):
+    """Queue model seed 3188: the group's journal (fsynced by ackSyncFlush) ends its queue at the queue's end,
+    but consumerOffset.json holds a later committed offset (its receive passed over a message the power cut then
+    took from the log, and the file outlived the journal's unsynced tail).  The clamp took the journal's word, so
+    nothing counted as past the end and the lowered offset was never written: every later load (a read-only
+    receiver's as well) raised the committed offset from consumerOffset.json again, over the next put at that
+    offset, which the group then never received."""
+    root = str(tmp_path / "s")
+    config = Path(root, "config")
+    with MessageStore.open(root, StoreConfig(**CONF)) as store:
+        assert store.put(Message("QT", b"first", queue_id=0, tags="TagA")).ok
+        assert store.wait_dispatched(10)
+        with store.simple_consumer("GB", "QT", tag_filter="TagA || TagB", ack_sync_flush=True) as c:
+            [m] = c.receive(8, wait=0.05)
+            c.ack(m)
+        synced = (config / "popState.journal").read_bytes()  # what ackSyncFlush made durable
+        lost = store.put(Message("QT", b"x" * 100 + b"not for GB", queue_id=0, tags="TagC"))
+        assert store.wait_dispatched(10)
+        with store.simple_consumer("GB", "QT", tag_filter="TagA || TagB") as c:
+            assert c.receive(8, wait=0.05) == []  # passes over offset 1
+    assert json.loads((config / "consumerOffset.json").read_text())["offsetTable"]["QT@GB"]["0"] == 2
+    (config / "popState.journal").write_bytes(synced)  # the power cut took the journal's later bytes
+    _power_cut_at(root, lost.commit_log_offset)
+    with MessageStore.open(root, StoreConfig(**CONF)) as store:
+        new = store.put(Message("QT", b"for GB", queue_id=0, tags="TagB"))
+        assert new.ok and new.queue_offset == 1
+        assert store.wait_dispatched(10)
+        assert json.loads((config / "consumerOffset.json").read_text())["offsetTable"]["QT@GB"]["0"] == 1
+        with MessageStore.open(root, StoreConfig(**CONF), read_only=True) as reader:
+            with reader.simple_consumer("GB", "QT", tag_filter="TagA || TagB") as c:
+                got = []
+                for _ in range(40):
+                    got += c.receive(8, wait=0.05)
+                    if got:
+                        break
+                assert [m.body for m in got] == [b"for GB"]

@@ -89,15 +89,11 @@ Found by the log cut (session 13; tests/safety/test_data_safety_lost_tail.py):
    state was in consumerOffset.json alone (both lost with the tail, nothing fsynced without ackSyncFlush) kept
    a committed offset past the queue end, and the next put there was never delivered (seed 44 of 31-90:
    "drain: uid 9 at ('QT', 0, 0) was never acked nor dead-lettered in group GB").
-
-Still open (found by the lead's hunt of seeds 3000-3199 after the log cut landed; fails on session 12's code too):
-seed 3188 (``ROCKETSTORE_MODEL_SEED=3188``, ``ROCKETSTORE_MODEL_SHOW=400`` prints every step): two power cuts
-take QT-1's offset 1 twice (uids 17, then 19, both tags None, so GB (``TagA || TagB``) skipped them), then the
-timer puts the delayed uid 11 (TagB) at offset 1; the read-only receiver's GB journals ``committed 2`` right after
-the writer's clamped ``committed 1, next 1`` and never delivers it: "drain: uid 11 at ('QT', 1, 1) was never acked
-nor dead-lettered in group GB".  The consume-queue unit at offset 1 is right (TagB's hash); where the read-only
-process's committed 2 comes from (consumerOffset.json written by it before the cut, its own view, or the order of
-the clamp and its load) is not found yet.
+8. the clamp judged "past the end" by the journal's record alone: a group whose journal (fsynced) ended its queue
+   at the end while consumerOffset.json, which outlived the journal's unsynced tail, held a later committed
+   offset (a receive passed over a message the cut took) was not written back; every later load, a read-only
+   receiver's too, raised the committed offset from the file again over the next put there (seed 3188 of
+   3000-3199: two cuts take QT-1's offset 1, the timer puts a delayed TagB message there, GB never receives it).
 
 Not modelled: power loss of the store's files beside the journal and the commitlog's tail, the broker's own
 PopService (snapshots, auto-renew, release of a client's messages), retention under in-flight messages, blocking

@@ -310,14 +310,17 @@ class PopService:
         lo = self.store.min_offset_in_queue(qs.topic, qs.queue_id)
         hi = self.store.max_offset_in_queue(qs.topic, qs.queue_id)
         read_only = getattr(self.store, "read_only", False)
-        past_end = hi < qs.next and not read_only
+        committed = self.offsets.get(qs.topic, qs.group, qs.queue_id)
+        # consumerOffset.json past the end counts too: left there, every later load (a read-only receiver's
+        # included) would raise the committed offset over the next puts at those offsets again (queue model
+        # seed 3188: a receiver's skip of a message the cut took was in consumerOffset.json, not the journal).
+        past_end = (hi < qs.next or (committed is not None and committed > hi)) and not read_only
         if hi < qs.next and read_only:
             # A read-only view extends a topic's queues only when a receiver of that topic looks (tail_view):
             # a record another process wrote is ahead of this view, not wrong.  Clamped, its in-flight entries
             # and acks would be dropped, and the next write of this state (a compaction writes every queue)
             # would lose them: delivered again as new while held elsewhere, acked ones too.
             hi = qs.next
-        committed = self.offsets.get(qs.topic, qs.group, qs.queue_id)
         floor = max(lo, committed if committed is not None else lo)
         if qs.committed < floor:
             qs.committed = floor
