@@ -34,9 +34,9 @@ def _power_cut_at(root: str, at: int, reopen: bool = True) -> None:
     Path(root, "abort.bootid").write_text("boot-before-the-power-cut")
 
 
-def _first_received(store: MessageStore) -> list[bytes]:
-    """The bodies of group G's first non-empty receive from QT (up to 2 s)."""
-    with store.simple_consumer("G", "QT") as c:
+def _first_received(store: MessageStore, group: str = "G", tag_filter: str = "*") -> list[bytes]:
+    """The bodies of ``group``'s first non-empty receive from QT (up to 2 s)."""
+    with store.simple_consumer(group, "QT", tag_filter=tag_filter) as c:
         for _ in range(40):
             got = c.receive(8, wait=0.05)
             if got:
@@ -188,13 +188,8 @@ def test_a_group_known_only_from_consumer_offsets_is_clamped_too(tmp_path):
         new = store.put(Message("QT", b"for GB", queue_id=0, tags="TagA"))
         assert new.ok
         assert store.wait_dispatched(10)
-        with store.simple_consumer("GB", "QT", tag_filter="TagA || TagB") as c:
-            got = []
-            for _ in range(40):
-                got += c.receive(8, wait=0.05)
-                if got:
-                    break
-            assert [m.body for m in got] == [b"for GB"], (new.queue_offset, got)
+        got = _first_received(store, "GB", "TagA || TagB")
+        assert got == [b"for GB"], (new.queue_offset, got)
 
 
 def test_a_committed_offset_past_the_end_in_consumer_offsets_alone_is_clamped_and_written(tmp_path):
@@ -226,10 +221,4 @@ def test_a_committed_offset_past_the_end_in_consumer_offsets_alone_is_clamped_an
         assert store.wait_dispatched(10)
         assert json.loads((config / "consumerOffset.json").read_text())["offsetTable"]["QT@GB"]["0"] == 1
         with MessageStore.open(root, StoreConfig(**CONF), read_only=True) as reader:
-            with reader.simple_consumer("GB", "QT", tag_filter="TagA || TagB") as c:
-                got = []
-                for _ in range(40):
-                    got += c.receive(8, wait=0.05)
-                    if got:
-                        break
-                assert [m.body for m in got] == [b"for GB"]
+            assert _first_received(reader, "GB", "TagA || TagB") == [b"for GB"]
