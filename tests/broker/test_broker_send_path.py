@@ -404,8 +404,7 @@ def test_the_metadata_of_the_handler_lookup_reaches_the_handler(tmp_path, monkey
     real = calls.call_metadata
 
     def call_metadata(context):
-        handed = calls._handed
-        seen.append(handed is not None and handed[0] is context)
+        seen.append(calls._handed.context is context)
         return real(context)
     monkeypatch.setattr(calls, "call_metadata", call_metadata)
 

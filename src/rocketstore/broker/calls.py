@@ -74,8 +74,28 @@ PUT_CODES = {
 }
 
 
-_handed: tuple[Any, Any] | None = None  # (servicer context, its call's metadata): see hand_metadata
-_handed_peer: tuple[Any, str] | None = None  # (servicer context, its call's peer string): see call_peer
+class _HandOver:
+    """One value handed from admission to the handler of one call: only that call's handler takes it, once."""
+
+    __slots__ = ("context", "value")
+
+    def __init__(self) -> None:
+        self.context: Any = None
+        self.value: Any = None
+
+    def give(self, context: Any, value: Any) -> None:
+        self.context, self.value = (None, None) if value is None else (context, value)
+
+    def take(self, context: Any) -> Any:
+        """The value handed over for this very context (then forgotten), else None."""
+        if self.context is not context:
+            return None
+        value, self.context, self.value = self.value, None, None
+        return value
+
+
+_handed = _HandOver()  # the call's metadata: see hand_metadata
+_handed_peer = _HandOver()  # the call's peer string: see call_peer
 
 
 def hand_metadata(context: Any, metadata: Any, peer: str | None = None) -> None:
@@ -84,29 +104,20 @@ def hand_metadata(context: Any, metadata: Any, peer: str | None = None) -> None:
     it again, a named tuple per header, ~17 us for the official client's nine.  The handler takes it with
     :func:`call_metadata` before its first await; None (not known) makes that ask the context.  ``peer``:
     the call's ``context.peer()`` when admission read it already (each read asks gRPC's core for a copy)."""
-    global _handed, _handed_peer
-    _handed = None if metadata is None else (context, metadata)
-    _handed_peer = None if peer is None else (context, peer)
+    _handed.give(context, metadata)
+    _handed_peer.give(context, peer)
 
 
 def call_metadata(context: Any) -> Any:
     """The call's metadata: the one handed over for this very context, else the context's own."""
-    global _handed
-    h = _handed
-    if h is not None and h[0] is context:
-        _handed = None
-        return h[1]
-    return context.invocation_metadata() or ()
+    md = _handed.take(context)
+    return md if md is not None else (context.invocation_metadata() or ())
 
 
 def call_peer(context: Any) -> str:
     """The call's gRPC peer string: the one handed over for this very context, else the context's own."""
-    global _handed_peer
-    h = _handed_peer
-    if h is not None and h[0] is context:
-        _handed_peer = None
-        return h[1]
-    return context.peer() or ""
+    peer = _handed_peer.take(context)
+    return peer if peer is not None else (context.peer() or "")
 
 
 def header(context: Any, name: str) -> str:
