@@ -546,6 +546,9 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
                 # Left in place it would stop recovery and cost every record after it: touch nothing.
                 raise StoreError(f"{s.file}: damaged span of {s.length} bytes at commitlog offset {s.offset} "
                                  f"({s.reason}) is too short for a filler record; nothing was written")
+        # What the spans are, for the dry run's answer and the marker's report alike.
+        spans_report = {"lost": [s.to_json() for s in spans if s.restored is None],
+                        "restored": [s.to_json() for s in spans if s.restored is not None]}
         for f in suspects:
             log.warning("%s: record at commitlog offset %d: %s; kept as it "
                         "reads (an intact record is never rewritten)", f.file, f.offset,
@@ -559,8 +562,7 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
                           "consumeQueueUnits": 0, "indexFiles": 0, "indexEntries": 0,
                           "problems": [finding("unreadable", path, 0, f"{e} (the rebuild replaces it)")]}
             result["dryRun"] = True
-            result["lost"] = [s.to_json() for s in spans if s.restored is None]
-            result["restored"] = [s.to_json() for s in spans if s.restored is not None]
+            result.update(spans_report)
             result["repaired"] = [f"commitlog: would rewrite {s.length} bytes at {s.offset} as "
                                   + ", ".join(kind for _o, _n, kind, _m in s.pieces) for s in spans if s.pieces]
             result["suspect"] = [f.to_json() for f in suspects]
@@ -570,9 +572,7 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
         touched = sorted({os.path.basename(s.file) for s in spans if s.pieces})
         marker = {"operation": "verify --repair", "phase": "commitlog", "quarantine": qname, "segments": touched,
                   "pid": os.getpid(), "geometry": {k: getattr(cfg, k) for k in GEOMETRY_KEYS},
-                  "report": {"lost": [s.to_json() for s in spans if s.restored is None],
-                             "restored": [s.to_json() for s in spans if s.restored is not None],
-                             "suspect": [f.to_json() for f in suspects]}}
+                  "report": {**spans_report, "suspect": [f.to_json() for f in suspects]}}
         _write_marker(paths, marker)  # before anything changes: the next open rolls back or finishes
         _step("marked")
         os.makedirs(qdir, exist_ok=True)
