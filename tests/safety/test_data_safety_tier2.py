@@ -307,9 +307,12 @@ def test_repair_writes_a_tombstone_when_the_tier_copy_is_damaged_as_well(tmp_pat
                                      "as tombstone")
 
 
-def _tiered_store_with_a_torn_queue_file(tmp_path: Path) -> tuple[Path, Path, Any, dict[int, bytes]]:
+def _tiered_store_with_a_torn_queue_file(tmp_path: Path, *, keep_first_queue_files: bool = False
+                                         ) -> tuple[Path, Path, Any, dict[int, bytes]]:
     """Segment 0 in the tier and deleted locally, the queue files the tier holds deleted too; the next local queue
     file (units 60.. of T-1, their records in segment 0) cut to a size that is no multiple of 20.
+    ``keep_first_queue_files``: the queue's files are not cleaned (queue cleaning runs after the commitlog's) and
+    its second file (units 10..19, records only the tier holds) is the one cut.
     Returns (store root, tier root, config maker, queue offset -> body)."""
     root, tier = tmp_path / "s", tmp_path / "tier"
 
@@ -328,13 +331,21 @@ def _tiered_store_with_a_torn_queue_file(tmp_path: Path) -> tuple[Path, Path, An
     first = sorted((root / "commitlog").iterdir())[0]
     old = first.stat().st_mtime - 3 * 3600
     os.utime(first, (old, old))
+    qdir = root / "consumequeue" / "T" / "1"
+    kept = {p.name: p.read_bytes() for p in qdir.iterdir()}
     with MessageStore.open(str(root), cfg(fileReservedTime=1, deleteCommitLogFilesInterval=0)) as st:
         st.delete_expired_commit_log()
         st.clean_service.clean_consume_queues()
         assert st.commitlog.min_offset() == 32768
-    queue_files = sorted((root / "consumequeue" / "T" / "1").iterdir())
-    assert int(queue_files[0].name) // 20 < 78  # its first units point into segment 0 (the tier's only)
-    with open(queue_files[0], "r+b") as fh:
+    if keep_first_queue_files:  # as a stop between the commitlog's cleaning and the queues' leaves them
+        for name, data in kept.items():
+            if not (qdir / name).exists():
+                (qdir / name).write_bytes(data)
+    queue_files = sorted(qdir.iterdir())
+    torn = queue_files[1] if keep_first_queue_files else queue_files[0]
+    assert int(queue_files[0].name) == 0 or not keep_first_queue_files
+    assert int(torn.name) // 20 < 78  # its first units point into segment 0 (the tier's only)
+    with open(torn, "r+b") as fh:
         fh.truncate(150)
     return root, tier, cfg, bodies
 
@@ -356,6 +367,20 @@ def test_a_torn_queue_file_is_rebuilt_from_the_records_the_tier_holds(tmp_path):
     written blank and a read there returned OFFSET_FOUND_NULL, skipping acknowledged messages the tier holds."""
     root, _tier, cfg, bodies = _tiered_store_with_a_torn_queue_file(tmp_path)
     with MessageStore.open(str(root), cfg()) as st:
+        assert _read_queue(st) == bodies
+
+
+def test_a_torn_queue_file_after_a_kept_one_is_rebuilt_from_the_records_the_tier_holds(tmp_path):
+    """Model seed 2138: the queue's first file (units 0..9) kept, its second torn, every record of both only in the
+    tier.  The refill from the tier ran before recovery had read where the kept units end, so it offered the
+    records from the log's start again, and the one at queue offset 0 was appended after unit 9 (a unit at
+    queue offset 0 was never checked against the units in place); recovery then cut the queue at that unit and
+    wrote units 10.. blank: the tier's records were never read back.  Each unit is placed at its own queue
+    offset, and the refill starts where the kept units end."""
+    root, _tier, cfg, bodies = _tiered_store_with_a_torn_queue_file(tmp_path, keep_first_queue_files=True)
+    with MessageStore.open(str(root), cfg()) as st:
+        assert _read_queue(st) == bodies
+    with MessageStore.open(str(root), cfg(), read_only=True) as st:
         assert _read_queue(st) == bodies
 
 

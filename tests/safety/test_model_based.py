@@ -138,14 +138,10 @@ ROCKETSTORE_MODEL_OPS, e.g. ``ROCKETSTORE_MODEL_OPS=all``):
   the commitlog recovery checked from 65536"): ``get Busy-2 @28: OFFSET_OVERFLOW_BADLY (queue 3..3)`` before the
   repair.
 
-- ``index_damage`` with a tier (``put,kill,recover,retention,reimport,repair_int,tier_upload,tier_fault,
-  index_damage`` / 2138, found in session 13, fails on session 12's code too): two consume-queue files of Busy-0
-  torn in turn (the later one first, its units' records in the tier only); after the second, the open's rebuild
-  leaves unit 50 blank although the tier holds its record (uid 314 at 63706, below the local minimum 65536):
-  ``get Busy-0 @50: raised CorruptRecordError ... a blank unit and the tier does not hold it``.  Refused with an
-  error naming the damage (not skipped), but the message is not read back.
-
-Fixed since the first run of this test (they must fail again if put back): ``truncate`` twice / 8008, 1048 (an all-zero short last segment in its place moved aside: now extended as the log's torn end); ``repair_int`` + ``rm_cq`` / 4015, 4020 (the model did not excuse a consumer error naming a lost queue slot); ``rm_cq`` / 1004 (a directory removed
+Fixed since the first run of this test (they must fail again if put back): ``index_damage`` with a tier / 2138 (a
+queue's second file torn while its first, kept, and both name records only the tier holds: the refill from the tier
+started before the kept units' end was known and appended the unit of queue offset 0 after them; recovery then
+wrote the later units blank); ``truncate`` twice / 8008, 1048 (an all-zero short last segment in its place moved aside: now extended as the log's torn end); ``repair_int`` + ``rm_cq`` / 4015, 4020 (the model did not excuse a consumer error naming a lost queue slot); ``rm_cq`` / 1004 (a directory removed
 after a clean stop whose records all lie before the re-checked segment: the store now keeps a durable queue
 registry); ``cq_damage`` / 2002 (a torn queue whose first records expired was refilled by appending, not placing);
 ``cq_damage`` / 6013 (``put,kill,recover,retention,rm_cq,cq_damage,reimport``: a blank unit after the expired ones

@@ -368,6 +368,7 @@ class StoreLoader:
             cq.queue.files.remove(f)
             f.close()
             self._quarantine.deletes.append(f.path)
+        cq.note_kept_end()  # where the refill (from the tier, then recovery's) takes up the queue
         self.queues_to_rebuild.append(f"{cq.topic}/{cq.queue_id}")
 
     def _refill_lost_first_files(self) -> None:

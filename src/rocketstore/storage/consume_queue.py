@@ -343,6 +343,18 @@ class ConsumeQueue:
         self.max_physic_offset = max_phy
         return self.queue.truncate_dirty(cut)
 
+    def note_kept_end(self) -> None:
+        """(A queue being rebuilt, before recovery.)  Set :attr:`max_physic_offset` to the end of the last record
+        the kept units name, checked as recovery checks them (valid, ascending): a rebuild that offers records
+        from before it then skips the ones already placed instead of placing them again."""
+        prev_end = -1
+        for f in self.queue.files:
+            valid, _last = _valid_prefix(f.mm, self.file_size)
+            ordered, prev_end = _ascending_end(f.mm, valid, prev_end)
+            if ordered < self.file_size:
+                break
+        self.max_physic_offset = prev_end
+
     def _last_unit_beyond(self, idx: int, valid: int) -> tuple[int, int] | None:
         """(queue offset just past it, commitlog offset) of the last valid-looking unit after the cut: what
         the rebuild should reach again unless the commitlog ends before that offset."""
@@ -537,7 +549,7 @@ class ConsumeQueue:
             fill = expect - f.file_from_offset
             f.mm[0:fill] = PRE_BLANK_UNIT * (fill // CQ_STORE_UNIT_SIZE)
             f.wrote_position = fill
-        if cq_offset != 0:
+        if cq_offset != 0 or self.pad_gaps:  # (a rebuild places queue offset 0 too: never after other units)
             current = f.file_from_offset + f.wrote_position
             if expect < current:
                 if self.pad_gaps:  # a rebuild places: the slot is taken by the record before, in commitlog order
