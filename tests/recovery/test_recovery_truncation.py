@@ -170,10 +170,13 @@ def test_sigkill_then_recover_indexes_each_message_once(tmp_path):
     path = tmp_path / "store"
     p = subprocess.Popen([sys.executable, str(REPO / "tests" / "helpers" / "writer.py"), str(path), "ASYNC_FLUSH",
                           "0", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
-    time.sleep(1.0)
+    acked = 0
+    deadline = time.monotonic() + 60
+    while acked < 300 and time.monotonic() < deadline and p.stdout.readline():  # killed mid-run, > 100 acked
+        acked += 1
     p.send_signal(signal.SIGKILL)
     out, err = p.communicate(timeout=60)
-    assert out, err.decode()[-2000:]
+    assert acked == 300, err.decode()[-2000:]
     assert (path / "abort").exists()
     r = run_cli("recover", path)
     assert r.returncode == 0, r.stderr
