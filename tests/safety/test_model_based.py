@@ -138,7 +138,9 @@ ROCKETSTORE_MODEL_OPS, e.g. ``ROCKETSTORE_MODEL_OPS=all``):
   the commitlog recovery checked from 65536"): ``get Busy-2 @28: OFFSET_OVERFLOW_BADLY (queue 3..3)`` before the
   repair.
 
-Fixed since the first run of this test (they must fail again if put back): ``index_damage`` with a tier / 2138 (a
+Fixed since the first run of this test (they must fail again if put back): ``cq_damage`` / 6078 (a queue whose kept
+units were all blank, cut after recovery appended units at the wrong slots: the cut took the cut offset for the
+kept units' record end, and the re-placing pass left acknowledged messages blank); ``index_damage`` with a tier / 2138 (a
 queue's second file torn while its first, kept, and both name records only the tier holds: the refill from the tier
 started before the kept units' end was known and appended the unit of queue offset 0 after them; recovery then
 wrote the later units blank); ``truncate`` twice / 8008, 1048 (an all-zero short last segment in its place moved aside: now extended as the log's torn end); ``repair_int`` + ``rm_cq`` / 4015, 4020 (the model did not excuse a consumer error naming a lost queue slot); ``rm_cq`` / 1004 (a directory removed

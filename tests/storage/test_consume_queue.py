@@ -10,7 +10,7 @@ from collections import defaultdict
 import pytest
 from conftest import golden_expected, golden_store
 
-from rocketstore.storage.consume_queue import CQ_STORE_UNIT_SIZE, LOWER, UPPER, ConsumeQueue
+from rocketstore.storage.consume_queue import CQ_STORE_UNIT_SIZE, LOWER, PRE_BLANK_UNIT, UPPER, ConsumeQueue
 
 SIZE = 20 * 10  # ten units a file
 
@@ -99,6 +99,26 @@ def test_truncate_dirty_logic_drops_and_zeroes_units_at_or_past_the_offset(tmp_p
     assert not (tmp_path / "TopicQ" / "3" / f"{400:020d}").exists()
     cq.put_unit(1300, 100, 1, 13)  # the queue grows again from the cut
     assert cq.get_unit(13) == (1300, 100, 1)
+    cq.close()
+
+
+def test_a_cut_after_blank_units_leaves_no_record_end_and_later_records_are_placed(tmp_path):
+    """Store model seed 6078: a queue whose kept units were all blank (their records expired) had units appended
+    at the wrong slots by recovery's first pass; cutting those (truncate_dirty_logic) set the queue's record end to
+    the cut offset although no kept unit names a record, so the re-placing pass judged "0 bytes before the record
+    cannot hold the records missing before it" and wrote blank units over acknowledged messages."""
+    cq = _queue(tmp_path)
+    for q in range(17):  # units 0..16: blank (a rebuild found their records expired)
+        cq.queue.last_for_append(q * CQ_STORE_UNIT_SIZE).append(PRE_BLANK_UNIT)
+    for q, u in enumerate(_units(3, start_phy=98304), 17):  # recovery's first pass: appended at 17.. (misplaced)
+        cq.put_unit(*u, q)
+    assert cq.truncate_dirty_logic(98304) == 3
+    assert cq.max_offset_in_queue == 17 and cq.max_physic_offset == -1  # no kept unit names a record
+    cq.pad_gaps = True  # the second pass places each record at its own queue offset
+    for q, u in enumerate(_units(3, start_phy=98304), 78):
+        cq.put_unit(*u, q)
+    assert [cq.get_unit(q) for q in (78, 79, 80)] == _units(3, start_phy=98304)
+    assert cq.blank_units == [(17, 77)]
     cq.close()
 
 

@@ -434,11 +434,9 @@ class ConsumeQueue:
                 else:
                     lo = mid + 1
             p = lo * CQ_STORE_UNIT_SIZE
-            for q in range(p - CQ_STORE_UNIT_SIZE, -1, -CQ_STORE_UNIT_SIZE):  # the last unit with a record
-                off, size, _ = _UNIT.unpack_from(f.mm, q)
-                if size != 0x7FFFFFFF:  # (a blank unit points at none: its offset and size are no end)
-                    self.max_physic_offset = off + size
-                    break
+            # The end of the last record a unit kept names (-1: none), in this file or an earlier one: a rebuild
+            # placing records after the cut judges by it how many records the bytes before each can hold.
+            self.max_physic_offset = self._naming_end(f, p)
             if not self.queue.read_only:
                 f.zero_from(p, max(wrote, valid))  # stale units must not come back once the queue grows again
             f.set_positions(p)
@@ -446,6 +444,18 @@ class ConsumeQueue:
         if self.min_logic_offset > self.queue.max_offset():
             self.min_logic_offset = self.queue.max_offset()
         return before - self.max_offset_in_queue
+
+    def _naming_end(self, last: MappedFile, stop: int) -> int:
+        """End of the record named by the last unit before position ``stop`` of ``last`` (or in a file before it)
+        that names one; -1 when every unit kept is blank (expired or lost records name no end)."""
+        files = self.queue.files
+        for f in reversed(files[:files.index(last) + 1]):
+            end = stop if f is last else f.wrote_position
+            for q in range(end - CQ_STORE_UNIT_SIZE, -1, -CQ_STORE_UNIT_SIZE):
+                off, size, _ = _UNIT.unpack_from(f.mm, q)
+                if size != BLANK_SIZE:  # (a blank unit points at none: its offset and size are no end)
+                    return off + size
+        return -1
 
     def correct_min_offset(self, min_commit_log_offset: int) -> None:
         """Move ``min_logic_offset`` just past the last unit whose record lies below the commitlog minimum.
