@@ -101,6 +101,26 @@ def test_power_loss_still_truncates_damage_among_unflushed_records(tmp_path):
         assert s.max_offset_in_queue("TopicT", 0) == 5
 
 
+def test_records_a_recovery_synced_count_as_flushed_at_the_next_power_loss(tmp_path):
+    """Store model seed 2253: records a crashed writer left unflushed were synced by the recovery of the next open
+    (which then closed cleanly), but the checkpoint's physicMsgTimestamp stayed where the crashed writer's last
+    thorough flush had left it.  Damage to one of them later, then a power loss: recovery took the durable records
+    after the damage for a torn tail of unflushed writes and truncated the log there, deleting them."""
+    store = tmp_path / "store"
+    recs = _fill(store)
+    seg = sorted((store / "commitlog").iterdir())[0]
+    _set_physic(store, codec.read_store_timestamp(seg.read_bytes(), recs[0][0]) - 1)  # the writer's last flush
+    process_crashed(store)
+    with MessageStore.open(str(store), _cfg(), start_services=False) as s:  # recovery syncs what the writer left
+        assert s.commitlog.max_offset() == recs[-1][0] + recs[-1][1]
+    seg, before, pos = _damage_middle(store, recs)
+    rebooted(store)
+    with pytest.raises(CommitLogDamagedError) as e:
+        MessageStore.open(str(store), _cfg(), start_services=False)
+    assert str(recs[6][0]) in str(e.value) and "--repair" in str(e.value)
+    assert seg.read_bytes() == before
+
+
 def test_a_whole_record_with_empty_properties_at_a_page_boundary_is_kept(tmp_path):
     """A record with empty properties ends with its zero properties length: whole, even when that field
     begins right at a page boundary (only a zero byte where the topic or properties end means torn)."""

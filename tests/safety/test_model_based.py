@@ -138,7 +138,10 @@ ROCKETSTORE_MODEL_OPS, e.g. ``ROCKETSTORE_MODEL_OPS=all``):
   the commitlog recovery checked from 65536"): ``get Busy-2 @28: OFFSET_OVERFLOW_BADLY (queue 3..3)`` before the
   repair.
 
-Fixed since the first run of this test (they must fail again if put back): ``cq_damage`` / 6078 (a queue whose kept
+Fixed since the first run of this test (they must fail again if put back): tier profile / 2253 (records a crashed
+writer left were synced by the next open's recovery, but the checkpoint's physicMsgTimestamp stayed behind them: a
+later power loss took damage to one of them for a torn tail and truncated the durable records after it), 2200 (the
+model's own: ending a lost-manifest fault put the old tier.json back over the one the open had republished); ``cq_damage`` / 6078 (a queue whose kept
 units were all blank, cut after recovery appended units at the wrong slots: the cut took the cut offset for the
 kept units' record end, and the re-placing pass left acknowledged messages blank); ``index_damage`` with a tier / 2138 (a
 queue's second file torn while its first, kept, and both name records only the tier holds: the refill from the tier
@@ -631,8 +634,10 @@ class Run:
             self.tier_dir.rename(moved)
         if kind == "lost-manifest":
             (self.tier_dir / "tier.json").unlink()
+        damaged = None
         if kind == "local-manifest-damaged+down" and local_saved is not None:
-            local.write_bytes(local_saved[: len(local_saved) // 2])
+            damaged = local_saved[: len(local_saved) // 2]
+            local.write_bytes(damaged)
         self.tier_down = True
         try:
             Checker(self, strict=False).check(f"tier fault {kind}")
@@ -642,8 +647,12 @@ class Run:
                 if self.tier_dir.exists():
                     shutil.rmtree(self.tier_dir)  # a store that wrote into the unmounted path's mount point
                 moved.rename(self.tier_dir)
-            (self.tier_dir / "tier.json").write_bytes(saved)
-            if local_saved is not None:
+            # The fault ends; what the store wrote meanwhile stays (a writable open republishes a lost tier.json,
+            # and rewrites a damaged local copy): putting the old bytes back over it would be a second fault, an
+            # operator restoring stale copies of both (seed 2200, once the open republished).
+            if not (self.tier_dir / "tier.json").exists():
+                (self.tier_dir / "tier.json").write_bytes(saved)
+            if damaged is not None and local.exists() and local.read_bytes() == damaged:
                 local.write_bytes(local_saved)
 
     def op_rm_cq(self) -> None:

@@ -303,6 +303,7 @@ def recover(files: "StoreFiles", last_exit_ok: bool, refill_from: int | None = N
             cq.flush_dirty()
         if report.abnormal:
             _sync_written_before_crash(files, report.start_offset)
+            _count_synced_as_flushed(files, last_valid)
     if max_cq >= process:
         for cq in files.consume_queues():
             n = cq.truncate_dirty_logic(process)
@@ -353,6 +354,18 @@ def _sync_written_before_crash(files: "StoreFiles", start: int) -> None:
                 if off < start and f is not cq.queue.files[-1]:
                     break
             mapped_file.fdatasync(f.fd)
+
+
+def _count_synced_as_flushed(files: "StoreFiles", last_valid: int) -> None:
+    """(Once the log recovery kept is synced.)  Move the checkpoint's physicMsgTimestamp up to the last kept
+    record's store time: else it stays where the crashed writer's last thorough flush left it, and damage to a
+    record synced here is taken, after a later power loss, for a torn tail of unflushed writes and the durable
+    records after it are truncated (store model seed 2253)."""
+    if last_valid < 0:
+        return
+    ts = files.commitlog.pickup_store_timestamp(last_valid, 0)
+    if ts > files.checkpoint.physicMsgTimestamp:
+        files.checkpoint.physicMsgTimestamp = ts
 
 
 def _next_offsets_past_records(files: "StoreFiles", seen_qoff: dict[tuple[str, int], int]) -> None:
