@@ -182,7 +182,7 @@ class GroupCommit:
         (:meth:`_lead_writes`)."""
         self._write_round([req])
         extra = EXTRA_WRITE_ROUNDS
-        if self.sync and self._answer((req,), req):
+        if self.sync and self._answer([req], req):
             self._lead_flushes(req)
             extra = 0
         with self._m:
