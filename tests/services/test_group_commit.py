@@ -375,3 +375,46 @@ def test_puts_waiting_on_a_stuck_flush_time_out_saying_whether_they_were_written
         assert first[0].ok and store.commitlog.max_offset() == end
         assert store.wait_dispatched(10)
         assert [m.body for m in store.get("GC", 0, 0, 10).messages] == [b"before", b"nowait", b"written", b"leader"]
+
+
+def test_a_lone_put_written_during_a_flush_waits_for_a_flush_that_covers_it(tmp_path, monkeypatch):
+    """A lone producer is written as a round of its own, unpublished (issue 29: the short path); when a flush
+    is already under way (the service's, for a WAIT=false put), that flush started before the put was written
+    and cannot cover it: the put is acknowledged only after a later fdatasync, never by the one under way."""
+    gate = threading.Event()
+    stuck = threading.Event()
+    syncs: list[int] = []  # the commitlog end each finished commitlog fdatasync covered at least
+    real = mapped_file_mod.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        if "/commitlog/" in os.readlink(f"/proc/self/fd/{fd}"):
+            end = store.commitlog.max_offset()  # written before the sync started: covered by it
+            if not gate.is_set():
+                stuck.set()
+                gate.wait(10)
+            real(fd)
+            syncs.append(end)
+            return
+        real(fd)
+    cfg = StoreConfig(flushDiskType="SYNC_FLUSH", syncFlushTimeout=10_000)
+    with MessageStore.open(str(tmp_path / "s"), cfg) as store:
+        gate.set()
+        assert store.put(Message("GC", b"before")).ok
+        monkeypatch.setattr(mapped_file_mod, "fdatasync", fdatasync)
+        gate.clear()
+        assert store.put(Message("GC", b"nowait", properties={"WAIT": "false"})).ok
+        assert stuck.wait(5)  # the service is inside fdatasync for the WAIT=false put
+        before = len(syncs)
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(store.put(Message("GC", b"lone"))))
+        t.start()
+        time.sleep(0.2)
+        assert not got, "acknowledged while the only fdatasync under way had started before its write"
+        gate.set()
+        t.join(10)
+        r = got[0]
+        end = r.commit_log_offset + r.wrote_bytes
+        assert r.ok and store.commitlog.queue.flushed_where >= end
+        assert len(syncs) >= before + 2 and any(s >= end for s in syncs[before + 1:])
+        assert store.wait_dispatched(10)
+        assert [m.body for m in store.get("GC", 0, 0, 10).messages] == [b"before", b"nowait", b"lone"]

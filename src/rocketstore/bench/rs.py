@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import resource
 import shutil
 from time import perf_counter
 from contextlib import contextmanager
@@ -89,10 +90,17 @@ def put(res: Results, workdir: str, *, body_size: int, threads: int, flush: str,
             return step
 
         warm = min(0.5, seconds / 2)
+        probe = _SyncProbe(store) if flush == "SYNC_FLUSH" else None
+
+        def on_start() -> None:
+            lat.clear()
+            if probe is not None:
+                probe.start()
         if threads == 1:
-            n, elapsed = timed(make_step(0), seconds, warmup_seconds=warm, on_start=lat.clear)
+            n, elapsed = timed(make_step(0), seconds, warmup_seconds=warm, on_start=on_start)
         else:
-            n, elapsed = timed_threads(make_step, threads, seconds, warmup_seconds=warm, on_start=lat.clear)
+            n, elapsed = timed_threads(make_step, threads, seconds, warmup_seconds=warm, on_start=on_start)
+        diagnostics = probe.per_message(n) if probe is not None else {}
     if flush == "SYNC_FLUSH":
         ref = "floor.fdatasync" if threads == 1 else f"rs.{kind}.sync.t1.{body_size}"
     else:
@@ -100,7 +108,51 @@ def put(res: Results, workdir: str, *, body_size: int, threads: int, flush: str,
     m = rate_measurement(id, "rocketstore", label, n, elapsed, ref=ref, bytes_per_msg=body_size,
                          body_size=body_size, threads=threads, flush=flush, batch=batch)
     m.extra.update(percentiles_us(lat))
-    return res.add(m)
+    m.extra.update(diagnostics)
+    kept = res.add(m)
+    if diagnostics:
+        _note_sync_costs(res, kept)
+    return kept
+
+
+def _note_sync_costs(res: Results, m: Measurement) -> None:
+    """One note per SYNC_FLUSH row, for the round the figure comes from (see Results.add)."""
+    e = m.extra
+    if "cpu_us_per_msg" not in e:
+        return
+    head = f"{m.id}: "
+    res.notes[:] = [n for n in res.notes if not n.startswith(head)]
+    res.notes.append(f"{head}{e['cpu_us_per_msg']:.1f} µs of CPU per put (all threads of the process, the kernel's "
+                     f"share of each fdatasync included), {e['flushes_per_msg']:.2f} fdatasync and "
+                     f"{e['writes_per_msg']:.2f} write rounds per put, "
+                     f"{e['voluntary_switches_per_msg']:.2f} voluntary / {e['involuntary_switches_per_msg']:.2f} "
+                     "involuntary context switches per put")
+
+
+class _SyncProbe:
+    """What a SYNC_FLUSH put cost besides its wall time, over the timed window: the process's CPU and context
+    switches (every thread: producers, the group commit service, the dispatcher) and the group commit's
+    fdatasync calls and write rounds, per put: tells a row the disk decides from one the CPU and the GIL
+    decide (CPU per put times the rate near one core's worth)."""
+
+    def __init__(self, store: MessageStore) -> None:
+        self.commit = store.commit
+        self.at: tuple[float, int, int, int, int] | None = None
+
+    def _now(self) -> tuple[float, int, int, int, int]:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return ru.ru_utime + ru.ru_stime, ru.ru_nvcsw, ru.ru_nivcsw, self.commit.flushes, self.commit.rounds
+
+    def start(self) -> None:
+        self.at = self._now()
+
+    def per_message(self, n: int) -> dict[str, float]:
+        if self.at is None or n <= 0:
+            return {}
+        cpu, vol, invol, flushes, writes = (b - a for a, b in zip(self.at, self._now()))
+        return {"cpu_us_per_msg": round(cpu / n * 1e6, 1), "flushes_per_msg": round(flushes / n, 3),
+                "writes_per_msg": round(writes / n, 3), "voluntary_switches_per_msg": round(vol / n, 2),
+                "involuntary_switches_per_msg": round(invol / n, 2)}
 
 
 class Dataset:

@@ -109,37 +109,31 @@ class GroupCommit:
         """Return once ``req`` is written (and durable, if it waits for the flush) or has failed; raises
         PutRefused when it waited ``timeout`` without being written."""
         m = self._m
-        if not self.sync:
-            with m:
-                alone = not self._writing
-                if alone:
-                    self._writing = True
-            if alone:
-                self._write_alone(req)
-                return
         with m:
-            self._pending.append(req)
-            lead = not self._writing
+            lead = not self._writing  # (then nothing is pending either: see _lead_writes)
             if lead:
                 self._writing = True
             else:
+                self._pending.append(req)
                 park = req.park = threading.Lock()
                 park.acquire()
-        if not lead:
-            if not park.acquire(timeout=timeout):
-                with m:  # not taken by a writer yet, taken, or just told to write
-                    if not req.lead and any(r is req for r in self._pending):
-                        self._pending.remove(req)
-                        raise PutRefused("OS_PAGE_CACHE_BUSY", f"the put waited {timeout * 1000:.0f} ms "
-                                         "(syncFlushTimeout) for the commit of other puts and was not written")
-                if not req.lead:
-                    self._wait_taken(req, timeout)
-                    return
-                park.acquire()  # released by the writer that passed the writing on
+        if lead:
+            self._write_alone(req, timeout)
+            return
+        if not park.acquire(timeout=timeout):
+            with m:  # not taken by a writer yet, taken, or just told to write
+                if not req.lead and any(r is req for r in self._pending):
+                    self._pending.remove(req)
+                    raise PutRefused("OS_PAGE_CACHE_BUSY", f"the put waited {timeout * 1000:.0f} ms "
+                                     "(syncFlushTimeout) for the commit of other puts and was not written")
             if not req.lead:
-                self._pass_on(req)
-                return  # written (and flushed, if it waits for that) by another thread
-        self._lead_writes(req)
+                self._wait_taken(req, timeout)
+                return
+            park.acquire()  # released by the writer that passed the writing on
+        if not req.lead:
+            self._pass_on(req)
+            return  # written (and flushed, if it waits for that) by another thread
+        self._lead_writes(req)  # told to write: the writer that passed it on left ``req`` published
         if self.sync and req.wait_flush and req.written is not None:
             self._await_flush(req, timeout)
 
@@ -181,24 +175,31 @@ class GroupCommit:
         return live[0] if live else None
 
     # ------------------------------------------------------------ writing
-    def _write_alone(self, req: GroupCommitRequest) -> None:
-        """ASYNC_FLUSH and no writer: ``req`` is written as a round of its own, without being published (the
-        broker's loop, a lone producer: the common case, kept short); the puts published meanwhile are then
-        written by this thread as any writer's (:meth:`_lead_writes`)."""
+    def _write_alone(self, req: GroupCommitRequest, timeout: float) -> None:
+        """No writer: ``req`` is written as a round of its own, without being published (the broker's loop, a
+        lone producer: the common case, kept short), and under SYNC_FLUSH flushed by this thread unless a
+        flush is under way; the puts published meanwhile are then written by this thread as any writer's
+        (:meth:`_lead_writes`)."""
         self._write_round([req])
+        extra = EXTRA_WRITE_ROUNDS
+        if self.sync and self._answer([req], req):
+            self._lead_flushes(req)
+            extra = 0
         with self._m:
-            if not self._pending:
+            done = not self._pending
+            if done:
                 self._writing = False
-                return
-        self._lead_writes(req)
+        if not done:
+            self._lead_writes(req, extra)
+        if self.sync and req.wait_flush and req.written is not None:
+            self._await_flush(req, timeout)
 
-    def _lead_writes(self, own: GroupCommitRequest) -> None:
+    def _lead_writes(self, own: GroupCommitRequest, extra: int = EXTRA_WRITE_ROUNDS) -> None:
         """Write rounds until no request waits, or pass the writing on a few rounds after ``own`` is written.
         When written puts wait for a flush and none is under way, this thread flushes before its next round:
         the producers arriving meanwhile are then written with one write after it (handing the writing on
         before the flush, so that each wrote its own put during it, cost a fifth more CPU per put for the
-        same rate with 16 producers)."""
-        extra = EXTRA_WRITE_ROUNDS
+        same rate with 16 producers).  ``extra`` is how many more rounds it writes once ``own`` is written."""
         while True:
             with self._m:
                 batch = self._pending
@@ -243,9 +244,12 @@ class GroupCommit:
         waiting: list[GroupCommitRequest] = []
         answered: list[GroupCommitRequest] = []
         sync = self.sync
+        own_waits = False
         for r in batch:
             if sync and r.wait_flush and r.written is not None:
                 waiting.append(r)
+                if r is own:
+                    own_waits = True
             elif r is not own and r.park is not None:
                 answered.append(r)
         if not waiting and not answered:
@@ -257,13 +261,13 @@ class GroupCommit:
             if not waiting:
                 flush = False
             elif self._flushing:  # another thread flushes: ``own`` sleeps until that flush covers it
-                if any(r is own for r in waiting):
+                if own_waits:
                     own.park = threading.Lock()
                     own.park.acquire()
                 self._waiters += waiting
                 flush = False
             else:  # this thread flushes: the flush answers ``own`` if written in this round
-                if any(r is own for r in waiting):
+                if own_waits:
                     own.park = None
                 self._waiters += waiting
                 self._flushing = flush = True

@@ -198,10 +198,14 @@ class CommitLog:
     def _write_iov(self, f: MappedFile, iov: list[bytes], pos: int, total: int) -> None:
         """pwritev ``iov`` (``total`` bytes) at file position ``pos``; CommitLogWriteError on failure."""
         at = pos
+        n = len(iov)
         try:
-            for i in range(0, len(iov), IOV_CHUNK):
-                chunk = iov[i:i + IOV_CHUNK]
-                want = sum(map(len, chunk))
+            for i in range(0, n, IOV_CHUNK):
+                if n <= IOV_CHUNK:  # the common case: all of it in one call
+                    chunk, want = iov, total
+                else:
+                    chunk = iov[i:i + IOV_CHUNK]
+                    want = sum(map(len, chunk))
                 done = os.pwritev(f.fd, chunk, pos)
                 if done < want:  # a short write (rare on a regular file): finish it from one buffer
                     rest = memoryview(b"".join(chunk))
