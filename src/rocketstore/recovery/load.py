@@ -180,6 +180,7 @@ class StoreLoader:
         self.recovery_report = recover(self.files, self.last_exit_ok, self.refill_from())
         self.recovery_report.index_files_dropped = dropped
         if not ro:
+            self._refuse_a_log_behind_its_tier()
             self._refill_lost_queues(loaded)
             self._keep_registered_offsets()
             self._write_queue_registry(offsets=True)
@@ -276,6 +277,22 @@ class StoreLoader:
             tier.republish()
         except TierError as e:
             log.info("tier: %s could not be republished during the open: %s", tier.loc.uri, e)  # (reads say why)
+
+    def _refuse_a_log_behind_its_tier(self) -> None:
+        """Refuse a writable open whose local commitlog ends below the end of the segments its tier holds (the
+        store's files restored from a backup older than the tier): a put would be written at offsets whose
+        records the tier already holds, and once retention trusts the tier for that segment a read returns the
+        tier's message there, not the one acknowledged (data-safety rule: never another message at an offset)."""
+        tier = self.tier
+        if tier is None or tier.error is not None or tier.manifest is None or not tier.manifest.commitlog:
+            return
+        local_end, tier_end = self.commitlog.max_offset(), tier.manifest.end_offset
+        if local_end < tier_end:
+            raise StoreLoadError(f"{self.paths.commitlog}: the local commitlog ends at {local_end}, but the tier "
+                                 f"{tier.loc.uri} holds its segments up to {tier_end} (tier.json generation "
+                                 f"{tier.manifest.generation}): the store's files are older than its tier (restored "
+                                 "from a backup?); new messages would take offsets the tier's records hold.  Put "
+                                 "back the store's newer files, or move the tier aside")
 
     def _unindexed_from(self) -> int:
         """Where the records no index file holds may start, for a rebuild of lost index entries.
