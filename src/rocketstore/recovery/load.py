@@ -33,7 +33,7 @@ from ..storage.jsonfile import write_file_durably
 from ..storage.quarantine import QuarantinePlan, extend_torn_last_segment, file_kind
 from ..storage.read import StoreReader
 from ..tier.tiered import TieredStorage
-from .recover import queues_with_records_before, recover
+from .recover import drop_mismatched_tail, queues_with_records_before, recover
 
 log = logging.getLogger(__name__)
 
@@ -173,11 +173,14 @@ class StoreLoader:
             topic, _, qid = name.rpartition("/")
             if (cq := self._cq_table.get((topic, int(qid)))) is not None:
                 cq.pad_gaps = True
+                if not ro:
+                    self._check_kept_end(cq)
         if not ro:
             self._refill_from_tier(self.refill_from())
         self.recovery_report = recover(self.files, self.last_exit_ok, self.refill_from())
         self.recovery_report.index_files_dropped = dropped
         if not ro:
+            self._refuse_a_log_behind_its_tier()
             self._refill_lost_queues(loaded)
             self._keep_registered_offsets()
             self._write_queue_registry(offsets=True)
@@ -275,6 +278,22 @@ class StoreLoader:
         except TierError as e:
             log.info("tier: %s could not be republished during the open: %s", tier.loc.uri, e)  # (reads say why)
 
+    def _refuse_a_log_behind_its_tier(self) -> None:
+        """Refuse a writable open whose local commitlog ends below the end of the segments its tier holds (the
+        store's files restored from a backup older than the tier): a put would be written at offsets whose
+        records the tier already holds, and once retention trusts the tier for that segment a read returns the
+        tier's message there, not the one acknowledged (data-safety rule: never another message at an offset)."""
+        tier = self.tier
+        if tier is None or tier.error is not None or tier.manifest is None or not tier.manifest.commitlog:
+            return
+        local_end, tier_end = self.commitlog.max_offset(), tier.manifest.end_offset
+        if local_end < tier_end:
+            raise StoreLoadError(f"{self.paths.commitlog}: the local commitlog ends at {local_end}, but the tier "
+                                 f"{tier.loc.uri} holds its segments up to {tier_end} (tier.json generation "
+                                 f"{tier.manifest.generation}): the store's files are older than its tier (restored "
+                                 "from a backup?); new messages would take offsets the tier's records hold.  Put "
+                                 "back the store's newer files, or move the tier aside")
+
     def _unindexed_from(self) -> int:
         """Where the records no index file holds may start, for a rebuild of lost index entries.
 
@@ -370,6 +389,21 @@ class StoreLoader:
             self._quarantine.deletes.append(f.path)
         cq.note_kept_end()  # where the refill (from the tier, then recovery's) takes up the queue
         self.queues_to_rebuild.append(f"{cq.topic}/{cq.queue_id}")
+
+    def _check_kept_end(self, cq: ConsumeQueue) -> None:
+        """Cut the kept units at the end of a queue being rebuilt that are not valid units of their records
+        (data-safety rule 1, a trusted record agrees with its unit): the refill takes up the queue where they
+        end, so a last unit damaged into a later valid-looking offset would have it skip the records before
+        that offset as already placed and write their units blank."""
+        try:
+            cut = drop_mismatched_tail(self.files, cq, through_tier=True)
+        except TierError as e:
+            raise StoreLoadError(f"{self.paths.cq_rebuild}: the rebuild of {cq.topic}/{cq.queue_id} must check "
+                                 f"its last kept unit against the record the tier holds: {e}; a writable open with "
+                                 "the tier reachable finishes it") from None
+        if cut:
+            log.warning("%s-%d: the kept units end in damaged ones; the rebuild takes up the queue at commitlog "
+                        "offset %d", cq.topic, cq.queue_id, cq.max_physic_offset)
 
     def _refill_lost_first_files(self) -> None:
         """Queues whose first units were lost, not expired: their records are still in the commitlog.

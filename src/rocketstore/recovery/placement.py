@@ -124,20 +124,21 @@ def tier_copies(root: str, cfg: StoreConfig, spans: list[Any]) -> int:
             log.warning("%s: the tier's copy of %d bytes at commitlog offset %d cannot be read: %s", s.file,
                         s.length, s.offset, e)
             continue
-        if len(data) == s.length and _trusted_cover(data, s.offset):
+        if len(data) == s.length and _trusted_cover(data, s.offset, seg.base + seg.size):
             s.restored = data
             n += 1
     return n
 
 
-def _trusted_cover(data: bytes, base: int) -> bool:
+def _trusted_cover(data: bytes, base: int, file_end: int) -> bool:
     """Whether ``data`` (the bytes at commitlog offset ``base``) is whole trusted records end to end, or up to
-    a blank end-of-file record."""
+    a blank end-of-file record; such a record only where ``data`` reaches ``file_end``, its segment's end (in
+    the middle of a segment it would end every walk there, hiding the records after it)."""
     pos = 0
     while pos < len(data):
         size, msg, _reason = codec.check(data, pos, len(data), check_crc=True, parsed=True, base=base)
         if size == 0:
-            return True
+            return base + len(data) == file_end
         if size < 0 or msg is None:
             return False
         pos += size

@@ -55,6 +55,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..errors import CorruptRecordError
 from ..format import codec
 from ..storage import mapped_file
 from ..storage.consume_queue import CQ_STORE_UNIT_SIZE
@@ -125,7 +126,7 @@ def recover(files: "StoreFiles", last_exit_ok: bool, refill_from: int | None = N
             # After every unclean start (and at a hole) the queue's last units are checked against their
             # records: a torn page can leave a unit that looks valid with a wrong size or tagsCode.
             holed = cq.rebuild_from is not None
-            cut = _drop_mismatched_tail(files, cq)
+            cut = drop_mismatched_tail(files, cq)
             if cut:
                 tail_cut[cq] = (holed, cut)
         max_cq = max(max_cq, cq.max_physic_offset)
@@ -516,7 +517,7 @@ def queues_with_records_before(files: "StoreFiles", firsts: dict[tuple[str, int]
     return found
 
 
-def _drop_mismatched_tail(files: "StoreFiles", cq) -> list[int]:
+def drop_mismatched_tail(files: "StoreFiles", cq, *, through_tier: bool = False) -> list[int]:
     """Cut the units at the end of ``cq`` that are not valid units of their records; return the commitlog
     offsets they pointed at.
 
@@ -526,6 +527,7 @@ def _drop_mismatched_tail(files: "StoreFiles", cq) -> list[int]:
     a trusted record whose topic, queue id, queue offset, size and tagsCode agree) is zeroed and cut, and
     the queue is rebuilt from the end of the last valid unit: recovery offers every record from there and
     places each at its own queue offset (blank units for any really lost, never an append that shifts).
+    ``through_tier``: units naming records only the tier holds are checked too (reading them there).
     """
     min_phy = files.commitlog.min_offset()
     cut: list[int] = []
@@ -538,7 +540,7 @@ def _drop_mismatched_tail(files: "StoreFiles", cq) -> list[int]:
         if unit is None:
             break
         off, size, tags = unit
-        if size == _BLANK_SIZE or 0 <= off < min_phy:
+        if size == _BLANK_SIZE or 0 <= off < min_phy and not (through_tier and files.commitlog.in_tier(off)):
             break  # a blank unit, or a record retention removed: nothing left to check it against
         why = unit_mismatch(files, cq, idx, off, size, tags)
         if why is None:
@@ -572,14 +574,22 @@ def unit_mismatch(files: "StoreFiles", cq, idx: int, off: int, size: int, tags: 
     its position, BODYCRC) whose topic, queue id, queue offset and size agree with it, that a consume queue
     holds (NOT_TYPE or COMMIT), and whose tagsCode, derived from its TAGS as dispatch derives it, is ``tags``.
     """
-    seg = files.commitlog.queue.find(off) if off >= 0 else None
-    if seg is None:
+    commitlog = files.commitlog
+    seg = commitlog.queue.find(off) if off >= 0 else None
+    if seg is not None:
+        mm, pos, base, room = seg.mm, off - seg.file_from_offset, seg.file_from_offset, commitlog.file_size
+    elif off >= 0 and commitlog.in_tier(off):  # (a TierError, the tier out of reach, is no answer: raised)
+        try:
+            mm, _key = commitlog.tier.reader.record_bytes(off)
+        except CorruptRecordError as e:
+            return f"points at no intact record in the tier ({e})"
+        pos, base, room = 0, off, len(mm)
+    else:
         return f"points at commitlog offset {off}, in no segment"
-    pos = off - seg.file_from_offset
-    if not 0 < size <= files.commitlog.file_size - pos:
+    if not 0 < size <= room - pos:
         return f"has size {size}, which runs past its segment"
     # The one trusted-record check (codec.check with base): a stale copy or a torn tail is no record.
-    total, msg, reason = codec.check(seg.mm, pos, pos + size, check_crc=True, base=seg.file_from_offset)
+    total, msg, reason = codec.check(mm, pos, pos + size, check_crc=True, base=base)
     if msg is None:
         return f"points at no intact record of that size ({reason or 'a blank record'})"
     if total != size:
