@@ -157,6 +157,10 @@ def recover(files: "StoreFiles", last_exit_ok: bool, refill_from: int | None = N
     report.start_offset = start.file_from_offset
     dispatcher = CommitLogDispatcher(files) if writable else None
     check_crc = files.config.checkCRCOnRecover
+    # After a reboot or power loss a record may be torn after its body (no CRC covers its topic and properties):
+    # each record must also have the tail a producer writes (codec.tail_problem).  A crash of the process alone
+    # loses no page, and a clean shutdown flushed everything: there the narrower codec.torn_tail rule stands.
+    strict = report.abnormal and not getattr(files, "process_crash_only", False)
     last_valid = start.file_from_offset if report.abnormal else commitlog.max_offset()
     process = start.file_from_offset
     next_log = time.monotonic() + PROGRESS_INTERVAL_S
@@ -215,7 +219,7 @@ def recover(files: "StoreFiles", last_exit_ok: bool, refill_from: int | None = N
             stop = None
             blank = False
             pos, last, n = 0, -1, 0
-            if min(max_cq, base + file_size) - base >= VECTORISED_MIN_BYTES:
+            if not strict and min(max_cq, base + file_size) - base >= VECTORISED_MIN_BYTES:
                 # First the records the consume queues point at (and hold), checked in vectorised passes.
                 from ..storage import queue_checked
                 pos, last, n = queue_checked.checked_prefix(
@@ -230,7 +234,7 @@ def recover(files: "StoreFiles", last_exit_ok: bool, refill_from: int | None = N
                 # Then record by record: whole runs of valid records, checked without building anything.
                 chunk_end = min(file_size, pos + SCAN_CHUNK)
                 nxt, last, n, wanted = codec.scan_records(mm, pos, chunk_end, file_size, base=base, check_crc=check_crc,
-                                                           held=held, index_from=index_from)
+                                                           held=held, index_from=index_from, strict=strict)
                 if n:
                     if dispatcher is not None:
                         for w in wanted:
@@ -243,7 +247,8 @@ def recover(files: "StoreFiles", last_exit_ok: bool, refill_from: int | None = N
                     if pos >= chunk_end:
                         continue
                 # The record the scan did not accept: the full check says why (or accepts it after all).
-                item = next(codec.walk(mm, pos, file_size, check_crc=check_crc, parsed=True, base=base), None)
+                item = next(codec.walk(mm, pos, file_size, check_crc=check_crc, parsed=True, base=base,
+                                       strict=strict), None)
                 if item is None:  # all-zero bytes: the end of written data
                     break
                 _, size, parsed, reason = item
@@ -288,6 +293,8 @@ def recover(files: "StoreFiles", last_exit_ok: bool, refill_from: int | None = N
             index_from = index.resume_offset() if report.abnormal else max(index.resume_offset(), max_cq + 1)
         for cq in before:
             cq.gap_at = None
+    if writable and report.stopped_because is not None:
+        _refuse_to_cut_a_written_record(files, process, report)
     if writable and (report.stopped_because is not None or max_cq > process):
         if not report.abnormal:
             _refuse_to_cut_intact_records(files, process, max_cq, report)
@@ -369,6 +376,37 @@ def _next_offsets_past_records(files: "StoreFiles", seen_qoff: dict[tuple[str, i
                   "new messages take queue offsets from %d", key[0], key[1], have, qoff, qoff + 1)
         files.topic_queue_table[key] = qoff + 1
         cq.pad_gaps = True
+
+
+def _refuse_to_cut_a_written_record(files: "StoreFiles", process: int, report: RecoveryReport) -> None:
+    """Refuse to truncate at a record whose header and body are intact (only its tail failed a check) when it
+    reached the disk whole: after a clean shutdown (everything was flushed), or after a power loss when its store
+    time is before the checkpoint's physicMsgTimestamp (a thorough flush that began after it covered it).  Its
+    damage is then the disk's, not a torn write, and the record may have been acknowledged as durable.
+
+    A crash of the process alone may leave a record it was writing with its tail unwritten (never
+    acknowledged): that is cut.  A store time equal to physicMsgTimestamp does not tell (a record of the same
+    millisecond may have come after the flush began): the record is taken for a torn write.
+    """
+    f = files.commitlog.queue.find(process)
+    pos = None if f is None else process - f.file_from_offset
+    ts = None if f is None else codec.intact_head(f.mm, pos, files.commitlog.file_size, f.file_from_offset)
+    if ts is None:
+        return
+    if not report.abnormal:
+        because = "the store was shut down cleanly (every record was flushed)"
+    elif getattr(files, "process_crash_only", False):
+        return
+    else:
+        flushed = files.checkpoint.physicMsgTimestamp
+        if not 0 < ts < flushed:
+            return
+        because = (f"its store time {ts} is before the checkpoint's physicMsgTimestamp {flushed}: it was flushed "
+                   f"before the power loss, so its damage is no torn write")
+    raise CommitLogDamagedError(f"{report.stopped_because}: the record at commitlog offset {process} ({f.path} at file "
+                                f"position {pos}) has an intact header and body, and {because}; recovery would "
+                                f"truncate the log at {process} and lose it. No commitlog byte was changed: run "
+                                f"`rocketstore verify {files.root} --repair`")
 
 
 def _refuse_to_cut_intact_records(files: "StoreFiles", process: int, max_cq: int, report: RecoveryReport) -> None:
