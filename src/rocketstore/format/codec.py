@@ -163,7 +163,8 @@ def parse_properties(s: str) -> dict[str, str]:
 
 
 # What producers write (messageProperties2String): ``name 0x01 value 0x02`` pairs, a name never empty, no zero byte.
-_PROPERTIES_SHAPE = re.compile(rb"(?:[^\x00-\x02]+\x01[^\x00\x02]*\x02)*")
+# (possessive: nothing to backtrack into; about 0.5 us for a client message's 80 bytes)
+_PROPERTIES_SHAPE = re.compile(rb"(?:[^\x00-\x02]++\x01[^\x00\x02]*+\x02)*+")
 
 
 def properties_problem(props: bytes) -> str | None:

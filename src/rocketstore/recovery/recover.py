@@ -36,14 +36,17 @@ hole and rebuilt from the CommitLog.
 
 Unlike RocketMQ, a record is accepted only if its PHYSICALOFFSET field equals
 its position, so stale bytes in a reused segment never come back as messages.
-After a reboot or power loss a record must also have the topic and properties a
-producer writes (:func:`codec.tail_problem`): BODYCRC stops at the body, and a
-sector lost from the tail (zeros, or bytes an earlier write left) passes every
-other check.  Such a record past the checkpoint's flushed point is the torn end
-of the log; one with an intact header and body that the checkpoint counts as
-flushed (store time before physicMsgTimestamp), or any after a clean shutdown,
-is disk damage: the open refuses, naming the file and offset, and changes no
-commitlog byte (RocketMQ has the same hole without enabledAppendPropCRC).
+After a reboot or power loss every record re-checked must also have the topic
+and properties a producer writes (:func:`codec.tail_problem`): BODYCRC stops at
+the body, and a sector lost from the tail (zeros, or bytes an earlier write
+left) passes every other check.  Past the checkpoint's flushed point such a
+record is the torn end of the log, cut as above.  When the check stops at a
+record whose header and body are intact and whose store time is before
+physicMsgTimestamp, the record reached the disk whole and the damage is the
+disk's: the open refuses, naming the file and offset, and changes no commitlog
+byte; after a clean shutdown (everything flushed; the narrower
+:func:`codec.torn_tail` rule) likewise.  RocketMQ has this hole without
+enabledAppendPropCRC.
 
 Each segment is checked in three tiers, each taking over where the one before
 stops: :func:`queue_checked.checked_prefix` checks the run of records the
