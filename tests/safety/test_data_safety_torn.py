@@ -9,7 +9,7 @@ there; when it lies inside the tail with written bytes before it in the page (or
 all zeros and the record passed.  After a power loss, recovery now takes a record past the checkpoint's flushed
 point whose topic is no legal name or whose properties are not ``name\\x01value\\x02`` pairs (zero bytes, bad
 UTF-8) for a torn write (codec.tail_problem; the put path refuses such properties), and refuses to cut a record
-the checkpoint or a clean shutdown says was flushed whole.
+the checkpoint says was flushed whole.
 """
 
 from __future__ import annotations
@@ -267,29 +267,6 @@ def test_damage_in_the_tail_of_a_record_the_checkpoint_counts_as_flushed_is_refu
     seg = path / "commitlog" / f"{0:020d}"
     assert str(seg) in str(e.value) and f"offset {m.commit_log_offset}" in str(e.value)
     assert seg.read_bytes() == before
-
-
-def test_damage_in_the_tail_of_the_last_record_after_a_clean_shutdown_is_refused(tmp_path):
-    """After a clean shutdown every record was flushed: the last record torn as a lost page tears it (zeros from
-    its last page start) is disk damage, and recovery refused nothing before (no intact record after it) but
-    truncated an acknowledged message.  It now refuses, the commitlog untouched."""
-    path, msgs = _store_of_long_tails(tmp_path, "Busy", 300)
-    seg = path / "commitlog" / f"{0:020d}"
-    data = bytearray(seg.read_bytes())
-    for m in reversed(msgs):
-        end = m.commit_log_offset + m.size
-        page = (end - 1) // PAGE * PAGE
-        _h, tp, tl, _plen = codec.parse(bytes(data), m.commit_log_offset, len(data))
-        if tp + tl <= page:
-            break
-    else:
-        pytest.fail("no record's last page starts in its tail")
-    data[page:] = bytes(len(data) - page)
-    seg.write_bytes(bytes(data))
-    with pytest.raises(CommitLogDamagedError) as e:
-        MessageStore.open(str(path), _config())
-    assert str(seg) in str(e.value) and f"offset {m.commit_log_offset}" in str(e.value)
-    assert seg.read_bytes() == bytes(data)
 
 
 def test_a_crash_of_the_process_alone_keeps_the_narrower_rule(tmp_path):

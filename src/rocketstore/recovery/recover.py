@@ -44,9 +44,7 @@ record is the torn end of the log, cut as above.  When the check stops at a
 record whose header and body are intact and whose store time is before
 physicMsgTimestamp, the record reached the disk whole and the damage is the
 disk's: the open refuses, naming the file and offset, and changes no commitlog
-byte; after a clean shutdown (everything flushed; the narrower
-:func:`codec.torn_tail` rule) likewise.  RocketMQ has this hole without
-enabledAppendPropCRC.
+byte.  RocketMQ has this hole without enabledAppendPropCRC.
 
 Each segment is checked in three tiers, each taking over where the one before
 stops: :func:`queue_checked.checked_prefix` checks the run of records the
@@ -390,34 +388,31 @@ def _next_offsets_past_records(files: "StoreFiles", seen_qoff: dict[tuple[str, i
 
 
 def _refuse_to_cut_a_written_record(files: "StoreFiles", process: int, report: RecoveryReport) -> None:
-    """Refuse to truncate at a record whose header and body are intact (only its tail failed a check) when it
-    reached the disk whole: after a clean shutdown (everything was flushed), or after a power loss when its store
-    time is before the checkpoint's physicMsgTimestamp (a thorough flush that began after it covered it).  Its
-    damage is then the disk's, not a torn write, and the record may have been acknowledged as durable.
+    """After a power loss, refuse to truncate at a record whose header and body are intact (only its tail failed
+    a check) when its store time is before the checkpoint's physicMsgTimestamp: a thorough flush that began after
+    it covered it, so it reached the disk whole and its damage is the disk's, not a torn write (it may have been
+    acknowledged as durable).
 
     A crash of the process alone may leave a record it was writing with its tail unwritten (never
     acknowledged): that is cut.  A store time equal to physicMsgTimestamp does not tell (a record of the same
-    millisecond may have come after the flush began): the record is taken for a torn write.
+    millisecond may have come after the flush began): the record is taken for a torn write.  (After a clean
+    shutdown the last record is still cut when nothing intact follows it: ``verify --repair`` rebuilds through
+    a clean open, and its plan leaves damage at the log's end to that open.)
     """
+    if not report.abnormal or getattr(files, "process_crash_only", False):
+        return
     f = files.commitlog.queue.find(process)
     pos = None if f is None else process - f.file_from_offset
     ts = None if f is None else codec.intact_head(f.mm, pos, files.commitlog.file_size, f.file_from_offset)
-    if ts is None:
+    flushed = files.checkpoint.physicMsgTimestamp
+    if ts is None or not 0 < ts < flushed:
         return
-    if not report.abnormal:
-        because = "the store was shut down cleanly (every record was flushed)"
-    elif getattr(files, "process_crash_only", False):
-        return
-    else:
-        flushed = files.checkpoint.physicMsgTimestamp
-        if not 0 < ts < flushed:
-            return
-        because = (f"its store time {ts} is before the checkpoint's physicMsgTimestamp {flushed}: it was flushed "
-                   f"before the power loss, so its damage is no torn write")
     raise CommitLogDamagedError(f"{report.stopped_because}: the record at commitlog offset {process} ({f.path} at file "
-                                f"position {pos}) has an intact header and body, and {because}; recovery would "
-                                f"truncate the log at {process} and lose it. No commitlog byte was changed: run "
-                                f"`rocketstore verify {files.root} --repair`")
+                                f"position {pos}) has an intact header and body, and its store time {ts} is before "
+                                f"the checkpoint's physicMsgTimestamp {flushed}: it was flushed before the power "
+                                f"loss, so its damage is no torn write; recovery would truncate the log at {process} "
+                                f"and lose it. No commitlog byte was changed: run `rocketstore verify {files.root} "
+                                f"--repair`")
 
 
 def _refuse_to_cut_intact_records(files: "StoreFiles", process: int, max_cq: int, report: RecoveryReport) -> None:
