@@ -972,10 +972,9 @@ def intact_head(buf: Any, pos: int, limit: int, base: int) -> int | None:
     if magic not in (MAGIC_V1, MAGIC_V2) or phy != base + pos or not header.size <= total <= limit - pos or \
             not 0 <= blen <= total - header.size:
         return None
-    if blen:
-        with memoryview(buf) as mv:
-            if _crc32(mv[b:b + blen]) & 0x7FFFFFFF != crc:
-                return None
+    with memoryview(buf) as mv:  # (an empty body's BODYCRC is 0: a header zeroed from its BODYLENGTH on fails)
+        if _crc32(mv[b:b + blen]) & 0x7FFFFFFF != crc:
+            return None
     return h[11]
 
 
