@@ -96,6 +96,7 @@ def test_send_validation_codes(stub):
         (send_req(tag=" "), C.ILLEGAL_MESSAGE_TAG),
         (send_req(props={"KEYS": "x"}), C.ILLEGAL_MESSAGE_PROPERTY_KEY),
         (send_req(props={"UNIQ_KEY": "x"}), C.ILLEGAL_MESSAGE_PROPERTY_KEY),
+        (send_req(props={"k": "a\x00b"}), C.ILLEGAL_MESSAGE_PROPERTY_KEY),  # the store refuses a zero byte
         (send_req(message_group="g", message_type=pb.MessageType.FIFO), C.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE),
         (send_req(topic="Ordered", message_type=pb.MessageType.NORMAL), C.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE),
         (send_req(topic="Ordered", message_type=pb.MessageType.FIFO), C.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE),

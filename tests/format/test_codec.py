@@ -63,7 +63,8 @@ def test_parse_properties_is_tolerant_like_java():
 hosts = st.one_of(
     st.tuples(st.binary(min_size=4, max_size=4), st.integers(0, 65535)),
     st.tuples(st.binary(min_size=16, max_size=16), st.integers(0, 65535)))
-prop_text = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x01\x02"),
+# (no zero byte: the put path refuses one, as recovery after a power loss would take it for a torn write)
+prop_text = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00\x01\x02"),
                     min_size=1, max_size=20)
 
 

@@ -33,6 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rocketstore import Message, MessageStore, PutMessageStatus, StoreConfig  # noqa: E402
 
 PAGE = 4096
+SECTOR = 512
+SECTOR_TEAR = 0.3  # of the later pages a power-loss image keeps, the share written only in part (sector by sector)
 DIRSYNC = ".dirsync"  # under the shadow: the entries of each directory as of its last fsync
 # (topic, queue id, weight): busy queues, quiet ones (a few messages: their consume-queue file is rarely flushed)
 QUEUES = [("Busy", 0, 10.0), ("Busy", 1, 8.0), ("Busy", 2, 4.0), ("Quiet", 0, 0.6), ("Quiet", 3, 0.4),
@@ -272,7 +274,14 @@ def crash_image_pages(live: Path, shadow: Path, dest: Path, rng: random.Random, 
     """The directory a power cut leaves: each file as of its last sync (never-synced: zeros of its length), plus
     each later-written 4 KiB page kept with probability ``keep`` (the kernel wrote some dirty pages back on its own).
     With ``dir_entries``, a file whose name is in no listing of its directory as of that directory's last fsync
-    vanishes unless a coin says its entry reached the disk anyway.  Returns each file's fate."""
+    vanishes unless a coin says its entry reached the disk anyway.  Returns each file's fate.
+
+    A kept page is torn (``SECTOR_TEAR`` of them): each of its 512-byte sectors is the new one or the synced one by
+    a coin, as when the cut comes while the disk writes the page (a sector is the unit a disk writes whole): a
+    record's tail then holds zeros or older bytes with written bytes before and after it in the page.  Those coins
+    come from their own generator, seeded from ``rng``'s state without drawing from it, so the steps a seed
+    replays are the ones it had before sector tears were modelled."""
+    sectors = random.Random(repr(rng.getstate()[1][:16]))
     fate: dict[str, str] = {}
     listings: dict[str, set[str]] = {}
     dsd = shadow / DIRSYNC
@@ -303,15 +312,22 @@ def crash_image_pages(live: Path, shadow: Path, dest: Path, rng: random.Random, 
             out = bytearray(base)
             if len(data) > len(out) and rng.random() < keep:
                 out.extend(bytes(len(data) - len(out)))  # the file's new size reached the disk
-            kept = 0
+            kept = torn = 0
             for pos in range(0, min(len(out), len(data)), PAGE):
                 if data[pos:pos + PAGE] != out[pos:pos + PAGE] and rng.random() < keep:
-                    out[pos:pos + PAGE] = data[pos:pos + PAGE]
-                    kept += 1
+                    if sectors.random() < SECTOR_TEAR:  # the cut came while the disk wrote the page's sectors
+                        for s in range(pos, min(pos + PAGE, len(out), len(data)), SECTOR):
+                            if sectors.random() < 0.5:
+                                out[s:s + SECTOR] = data[s:s + SECTOR]
+                        torn += 1
+                    else:
+                        out[pos:pos + PAGE] = data[pos:pos + PAGE]
+                        kept += 1
             o = dest / rel
             o.parent.mkdir(parents=True, exist_ok=True)
             o.write_bytes(bytes(out))
-            fate[rel] = ("synced" if synced.is_file() else "zeroed") + (f"+{kept}p" if kept else "")
+            fate[rel] = ("synced" if synced.is_file() else "zeroed") + (f"+{kept}p" if kept else "") + \
+                (f"+{torn}t" if torn else "")
     return fate
 
 

@@ -193,7 +193,10 @@ def test_a_record_with_damaged_topic_bytes_is_left_out_of_the_queues_not_the_sto
     os.unlink(path / "consumequeue" / ("A" * 100) / "0" / f"{0:020d}")
     os.rmdir(path / "consumequeue" / ("A" * 100) / "0")
     os.rmdir(path / "consumequeue" / ("A" * 100))
-    (path / "abort").write_text("1")  # recovery re-dispatches every record
+    # Recovery re-dispatches every record.  A crash of the process alone: after a reboot the damaged tail of a
+    # record the checkpoint counts as flushed is refused instead (tests/safety/test_data_safety_torn.py).
+    from helpers.powerloss import process_crashed
+    process_crashed(path)
     with caplog.at_level(logging.ERROR, logger="rocketstore.services.dispatch"):
         with MessageStore.open(str(path), cfg) as store:
             assert [k for k in store.queue_keys()] == [("Good", 0)]

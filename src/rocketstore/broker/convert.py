@@ -193,7 +193,7 @@ def validate(m, sp, message_id: str, max_body: int,
         for k, v in up.items():
             if not k or k in RESERVED or _has_control(k):
                 raise BadMessage(Code.ILLEGAL_MESSAGE_PROPERTY_KEY, f"property name {k[:40]!r} is reserved or malformed")
-            if "\x01" in v or "\x02" in v:
+            if "\x00" in v or "\x01" in v or "\x02" in v:  # (a zero byte: the store refuses it, see codec.tail_problem)
                 raise BadMessage(Code.ILLEGAL_MESSAGE_PROPERTY_KEY, f"property {k[:40]!r} has a control character value")
     born = 0
     if has("born_timestamp"):

@@ -24,6 +24,7 @@ import base64
 import functools
 import ipaddress
 import operator
+import re
 import struct
 import zlib
 from itertools import islice
@@ -54,6 +55,9 @@ SYSFLAG_STOREHOST_V6 = 0x20
 PROPERTY_NAME_VALUE_SEPARATOR = "\x01"
 PROPERTY_SEPARATOR = "\x02"
 MAX_PROPERTIES_BYTES = 32767
+# RocketMQ's TopicValidator pattern ^[%|a-zA-Z0-9_-]+$; a topic also names its consume-queue directory.
+LEGAL_TOPIC_BYTES = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789%|-_"
+MAX_TOPIC_BYTES = 255
 SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"
 DELAY_LEVELS_MS = (1000, 5000, 10000, 30000, 60000, 120000, 180000, 240000, 300000,
                    360000, 420000, 480000, 540000, 600000, 1200000, 1800000, 3600000, 7200000)
@@ -156,6 +160,27 @@ def parse_properties(s: str) -> dict[str, str]:
         if 0 < k < len(seg) - 1:
             out[seg[:k]] = seg[k + 1:]
     return out
+
+
+# What producers write (messageProperties2String): ``name 0x01 value 0x02`` pairs, a name never empty, no zero byte.
+# (possessive: nothing to backtrack into; about 0.5 us for a client message's 80 bytes)
+_PROPERTIES_SHAPE = re.compile(rb"(?:[^\x00-\x02]++\x01[^\x00\x02]*+\x02)*+")
+
+
+def properties_problem(props: bytes) -> str | None:
+    """Why a PROPERTIES string is not one a producer writes, or None when it is.
+
+    The put path refuses such a string (MessageEncoder.encode), so a record that
+    holds one was damaged after its body (no CRC covers the properties): recovery
+    takes it, past the checkpoint's flushed point after a power loss, for a torn
+    write (:func:`tail_problem`).  Records of other writers (RocketMQ, tools) may
+    hold anything: readers parse them as Java does.
+    """
+    if _PROPERTIES_SHAPE.fullmatch(props) is not None:
+        return None
+    if 0 in props:
+        return f"properties hold a zero byte (at {props.index(0)} of {len(props)})"
+    return "properties are not name\\x01value\\x02 pairs"
 
 
 def _hashmap_capacity(n: int, initial: int) -> int:
@@ -803,7 +828,7 @@ def unit_run_head(topic_bytes: bytes) -> bytes | None:
 
 
 def check(buf: Any, pos: int, limit: int, *, check_crc: bool, read_body: bool = False,
-          parsed: bool = False, base: int | None = None) -> tuple[int, Any, str | None]:
+          parsed: bool = False, base: int | None = None, strict: bool = False) -> tuple[int, Any, str | None]:
     """RocketMQ's checkMessageAndReturnSize as ``(size, message, reason)``.
 
     ``size > 0`` with a message: a valid record.  ``size == 0``: a blank record
@@ -816,7 +841,8 @@ def check(buf: Any, pos: int, limit: int, *, check_crc: bool, read_body: bool = 
     ``base + pos``.  Bytes that decode (CRC included) at another position are a
     stale copy of the record that was written there (a torn or misdirected
     write), not a message: ``(-1, None, reason)``.  Every walk that hands out
-    messages passes ``base``.
+    messages passes ``base``.  ``strict`` (with ``base``): the topic and properties must also be what a
+    producer writes (:func:`tail_problem`), as recovery requires of the records a power loss may have torn.
     """
     if limit - pos <= 4:
         return -1, None, "no record header before the readable end"
@@ -844,6 +870,10 @@ def check(buf: Any, pos: int, limit: int, *, check_crc: bool, read_body: bool = 
         torn = torn_tail(buf, pos, pos + total, base)
         if torn is not None:
             return -1, None, torn_reason(torn, base + pos + total)
+        if strict:
+            why = tail_problem(buf, pos, pos + total)
+            if why is not None:
+                return -1, None, tail_reason(why, base + pos)
     return total, msg, None
 
 
@@ -876,7 +906,7 @@ def torn_tail(buf: Any, pos: int, end: int, base: int) -> int | None:
     tail = body + _INT.unpack_from(buf, body - 4)[0]  # topic length field: CRC coverage ends here
     if page < tail or buf[page:end].count(0) != end - page:
         return None
-    if _INT.unpack_from(buf, pos + 4)[0] == MAGIC_V2:
+    if _UINT.unpack_from(buf, pos + 4)[0] == MAGIC_V2:
         props = tail + 2 + _SHORT.unpack_from(buf, tail)[0]
     else:
         props = tail + 1 + buf[tail]
@@ -890,8 +920,72 @@ def torn_reason(at: int, end: int) -> str:
             "a write a power loss cut short (no CRC covers the topic and properties)")
 
 
+def tail_problem(buf: Any, pos: int, end: int) -> str | None:
+    """Why the topic or properties of the record at ``pos`` (ending at ``end``, its lengths already checked)
+    are not what a producer writes, or None.
+
+    BODYCRC stops at the body: a power cut that loses a sector or page of the
+    tail (zeros, or the bytes an earlier write left there) while the pages of
+    the header and body reach the disk leaves a record every other check
+    accepts.  The put path writes only a legal topic (letters, digits, ``%|-_``,
+    at most 255 bytes) and properties :func:`properties_problem` accepts, as
+    UTF-8, so anything else in a record written after the checkpoint's flushed
+    point is such a tear.  (:func:`torn_tail` is the narrower rule every
+    reader applies.)
+    """
+    sys_flag = _INT.unpack_from(buf, pos + _SYSFLAG_POS)[0]
+    body = pos + 88 + _V6_EXTRA[sys_flag & 0x30]
+    t = body + _INT.unpack_from(buf, body - 4)[0]  # the topic length field
+    if _UINT.unpack_from(buf, pos + 4)[0] == MAGIC_V2:
+        tl = _SHORT.unpack_from(buf, t)[0]
+        t += 2
+    else:
+        tl = buf[t]
+        t += 1
+    topic = bytes(buf[t:t + tl])
+    if not topic or topic.translate(None, LEGAL_TOPIC_BYTES) or tl > MAX_TOPIC_BYTES:
+        return f"topic {topic[:40]!r} is not a legal topic name"
+    props = bytes(buf[t + tl + 2:end])
+    why = properties_problem(props)
+    if why is None and not props.isascii():
+        try:
+            props.decode("utf-8")
+        except UnicodeDecodeError as e:
+            why = f"properties are not UTF-8 ({e.reason} at {e.start})"
+    return why
+
+
+def intact_head(buf: Any, pos: int, limit: int, base: int) -> int | None:
+    """STORETIMESTAMP of the record at ``pos`` when its header and body are intact (magic, size in bounds,
+    PHYSICALOFFSET equal to its position, BODYCRC) whatever its topic and properties hold; None otherwise.
+
+    Such a record was written whole once: when recovery stops at it, its store time says whether the
+    checkpoint counts it as flushed (then the damage is the disk's, not a torn write).
+    """
+    try:
+        header = _HEADERS[buf[pos + _SYSFLAG_POS + 3] & 0x30]
+        h = header.unpack_from(buf, pos)
+    except (IndexError, struct.error):
+        return None
+    total, magic, crc, phy, blen = h[0], h[1], h[2], h[6], h[16]
+    b = pos + header.size
+    if magic not in (MAGIC_V1, MAGIC_V2) or phy != base + pos or not header.size <= total <= limit - pos or \
+            not 0 <= blen <= total - header.size:
+        return None
+    with memoryview(buf) as mv:  # (an empty body's BODYCRC is 0: a header zeroed from its BODYLENGTH on fails)
+        if _crc32(mv[b:b + blen]) & 0x7FFFFFFF != crc:
+            return None
+    return h[11]
+
+
+def tail_reason(why: str, offset: int) -> str:
+    return (f"damaged record tail at commitlog offset {offset}: {why}; no CRC covers the topic and properties "
+            "(a write a power loss cut short)")
+
+
 def walk(buf: Any, pos: int, limit: int, *, check_crc: bool, read_body: bool = False,
-         parsed: bool = False, base: int | None = None) -> Iterator[tuple[int, int, Any, str | None]]:
+         parsed: bool = False, base: int | None = None, strict: bool = False
+         ) -> Iterator[tuple[int, int, Any, str | None]]:
     """Records of one segment from ``pos`` as (position, size, message, problem), per :func:`check`.
 
     Ends after a blank record (size 0), or after the first record that is not
@@ -901,10 +995,11 @@ def walk(buf: Any, pos: int, limit: int, *, check_crc: bool, read_body: bool = F
     ``base`` (the commitlog offset of ``buf[0]``): accept only trusted records,
     whose PHYSICALOFFSET is their position (see :func:`check`); a walk that hands
     out messages must pass it, or a stale copy of a record reads as a second message.
+    ``strict``: also :func:`tail_problem` (see :func:`check`).
     """
     while pos < limit:
         size, msg, reason = check(buf, pos, limit, check_crc=check_crc, read_body=read_body, parsed=parsed,
-                                  base=base)
+                                  base=base, strict=strict)
         if msg is None and size != 0 and buf[pos:pos + 8] == _ZERO8:
             return
         yield pos, size, msg, reason
@@ -949,7 +1044,7 @@ NO_INDEX = 1 << 63
 
 def scan_records(buf: Any, pos: int, stop: int, limit: int, *, base: int, check_crc: bool,
                  held: Mapping[tuple[bytes, int], int] | None = None,
-                 index_from: int = NO_INDEX) -> tuple[int, int, int, list[int]]:
+                 index_from: int = NO_INDEX, strict: bool = False) -> tuple[int, int, int, list[int]]:
     """Recovery's hot loop: accept the valid records from ``pos`` while they start before ``stop``.
 
     A record is accepted only where :func:`walk` (``parsed=True``) would accept
@@ -967,6 +1062,7 @@ def scan_records(buf: Any, pos: int, stop: int, limit: int, *, base: int, check_
     queue id)`` is missing from ``held`` or whose end passes the offset held
     there (a consume queue's max physical offset); ``held=None`` asks for
     none of those.  ``buf`` must slice to ``bytes`` (an ``mmap`` or ``bytes``).
+    ``strict``: as :func:`walk`'s (recovery after a power loss).
     """
     up = _SCAN.unpack_from
     short_at = _SHORT.unpack_from
@@ -1010,6 +1106,8 @@ def scan_records(buf: Any, pos: int, stop: int, limit: int, *, base: int, check_
             page = (base + end - 1) // PAGE_SIZE * PAGE_SIZE - base
             if page >= p and page > pos and torn_tail(buf, pos, end, base) is not None:
                 break  # (walk gives the reason)
+            if strict and tail_problem(buf, pos, end) is not None:
+                break
             txn = sf & TRANSACTION_MASK
             if txn == TRANSACTION_NOT_TYPE or txn == TRANSACTION_COMMIT:
                 topic = buf[t:q]
@@ -1091,8 +1189,6 @@ def encode_with_tail(topic: tuple[bytes, int, bytes], body: bytes, props: bytes,
     """The shared encoder; ``topic`` comes from :func:`topic_tail` (callers cache it per topic)."""
     if len(props) > MAX_PROPERTIES_BYTES:
         raise PropertiesTooLarge(f"properties are {len(props)} bytes, more than {MAX_PROPERTIES_BYTES}")
-    if props and props[-1] == 0:  # such a record could read as torn by a power cut (torn_tail)
-        raise RecordError("properties string ends with a zero byte (RocketMQ ends each property with \\x02)")
     blen = len(body)
     if blen > max_message_size:
         raise MessageTooLarge(f"body is {blen} bytes, more than maxMessageSize {max_message_size}")

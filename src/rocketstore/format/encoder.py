@@ -86,6 +86,11 @@ class MessageEncoder:
             props = codec.properties_to_string(properties).encode("utf-8") if properties else b""
         else:
             props = m.build_properties().encode("utf-8")
+        if props:  # never a record recovery after a power loss would take for a torn write (codec.tail_problem)
+            why = codec.properties_problem(props)
+            if why is not None:
+                raise codec.RecordError(f"{why}: a torn write could not be told from this (RocketMQ writes "
+                                        "name\\x01value\\x02 pairs, no zero byte)")
         born_addr, born_port = LOCALHOST if born_host is None else host_tuple(born_host)
         store_addr, store_port = DEFAULT_STORE_HOST if store_host is None else host_tuple(store_host)
         if sys_flag & 0x30 or len(born_addr) != 4 or len(store_addr) != 4:

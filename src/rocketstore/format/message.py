@@ -322,8 +322,8 @@ def parse_tag_filter(expr: str | None) -> set[int] | None:
     return {codec.java_hash(t.strip()) for t in expr.split("||") if t.strip()}
 
 
-_TOPIC_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789%|-_")
-NAME_MAX = 255  # bytes in one file name: a topic names its consume-queue directory
+_TOPIC_CHARS = frozenset(codec.LEGAL_TOPIC_BYTES.decode("ascii"))  # (recovery's codec.tail_problem: the same)
+NAME_MAX = codec.MAX_TOPIC_BYTES  # bytes in one file name: a topic names its consume-queue directory
 
 
 def illegal_topic(topic: object) -> str | None:

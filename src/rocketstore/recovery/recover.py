@@ -36,6 +36,15 @@ hole and rebuilt from the CommitLog.
 
 Unlike RocketMQ, a record is accepted only if its PHYSICALOFFSET field equals
 its position, so stale bytes in a reused segment never come back as messages.
+After a reboot or power loss every record re-checked must also have the topic
+and properties a producer writes (:func:`codec.tail_problem`): BODYCRC stops at
+the body, and a sector lost from the tail (zeros, or bytes an earlier write
+left) passes every other check.  Past the checkpoint's flushed point such a
+record is the torn end of the log, cut as above.  When the check stops at a
+record whose header and body are intact and whose store time is before
+physicMsgTimestamp, the record reached the disk whole and the damage is the
+disk's: the open refuses, naming the file and offset, and changes no commitlog
+byte.  RocketMQ has this hole without enabledAppendPropCRC.
 
 Each segment is checked in three tiers, each taking over where the one before
 stops: :func:`queue_checked.checked_prefix` checks the run of records the
@@ -158,6 +167,10 @@ def recover(files: "StoreFiles", last_exit_ok: bool, refill_from: int | None = N
     report.start_offset = start.file_from_offset
     dispatcher = CommitLogDispatcher(files) if writable else None
     check_crc = files.config.checkCRCOnRecover
+    # After a reboot or power loss a record may be torn after its body (no CRC covers its topic and properties):
+    # each record must also have the tail a producer writes (codec.tail_problem).  A crash of the process alone
+    # loses no page, and a clean shutdown flushed everything: there the narrower codec.torn_tail rule stands.
+    strict = report.abnormal and not getattr(files, "process_crash_only", False)
     last_valid = start.file_from_offset if report.abnormal else commitlog.max_offset()
     process = start.file_from_offset
     next_log = time.monotonic() + PROGRESS_INTERVAL_S
@@ -216,7 +229,7 @@ def recover(files: "StoreFiles", last_exit_ok: bool, refill_from: int | None = N
             stop = None
             blank = False
             pos, last, n = 0, -1, 0
-            if min(max_cq, base + file_size) - base >= VECTORISED_MIN_BYTES:
+            if not strict and min(max_cq, base + file_size) - base >= VECTORISED_MIN_BYTES:
                 # First the records the consume queues point at (and hold), checked in vectorised passes.
                 from ..storage import queue_checked
                 pos, last, n = queue_checked.checked_prefix(
@@ -231,7 +244,7 @@ def recover(files: "StoreFiles", last_exit_ok: bool, refill_from: int | None = N
                 # Then record by record: whole runs of valid records, checked without building anything.
                 chunk_end = min(file_size, pos + SCAN_CHUNK)
                 nxt, last, n, wanted = codec.scan_records(mm, pos, chunk_end, file_size, base=base, check_crc=check_crc,
-                                                           held=held, index_from=index_from)
+                                                           held=held, index_from=index_from, strict=strict)
                 if n:
                     if dispatcher is not None:
                         for w in wanted:
@@ -244,7 +257,8 @@ def recover(files: "StoreFiles", last_exit_ok: bool, refill_from: int | None = N
                     if pos >= chunk_end:
                         continue
                 # The record the scan did not accept: the full check says why (or accepts it after all).
-                item = next(codec.walk(mm, pos, file_size, check_crc=check_crc, parsed=True, base=base), None)
+                item = next(codec.walk(mm, pos, file_size, check_crc=check_crc, parsed=True, base=base,
+                                       strict=strict), None)
                 if item is None:  # all-zero bytes: the end of written data
                     break
                 _, size, parsed, reason = item
@@ -289,6 +303,8 @@ def recover(files: "StoreFiles", last_exit_ok: bool, refill_from: int | None = N
             index_from = index.resume_offset() if report.abnormal else max(index.resume_offset(), max_cq + 1)
         for cq in before:
             cq.gap_at = None
+    if writable and report.stopped_because is not None:
+        _refuse_to_cut_a_written_record(files, process, report)
     if writable and (report.stopped_because is not None or max_cq > process):
         if not report.abnormal:
             _refuse_to_cut_intact_records(files, process, max_cq, report)
@@ -383,6 +399,34 @@ def _next_offsets_past_records(files: "StoreFiles", seen_qoff: dict[tuple[str, i
                   "new messages take queue offsets from %d", key[0], key[1], have, qoff, qoff + 1)
         files.topic_queue_table[key] = qoff + 1
         cq.pad_gaps = True
+
+
+def _refuse_to_cut_a_written_record(files: "StoreFiles", process: int, report: RecoveryReport) -> None:
+    """After a power loss, refuse to truncate at a record whose header and body are intact (only its tail failed
+    a check) when its store time is before the checkpoint's physicMsgTimestamp: a thorough flush that began after
+    it covered it, so it reached the disk whole and its damage is the disk's, not a torn write (it may have been
+    acknowledged as durable).
+
+    A crash of the process alone may leave a record it was writing with its tail unwritten (never
+    acknowledged): that is cut.  A store time equal to physicMsgTimestamp does not tell (a record of the same
+    millisecond may have come after the flush began): the record is taken for a torn write.  (After a clean
+    shutdown the last record is still cut when nothing intact follows it: ``verify --repair`` rebuilds through
+    a clean open, and its plan leaves damage at the log's end to that open.)
+    """
+    if not report.abnormal or getattr(files, "process_crash_only", False):
+        return
+    f = files.commitlog.queue.find(process)
+    pos = None if f is None else process - f.file_from_offset
+    ts = None if f is None else codec.intact_head(f.mm, pos, files.commitlog.file_size, f.file_from_offset)
+    flushed = files.checkpoint.physicMsgTimestamp
+    if ts is None or not 0 < ts < flushed:
+        return
+    raise CommitLogDamagedError(f"{report.stopped_because}: the record at commitlog offset {process} ({f.path} at file "
+                                f"position {pos}) has an intact header and body, and its store time {ts} is before "
+                                f"the checkpoint's physicMsgTimestamp {flushed}: it was flushed before the power "
+                                f"loss, so its damage is no torn write; recovery would truncate the log at {process} "
+                                f"and lose it. No commitlog byte was changed: run `rocketstore verify {files.root} "
+                                f"--repair`")
 
 
 def _refuse_to_cut_intact_records(files: "StoreFiles", process: int, max_cq: int, report: RecoveryReport) -> None:
