@@ -1,0 +1,78 @@
+"""The lone-producer put path of the group commit (services/group_commit.py ``_write_alone``) attacked with a
+second producer that arrives while the lone one's fdatasync fails.
+
+Linux reports a writeback error to one fdatasync and marks the pages clean: the next fdatasync of the same file
+succeeds although the bytes the failed one was to write may never reach the disk.  A flush after a failed one
+therefore proves nothing about the log before it: a SYNC_FLUSH put written after the failure and answered PUT_OK
+would sit, after a power cut, behind a hole where the failed put's bytes were, and recovery ends the log there.
+So once a flush has failed no SYNC_FLUSH put is acknowledged as durable."""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+
+import rocketstore.storage.mapped_file as mapped_file_mod
+from rocketstore import MessageStore, StoreConfig
+from rocketstore.format.message import Message, PutMessageStatus
+
+
+class FailsOnce:
+    """The commitlog's first fdatasync waits for the test's go, then fails with EIO; every later one succeeds
+    (the kernel reported the error once)."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.entered = threading.Event()
+        self.go = threading.Event()
+        self.calls = 0
+
+    def __call__(self, fd: int) -> None:
+        try:
+            import os
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            path = ""
+        if "/commitlog/" not in path:
+            return self.real(fd)
+        self.calls += 1
+        if self.calls == 1:
+            self.entered.set()
+            assert self.go.wait(10)
+            raise OSError(errno.EIO, "Input/output error (test)")
+        return self.real(fd)
+
+
+def _put(store: MessageStore, body: bytes, out: dict, key: str) -> None:
+    out[key] = store.put(Message("GC", body))
+
+
+def test_a_put_written_after_a_failed_flush_is_not_acknowledged_by_the_next_flush(tmp_path, monkeypatch):
+    disk = FailsOnce(mapped_file_mod.fdatasync)
+    monkeypatch.setattr(mapped_file_mod, "fdatasync", disk)
+    store = MessageStore.open(str(tmp_path / "s"), StoreConfig(flushDiskType="SYNC_FLUSH", syncFlushTimeout=5000,
+                                                              mappedFileSizeCommitLog=64 * 1024, warmAheadBytes=0))
+    try:
+        answers: dict = {}
+        lone = threading.Thread(target=_put, args=(store, b"A" * 5000, answers, "a"))
+        lone.start()  # alone: writes its put and flushes it in its own thread
+        assert disk.entered.wait(10)
+        second = threading.Thread(target=_put, args=(store, b"B" * 5000, answers, "b"))
+        second.start()  # store still writeable: publishes its put and waits for the writer
+        deadline = time.monotonic() + 10
+        while not store.commit._pending and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert store.commit._pending, "the second producer never waited for the writer"
+        disk.go.set()  # the lone producer's flush fails now
+        lone.join(10)
+        second.join(10)
+        assert not lone.is_alive() and not second.is_alive()
+        a, b = answers["a"], answers["b"]
+        assert a.status is not PutMessageStatus.PUT_OK
+        assert store.running_flags.why_not_writeable() is not None
+        # The second put, if it was written at all, came after the failed one's bytes: a later fdatasync that
+        # succeeds does not make those durable, so it must not be acknowledged as durable either.
+        assert b.status is not PutMessageStatus.PUT_OK, (b.status, b.commit_log_offset, a.commit_log_offset)
+    finally:
+        store.close()
