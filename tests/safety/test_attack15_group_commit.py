@@ -76,3 +76,51 @@ def test_a_put_written_after_a_failed_flush_is_not_acknowledged_by_the_next_flus
         assert b.status is not PutMessageStatus.PUT_OK, (b.status, b.commit_log_offset, a.commit_log_offset)
     finally:
         store.close()
+
+
+class Spy:
+    """Counts the commitlog's fdatasync calls."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.commitlog = 0
+
+    def __call__(self, fd: int) -> None:
+        import os
+        if "/commitlog/" in os.readlink(f"/proc/self/fd/{fd}"):
+            self.commitlog += 1
+        return self.real(fd)
+
+
+def test_a_store_without_services_acknowledges_a_sync_put_only_once_flushed(tmp_path, monkeypatch):
+    """MessageStore.open(..., start_services=False) made no GroupCommitService and its put path then never
+    flushed: a SYNC_FLUSH put was answered PUT_OK with no fdatasync at all, and close() did not flush the log
+    either before saying clean."""
+    spy = Spy(mapped_file_mod.fdatasync)
+    monkeypatch.setattr(mapped_file_mod, "fdatasync", spy)
+    cfg = StoreConfig(flushDiskType="SYNC_FLUSH", mappedFileSizeCommitLog=64 * 1024, warmAheadBytes=0)
+    store = MessageStore.open(str(tmp_path / "s"), cfg, start_services=False)
+    try:
+        for i in range(3):
+            before = spy.commitlog
+            r = store.put(Message("GC", b"x" * 100))
+            assert r.status is PutMessageStatus.PUT_OK
+            assert spy.commitlog > before, "PUT_OK without an fdatasync of the commitlog"
+            assert store.commitlog.queue.flushed_where >= r.commit_log_offset + r.wrote_bytes
+        r = store.put_batch([Message("GC", b"y"), Message("GC", b"z")])
+        assert r.status is PutMessageStatus.PUT_OK
+        assert store.commitlog.queue.flushed_where >= r.commit_log_offset + r.wrote_bytes
+    finally:
+        store.close()
+
+
+def test_an_async_store_without_services_flushes_its_log_at_close(tmp_path, monkeypatch):
+    spy = Spy(mapped_file_mod.fdatasync)
+    monkeypatch.setattr(mapped_file_mod, "fdatasync", spy)
+    cfg = StoreConfig(flushDiskType="ASYNC_FLUSH", mappedFileSizeCommitLog=64 * 1024, warmAheadBytes=0)
+    store = MessageStore.open(str(tmp_path / "s"), cfg, start_services=False)
+    r = store.put(Message("GC", b"x" * 100))
+    assert r.status is PutMessageStatus.PUT_OK
+    store.close()
+    assert spy.commitlog >= 1
+    assert store.commitlog.queue.flushed_where >= r.commit_log_offset + r.wrote_bytes
