@@ -1,5 +1,6 @@
-"""The lone-producer put path of the group commit (services/group_commit.py ``_write_alone``) attacked with a
-second producer that arrives while the lone one's fdatasync fails.
+"""The group commit's put path (services/group_commit.py; the lone-producer path of merge c6aab23) attacked:
+a second producer arriving while the lone one's fdatasync fails; a store opened without services; a mix of
+SYNC puts, WAIT=false puts and batches from producers that come and go, cut by power losses while they run.
 
 Linux reports a writeback error to one fdatasync and marks the pages clean: the next fdatasync of the same file
 succeeds although the bytes the failed one was to write may never reach the disk.  A flush after a failed one
@@ -10,8 +11,12 @@ So once a flush has failed no SYNC_FLUSH put is acknowledged as durable."""
 from __future__ import annotations
 
 import errno
+import os
+import random
 import threading
 import time
+
+from helpers.powerloss import SyncShadow, crash_image, mark_names_durable, rebooted
 
 import rocketstore.storage.mapped_file as mapped_file_mod
 from rocketstore import MessageStore, StoreConfig
@@ -30,7 +35,6 @@ class FailsOnce:
 
     def __call__(self, fd: int) -> None:
         try:
-            import os
             path = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             path = ""
@@ -86,7 +90,6 @@ class Spy:
         self.commitlog = 0
 
     def __call__(self, fd: int) -> None:
-        import os
         if "/commitlog/" in os.readlink(f"/proc/self/fd/{fd}"):
             self.commitlog += 1
         return self.real(fd)
@@ -124,3 +127,79 @@ def test_an_async_store_without_services_flushes_its_log_at_close(tmp_path, monk
     store.close()
     assert spy.commitlog >= 1
     assert store.commitlog.queue.flushed_where >= r.commit_log_offset + r.wrote_bytes
+
+
+def _mixed_body(i: int, k: int) -> bytes:
+    return b"m%d-%05d-" % (i, k) + bytes([97 + i]) * (60 + 53 * i)
+
+
+def test_sync_puts_mixed_with_wait_false_puts_and_batches_are_durable_when_acknowledged(tmp_path, monkeypatch):
+    """The lone-producer path under a mix: producers that come and go (each pausing between puts, so a put is
+    often alone and a second arrives while the lone one flushes), WAIT=false puts (answered written, flushed
+    later by the service) and batches, over a disk whose fdatasync takes a random while.  Every put that waited
+    and was answered PUT_OK is in the sync shadow's power-loss image byte for byte."""
+    rng = random.Random(15)
+    real = os.fdatasync
+
+    def slow(fd: int) -> None:
+        time.sleep(rng.uniform(0, 0.004))
+        real(fd)
+
+    live, shadow = tmp_path / "live", tmp_path / "shadow"
+    cfg = StoreConfig(flushDiskType="SYNC_FLUSH", syncFlushTimeout=5000, mappedFileSizeCommitLog=32 * 1024,
+                      warmAheadBytes=0, maxHashSlotNum=64, maxIndexNum=512)
+    acked: list[tuple[int, int, int, bytes]] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    monkeypatch.setattr(os, "fdatasync", slow)  # under the shadow, as in test_data_safety_group_commit.py
+    with SyncShadow(live, shadow):
+        store = MessageStore.open(str(live), cfg)
+        mark_names_durable(live, shadow)
+
+        def produce(i: int) -> None:
+            prng = random.Random(i)
+            try:
+                for k in range(60):
+                    kind = prng.random()
+                    if kind < 0.2:
+                        r = store.put(Message("MX", _mixed_body(i, k), queue_id=i % 2, properties={"WAIT": "false"}))
+                        assert r.status is PutMessageStatus.PUT_OK, r
+                        continue
+                    if kind < 0.4:
+                        msgs = [Message("MX", _mixed_body(i, k) + b"/%d" % j, queue_id=i % 2) for j in range(3)]
+                        r = store.put_batch(msgs)
+                        if r.status is PutMessageStatus.PUT_OK:
+                            with lock:
+                                acked.extend((i, k, off, m.body) for off, m in zip(r.offsets, msgs, strict=True))
+                    else:
+                        body = _mixed_body(i, k)
+                        r = store.put(Message("MX", body, queue_id=i % 2))
+                        if r.status is PutMessageStatus.PUT_OK:
+                            with lock:
+                                acked.append((i, k, r.commit_log_offset, body))
+                    time.sleep(prng.uniform(0, 0.003))
+            except BaseException as e:  # noqa: BLE001 (reported below)
+                errors.append(e)
+
+        ts = [threading.Thread(target=produce, args=(i,)) for i in range(4)]
+        for t in ts:
+            t.start()
+        cuts = []
+        for n, pause in enumerate([0.04] + [0.025] * 9):  # power cuts while the producers run
+            time.sleep(pause)
+            with lock:
+                answered = list(acked)  # answered before the cut began: durable in its image
+            crash_image(live, shadow, tmp_path / f"image{n}")
+            cuts.append((tmp_path / f"image{n}", answered))
+        for t in ts:
+            t.join(60)
+        assert not any(t.is_alive() for t in ts), "a producer hangs"
+        assert not errors, errors[0]
+        store.close()
+    assert len(acked) > 100 and len(cuts[0][1]) > 5
+    for image, answered in cuts:
+        rebooted(image)
+        with MessageStore.open(str(image), cfg, start_services=False) as again:
+            for i, k, off, body in answered:
+                m = again.look(off)
+                assert m is not None and m.body == body, f"put {i}/{k} answered PUT_OK at {off} is not durable"
