@@ -9,8 +9,6 @@ was truncated as a torn tail, deleting the durable records after it."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from helpers.powerloss import process_crashed, rebooted
