@@ -70,7 +70,9 @@ class MessageStore:
         self._services: list[Any] = []
         self.reput: ReputMessageService | None = None
         self.group_commit: GroupCommitService | None = None
-        self.commit = GroupCommit(self.files, None, sync=False)  # the put path; remade with the services
+        # The put path, remade with the services.  Without them (start_services=False) a SYNC_FLUSH put still
+        # waits for its fdatasync, led by its own thread: no service would ever flush what it acknowledged.
+        self.commit = GroupCommit(self.files, None, sync=config.flushDiskType == SYNC_FLUSH)
         self.timer: TimerService | None = None  # delay messages: runs in the writable store with its services
         # moves messages that receivers in read-only processes parked for the DLQ (rocketstore.queues.revive)
         self.dead_letters: DeadLetterService | None = None
@@ -399,7 +401,7 @@ class MessageStore:
         metrics.puts = n + 1
         timed = not n & _UNSAMPLED
         t0 = perf_counter() if timed else 0.0
-        sync = self.group_commit is not None
+        sync = self.commit.sync
         wait = sync and first is not None and _wait_store_msg_ok(first)
         req = GroupCommitRequest(topic, queue_id, records, dispatch, store_timestamp, wait)
         try:
@@ -525,6 +527,8 @@ class MessageStore:
             self.closed = True
         for s in reversed(self._services):
             s.shutdown()
+        if not self._services:  # no flusher ran: what the puts wrote is made durable before the store says clean
+            self.files.flush_commitlog(0, True)
         clean = self.running_flags.why_not_writeable() is None and self.dispatch_behind_bytes() == 0
         if self.index_service.missed_from is not None:  # the abort file stays: the next open re-indexes them
             log.warning("%s: records from commitlog offset %d on are not indexed yet (%s); the next open recovers "

@@ -377,11 +377,13 @@ def _count_synced_as_flushed(files: "StoreFiles", last_valid: int) -> None:
     """(Once the log recovery kept is synced.)  Move the checkpoint's physicMsgTimestamp up to the last kept
     record's store time: else it stays where the crashed writer's last thorough flush left it, and damage to a
     record synced here is taken, after a later power loss, for a torn tail of unflushed writes and the durable
-    records after it are truncated (store model seed 2253)."""
+    records after it are truncated (store model seed 2253).  Set even when lower: every record up to it is
+    durable now, and _refuse_to_cut_flushed_records finds a record with this store time after the damage
+    (an imported record last keeps its original, older store time)."""
     if last_valid < 0:
         return
     ts = files.commitlog.pickup_store_timestamp(last_valid, 0)
-    if ts > files.checkpoint.physicMsgTimestamp:
+    if ts > 0:
         files.checkpoint.physicMsgTimestamp = ts
 
 
@@ -463,14 +465,48 @@ def _refuse_to_cut_flushed_records(files: "StoreFiles", process: int, max_cq: in
     else:
         flushed = files.checkpoint.physicMsgTimestamp
         ts = files.commitlog.pickup_store_timestamp(nxt, 0)
-        if not flushed or ts <= 0 or ts > flushed:
+        if not flushed or ts <= 0:
             return
-        because = (f"the record after it was flushed before the power loss (store time {ts} is not after the "
-                   f"checkpoint's physicMsgTimestamp {flushed})")
+        if ts <= flushed:
+            because = (f"the record after it was flushed before the power loss (store time {ts} is not after "
+                       f"the checkpoint's physicMsgTimestamp {flushed})")
+        else:
+            last = _record_stored_at(files.commitlog, nxt, flushed)
+            if last is None:
+                return
+            because = (f"the records after it were flushed before the power loss (the record at commitlog offset "
+                       f"{last}, after them, has the checkpoint's physicMsgTimestamp {flushed} as its store time)")
     raise CommitLogDamagedError(f"{why}: {because}, yet its commitlog has damage here with an intact record after "
                                 f"it (at commitlog offset {nxt}); recovery would truncate the log at {process} and "
                                 f"lose every record after. No commitlog byte was changed: run `rocketstore verify "
                                 f"{files.root} --repair`, which keeps every valid record")
+
+
+def _record_stored_at(commitlog, offset: int, store_timestamp: int) -> int | None:
+    """Commitlog offset of the last intact record from ``offset`` on (as far as the records run unbroken) whose
+    store time is ``store_timestamp``; None when there is none.  physicMsgTimestamp is the store time of the last
+    record a thorough flush covered, and store times are not monotonic (an imported record keeps its original
+    one; a clock can go back): an intact record after the damage stored later than it was still flushed when
+    that record lies after it in the log."""
+    size = commitlog.file_size
+    found = None
+    for f in commitlog.queue.files:
+        base = f.file_from_offset
+        if base + size <= offset:
+            continue
+        pos = max(0, offset - base)
+        blank = False
+        for at, n, parsed, _ in codec.walk(f.mm, pos, size, check_crc=True, parsed=True, base=base):
+            if n == 0:  # the blank record that ends the segment: on to the next
+                blank = True
+                break
+            if parsed is None:
+                return found
+            if codec.read_store_timestamp(f.mm, at) == store_timestamp:
+                found = base + at
+        if not blank:
+            return found
+    return found
 
 
 def _intact_record_after(commitlog, offset: int) -> int | None:
