@@ -74,6 +74,8 @@ DDL = ", ".join(f"{n} {t}" for n, t, _ in COLUMNS)
 _MAGIC_TEXT = pa.array([f"0x{codec.MAGIC_V1:08X}", f"0x{codec.MAGIC_V2:08X}"], pa.string())
 # Byte value -> its two uppercase hex digits, as one uint16 laid out in memory as (high digit, low digit).
 _HEX16 = np.frombuffer(b"".join(f"{i:02X}".encode() for i in range(256)), dtype=np.uint16).copy()
+# 16-bit value -> its four uppercase hex digits, as one uint32 laid out in memory in reading order.
+_HEX32 = np.stack([_HEX16[np.arange(65536) >> 8], _HEX16[np.arange(65536) & 0xFF]], axis=1).view(np.uint32).ravel()
 _HOST_TEXT: dict[int, str] = {}  # formatted IPv4 hosts by their 64-bit header field, kept across batches
 
 
@@ -168,19 +170,17 @@ def repeated(text: str, n: int) -> pa.Array:
 def _msg_ids(raw: np.ndarray, v6: bool, phy: np.ndarray) -> pa.Array:
     """msgId text: the store host (address, port) and the commitlog offset in uppercase hex, per record.
 
-    Written straight into the string column's buffer: two hex digits per byte from one table lookup (the
-    host's digits once when the batch has one store host)."""
+    Written straight into the string column's buffer, four hex digits per 16-bit piece from one table
+    lookup (the host's digits once when the batch has one store host)."""
     n = len(phy)
-    w = 20 if v6 else 8
-    width = 2 * (w + 8)
-    out = np.empty((n, width), np.uint8)
+    hw = (20 if v6 else 8) // 2  # 16-bit pieces of the host field
+    out = np.empty((n, hw + 4), np.uint32)
     if not v6 and (raw.view(">u8") == raw.view(">u8")[0]).all():
-        out[:, :2 * w] = _HEX16[np.frombuffer(raw[0].tobytes(), np.uint8)].view(np.uint8)
+        out[:, :hw] = _HEX32.take(np.frombuffer(raw[0].tobytes(), ">u2").astype(np.intp))
     else:
-        host = np.frombuffer(raw.tobytes(), dtype=np.uint8).reshape(n, w)
-        out[:, :2 * w] = _HEX16[host].view(np.uint8).reshape(n, 2 * w)
-    off = np.ascontiguousarray(phy, ">i8").view(np.uint8).reshape(n, 8)
-    out[:, 2 * w:] = _HEX16[off].view(np.uint8).reshape(n, 16)
+        out[:, :hw] = _HEX32.take(np.frombuffer(raw.tobytes(), ">u2").astype(np.intp).reshape(n, hw))
+    out[:, hw:] = _HEX32.take(np.ascontiguousarray(phy, ">i8").view(">u2").astype(np.intp).reshape(n, 4))
+    width = 4 * (hw + 4)
     offs = np.arange(0, (n + 1) * width, width, dtype=np.int32)
     return pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offs), pa.py_buffer(out)])
 
