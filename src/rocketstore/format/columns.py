@@ -421,33 +421,38 @@ def _record_parts(seg: Any, positions: np.ndarray, cols: dict[str, Any], limit: 
     whose fields disagree with its size, naming the file and offset.
     """
     n = len(positions)
-    total = cols["total"].astype(np.int64)
-    body_len = cols["body_len"].astype(np.int64)
-    end = positions + total
+    end = positions + cols["total"]
+    body_len = cols["body_len"]
     body_end = cols["body_start"] + body_len
-    bad = (total < cols["hsize"]) | (end > limit)
-    bad |= (cols["magic"] != codec.MAGIC_V1) & (cols["magic"] != codec.MAGIC_V2)
-    bad |= (body_len < 0) | (body_end > end)
-    lo = np.where(bad, positions, body_end)
-    hi = np.where(bad, positions, end)  # (a record already refused: no bytes of it)
-    tail = _tails(seg, lo, hi)
+    bad = (cols["total"] < cols["hsize"]) | (end > limit) | (body_len < 0) | (body_end > end)
+    magic = cols["magic"]
+    v2 = magic == codec.MAGIC_V2
+    every_v2 = bool(v2.all())
+    if not every_v2:
+        bad |= ~v2 & (magic != codec.MAGIC_V1)
+    if bad.any():  # a record already refused gets no bytes (its tail is not where its fields say)
+        tail = _tails(seg, np.where(bad, positions, body_end), np.where(bad, positions, end))
+    else:
+        tail = _tails(seg, body_end, end)
     data = tail.buffers()[2]
-    t = np.frombuffer(data, np.uint8) if data is not None and data.size else np.zeros(1, np.uint8)
-    offs = np.frombuffer(tail.buffers()[1], np.int32, count=n + 1).astype(np.int64)
+    t = np.frombuffer(data, np.uint8) if data is not None and data.size >= 2 else np.zeros(2, np.uint8)
+    offs = np.frombuffer(tail.buffers()[1], np.int32, count=n + 1)
     start, stop = offs[:-1], offs[1:]
-    last = len(t) - 1
-    v2 = cols["magic"] == codec.MAGIC_V2
-    b0 = t[np.minimum(start, last)].astype(np.int64)
-    b1 = t[np.minimum(start + 1, last)].astype(np.int64)
-    topic_len = np.where(v2, _signed16((b0 << 8) | b1), np.where(b0 >= 0x80, b0 - 0x100, b0))
-    topic_start = start + np.where(v2, 2, 1)
-    bad |= (topic_len < 0) | (topic_start + topic_len > stop)
-    props_at = topic_start + np.maximum(topic_len, 0)
-    bad |= props_at + 2 > stop
-    p0 = t[np.clip(props_at, 0, last)].astype(np.int64)
-    p1 = t[np.clip(props_at + 1, 0, last)].astype(np.int64)
-    props_len = _signed16((p0 << 8) | p1)
-    bad |= (props_len < 0) | (props_at + 2 + props_len != stop)
+    be16 = np.ndarray((len(t) - 1,), ">i2", buffer=t, strides=(1,))  # the signed 16-bit number at every byte
+    last = len(be16) - 1
+    # TOPICLENGTH: a signed byte in a V1 record, a signed big-endian short in a V2 one.
+    if every_v2:
+        topic_len = be16[np.minimum(start, last)]
+        topic_start = start + 2
+    elif not v2.any():
+        topic_len = t.view(np.int8)[np.minimum(start, last)]
+        topic_start = start + 1
+    else:
+        topic_len = np.where(v2, be16[np.minimum(start, last)], t.view(np.int8)[np.minimum(start, last)])
+        topic_start = start + np.where(v2, 2, 1).astype(np.int32)
+    props_at = topic_start + topic_len  # PROPERTIESLENGTH, then the properties up to the record's end
+    props_len = be16[np.clip(props_at, 0, last)]
+    bad |= (topic_len < 0) | (props_len < 0) | (props_at + 2 + props_len != stop)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         pos = int(positions[i])
@@ -455,16 +460,12 @@ def _record_parts(seg: Any, positions: np.ndarray, cols: dict[str, Any], limit: 
         raise RecordFormatError(f"{seg.path} at offset {seg.base + pos} (file position {pos}): {reason}")
     inter = np.empty(4 * n + 1, np.int32)
     inter[0:4 * n:4] = topic_start
-    inter[1:4 * n:4] = topic_start + topic_len
+    inter[1:4 * n:4] = props_at
     inter[2:4 * n:4] = props_at + 2
     inter[3:4 * n:4] = stop
-    inter[4 * n] = stop[-1] if n else 0
+    inter[4 * n] = offs[n]
     cols["part"] = np.arange(0, 4 * n, 4, dtype=np.int64)
     return pa.Array.from_buffers(pa.binary(), 4 * n, [None, pa.py_buffer(inter), data])
-
-
-def _signed16(v: np.ndarray) -> np.ndarray:
-    return np.where(v >= 0x8000, v - 0x10000, v)
 
 
 def _tails(seg: Any, lo: np.ndarray, hi: np.ndarray) -> pa.Array:

@@ -78,7 +78,7 @@ def _lookup(keys: pa.Array, vals: pa.Array, map_offs: np.ndarray, name: str) -> 
     if not len(at):
         return pa.nulls(n, vals.type)
     if len(at) == n:  # every record has it, once: the matches are in record order
-        return vals.take(pa.array(at))
+        return vals if len(vals) == n else vals.take(pa.array(at))
     idx = np.full(n, -1, np.int64)
     idx[np.searchsorted(map_offs, at, side="right") - 1] = at
     return vals.take(pa.array(idx, mask=idx < 0))
@@ -88,13 +88,12 @@ def _split_simple(data: np.ndarray, offs: np.ndarray) -> tuple | None:
     """The common shape, ``name\x01value\x02`` pairs only: separators alternate 1, 2 and every string ends
     with 0x02.  Returns None when the batch has any other shape."""
     sep = np.flatnonzero(data < 3)  # the separators (a zero byte sends the batch to the general path)
-    if len(sep) % 2:
+    if len(sep) % 2 or not (data[sep].reshape(-1, 2) == _PAIR_SEPARATORS).all():
         return None
     kpos = sep[0::2]
     epos = sep[1::2]
-    if not ((data[kpos] == 1).all() and (data[epos] == 2).all()):
-        return None
-    ends = offs[1:][offs[1:] > offs[:-1]]
+    nonempty = offs[1:] > offs[:-1]
+    ends = offs[1:][nonempty]
     if len(ends) and not (data[ends - 1] == 2).all():
         return None
     ks = np.empty_like(epos)
@@ -103,7 +102,24 @@ def _split_simple(data: np.ndarray, offs: np.ndarray) -> tuple | None:
         ks[1:] = epos[:-1] + 1
     if not ((kpos > ks).all() and (epos > kpos + 1).all()):
         return None  # an empty name or value: RocketMQ skips the pair
-    return ks, kpos, epos, np.searchsorted(epos, offs, side="left")
+    return ks, kpos, epos, _pair_offsets(epos, offs, nonempty, ends)
+
+
+_PAIR_SEPARATORS = np.array([1, 2], np.uint8)
+
+
+def _pair_offsets(epos: np.ndarray, offs: np.ndarray, nonempty: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Where each record's pairs start among all pairs (``epos``: each pair's 0x02; every non-empty string
+    ends with one).  When every non-empty string holds the same number k of pairs (every k-th pair ends a
+    string) that is a running count; otherwise a search of each string's start among the pairs."""
+    m, strings = len(epos), len(ends)
+    if strings and m % strings == 0:
+        k = m // strings
+        if (epos[k - 1::k] + 1 == ends).all():
+            out = np.zeros(len(offs), np.int64)
+            np.cumsum(nonempty * k, out=out[1:])
+            return out
+    return np.searchsorted(epos, offs, side="left")
 
 
 def _split_general(data: np.ndarray, offs: np.ndarray) -> tuple:
