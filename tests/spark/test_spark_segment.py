@@ -455,11 +455,15 @@ def _dump_rows(batch: pa.RecordBatch) -> list[dict]:
     return rows
 
 
-def test_every_damaged_byte_is_judged_by_the_decoder_as_by_the_codec(tmp_path):
+@pytest.mark.parametrize("tails", ["fixed-width items", "one gather"])
+def test_every_damaged_byte_is_judged_by_the_decoder_as_by_the_codec(tmp_path, monkeypatch, tails):
     """Each byte of a segment of mixed records set to three other values: the decoder returns the codec's
     rows, or fails naming the first record the codec refuses (its checks of each record's fields against
-    its size read the records' tails from one copy: this pins them to the codec's)."""
+    its size read the records' tails from one copy: this pins them to the codec's), whichever way the
+    tails are copied."""
     from rocketstore.format import columns
+    if tails == "one gather":
+        monkeypatch.setattr(columns, "_WINDOW_TAIL", 0)
     path, end = _write_segment(tmp_path, _shapes(), file_size=2048)
     clean = Path(path).read_bytes()
     positions = [int(p) for p in segment.walk(clean, 0, end).positions]
@@ -573,8 +577,9 @@ def _negative_length_segment(tmp_path, which: str) -> tuple[bytearray, list[int]
 
 
 @pytest.mark.parametrize("which", ["topic", "properties"])
-def test_a_negative_length_whose_fields_add_up_is_refused(tmp_path, which):
+def test_a_negative_length_whose_fields_add_up_is_refused(tmp_path, monkeypatch, which):
     from rocketstore.format import columns
+    monkeypatch.setattr(columns, "_WINDOW_TAIL", 0)  # the tails one after another in one copy, no padding
     import numpy as np
     data, positions, end, victim = _negative_length_segment(tmp_path, which)
     with pytest.raises(codec.RecordError):

@@ -431,13 +431,10 @@ def _record_parts(seg: Any, positions: np.ndarray, cols: dict[str, Any], limit: 
     if not every_v2:
         bad |= ~v2 & (magic != codec.MAGIC_V1)
     if bad.any():  # a record already refused gets no bytes (its tail is not where its fields say)
-        tail = _tails(seg, np.where(bad, positions, body_end), np.where(bad, positions, end))
+        data, start, stop = _tails(seg, np.where(bad, positions, body_end), np.where(bad, positions, end))
     else:
-        tail = _tails(seg, body_end, end)
-    data = tail.buffers()[2]
+        data, start, stop = _tails(seg, body_end, end)
     t = np.frombuffer(data, np.uint8) if data is not None and data.size >= 2 else np.zeros(2, np.uint8)
-    offs = np.frombuffer(tail.buffers()[1], np.int32, count=n + 1)
-    start, stop = offs[:-1], offs[1:]
     be16 = np.ndarray((len(t) - 1,), ">i2", buffer=t, strides=(1,))  # the signed 16-bit number at every byte
     last = len(be16) - 1
     # TOPICLENGTH: a signed byte in a V1 record, a signed big-endian short in a V2 one.
@@ -463,17 +460,34 @@ def _record_parts(seg: Any, positions: np.ndarray, cols: dict[str, Any], limit: 
     inter[1:4 * n:4] = props_at
     inter[2:4 * n:4] = props_at + 2
     inter[3:4 * n:4] = stop
-    inter[4 * n] = offs[n]
+    inter[4 * n] = stop[-1]
     cols["part"] = np.arange(0, 4 * n, 4, dtype=np.int64)
     return pa.Array.from_buffers(pa.binary(), 4 * n, [None, pa.py_buffer(inter), data])
 
 
-def _tails(seg: Any, lo: np.ndarray, hi: np.ndarray) -> pa.Array:
-    """Binary array of ``seg``'s bytes [lo[i], hi[i]): one gather when the ranges ascend without overlapping
-    (records in file order), else one slice per range."""
-    if len(lo) < 2 or (hi[:-1] <= lo[1:]).all():
-        return gather(seg.pa, lo, hi - lo)
-    return pa.array([bytes(seg.mm[a:b]) for a, b in zip(lo.tolist(), hi.tolist())], pa.binary())
+_WINDOW_TAIL = 256  # the longest tails read as fixed-width items (longer ones: one gather)
+
+
+def _tails(seg: Any, lo: np.ndarray, hi: np.ndarray) -> tuple[pa.Buffer | None, np.ndarray, np.ndarray]:
+    """``seg``'s bytes [lo[i], hi[i]) copied into one buffer: (the buffer, where each range starts and ends in
+    it).  Short ranges are read as fixed-width items of the longest one's length (a numpy fancy index, as the
+    headers are read), longer ones by one gather when they ascend without overlapping (records in file order),
+    else one slice per range."""
+    n = len(lo)
+    lengths = hi - lo
+    width = int(lengths.max()) if n else 0
+    buf = seg.np
+    if 0 < width <= _WINDOW_TAIL and int(lo.min()) >= 0 and int(lo.max()) + width <= len(buf):
+        win = np.ndarray((len(buf) - width + 1,), np.dtype((np.void, width)), buffer=buf, strides=(1,))
+        rows = win[lo]
+        start = np.arange(0, n * width, width, dtype=np.int32)
+        return pa.py_buffer(rows), start, start + lengths.astype(np.int32)
+    if n < 2 or (hi[:-1] <= lo[1:]).all():
+        tail = gather(seg.pa, lo, lengths)
+    else:
+        tail = pa.array([bytes(seg.mm[a:b]) for a, b in zip(lo.tolist(), hi.tolist())], pa.binary())
+    offs = np.frombuffer(tail.buffers()[1], np.int32, count=n + 1)
+    return tail.buffers()[2], offs[:-1], offs[1:]
 
 
 def _part(parts: pa.Array, index: np.ndarray) -> pa.Array:
