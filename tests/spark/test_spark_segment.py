@@ -412,3 +412,177 @@ def test_a_damaged_record_inside_the_newest_segment_fails_the_scan_naming_it(tmp
     assert plan.find_tail(str(store)) == plan.find_tail(str(golden_store("basic")))
     with pytest.raises(segment.RecordFormatError, match=f"{newest}.* {damaged - base}"):
         read_store(str(store), ["commitLogOffset"])
+
+
+# ---------------------------------------------------------------- the decoder against the codec, byte by byte
+
+def _shapes() -> list[dict]:
+    """Records of every shape the decoder reads: V1 and V2 magic (a topic over 127 characters), IPv4 and IPv6
+    hosts, no, one and several properties, an empty body."""
+    v6 = (bytes(range(1, 17)), 7)
+    return [_simple(b"body-0", "KEYS\x01k0\x02"),
+            {**_simple(b"", "TAGS\x01t\x02KEYS\x01a b\x02UNIQ_KEY\x01u\x02"), "topic": "y" * 130},
+            {**_simple(b"x" * 7, ""), "born_host": v6},
+            {**_simple(b"yz", "a\x01b\x02"), "store_host": v6, "topic": "Q" * 128},
+            _simple(b"last", "KEYS\x01k4\x02")]
+
+
+def _codec_verdict(data: bytes, positions: list[int], end: int) -> tuple[list[dict], int | None]:
+    """What the decoder must return for ``positions``: the codec's rows, or the position it must name (the
+    first record the codec refuses; else the first whose time the timestamp columns cannot hold)."""
+    from rocketstore.format.columns import timestamps_fit
+    import numpy as np
+    rows, unfit = [], None
+    for pos in positions:
+        try:
+            m = codec.decode(data, pos, end)
+        except codec.RecordError:
+            return rows, pos
+        if unfit is None and not timestamps_fit(np.array([m.born_timestamp, m.store_timestamp])).all():
+            unfit = pos
+        rows.append({k: v for k, v in m.to_json().items() if k != "body"})
+    return rows, unfit
+
+
+def _dump_rows(batch: pa.RecordBatch) -> list[dict]:
+    """``as_dump`` of each row, the timestamps read as milliseconds (a damaged one may lie past year 9999)."""
+    cols = {n: batch.column(n) for n in batch.schema.names}
+    for n in ("bornTimestamp", "storeTimestamp"):
+        cols[n] = pa.array([v // 1000 for v in cols[n].cast(pa.int64()).to_pylist()])
+    rows = pa.RecordBatch.from_pydict(cols).to_pylist()
+    for r in rows:
+        r["properties"] = dict(sorted(r["properties"]))
+    return rows
+
+
+@pytest.mark.parametrize("tails", ["fixed-width items", "one gather"])
+def test_every_damaged_byte_is_judged_by_the_decoder_as_by_the_codec(tmp_path, monkeypatch, tails):
+    """Each byte of a segment of mixed records set to three other values: the decoder returns the codec's
+    rows, or fails naming the first record the codec refuses (its checks of each record's fields against
+    its size read the records' tails from one copy: this pins them to the codec's), whichever way the
+    tails are copied."""
+    from rocketstore.format import columns
+    if tails == "one gather":
+        monkeypatch.setattr(columns, "_WINDOW_TAIL", 0)
+    path, end = _write_segment(tmp_path, _shapes(), file_size=2048)
+    clean = Path(path).read_bytes()
+    positions = [int(p) for p in segment.walk(clean, 0, end).positions]
+    assert len(positions) == 5
+    names = [n for n in segment.COLUMN_NAMES if n != "body"]
+    import numpy as np
+    refused = 0
+    for at in range(end):
+        for value in {0x00, 0xFF, clean[at] ^ 0x80}:
+            data = bytearray(clean)
+            data[at] = value
+            rows, bad = _codec_verdict(bytes(data), positions, end)
+            view = columns.MappedView(data, path, 0)
+            if bad is None:
+                assert _dump_rows(segment.decode(view, np.array(positions), names, limit=end)) == rows, (at, value)
+            else:
+                refused += 1
+                with pytest.raises(segment.RecordFormatError, match=f"at offset {bad} "):
+                    segment.decode(view, np.array(positions), names, limit=end)
+    assert refused > 200  # the damage reached the fields the checks read
+
+
+def test_records_out_of_file_order_decode_as_the_codec_reads_them(tmp_path):
+    """Positions backwards and repeated (no caller passes such, but the tails are then read one by one rather
+    than by one gather, which needs ranges in file order)."""
+    path, end = _write_segment(tmp_path, _shapes())
+    data = Path(path).read_bytes()
+    positions = [int(p) for p in segment.walk(data, 0, end).positions]
+    order = positions[::-1] + positions[:2]
+    names = [n for n in segment.COLUMN_NAMES if n != "body"]
+    import numpy as np
+    with segment.Segment(path) as seg:
+        got = segment.decode(seg, np.array(order), names, limit=end).to_pylist()
+    assert [as_dump(r) for r in got] == [
+        {k: v for k, v in codec.decode(data, p, end).to_json().items() if k != "body"} for p in order]
+
+
+def test_hosts_and_message_ids_when_only_the_last_record_of_a_batch_differs(tmp_path):
+    recs = [_simple(b"b", "") for _ in range(6)]
+    recs[-1] = {**recs[-1], "born_host": (b"\x0a\x00\x00\x02", 9876), "store_host": (b"\x0a\x00\x00\x03", 10911)}
+    path, end = _write_segment(tmp_path, recs)
+    data = Path(path).read_bytes()
+    got = [as_dump(r) for b in segment.read_range(path, 0, end, segment.COLUMN_NAMES) for r in b.to_pylist()]
+    want = [codec.decode(data, int(p), end).to_json() for p in segment.walk(data, 0, end).positions]
+    assert got == want and got[-1]["bornHost"] == "10.0.0.2:9876" and got[0]["bornHost"] == "127.0.0.1:1"
+
+
+PAIR_NAMES = st.sampled_from(["TAGS", "KEYS", "UNIQ_KEY", "k", "中文键"])
+PAIR_VALUES = st.text(alphabet="xyz 中😀", min_size=1, max_size=4)
+
+
+@st.composite
+def property_strings(draw):
+    """A batch of properties strings: every non-empty one with the same number of pairs, or any number."""
+    n = draw(st.integers(1, 8))
+    same = draw(st.integers(1, 4)) if draw(st.booleans()) else None
+    out = []
+    for _ in range(n):
+        k = same if same is not None and draw(st.integers(0, 4)) else draw(st.integers(0, 4))
+        out.append("".join(f"{draw(PAIR_NAMES)}\x01{draw(PAIR_VALUES)}\x02" for _ in range(k)))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(strings=property_strings())
+def test_properties_map_equals_the_codec_for_any_number_of_pairs(strings):
+    arr = pa.array([s.encode() for s in strings], pa.binary())
+    for valid in (False, True):
+        m, found = properties.properties_map(arr, ("TAGS", "KEYS"), valid_utf8=valid)
+        assert [dict(r) for r in m.to_pylist()] == [codec.parse_properties(s) for s in strings]
+        for name in ("TAGS", "KEYS"):
+            assert found[name].to_pylist() == [codec.parse_properties(s).get(name) for s in strings]
+
+
+def test_headers_near_the_end_of_the_buffer_equal_a_byte_by_byte_read():
+    from rocketstore.format import columns
+    from rocketstore.format.gather import fixed
+    import numpy as np
+    data = bytearray(os.urandom(300))
+    view = columns.MappedView(data, "buf", 0)
+    for pos in ([0, 100, 212], [5, 250], [299], [0, 1, 2]):
+        p = np.array(pos, np.int64)
+        assert (columns.headers(view, p, 88) == fixed(view.np, p, 88)).all()
+
+
+def _negative_length_segment(tmp_path, which: str) -> tuple[bytearray, list[int], int, int]:
+    """Two records where a negative length field of the second one would make its fields add up to its size if
+    the decoder read on from where that length points (the codec refuses it: the length is negative).
+    Returns (segment bytes, positions, end, position of the damaged record)."""
+    if which == "topic":
+        # TOPICLENGTH -2 puts PROPERTIESLENGTH one byte before the tail: the previous record's last 0x02 and the
+        # 0xFE itself read 0x02FE = 766, which is what the tail's 767 bytes then need.
+        recs = [_simple(b"a", "a\x01b\x02"), {**_simple(b"b", "p\x01" + "v" * 661 + "\x02"), "topic": "T" * 100}]
+    else:
+        # TOPICLENGTH = the tail's length puts PROPERTIESLENGTH one byte into the next record's tail, where its
+        # topic's first bytes are 0xFF 0xFD: -3, which is what the fields then need.
+        recs = [_simple(b"a", ""), _simple(b"b", "k\x01v\x02"), {**_simple(b"c", ""), "topic": "XYZ"}]
+    path, end = _write_segment(tmp_path, recs)
+    data = bytearray(Path(path).read_bytes()[:end])
+    positions = [int(p) for p in segment.walk(bytes(data), 0, end).positions]
+    victim = positions[1]
+    m = codec.decode(bytes(data), victim, end)
+    tail = victim + 88 + m.body_length
+    if which == "topic":
+        data[tail] = 0xFE
+    else:
+        data[tail] = victim + m.size - tail  # the tail's length
+        nxt = positions[2] + 88 + 1  # the third record's topic bytes
+        data[nxt + 1:nxt + 3] = b"\xff\xfd"
+    return data, positions, end, victim
+
+
+@pytest.mark.parametrize("which", ["topic", "properties"])
+def test_a_negative_length_whose_fields_add_up_is_refused(tmp_path, monkeypatch, which):
+    from rocketstore.format import columns
+    monkeypatch.setattr(columns, "_WINDOW_TAIL", 0)  # the tails one after another in one copy, no padding
+    import numpy as np
+    data, positions, end, victim = _negative_length_segment(tmp_path, which)
+    with pytest.raises(codec.RecordError):
+        codec.decode(bytes(data), victim, end)
+    with pytest.raises(segment.RecordFormatError, match=f"at offset {victim} "):
+        segment.decode(columns.MappedView(data, "seg", 0), np.array(positions), ["topic", "properties"], limit=end)

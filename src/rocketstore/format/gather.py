@@ -47,11 +47,3 @@ def be16(buf: np.ndarray, pos: np.ndarray) -> np.ndarray:
 def be8(buf: np.ndarray, pos: np.ndarray) -> np.ndarray:
     v = buf[np.clip(pos, 0, len(buf) - 1)].astype(np.int32)
     return np.where(v >= 0x80, v - 0x100, v)
-
-
-def strings_from_fixed(mat: np.ndarray) -> pa.Array:
-    """A string array from an (n, w) uint8 matrix of ASCII."""
-    n, w = mat.shape
-    data = np.ascontiguousarray(mat).tobytes()
-    offs = np.arange(0, (n + 1) * w, w, dtype=np.int32)
-    return pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offs), pa.py_buffer(data)])

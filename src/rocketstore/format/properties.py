@@ -18,7 +18,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import codec
-from .gather import gather
 
 MAP = pa.map_(pa.string(), pa.string())
 
@@ -40,49 +39,61 @@ def properties_map(props: pa.BinaryArray, lookups: Sequence[str] = (), valid_utf
     data = np.frombuffer(bufs[2], dtype=np.uint8, count=total, offset=base) if total else np.zeros(0, np.uint8)
     split = _split_simple(data, offs) or _split_general(data, offs)
     ks, ke, ve, map_offs = split
-    dbuf = pa.py_buffer(data)
-    keys = gather(dbuf, ks, ke - ks)
-    vals = gather(dbuf, ke + 1, ve - ke - 1)
+    m = len(ks)
+    # The pairs as one Arrow array of four pieces each (name, 0x01, value, the 0x02 up to the next name): its
+    # names and values are then copied out by one take each.
+    pieces = np.empty(4 * m + 1, np.int32)
+    pieces[0:4 * m:4] = ks
+    pieces[1:4 * m:4] = ke
+    pieces[2:4 * m:4] = ke + 1
+    pieces[3:4 * m:4] = ve
+    pieces[4 * m] = ve[-1] if m else 0
+    inter = pa.Array.from_buffers(pa.binary(), 4 * m, [None, pa.py_buffer(pieces), pa.py_buffer(data)])
+    keys = inter.take(pa.array(np.arange(0, 4 * m, 4, dtype=np.int64)))
+    vals = inter.take(pa.array(np.arange(2, 4 * m, 4, dtype=np.int64)))
     counts = np.diff(map_offs)
-    rec = np.repeat(np.arange(n, dtype=np.int64), counts)
-    enc = keys.dictionary_encode()
-    ids = enc.indices.to_numpy()
-    if _has_duplicate_names(ids, rec, counts):
-        return _python_fallback(props, lookups)
+    if int(counts.max(initial=0)) > 1:  # a name twice in one record needs RocketMQ's "the last one wins"
+        ids = keys.dictionary_encode().indices.to_numpy()
+        if _has_duplicate_names(ids, np.repeat(np.arange(n, dtype=np.int64), counts), counts):
+            return _python_fallback(props, lookups)
     if valid_utf8:
         # Pieces of valid UTF-8 cut at ASCII separators are valid UTF-8: reinterpret without re-checking.
-        keys = pa.Array.from_buffers(pa.string(), len(keys), keys.buffers())
+        keys_s = pa.Array.from_buffers(pa.string(), len(keys), keys.buffers())
         vals = pa.Array.from_buffers(pa.string(), len(vals), vals.buffers())
     else:
         try:
-            keys = keys.cast(pa.string())
+            keys_s = keys.cast(pa.string())
             vals = vals.cast(pa.string())
         except pa.ArrowInvalid:
             return _python_fallback(props, lookups)  # invalid UTF-8: decode like the codec (with replacement)
-    arr = pa.MapArray.from_arrays(pa.array(map_offs.astype(np.int32)), keys, vals)
-    names = enc.dictionary.to_pylist()
-    out = {}
-    for name in lookups:
-        want = name.encode("utf-8")
-        idx = np.full(n, -1, np.int64)
-        if want in names:
-            at = np.flatnonzero(ids == names.index(want))
-            idx[rec[at]] = at
-        out[name] = vals.take(pa.array(idx, mask=idx < 0))
-    return arr, out
+    arr = pa.MapArray.from_arrays(pa.array(map_offs.astype(np.int32)), keys_s, vals)
+    return arr, {name: _lookup(keys, vals, map_offs, name) for name in lookups}
+
+
+def _lookup(keys: pa.Array, vals: pa.Array, map_offs: np.ndarray, name: str) -> pa.Array:
+    """The value of property ``name`` in each record (null where it has none); no name occurs twice in one
+    record here."""
+    n = len(map_offs) - 1
+    at = np.flatnonzero(pc.equal(keys, pa.scalar(name.encode("utf-8"), pa.binary())).to_numpy(zero_copy_only=False))
+    if not len(at):
+        return pa.nulls(n, vals.type)
+    if len(at) == n:  # every record has it, once: the matches are in record order
+        return vals if len(vals) == n else vals.take(pa.array(at))
+    idx = np.full(n, -1, np.int64)
+    idx[np.searchsorted(map_offs, at, side="right") - 1] = at
+    return vals.take(pa.array(idx, mask=idx < 0))
 
 
 def _split_simple(data: np.ndarray, offs: np.ndarray) -> tuple | None:
     """The common shape, ``name\x01value\x02`` pairs only: separators alternate 1, 2 and every string ends
     with 0x02.  Returns None when the batch has any other shape."""
     sep = np.flatnonzero(data < 3)  # the separators (a zero byte sends the batch to the general path)
-    if len(sep) % 2:
+    if len(sep) % 2 or not (data[sep].reshape(-1, 2) == _PAIR_SEPARATORS).all():
         return None
     kpos = sep[0::2]
     epos = sep[1::2]
-    if not ((data[kpos] == 1).all() and (data[epos] == 2).all()):
-        return None
-    ends = offs[1:][offs[1:] > offs[:-1]]
+    nonempty = offs[1:] > offs[:-1]
+    ends = offs[1:][nonempty]
     if len(ends) and not (data[ends - 1] == 2).all():
         return None
     ks = np.empty_like(epos)
@@ -91,7 +102,24 @@ def _split_simple(data: np.ndarray, offs: np.ndarray) -> tuple | None:
         ks[1:] = epos[:-1] + 1
     if not ((kpos > ks).all() and (epos > kpos + 1).all()):
         return None  # an empty name or value: RocketMQ skips the pair
-    return ks, kpos, epos, np.searchsorted(epos, offs, side="left")
+    return ks, kpos, epos, _pair_offsets(epos, offs, nonempty, ends)
+
+
+_PAIR_SEPARATORS = np.array([1, 2], np.uint8)
+
+
+def _pair_offsets(epos: np.ndarray, offs: np.ndarray, nonempty: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Where each record's pairs start among all pairs (``epos``: each pair's 0x02; every non-empty string
+    ends with one).  When every non-empty string holds the same number k of pairs (every k-th pair ends a
+    string) that is a running count; otherwise a search of each string's start among the pairs."""
+    m, strings = len(epos), len(ends)
+    if strings and m % strings == 0:
+        k = m // strings
+        if (epos[k - 1::k] + 1 == ends).all():
+            out = np.zeros(len(offs), np.int64)
+            np.cumsum(nonempty * k, out=out[1:])
+            return out
+    return np.searchsorted(epos, offs, side="left")
 
 
 def _split_general(data: np.ndarray, offs: np.ndarray) -> tuple:

@@ -663,14 +663,15 @@ def _queue_verified_prefix(root: str, base: int, path: str, size: int) -> tuple[
     """
     slices = queue_slices(root, [SegmentInfo(path, base, size, size)]).get(base)
     units = _segment.queue_units(slices) if slices else None
-    if units is None or units[0, 0] != base:
+    if units is None or units[0][0] != base:
         return None
-    ends = units[:, 0] + units[:, 1]
-    breaks = np.flatnonzero(units[1:, 0] != ends[:-1])
-    n = int(breaks[0]) + 1 if len(breaks) else len(units)
+    off, size = units
+    ends = off + size
+    breaks = np.flatnonzero(off[1:] != ends[:-1])
+    n = int(breaks[0]) + 1 if len(breaks) else len(off)
     with Segment(path) as seg:
-        pos = _segment.unit_positions(seg, units[:n], 0)
-        if pos is None or not _segment.records_match_units(seg, pos[-1:], units[n - 1:n, 1]):
+        pos = _segment.unit_positions(seg, off[:n], size[:n], 0)
+        if pos is None or not _segment.records_match_units(seg, pos[-1:], size[n - 1:n]):
             return None
     return int(pos[-1]), int(ends[n - 1] - base)
 

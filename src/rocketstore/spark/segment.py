@@ -13,6 +13,7 @@ the file and offset.
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
@@ -270,7 +271,13 @@ QueueSlice = tuple[str, int, int, int]
 
 def read_units(directory: str, file_size: int, lo: int, hi: int) -> np.ndarray:
     """Units ``lo`` to ``hi`` of a consume queue as an (n, 2) array of (commitlog offset, size)."""
-    out = []
+    off, size = _unit_columns(directory, file_size, lo, hi)
+    return np.stack([off, size], axis=1)
+
+
+def _unit_columns(directory: str, file_size: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """Units ``lo`` to ``hi`` of a consume queue as two arrays: commitlog offsets and sizes."""
+    offs, sizes = [], []
     unit = UNIT_DTYPE.itemsize
     i = lo
     while i < hi:
@@ -282,22 +289,31 @@ def read_units(directory: str, file_size: int, lo: int, hi: int) -> np.ndarray:
             fh.seek(first * unit)
             raw = fh.read(count * unit)
         u = np.frombuffer(raw, dtype=UNIT_DTYPE, count=len(raw) // unit)
-        out.append(np.stack([u["off"].astype(np.int64), u["size"].astype(np.int64)], axis=1))
+        offs.append(u["off"].astype(np.int64))
+        sizes.append(u["size"].astype(np.int64))
         if len(raw) < count * unit:
             break
         i += count
-    return np.concatenate(out) if out else np.zeros((0, 2), np.int64)
+    if not offs:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return (offs[0], sizes[0]) if len(offs) == 1 else (np.concatenate(offs), np.concatenate(sizes))
 
 
-def queue_units(queues: Sequence[QueueSlice]) -> np.ndarray | None:
-    """The (commitlog offset, size) units of ``queues``, by offset; None when a file is unreadable or none."""
+def queue_units(queues: Sequence[QueueSlice]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The units of ``queues`` by offset, as (commitlog offsets, sizes); None when a file is unreadable or
+    none."""
     try:
-        units = np.concatenate([read_units(*q) for q in queues])
+        cols = [_unit_columns(*q) for q in queues]
     except OSError:
         return None
-    if not len(units):
+    off = np.concatenate([c[0] for c in cols]) if len(cols) != 1 else cols[0][0]
+    if not len(off):
         return None
-    return units[np.argsort(units[:, 0], kind="stable")]
+    size = np.concatenate([c[1] for c in cols]) if len(cols) != 1 else cols[0][1]
+    if len(off) > 1 and not (off[1:] >= off[:-1]).all():
+        order = np.argsort(off, kind="stable")
+        off, size = off[order], size[order]
+    return off, size
 
 
 def records_match_units(seg: Segment, pos: np.ndarray, size: np.ndarray, head: np.ndarray | None = None) -> bool:
@@ -306,18 +322,23 @@ def records_match_units(seg: Segment, pos: np.ndarray, size: np.ndarray, head: n
     ``head``: at least the first 36 bytes at each of ``pos``, when the caller has read them."""
     if head is None:
         head = headers(seg, pos, 36)  # TOTALSIZE .. PHYSICALOFFSET
-    total = head[:, 0:4].copy().view(">i4").ravel()
-    magic = head[:, 4:8].copy().view(">u4").ravel()
-    phy = head[:, 28:36].copy().view(">i8").ravel()
-    ok = (total == size) & (phy == pos + seg.base) & ((magic == codec.MAGIC_V1) | (magic == codec.MAGIC_V2))
+    h = np.ascontiguousarray(head).view(_unit_fields(head.shape[1])).ravel()
+    magic = h["magic"]
+    ok = (h["total"] == size) & (h["phy"] == pos + seg.base) & ((magic == codec.MAGIC_V1) | (magic == codec.MAGIC_V2))
     return bool(ok.all())
 
 
-def unit_positions(seg: Segment, units: np.ndarray, start: int) -> np.ndarray | None:
-    """File positions of ``units`` (sorted) if they tile the segment from ``start`` with no gap or overlap
-    (the units alone: the records are not read), else None."""
-    pos = units[:, 0] - seg.base
-    size = units[:, 1]
+@functools.cache
+def _unit_fields(width: int) -> np.dtype:
+    """TOTALSIZE, MAGICCODE and PHYSICALOFFSET of a ``width``-byte row of header bytes (a view, no copy)."""
+    return np.dtype({"names": ["total", "magic", "phy"], "formats": [">i4", ">u4", ">i8"], "offsets": [0, 4, 28],
+                     "itemsize": width})
+
+
+def unit_positions(seg: Segment, off: np.ndarray, size: np.ndarray, start: int) -> np.ndarray | None:
+    """File positions of the units (commitlog offsets ``off``, ascending, and ``size``) if they tile the
+    segment from ``start`` with no gap or overlap (the units alone: the records are not read), else None."""
+    pos = off - seg.base
     if pos[0] != start or (size < MIN_RECORD_SIZE).any() or (pos[1:] != pos[:-1] + size[:-1]).any():
         return None
     if int(pos[-1] + size[-1]) > seg.size:
@@ -341,20 +362,20 @@ def queue_layout(seg: Segment, queues: Sequence[QueueSlice], end: int, start: in
     units = queue_units(queues)
     if units is None:
         return None
-    first = int(units[0, 0]) - seg.base
+    off, size = units
+    first = int(off[0]) - seg.base
     if first != 0 and first != start:
         return None
-    last_end = int(units[-1, 0] + units[-1, 1]) - seg.base
+    last_end = int(off[-1] + size[-1]) - seg.base
     if last_end > end:
         return None
     if last_end != end:
         head = seg.mm[last_end:last_end + 8] if last_end + 8 <= seg.size else b""
         if len(head) < 8 or _HEAD8.unpack(head)[1] != codec.BLANK_MAGIC:
             return None
-    pos = unit_positions(seg, units, first)
+    pos = unit_positions(seg, off, size, first)
     if pos is None:
         return None
-    size = units[:, 1]
     if start > 0 and pos[0] < start:
         keep = pos >= start
         pos, size = pos[keep], size[keep]
