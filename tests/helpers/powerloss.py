@@ -69,6 +69,15 @@ def writer_config(seed: int) -> StoreConfig:
                        flushIntervalConsumeQueue=(5, 50, 300, 1000)[seed % 4], flushConsumeQueueLeastPages=0)
 
 
+def fd_path(fd: int) -> str:
+    """The path an open file descriptor names ("" when the kernel cannot say): fdatasync fakes pick the
+    commitlog's calls by it."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
 class SyncShadow:
     """While installed, every successful sync of a file under ``root`` copies it to ``shadow``."""
 
@@ -109,11 +118,7 @@ class SyncShadow:
 
     # ------------------------------------------------------------ syncing
     def _sync_fd(self, fd: int, real: Callable[[int], None]) -> None:
-        try:
-            path = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            path = ""
-        self._sync_path(path, lambda: real(fd), fd=fd)
+        self._sync_path(fd_path(fd), lambda: real(fd), fd=fd)
 
     def _sync_path(self, path: str, real: Callable[[], None], fd: int | None = None) -> None:
         rel = self._relative(path)

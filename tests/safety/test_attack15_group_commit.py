@@ -16,7 +16,7 @@ import random
 import threading
 import time
 
-from helpers.powerloss import SyncShadow, crash_image, mark_names_durable, rebooted
+from helpers.powerloss import SyncShadow, crash_image, fd_path, mark_names_durable, rebooted
 
 import rocketstore.storage.mapped_file as mapped_file_mod
 from rocketstore import MessageStore, StoreConfig
@@ -34,11 +34,7 @@ class FailsOnce:
         self.calls = 0
 
     def __call__(self, fd: int) -> None:
-        try:
-            path = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            path = ""
-        if "/commitlog/" not in path:
+        if "/commitlog/" not in fd_path(fd):
             return self.real(fd)
         self.calls += 1
         if self.calls == 1:

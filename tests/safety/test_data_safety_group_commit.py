@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from helpers.powerloss import SyncShadow, crash_image, mark_names_durable, rebooted
+from helpers.powerloss import SyncShadow, crash_image, fd_path, mark_names_durable, rebooted
 
 from rocketstore import MessageStore, StoreConfig, StoreError
 from rocketstore.format.message import Message, PutMessageStatus
@@ -33,11 +33,7 @@ class FailingDisk:
         self._real = os.fdatasync
 
     def __call__(self, fd: int) -> None:
-        try:
-            path = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            path = ""
-        if "/commitlog/" not in path:
+        if "/commitlog/" not in fd_path(fd):
             return self._real(fd)
         with self._lock:
             self.calls += 1

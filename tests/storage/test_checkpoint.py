@@ -34,6 +34,25 @@ def test_write_flush_reload(tmp_path):
     assert again.min_timestamp_index() == 1795375975501 - 3000
 
 
+def test_the_recovery_offsets_follow_rocketmqs_fields_and_survive_a_rewrite_of_them(tmp_path):
+    """rocketstore's two offsets sit after RocketMQ's five longs, behind a marker: a page without it (RocketMQ's)
+    holds none; RocketMQ rewriting its own fields leaves them (older values only move recovery's start back)."""
+    path = str(tmp_path / "checkpoint")
+    cp = StoreCheckpoint.load(path)
+    assert (cp.physicFlushedOffset, cp.logicsDispatchedOffset, cp.recovery_offset()) == (-1, -1, None)
+    cp.physicMsgTimestamp, cp.physicFlushedOffset, cp.logicsDispatchedOffset = 17, 9000, 4500
+    cp.flush()
+    data = bytearray((tmp_path / "checkpoint").read_bytes())
+    assert struct.unpack_from(">8sqq", data, 40) == (b"RSTORE01", 9000, 4500)
+    struct.pack_into(">5q", data, 0, 99, 98, 97, 0, 5)  # as RocketMQ's StoreCheckpoint.flush writes its page
+    (tmp_path / "checkpoint").write_bytes(bytes(data))
+    again = StoreCheckpoint.load(path)
+    assert (again.physicMsgTimestamp, again.recovery_offset()) == (99, 4500)
+    data[40:48] = bytes(8)  # no marker: not ours
+    (tmp_path / "checkpoint").write_bytes(bytes(data))
+    assert StoreCheckpoint.load(path).recovery_offset() is None
+
+
 def test_read_only_load_of_a_missing_file_reads_zeros_and_creates_nothing(tmp_path):
     cp = StoreCheckpoint.load(str(tmp_path / "checkpoint"), read_only=True)
     assert cp.to_dict() == dict.fromkeys(FIELDS, 0)

@@ -468,7 +468,7 @@ class StoreLoader:
             cq.close()
         from ..services.dispatch import CommitLogDispatcher
         dispatcher = CommitLogDispatcher(self.files)
-        dispatched_before = self.checkpoint.logics_dispatched
+        dispatched_before = self.checkpoint.logics_dispatched, self.checkpoint.logics_dispatched_end
         held = {}
         for (t, q) in self._cq_table:
             try:
@@ -491,7 +491,7 @@ class StoreLoader:
             cq = self._cq_table[key]
             dispatcher.dispatch(msg, index=False, queue=True)
             refilled.add(cq)
-        self.checkpoint.logics_dispatched = dispatched_before
+        self.checkpoint.logics_dispatched, self.checkpoint.logics_dispatched_end = dispatched_before
         for cq in refilled:
             cq.pad_gaps = False
         self.files.recover_topic_queue_table()
@@ -508,7 +508,7 @@ class StoreLoader:
         rebuilt = set(self.queues_to_rebuild)
         from ..services.dispatch import CommitLogDispatcher
         dispatcher = CommitLogDispatcher(self.files)
-        dispatched_before = self.checkpoint.logics_dispatched
+        dispatched_before = self.checkpoint.logics_dispatched, self.checkpoint.logics_dispatched_end
         n = 0
         start = max(start, self.commitlog.min_offset_with_tier())
         try:
@@ -525,7 +525,7 @@ class StoreLoader:
             raise StoreLoadError(f"{self.paths.cq_rebuild}: the rebuild of consume queues {sorted(rebuilt)} must "
                                  f"read the records the tier holds from commitlog offset {start}: {e}; a writable "
                                  "open with the tier reachable finishes it") from None
-        self.checkpoint.logics_dispatched = dispatched_before
+        self.checkpoint.logics_dispatched, self.checkpoint.logics_dispatched_end = dispatched_before
         log.warning("consume queues %s: %d unit(s) placed from records the tier holds", ", ".join(sorted(rebuilt)),
                     n)
 

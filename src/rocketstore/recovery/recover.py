@@ -768,7 +768,10 @@ def _start_file(files: "StoreFiles", last_exit_ok: bool, max_cq: int, min_cq: in
 
 def _checkpoint_start(files: "StoreFiles") -> int | None:
     """After a crash: the newest segment whose first record is older than the checkpoint's times (less
-    3 s), where RocketMQ starts checking; None when no segment is."""
+    3 s), where RocketMQ starts checking, or an earlier one holding the checkpoint's offsets (the flushed
+    commitlog, the dispatch reached when the queues were last flushed whole): store times are not monotonic,
+    and a segment that begins with an imported record would otherwise start recovery past records whose
+    queue units were never made durable; None when no segment is."""
     segments = files.commitlog.queue.files
     cp = files.checkpoint
     bound = cp.min_timestamp()
@@ -781,7 +784,8 @@ def _checkpoint_start(files: "StoreFiles") -> int | None:
             continue
         ts = codec.read_store_timestamp(mm, 0)
         if ts != 0 and ts <= bound:
-            return i
+            off = cp.recovery_offset()
+            return i if off is None else min(i, _file_index(segments, off))
     return None
 
 

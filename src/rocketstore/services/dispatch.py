@@ -80,6 +80,7 @@ class CommitLogDispatcher:
             cq = files.find_consume_queue(msg.topic, msg.queue_id)
             cq.put_unit(msg.commit_log_offset, msg.size, code, msg.queue_offset)
             files.checkpoint.logics_dispatched = msg.store_timestamp
+            files.checkpoint.logics_dispatched_end = msg.commit_log_offset + msg.size
         if index and files.config.messageIndexEnable and files.index_service.missed_from is None:
             try:
                 files.index_service.build_index(msg.topic, msg.commit_log_offset, msg.store_timestamp, txn,
@@ -327,6 +328,7 @@ class ReputMessageService(ServiceThread):
             self._put_units(key, offsets, sizes, codes, first)
         if last_ts is not None:
             files.checkpoint.logics_dispatched = last_ts
+            files.checkpoint.logics_dispatched_end = expected
         done = expected != self.reput_from_offset
         self.reput_from_offset = expected
         return done

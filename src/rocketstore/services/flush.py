@@ -94,9 +94,11 @@ class FlushConsumeQueueService(ServiceThread):
             self.last_thorough = now
         checkpoint = self.files.checkpoint
         dispatched = checkpoint.logics_dispatched  # read first: every unit up to it is in the queues' maps
+        dispatched_end = checkpoint.logics_dispatched_end
         index = self.files.index_service
         if index.missed_from is not None:  # records the index missed: a crash must recover from them on
             dispatched = min(dispatched, index.missed_ts)
+            dispatched_end = min(dispatched_end, index.missed_from)
         for cq in self.files.consume_queues():
             cq.flush(0 if thorough else cfg.flushConsumeQueueLeastPages)
             if thorough:
@@ -104,6 +106,8 @@ class FlushConsumeQueueService(ServiceThread):
         if thorough:  # every queue is flushed whole: the checkpoint may say so
             if dispatched > checkpoint.logicsMsgTimestamp:
                 checkpoint.logicsMsgTimestamp = dispatched
+            if dispatched_end > checkpoint.logicsDispatchedOffset:
+                checkpoint.logicsDispatchedOffset = dispatched_end
             self.files.flush_checkpoint()
 
     def on_shutdown(self) -> None:

@@ -7,6 +7,17 @@
     16  indexMsgTimestamp     end time of the last index file that filled up and was flushed
     24  masterFlushedOffset   HA bookkeeping (0 on a master)
     32  confirmPhyOffset      start of the last valid record, as recovery found it
+
+and, after them, rocketstore's own (RocketMQ reads and writes only its five longs and leaves the rest of
+the page as it is, so a page it rewrote keeps older values here: they only move recovery's start back)::
+
+    40  "RSTORE01"            says the two offsets below were written
+    48  physicFlushedOffset   the commitlog offset the last thorough commitlog flush reached
+    56  logicsDispatchedOffset  the commitlog offset dispatched when the consume queues were last flushed whole
+
+Recovery starts from the segment whose first record is older than the timestamps (RocketMQ's rule), or
+earlier where the offsets say so: store times are not monotonic (an imported record keeps its own), and a
+segment that begins with an old one would otherwise be taken as the start past records never made durable.
 """
 
 from __future__ import annotations
@@ -20,6 +31,9 @@ from .jsonfile import fsync_dir
 
 CHECKPOINT_SIZE = 4096
 _LAYOUT = struct.Struct(">qqqqq")
+_OURS = struct.Struct(">8sqq")
+_OURS_AT = _LAYOUT.size
+_OURS_MAGIC = b"RSTORE01"
 
 
 @dataclass
@@ -35,6 +49,11 @@ class StoreCheckpoint:
     # logicsMsgTimestamp once the consume queues are flushed up to it (FlushConsumeQueueService), so the
     # page never claims queue units a crash could still lose.
     logics_dispatched: int = field(default=0, repr=False, compare=False)
+    physicFlushedOffset: int = -1  # (see the module docstring; -1: not known, a page RocketMQ wrote)
+    logicsDispatchedOffset: int = -1
+    # The commitlog offset dispatch has reached, in memory only (as logics_dispatched): it becomes
+    # logicsDispatchedOffset once the consume queues are flushed whole.
+    logics_dispatched_end: int = field(default=-1, repr=False, compare=False)
 
     @classmethod
     def load(cls, path: str, *, read_only: bool = False, on_bad: "callable | None" = None) -> "StoreCheckpoint":
@@ -54,10 +73,21 @@ class StoreCheckpoint:
                 cp.flush()
             return cp
         with open(path, "rb") as fh:
-            values = _LAYOUT.unpack(fh.read(_LAYOUT.size))
+            head = fh.read(_OURS_AT + _OURS.size)
         (cp.physicMsgTimestamp, cp.logicsMsgTimestamp, cp.indexMsgTimestamp,
-         cp.masterFlushedOffset, cp.confirmPhyOffset) = values
+         cp.masterFlushedOffset, cp.confirmPhyOffset) = _LAYOUT.unpack_from(head)
+        magic, physic, logics = _OURS.unpack_from(head, _OURS_AT)
+        if magic == _OURS_MAGIC:
+            cp.physicFlushedOffset, cp.logicsDispatchedOffset = physic, logics
         return cp
+
+    def recovery_offset(self) -> int | None:
+        """The commitlog offset from which every record may be neither flushed nor in a flushed consume queue
+        (the lower of the two offsets), or None when this page does not hold them."""
+        known = [o for o in (self.physicFlushedOffset, self.logicsDispatchedOffset) if o >= 0]
+        if len(known) < 2:
+            return None
+        return min(known)
 
     def min_timestamp(self) -> int:
         """Recovery's lower bound: min(physic, logics) - 3 s, never negative."""
@@ -78,6 +108,8 @@ class StoreCheckpoint:
         page = bytearray(CHECKPOINT_SIZE)
         _LAYOUT.pack_into(page, 0, self.physicMsgTimestamp, self.logicsMsgTimestamp, self.indexMsgTimestamp,
                           self.masterFlushedOffset, self.confirmPhyOffset)
+        if self.physicFlushedOffset >= 0 or self.logicsDispatchedOffset >= 0:  # (else zeros, as RocketMQ's page)
+            _OURS.pack_into(page, _OURS_AT, _OURS_MAGIC, self.physicFlushedOffset, self.logicsDispatchedOffset)
         created = not os.path.exists(self.path)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:

@@ -177,6 +177,8 @@ class StoreFiles:
             return False
         if thorough and self.commitlog.queue.store_timestamp:
             self.checkpoint.physicMsgTimestamp = self.commitlog.queue.store_timestamp
+        if thorough:
+            self.checkpoint.physicFlushedOffset = self.commitlog.queue.flushed_where
         return done
 
     def flush_checkpoint(self) -> None:
