@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 from typing import Any
 from pathlib import Path
 
@@ -378,6 +379,18 @@ def test_a_torn_queue_file_after_a_kept_one_is_rebuilt_from_the_records_the_tier
     wrote units 10.. blank: the tier's records were never read back.  Each unit is placed at its own queue
     offset, and the refill starts where the kept units end."""
     root, _tier, cfg, bodies = _tiered_store_with_a_torn_queue_file(tmp_path, keep_first_queue_files=True)
+    with MessageStore.open(str(root), cfg()) as st:
+        assert _read_queue(st) == bodies
+    with MessageStore.open(str(root), cfg(), read_only=True) as st:
+        assert _read_queue(st) == bodies
+
+
+def test_a_lost_queue_directory_is_rebuilt_from_the_records_the_tier_holds_too(tmp_path):
+    """Store model seed 60024 (all ops): a consume-queue directory removed after retention had deleted the local
+    copy of a segment the tier holds was rebuilt from the local segments only: the units of the records only the
+    tier holds were written blank and a read there answered OFFSET_FOUND_NULL, skipping acknowledged messages."""
+    root, _tier, cfg, bodies = _tiered_store_with_a_torn_queue_file(tmp_path)
+    shutil.rmtree(root / "consumequeue" / "T")
     with MessageStore.open(str(root), cfg()) as st:
         assert _read_queue(st) == bodies
     with MessageStore.open(str(root), cfg(), read_only=True) as st:

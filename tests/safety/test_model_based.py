@@ -134,12 +134,20 @@ choices change: re-check this list when the test changes.
 Still open (found by longer runs; the default PROFILES are the op sets whose seeds pass; run the rest with
 ROCKETSTORE_MODEL_OPS, e.g. ``ROCKETSTORE_MODEL_OPS=all``):
 
+- ``all`` ops, found in session 14 (fail on session 13's code too): 60040 (``rm_cq`` after retention: ``get Quiet-0
+  @0: OFFSET_TOO_SMALL (queue 3..4)`` while the model holds uid 8 at queue offset 0), 60050 (``powerloss``: a blank
+  unit of Busy-0 whose record the store still holds, raised naming the damage; another replay: a repair tombstone
+  where no message was lost), 60082 (``cq_damage``: ``get Quiet-3 @0: NO_MESSAGE_IN_QUEUE`` while the model holds
+  uid 43 there).
+
 - ``cq_damage`` (``put,kill,recover,retention,rm_cq,cq_damage,reimport``) / 6042: two units swapped after retention,
   the open (recovery's order check) cuts Busy-2 at the swapped unit and cannot rebuild it ("units 3..34 are not in
   the commitlog recovery checked from 65536"): ``get Busy-2 @28: OFFSET_OVERFLOW_BADLY (queue 3..3)`` before the
   repair.
 
-Fixed since the first run of this test (they must fail again if put back): tier profile / 2253 (records a crashed
+Fixed since the first run of this test (they must fail again if put back): ``all`` / 60024 (a consume-queue
+directory removed after retention deleted the local copy of a tier-held segment was rebuilt from the local
+segments only: the tier-held units blank, OFFSET_FOUND_NULL skipped messages); tier profile / 2253 (records a crashed
 writer left were synced by the next open's recovery, but the checkpoint's physicMsgTimestamp stayed behind them: a
 later power loss took damage to one of them for a torn tail and truncated the durable records after it), 2200 (the
 model's own: ending a lost-manifest fault put the old tier.json back over the one the open had republished); ``cq_damage`` / 6078 (a queue whose kept

@@ -466,16 +466,23 @@ class StoreLoader:
                 cq.queue.files.remove(f)
                 f.destroy()
             cq.close()
+        refilled: set[ConsumeQueue] = set()
+        if self.tier is not None:  # the records only the tier holds come first, in commitlog order (rule 1)
+            for key in lost:
+                refilled.add(self.find_consume_queue(*key))
+                self._cq_table[key].pad_gaps = True
+            self._refill_from_tier(-1, names)
         from ..services.dispatch import CommitLogDispatcher
         dispatcher = CommitLogDispatcher(self.files)
         dispatched_before = self.checkpoint.logics_dispatched, self.checkpoint.logics_dispatched_end
         held = {}
         for (t, q) in self._cq_table:
+            if (t, q) in lost:
+                continue  # (its records from the tier are placed: the local ones follow)
             try:
                 held[(t.encode("utf-8"), q)] = codec.NO_INDEX  # every record of a queue kept is skipped
             except UnicodeEncodeError:
                 pass
-        refilled: set[ConsumeQueue] = set()
         for mm, pos, size in _records_not_held(self.commitlog, held):
             msg = codec.decode(mm, pos, pos + size, read_body=False)
             key = (msg.topic, msg.queue_id)
@@ -496,7 +503,7 @@ class StoreLoader:
             cq.pad_gaps = False
         self.files.recover_topic_queue_table()
 
-    def _refill_from_tier(self, start: int | None) -> None:
+    def _refill_from_tier(self, start: int | None, names: list[str] | None = None) -> None:
         """A queue being rebuilt whose kept units end below the local log's start: the records in between are
         in the tier only (the commitlog is local segments plus the tier's, data-safety rule 1), and recovery
         walks the local segments.  Their units are placed here first, in commitlog order, else they would be
@@ -505,7 +512,7 @@ class StoreLoader:
         local = self.commitlog.min_offset()
         if start is None or self.tier is None or start >= local:
             return
-        rebuilt = set(self.queues_to_rebuild)
+        rebuilt = set(self.queues_to_rebuild if names is None else names)
         from ..services.dispatch import CommitLogDispatcher
         dispatcher = CommitLogDispatcher(self.files)
         dispatched_before = self.checkpoint.logics_dispatched, self.checkpoint.logics_dispatched_end
