@@ -134,8 +134,7 @@ choices change: re-check this list when the test changes.
 Still open (found by longer runs; the default PROFILES are the op sets whose seeds pass; run the rest with
 ROCKETSTORE_MODEL_OPS, e.g. ``ROCKETSTORE_MODEL_OPS=all``):
 
-- ``all`` ops, found in session 14 (fail on session 13's code too): 60040 (``rm_cq`` after retention: ``get Quiet-0
-  @0: OFFSET_TOO_SMALL (queue 3..4)`` while the model holds uid 8 at queue offset 0), 60050 (``powerloss``: a blank
+- ``all`` ops, found in session 14 (fail on session 13's code too): 60050 (``powerloss``: a blank
   unit of Busy-0 whose record the store still holds, raised naming the damage; another replay: a repair tombstone
   where no message was lost), 60082 (``cq_damage``: ``get Quiet-3 @0: NO_MESSAGE_IN_QUEUE`` while the model holds
   uid 43 there).
@@ -145,7 +144,7 @@ ROCKETSTORE_MODEL_OPS, e.g. ``ROCKETSTORE_MODEL_OPS=all``):
   the commitlog recovery checked from 65536"): ``get Busy-2 @28: OFFSET_OVERFLOW_BADLY (queue 3..3)`` before the
   repair.
 
-Fixed since the first run of this test (they must fail again if put back): ``all`` / 60024 (a consume-queue
+Fixed since the first run of this test (they must fail again if put back): ``all`` / 60024 and 60040 (a consume-queue
 directory removed after retention deleted the local copy of a tier-held segment was rebuilt from the local
 segments only: the tier-held units blank, OFFSET_FOUND_NULL skipped messages); tier profile / 2253 (records a crashed
 writer left were synced by the next open's recovery, but the checkpoint's physicMsgTimestamp stayed behind them: a
