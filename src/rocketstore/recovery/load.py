@@ -469,8 +469,9 @@ class StoreLoader:
         refilled: set[ConsumeQueue] = set()
         if self.tier is not None:  # the records only the tier holds come first, in commitlog order (rule 1)
             for key in lost:
-                refilled.add(self.find_consume_queue(*key))
-                self._cq_table[key].pad_gaps = True
+                cq = self.find_consume_queue(*key)
+                cq.pad_gaps = True
+                refilled.add(cq)
             self._refill_from_tier(-1, names)
         from ..services.dispatch import CommitLogDispatcher
         dispatcher = CommitLogDispatcher(self.files)

@@ -84,10 +84,9 @@ class StoreCheckpoint:
     def recovery_offset(self) -> int | None:
         """The commitlog offset from which every record may be neither flushed nor in a flushed consume queue
         (the lower of the two offsets), or None when this page does not hold them."""
-        known = [o for o in (self.physicFlushedOffset, self.logicsDispatchedOffset) if o >= 0]
-        if len(known) < 2:
+        if self.physicFlushedOffset < 0 or self.logicsDispatchedOffset < 0:
             return None
-        return min(known)
+        return min(self.physicFlushedOffset, self.logicsDispatchedOffset)
 
     def min_timestamp(self) -> int:
         """Recovery's lower bound: min(physic, logics) - 3 s, never negative."""
