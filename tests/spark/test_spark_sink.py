@@ -272,6 +272,18 @@ def _pending(root: Path) -> dict | None:
     return None
 
 
+def _append_started(root: Path, start: int) -> bool:
+    """Whether the commitlog holds a record (a message or a segment's blank end) at offset ``start``: the
+    pending batch's append has begun.  Read through the page cache, as another process sees the driver's mmap."""
+    segments = sorted((int(p.name), p) for p in (root / "commitlog").iterdir() if p.name.isdigit())
+    for base, path in reversed(segments):
+        if base <= start:
+            with open(path, "rb") as f:
+                f.seek(start - base)
+                return f.read(4) not in (b"", b"\0\0\0\0")
+    return False
+
+
 def test_sink_is_exactly_once_across_driver_kills(tmp_path):
     """A streaming query (its own driver process, local[2]) is killed with SIGKILL, driver, executors and Python
     workers at once, while the driver appends a micro-batch, at least twice, each time restarted from the same
@@ -284,7 +296,6 @@ def test_sink_is_exactly_once_across_driver_kills(tmp_path):
                                                          os.environ.get("PYTHONPATH", "")])}
     argv = [sys.executable, "-c", _DRIVER, str(tmp_path / "in"), str(chk), str(root)]
     kills, partial, logs = 0, 0, []
-    delay = 0.05  # from the journal's "pending" to the kill: adjusted until kills land inside an append
     for attempt in range(10):
         err = open(tmp_path / f"driver-{attempt}.log", "w+")
         p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
@@ -296,8 +307,12 @@ def test_sink_is_exactly_once_across_driver_kills(tmp_path):
             while time.monotonic() < deadline and p.poll() is None and _pending(root) is None:
                 time.sleep(0.005)
             pending = _pending(root)
+            # The kill lands once the batch's first record is in the log: its 15,000 rows are thousands of
+            # put units, so the append is still under way (no timing guess that a loaded machine can defeat).
+            while (pending is not None and time.monotonic() < deadline and p.poll() is None
+                   and not _append_started(root, int(pending["from"]))):
+                time.sleep(0.0005)
             if p.poll() is None and pending is not None:
-                time.sleep(delay)
                 os.killpg(p.pid, signal.SIGKILL)  # the driver's JVM, its executor threads and Python workers
                 kills += 1
                 p.wait(30)
@@ -306,7 +321,6 @@ def test_sink_is_exactly_once_across_driver_kills(tmp_path):
                     n = sum(1 for _, _, m, _ in s.messages(pending["from"], read_body=False)
                             if m is not None and prefix in m.properties.get(sink.SINK_PROPERTY, ""))
                 partial += 0 < n < per_file
-                delay = delay * 2 if n == 0 else delay / 2 if n == per_file else delay
             else:
                 assert p.wait(300) == 0
                 break
