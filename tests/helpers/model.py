@@ -242,9 +242,10 @@ def record_dir_listing(root: Path, shadow: Path, directory: Path) -> None:
 
 def seed_shadow(live: Path, shadow: Path) -> None:
     """Before a power-loss run: everything on disk now counts as durable (files and directory entries)."""
+    from helpers.powerloss import seed_shadow_files
     if shadow.exists():
         shutil.rmtree(shadow)
-    shutil.copytree(live, shadow)
+    seed_shadow_files(live, shadow)
     for d, _dirs, _files in os.walk(live):
         record_dir_listing(live, shadow, Path(d))
 
@@ -281,6 +282,7 @@ def crash_image_pages(live: Path, shadow: Path, dest: Path, rng: random.Random, 
     record's tail then holds zeros or older bytes with written bytes before and after it in the page.  Those coins
     come from their own generator, seeded from ``rng``'s state without drawing from it, so the steps a seed
     replays are the ones it had before sector tears were modelled."""
+    from helpers.powerloss import synced_copy
     sectors = random.Random(repr(rng.getstate()[1][:16]))
     fate: dict[str, str] = {}
     listings: dict[str, set[str]] = {}
@@ -307,8 +309,8 @@ def crash_image_pages(live: Path, shadow: Path, dest: Path, rng: random.Random, 
                 data = src.read_bytes()
             except FileNotFoundError:
                 continue
-            synced = shadow / rel
-            base = synced.read_bytes() if synced.is_file() else bytes(len(data))
+            synced = synced_copy(live, shadow, rel)
+            base = synced.read_bytes() if synced is not None else bytes(len(data))
             out = bytearray(base)
             if len(data) > len(out) and rng.random() < keep:
                 out.extend(bytes(len(data) - len(out)))  # the file's new size reached the disk
@@ -326,7 +328,7 @@ def crash_image_pages(live: Path, shadow: Path, dest: Path, rng: random.Random, 
             o = dest / rel
             o.parent.mkdir(parents=True, exist_ok=True)
             o.write_bytes(bytes(out))
-            fate[rel] = ("synced" if synced.is_file() else "zeroed") + (f"+{kept}p" if kept else "") + \
+            fate[rel] = ("synced" if synced is not None else "zeroed") + (f"+{kept}p" if kept else "") + \
                 (f"+{torn}t" if torn else "")
     return fate
 

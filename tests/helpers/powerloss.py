@@ -10,6 +10,11 @@ may or may not be, and the model takes the pessimistic answer.
 
 ``crash_image`` builds the directory a power cut would leave: every file the store
 had, with its shadow bytes if it was ever synced, else zeros of its current length.
+A shadow copy stands for one file, not a name: its first sync tags the file with
+a token (an extended attribute; the inode number where the file system has none,
+which a new file may reuse) kept beside the copy, and a file deleted and
+made again under the same name (a segment recovery truncated, then a new one at
+that offset) has no synced bytes until it is synced itself.
 With ``dir_entries=True`` a name survives only if its directory was fsynced while
 it held that name (each directory fsync under the root records the directory's
 listing): a file whose data was synced but whose name never was is lost.
@@ -21,6 +26,7 @@ import json
 import os
 import shutil
 import threading
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -29,6 +35,8 @@ from rocketstore import StoreConfig
 import rocketstore.storage.mapped_file as mapped_file_mod
 
 SHADOW_TMP = ".shadow-tmp"
+SHADOW_TAG = ".tag"  # beside each shadow copy: the token the live file it is a copy of was tagged with
+TAG_XATTR = "user.rocketstore.shadow"
 DIR_ENTRIES = ".dir-entries.json"  # in the shadow: directory (relative, "." the root) -> names its last fsync saw
 
 
@@ -130,14 +138,10 @@ class SyncShadow:
         with self._lock:
             src = f"/proc/self/fd/{fd}" if fd is not None else path
             with open(src, "rb") as fh:  # reopened: the store's fd may be write-only
+                tag = _tag(fh.fileno())
                 data = fh.read()
             real()  # raises on failure: then nothing is recorded as durable
-            dest = os.path.join(self.shadow, rel)
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            tmp = dest + SHADOW_TMP
-            with open(tmp, "wb") as out:
-                out.write(data)
-            os.replace(tmp, dest)
+            _write_copy(os.path.join(self.shadow, rel), data, tag)
             self.synced[rel] = self.synced.get(rel, 0) + 1
 
     def _is_store_dir(self, path: str) -> bool:
@@ -163,6 +167,62 @@ class SyncShadow:
         if not path.startswith(self.root + os.sep) or path.endswith(" (deleted)") or not os.path.isfile(path):
             return None
         return os.path.relpath(path, self.root)
+
+
+def _tag(fd: int) -> str:
+    """The open file's token (given at its first sync, kept for its life): its identity for its shadow copy.
+    A token is never replaced: a kill between tagging and recording the copy then costs nothing."""
+    try:
+        return os.getxattr(fd, TAG_XATTR).decode()
+    except OSError:
+        pass
+    token = f"{os.fstat(fd).st_ino}:{uuid.uuid4().hex}"
+    try:
+        os.setxattr(fd, TAG_XATTR, token.encode())
+    except OSError:  # no extended attributes here: the inode number alone
+        token = str(os.fstat(fd).st_ino)
+    return token
+
+
+def _tag_of(path: str | Path) -> str:
+    try:
+        return os.getxattr(path, TAG_XATTR).decode()
+    except OSError:
+        return str(os.stat(path).st_ino)
+
+
+def _write_copy(dest: str, data: bytes, tag: str) -> None:
+    """Store a file's synced bytes and its tag (each by temp file + rename, the copy first: a kill between them
+    leaves the old tag beside new bytes, which only makes the file count as never synced)."""
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    for path, content in ((dest, data), (dest + SHADOW_TAG, tag.encode())):
+        with open(path + SHADOW_TMP, "wb") as out:
+            out.write(content)
+        os.replace(path + SHADOW_TMP, path)
+
+
+def synced_copy(live: str | Path, shadow: str | Path, rel: str | Path) -> Path | None:
+    """The shadow copy of the live file ``rel``, if one was made from this very file (its tag); None when the
+    file was never synced, or only an earlier file of that name was (deleted since and made again)."""
+    copy = Path(shadow, rel)
+    try:
+        recorded = Path(str(copy) + SHADOW_TAG).read_text()
+        return copy if copy.is_file() and _tag_of(Path(live, rel)) == recorded else None
+    except OSError:
+        return None
+
+
+def seed_shadow_files(live: str | Path, shadow: str | Path) -> None:
+    """Before a power-loss run: every file now in ``live`` counts as synced (a disk after a reboot)."""
+    for d, _dirs, files in os.walk(live):
+        for name in files:
+            src = Path(d, name)
+            fd = os.open(src, os.O_RDONLY)
+            try:
+                tag = _tag(fd)
+            finally:
+                os.close(fd)
+            _write_copy(str(Path(shadow, src.relative_to(live))), src.read_bytes(), tag)
 
 
 def mark_names_durable(root: str | Path, shadow: str | Path) -> None:
@@ -191,8 +251,8 @@ def crash_image(live: str | Path, shadow: str | Path, dest: str | Path, *, dir_e
                 continue
             out = dest / rel
             out.parent.mkdir(parents=True, exist_ok=True)
-            synced = shadow / rel
-            if synced.is_file():
+            synced = synced_copy(live, shadow, rel)
+            if synced is not None:
                 shutil.copyfile(synced, out)
                 fate[str(rel)] = "synced"
             else:

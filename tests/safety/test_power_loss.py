@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from helpers.powerloss import SyncShadow, crash_image, mark_names_durable, writer_config
+from helpers.powerloss import SyncShadow, crash_image, mark_names_durable, seed_shadow_files, writer_config
 from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig
 from rocketstore.recovery.verify import verify_store
 
@@ -88,6 +88,38 @@ def test_model_zero_fills_never_synced_files_and_keeps_the_last_synced_bytes(tmp
     assert (tmp_path / "image" / "sub" / "b").read_bytes() == bytes(len(b"never synced"))
     assert fate == {"a": "synced", os.path.join("sub", "b"): "zeroed"}
     assert not (shadow / "outside").exists()
+
+
+def test_model_a_file_made_again_under_a_synced_name_has_no_synced_bytes(tmp_path):
+    """A synced file deleted and made again under its name (recovery truncated a segment, the writer later made
+    the segment at that offset anew) is a new file: never synced, it is zeros after the power cut, not the old
+    file's bytes.  The same holds for a file the seeded shadow of a rebooted disk holds.  (Power-loss round seed
+    16019: an empty segment left by a kill was seeded as synced, deleted by the next open and made again; the
+    image took the stale empty copy for it, and the third open refused a gap the disk could not have.)"""
+    live, shadow = tmp_path / "store", tmp_path / "shadow"
+    live.mkdir()
+    seg, seeded = live / "seg", live / "seeded"
+    seeded.write_bytes(b"")  # an empty file left by a kill during its creation, on the disk after a reboot
+    seed_shadow_files(live, shadow)
+    with SyncShadow(live, shadow):
+        seg.write_bytes(b"old segment")
+        fd = os.open(seg, os.O_RDWR)
+        os.fsync(fd)
+        os.close(fd)
+        seg.unlink()
+        seg.write_bytes(b"new segment, not synced")
+        seeded.unlink()
+        seeded.write_bytes(b"made again")
+    fate = crash_image(live, shadow, tmp_path / "image")
+    assert (tmp_path / "image" / "seg").read_bytes() == bytes(len(b"new segment, not synced"))
+    assert (tmp_path / "image" / "seeded").read_bytes() == bytes(len(b"made again"))
+    assert fate == {"seg": "zeroed", "seeded": "zeroed"}
+    with SyncShadow(live, shadow):  # synced itself, it is its own bytes again
+        fd = os.open(seg, os.O_RDWR)
+        os.fsync(fd)
+        os.close(fd)
+    crash_image(live, shadow, tmp_path / "image2")
+    assert (tmp_path / "image2" / "seg").read_bytes() == b"new segment, not synced"
 
 
 def test_model_covers_every_sync_in_the_store():
@@ -152,7 +184,7 @@ def run_round(tmp: Path, seed: int, dir_entries: bool = False) -> tuple[int, lis
         live, shadow, acks = tmp / f"live{gen}", tmp / f"shadow{gen}", tmp / f"acks{gen}.jsonl"
         if image is not None:
             shutil.copytree(image, live)  # after the reboot the disk holds the image, all of it durable
-            shutil.copytree(image, shadow)
+            seed_shadow_files(live, shadow)
             if dir_entries:
                 mark_names_durable(live, shadow)
         why = _run_writer(live, shadow, acks, seed * 10 + gen)
