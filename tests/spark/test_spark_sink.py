@@ -273,14 +273,45 @@ def _pending(root: Path) -> dict | None:
 
 
 def _append_started(root: Path, start: int) -> bool:
-    """Whether the commitlog holds a record (a message or a segment's blank end) at offset ``start``: the
-    pending batch's append has begun.  Read through the page cache, as another process sees the driver's mmap."""
+    """Whether the commitlog holds a message at offset ``start`` (or at the next segment's start, when a segment's
+    blank end is at ``start``): the pending batch's append has begun.  Read through the page cache, as another
+    process sees the driver's map."""
+    from rocketstore.format import codec
+    if not (root / "commitlog").is_dir():
+        return False
     segments = sorted((int(p.name), p) for p in (root / "commitlog").iterdir() if p.name.isdigit())
     for base, path in reversed(segments):
         if base <= start:
             with open(path, "rb") as f:
                 f.seek(start - base)
-                return f.read(4) not in (b"", b"\0\0\0\0")
+                head = f.read(8)
+            if len(head) < 8 or head[:4] == bytes(4):
+                return False
+            if int.from_bytes(head[4:], "big") == codec.BLANK_MAGIC:
+                return start != base + path.stat().st_size and _append_started(root, base + path.stat().st_size)
+            return True
+    return False
+
+
+def _tail(log, n: int = 3000) -> str:
+    log.seek(0)
+    return log.read()[-n:]
+
+
+def _kill_inside_append(p: subprocess.Popen, root: Path, start: int, deadline: float) -> bool:
+    """SIGKILL the driver's process group once its append has begun, catching it between two slices: the group
+    runs a millisecond at a time (SIGCONT, then SIGSTOP) and the log is looked at while it is stopped, so a slow
+    or loaded machine cannot let the append finish unseen.  False when the driver ended or time ran out."""
+    try:
+        while time.monotonic() < deadline and p.poll() is None:
+            os.killpg(p.pid, signal.SIGSTOP)
+            if _append_started(root, start):
+                os.killpg(p.pid, signal.SIGKILL)  # the driver's JVM, its executor threads and Python workers
+                return True
+            os.killpg(p.pid, signal.SIGCONT)
+            time.sleep(0.001)
+    except ProcessLookupError:
+        pass
     return False
 
 
@@ -301,19 +332,13 @@ def test_sink_is_exactly_once_across_driver_kills(tmp_path):
         p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
         try:
             if kills >= 2 and partial >= 1:
-                assert p.wait(300) == 0
+                assert p.wait(300) == 0, _tail(err)
                 break
             deadline = time.monotonic() + 240
             while time.monotonic() < deadline and p.poll() is None and _pending(root) is None:
                 time.sleep(0.005)
             pending = _pending(root)
-            # The kill lands once the batch's first record is in the log: its 15,000 rows are thousands of
-            # put units, so the append is still under way (no timing guess that a loaded machine can defeat).
-            while (pending is not None and time.monotonic() < deadline and p.poll() is None
-                   and not _append_started(root, int(pending["from"]))):
-                time.sleep(0.0005)
-            if p.poll() is None and pending is not None:
-                os.killpg(p.pid, signal.SIGKILL)  # the driver's JVM, its executor threads and Python workers
+            if pending is not None and _kill_inside_append(p, root, int(pending["from"]), deadline):
                 kills += 1
                 p.wait(30)
                 with MessageStore.open(str(root), read_only=True) as s:
@@ -322,7 +347,7 @@ def test_sink_is_exactly_once_across_driver_kills(tmp_path):
                             if m is not None and prefix in m.properties.get(sink.SINK_PROPERTY, ""))
                 partial += 0 < n < per_file
             else:
-                assert p.wait(300) == 0
+                assert p.wait(300) == 0, _tail(err)
                 break
         finally:
             if p.poll() is None:

@@ -33,7 +33,7 @@ import logging
 import os
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSourceStreamArrowWriter, WriterCommitMessage
@@ -118,6 +118,16 @@ def written_rows(store: MessageStore, from_offset: int, prefix: str) -> Counter[
     return found
 
 
+def _leave_out(already: Counter[str]) -> Callable[[write.StagedRow], bool]:
+    """True for as many rows of each digest as an earlier attempt wrote (a multiset: equal rows are equal)."""
+    def skip(row: write.StagedRow) -> bool:
+        if already.get(row[7], 0) > 0:
+            already[row[7]] -= 1
+            return True
+        return False
+    return skip
+
+
 def commit_batch(root: str, query_id: str, batch_id: int, parts: list[write.StagedPart],
                  opts: write.WriteOptions) -> dict[str, Any]:
     """Append one micro-batch's staged rows exactly once (see the module's docstring); a summary."""
@@ -137,12 +147,7 @@ def commit_batch(root: str, query_id: str, batch_id: int, parts: list[write.Stag
             already = written_rows(store, start, f"{query_id}:{batch_id}:")
             log.warning("%s: batch %d of query %s: an earlier attempt appended %d of its rows from commitlog "
                         "offset %d; appending the rest", root, batch_id, query_id, sum(already.values()), start)
-
-            def skip(row: write.StagedRow) -> bool:
-                if already.get(row[7], 0) > 0:
-                    already[row[7]] -= 1
-                    return True
-                return False
+            skip = _leave_out(already)
         else:
             start = store.max_phy_offset()
         journal.write({"queryId": query_id, "committed": committed, "pending": {"batch": batch_id, "from": start}})
