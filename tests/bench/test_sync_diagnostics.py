@@ -17,6 +17,8 @@ def test_a_lone_sync_producer_row_counts_one_write_and_one_fdatasync_per_put(tmp
     e = m.extra
     assert m.status == "ok" and m.n > 0
     assert e["flushes_per_msg"] == 1.0 and e["writes_per_msg"] == 1.0 and e["wakeups_per_msg"] == 0.0
+    producers, services = e["producer_switches_per_msg"], e["service_switches_per_msg"]
+    assert e["voluntary_switches_per_msg"] == pytest.approx(producers[0] + services[0], abs=0.02)
     assert e["cpu_us_per_msg"] > 0 and e["voluntary_switches_per_msg"] >= 0
     assert any(n.startswith("rs.put.sync.t1.128: ") and "fdatasync" in n for n in res.notes)
 

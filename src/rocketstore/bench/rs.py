@@ -129,7 +129,7 @@ def _note_sync_costs(res: Results, m: Measurement) -> None:
                      f"per put, {e['voluntary_switches_per_msg']:.2f} voluntary / "
                      f"{e['involuntary_switches_per_msg']:.2f} involuntary context switches per put (producers "
                      f"{e['producer_switches_per_msg'][0]:.2f} / {e['producer_switches_per_msg'][1]:.2f}, the "
-                     f"store's and the bench's own threads {e['service_switches_per_msg'][0]:.2f} / "
+                     f"store's services {e['service_switches_per_msg'][0]:.2f} / "
                      f"{e['service_switches_per_msg'][1]:.2f})")
 
 
@@ -139,15 +139,16 @@ class _SyncProbe:
     fdatasync calls, write rounds and producer wake-ups, per put: tells a row the disk decides from one the CPU
     and the GIL decide (CPU per put times the rate near one core's worth).
 
-    The switches are also split by thread: the threads alive when the probe is made (the store's services, the
-    bench's own) against the rest (the producers, which start later), so that a producer's switches beyond its
-    one designed wake-up per put (the GIL taken back after it, a preemption by the thread it woke) show apart
-    from the services' polls."""
+    The switches are also split by thread: the other threads alive when the probe is made (the store's services)
+    against the rest (the producers, which start later, or the calling thread itself), so that a producer's
+    switches beyond its one designed wake-up per put (the GIL taken back after it, a preemption by the thread it
+    woke) show apart from the services' polls."""
 
     def __init__(self, store: MessageStore) -> None:
         self.commit = store.commit
         self.at: tuple[float, ...] | None = None
-        self.services = [t.native_id for t in threading.enumerate() if t.native_id is not None]
+        me = threading.current_thread()  # the producer of a one-thread row; else it only waits for them
+        self.services = [t.native_id for t in threading.enumerate() if t is not me and t.native_id is not None]
 
     def _services_switches(self) -> tuple[int, int]:
         vol = invol = 0
