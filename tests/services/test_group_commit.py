@@ -198,6 +198,35 @@ def test_a_flush_wakes_its_producers_one_after_another_not_as_a_herd(tmp_path, m
         assert all(r.commit_log_offset + r.wrote_bytes <= flushed for rs in results for r in rs)
 
 
+def test_sixteen_sync_producers_cost_one_wake_up_per_put_at_most(tmp_path, monkeypatch):
+    """A put that sleeps costs one wake-up, the least it can: a round's flush wakes its first producer, each woken
+    producer the next; a producer is not woken once to queue and again to be answered.  Counted by the group
+    commit itself (``GroupCommit.wakes``, which the bench reports per put next to the context switches).  A
+    producer told to take over the writing may sleep once more if a flush of the service's covers its own put:
+    at most one such producer per write round."""
+    _slow_disk(monkeypatch)
+    per = 20
+    with MessageStore.open(str(tmp_path / "s"), StoreConfig(flushDiskType="SYNC_FLUSH")) as store:
+        store.put(Message("GC", b"first"))
+        commit = store.commit
+        wakes, rounds = commit.wakes, commit.rounds
+        results = _run_threads(THREADS, lambda i: [store.put(Message("GC", _body(i, k), queue_id=i))
+                                                   for k in range(per)])
+        puts = THREADS * per
+        assert all(r.ok for rs in results for r in rs)
+        wakes, rounds = commit.wakes - wakes, commit.rounds - rounds
+        assert rounds <= puts / 4  # grouped (else the count proves nothing)
+        assert puts / 2 <= wakes <= puts + rounds, f"{wakes} wake-ups for {puts} puts in {rounds} rounds"
+
+
+def test_a_lone_sync_producer_is_never_woken(tmp_path):
+    """One producer writes and flushes its own puts in its own thread: no lock hand-over at all."""
+    with MessageStore.open(str(tmp_path / "s"), StoreConfig(flushDiskType="SYNC_FLUSH")) as store:
+        for k in range(50):
+            assert store.put(Message("GC", _body(0, k))).ok
+        assert store.commit.wakes == 0
+
+
 def test_a_lone_sync_producer_flushes_in_its_own_thread(tmp_path, monkeypatch):
     """One producer alone: no hand-off to the service thread; the fdatasync runs in the caller's thread."""
     threads_seen = set()

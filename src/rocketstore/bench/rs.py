@@ -6,6 +6,7 @@ import os
 import random
 import resource
 import shutil
+import threading
 from time import perf_counter
 from contextlib import contextmanager
 from typing import Iterator
@@ -124,24 +125,50 @@ def _note_sync_costs(res: Results, m: Measurement) -> None:
     res.notes[:] = [n for n in res.notes if not n.startswith(head)]
     res.notes.append(f"{head}{e['cpu_us_per_msg']:.1f} µs of CPU per put (all threads of the process, the kernel's "
                      f"share of each fdatasync included), {e['flushes_per_msg']:.2f} fdatasync and "
-                     f"{e['writes_per_msg']:.2f} write rounds per put, "
-                     f"{e['voluntary_switches_per_msg']:.2f} voluntary / {e['involuntary_switches_per_msg']:.2f} "
-                     "involuntary context switches per put")
+                     f"{e['writes_per_msg']:.2f} write rounds and {e['wakeups_per_msg']:.2f} producer wake-ups "
+                     f"per put, {e['voluntary_switches_per_msg']:.2f} voluntary / "
+                     f"{e['involuntary_switches_per_msg']:.2f} involuntary context switches per put (producers "
+                     f"{e['producer_switches_per_msg'][0]:.2f} / {e['producer_switches_per_msg'][1]:.2f}, the "
+                     f"store's services {e['service_switches_per_msg'][0]:.2f} / "
+                     f"{e['service_switches_per_msg'][1]:.2f})")
 
 
 class _SyncProbe:
     """What a SYNC_FLUSH put cost besides its wall time, over the timed window: the process's CPU and context
     switches (every thread: producers, the group commit service, the dispatcher) and the group commit's
-    fdatasync calls and write rounds, per put: tells a row the disk decides from one the CPU and the GIL
-    decide (CPU per put times the rate near one core's worth)."""
+    fdatasync calls, write rounds and producer wake-ups, per put: tells a row the disk decides from one the CPU
+    and the GIL decide (CPU per put times the rate near one core's worth).
+
+    The switches are also split by thread: the other threads alive when the probe is made (the store's services)
+    against the rest (the producers, which start later, or the calling thread itself), so that a producer's
+    switches beyond its one designed wake-up per put (the GIL taken back after it, a preemption by the thread it
+    woke) show apart from the services' polls."""
 
     def __init__(self, store: MessageStore) -> None:
         self.commit = store.commit
-        self.at: tuple[float, int, int, int, int] | None = None
+        self.at: tuple[float, ...] | None = None
+        me = threading.current_thread()  # the producer of a one-thread row; else it only waits for them
+        self.services = [t.native_id for t in threading.enumerate() if t is not me and t.native_id is not None]
 
-    def _now(self) -> tuple[float, int, int, int, int]:
+    def _services_switches(self) -> tuple[int, int]:
+        vol = invol = 0
+        for tid in self.services:
+            try:
+                with open(f"/proc/self/task/{tid}/status") as f:
+                    for line in f:
+                        if line.startswith("voluntary_ctxt_switches:"):
+                            vol += int(line.split()[1])
+                        elif line.startswith("nonvoluntary_ctxt_switches:"):
+                            invol += int(line.split()[1])
+            except (OSError, ValueError):
+                continue  # a thread that ended (or no /proc): its switches count with the producers'
+        return vol, invol
+
+    def _now(self) -> tuple[float, ...]:
         ru = resource.getrusage(resource.RUSAGE_SELF)
-        return ru.ru_utime + ru.ru_stime, ru.ru_nvcsw, ru.ru_nivcsw, self.commit.flushes, self.commit.rounds
+        svol, sinvol = self._services_switches()
+        return (ru.ru_utime + ru.ru_stime, ru.ru_nvcsw, ru.ru_nivcsw, self.commit.flushes, self.commit.rounds,
+                self.commit.wakes, svol, sinvol)
 
     def start(self) -> None:
         self.at = self._now()
@@ -149,10 +176,13 @@ class _SyncProbe:
     def per_message(self, n: int) -> dict[str, float]:
         if self.at is None or n <= 0:
             return {}
-        cpu, vol, invol, flushes, writes = (b - a for a, b in zip(self.at, self._now()))
+        cpu, vol, invol, flushes, writes, wakes, svol, sinvol = (b - a for a, b in zip(self.at, self._now()))
         return {"cpu_us_per_msg": round(cpu / n * 1e6, 1), "flushes_per_msg": round(flushes / n, 3),
-                "writes_per_msg": round(writes / n, 3), "voluntary_switches_per_msg": round(vol / n, 2),
-                "involuntary_switches_per_msg": round(invol / n, 2)}
+                "writes_per_msg": round(writes / n, 3), "wakeups_per_msg": round(wakes / n, 3),
+                "voluntary_switches_per_msg": round(vol / n, 2),
+                "involuntary_switches_per_msg": round(invol / n, 2),
+                "producer_switches_per_msg": [round((vol - svol) / n, 2), round((invol - sinvol) / n, 2)],
+                "service_switches_per_msg": [round(svol / n, 2), round(sinvol / n, 2)]}
 
 
 class Dataset:
