@@ -334,6 +334,8 @@ def recover(files: "StoreFiles", last_exit_ok: bool, refill_from: int | None = N
         if past == len(cut) and not holed:
             report.queues_rebuilt.pop(name, None)
     commitlog.queue.flushed_where = process
+    if writable:
+        files.checkpoint.cut_offsets(process)
     report.deleted_files += commitlog.queue.truncate_dirty(process)
     if writable and (report.stopped_because or check_from is not None):  # after a power loss, pages past a
         report.zeroed_bytes = _zero_stale_tail(commitlog, process)     # lost one may have reached the disk

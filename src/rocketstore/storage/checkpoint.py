@@ -88,6 +88,13 @@ class StoreCheckpoint:
             return None
         return min(self.physicFlushedOffset, self.logicsDispatchedOffset)
 
+    def cut_offsets(self, end: int) -> None:
+        """The commitlog ends at ``end`` now (recovery cut its torn tail, or it was restored shorter): an offset
+        above it stands for records that are gone, and once the other offset moves past it, it would make the
+        records written next below it count as flushed into the consume queues."""
+        self.physicFlushedOffset = min(self.physicFlushedOffset, end)
+        self.logicsDispatchedOffset = min(self.logicsDispatchedOffset, end)
+
     def min_timestamp(self) -> int:
         """Recovery's lower bound: min(physic, logics) - 3 s, never negative."""
         return max(0, min(self.physicMsgTimestamp, self.logicsMsgTimestamp) - 3000)
