@@ -188,6 +188,9 @@ class StoreLoader:
         if reindex:
             self._reindex_lost_entries(reindex_from)
         self.commitlog.confirm_offset = self.commitlog.max_offset()
+        if not ro:  # recovery placed (and synced) the unit of every record up to here
+            cp = self.checkpoint
+            cp.logics_dispatched_end = max(cp.logics_dispatched_end, self.commitlog.max_offset())
 
     def _plan_reindex(self) -> bool:
         """Whether index entries were lost with a damaged index file (moved to quarantine, the files after it
