@@ -10,6 +10,7 @@ physicFlushedOffset says where the last thorough flush ended: a record at or pas
 from __future__ import annotations
 
 import shutil
+import struct
 
 import pytest
 
@@ -17,6 +18,7 @@ from helpers.powerloss import rebooted
 from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.errors import CommitLogDamagedError
 from rocketstore.format import codec
+from rocketstore.storage.checkpoint import StoreCheckpoint
 
 IMPORTED_AT = 1_500_000_000_000  # 2017: an imported message's original store time
 
@@ -101,3 +103,26 @@ def test_a_damaged_imported_record_the_flush_covered_is_still_refused(tmp_path):
     with pytest.raises(CommitLogDamagedError, match="physicFlushedOffset"):
         MessageStore.open(str(store), _cfg(), start_services=False)
     assert seg.read_bytes() == bytes(data)
+
+
+def test_a_page_rocketmq_rewrote_leaves_the_flushed_decision_to_the_store_times(tmp_path):
+    """RocketMQ rewrites its five longs and leaves the rest of the page: the offset is then older than the
+    times, and taking it would count records RocketMQ flushed after it as torn writes.  The stamp (the
+    physicMsgTimestamp the offset was written with) no longer matches: the offset is not used for it (it still
+    moves recovery's start back)."""
+    path = str(tmp_path / "checkpoint")
+    cp = StoreCheckpoint.load(path)
+    cp.note_physic_flushed(1_795_000_000_000, 9000)
+    cp.logicsDispatchedOffset = 4500
+    cp.flush()
+    again = StoreCheckpoint.load(path)
+    assert (again.flushed_offset(), again.recovery_offset()) == (9000, 4500)
+    data = bytearray((tmp_path / "checkpoint").read_bytes())
+    struct.pack_into(">5q", data, 0, 1_795_000_100_000, 1_795_000_100_000, 0, 0, 20000)  # RocketMQ's flush
+    (tmp_path / "checkpoint").write_bytes(bytes(data))
+    rewritten = StoreCheckpoint.load(path)
+    assert (rewritten.flushed_offset(), rewritten.recovery_offset()) == (None, 4500)
+    data[64:72] = bytes(8)  # a page of the version before the stamp: not used either
+    struct.pack_into(">q", data, 0, 1_795_000_000_000)
+    (tmp_path / "checkpoint").write_bytes(bytes(data))
+    assert StoreCheckpoint.load(path).flushed_offset() is None
