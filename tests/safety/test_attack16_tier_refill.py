@@ -111,3 +111,72 @@ def test_a_tiered_segment_whose_records_were_never_dispatched_stays_on_disk(tmp_
     with MessageStore.open(str(root), _cfg(tier), start_services=False) as st:
         for key, want in bodies.items():
             assert _read_all(st, *key) == want
+
+
+def test_a_lost_consumequeue_directory_of_a_tiered_store_then_a_power_cut(tmp_path):
+    """The whole consumequeue/ directory lost on a tiered store whose first segment only the tier holds, three
+    queues interleaved: the open rebuilds every queue from the tier's records then the local ones; new puts take
+    queue offsets after every record (none given twice); a power cut while they run loses none of them."""
+    root, tier, image, shadow = tmp_path / "s", tmp_path / "tier", tmp_path / "image", tmp_path / "shadow"
+    keys = [("T", 0), ("T", 1), ("U", 0)]
+    bodies: dict[tuple[str, int], dict[int, bytes]] = {k: {} for k in keys}
+
+    def put(st: MessageStore, i: int) -> None:
+        key = keys[i % 3] if i % 7 else keys[0]
+        body = b"m%d|" % i + bytes(300 + i % 50)
+        r = st.put(Message(key[0], body, queue_id=key[1]))
+        assert r.ok and r.queue_offset not in bodies[key]
+        bodies[key][r.queue_offset] = body
+
+    with MessageStore.open(str(root), _cfg(tier)) as st:
+        for i in range(200):
+            put(st, i)
+    with MessageStore.open(str(root), _cfg(tier), start_services=False) as st:
+        assert upload_round(st.files, max_segments=2)["segments"] == 2
+        st.clean_service.delete_expired_commitlog_files(True)
+        st.clean_service.clean_consume_queues()
+        assert st.commitlog.min_offset() == 2 * SEG
+    shutil.rmtree(root / "consumequeue")
+    with SyncShadow(root, shadow):
+        st = MessageStore.open(str(root), _cfg(tier))
+        try:
+            for key in keys:
+                assert _read_all(st, *key) == bodies[key]
+            for i in range(200, 260):
+                put(st, i)
+            _power_cut(root, shadow, image)
+        finally:
+            st.close()
+    rebooted(image)
+    for _ in range(2):
+        with MessageStore.open(str(image), _cfg(tier), start_services=False) as st:
+            for key in keys:
+                assert _read_all(st, *key) == bodies[key]
+
+
+def test_a_queue_whose_only_file_was_lost_is_rebuilt_from_the_records_only_the_tier_holds(tmp_path):
+    """A quiet queue's records all in a segment only the tier holds (its one consume-queue file is not full, so
+    the tier has no copy of it); the file is lost, its directory stays.  The check for lost first files walked
+    the local segments only: it found none of the queue's records, the queue opened empty (0..0) and its five
+    acknowledged messages were hidden, though the tier holds them."""
+    root, tier = tmp_path / "s", tmp_path / "tier"
+    quiet: dict[int, bytes] = {}
+    with MessageStore.open(str(root), _cfg(tier)) as st:
+        for i in range(5):
+            r = st.put(Message("Q", b"q%d" % i, queue_id=3))
+            quiet[r.queue_offset] = b"q%d" % i
+        for i in range(150):
+            assert st.put(Message("T", bytes(400), queue_id=0)).ok
+    with MessageStore.open(str(root), _cfg(tier), start_services=False) as st:
+        assert upload_round(st.files, max_segments=2)["segments"] == 2
+        st.clean_service.delete_expired_commitlog_files(True)
+        st.clean_service.clean_consume_queues()
+        assert st.commitlog.min_offset() == 2 * SEG
+    (only,) = (root / "consumequeue" / "Q" / "3").iterdir()
+    only.unlink()
+    with MessageStore.open(str(root), _cfg(tier), start_services=False) as st:
+        assert _read_all(st, "Q", 3) == quiet
+    with MessageStore.open(str(root), _cfg(tier), read_only=True) as st:
+        assert _read_all(st, "Q", 3) == quiet
+    with MessageStore.open(str(root), _cfg(tier), start_services=False) as st:
+        assert st.put(Message("Q", b"q5", queue_id=3)).queue_offset == 5
