@@ -188,6 +188,9 @@ class StoreLoader:
         if reindex:
             self._reindex_lost_entries(reindex_from)
         self.commitlog.confirm_offset = self.commitlog.max_offset()
+        if not ro:  # recovery placed (and synced) the unit of every record up to here
+            cp = self.checkpoint
+            cp.logics_dispatched_end = max(cp.logics_dispatched_end, self.commitlog.max_offset())
 
     def _plan_reindex(self) -> bool:
         """Whether index entries were lost with a damaged index file (moved to quarantine, the files after it
@@ -411,7 +414,9 @@ class StoreLoader:
         A queue starting past unit 0 looks like retention deleted its first
         files; it did only if the records those units pointed at are below the
         commitlog's minimum.  When one is still there, the queue is rebuilt
-        from the commitlog (every file goes and recovery refills it).
+        from the commitlog (every file goes and recovery refills it).  A queue
+        directory without a file lost every unit it had: with a tier holding
+        records below the local log it is rebuilt from those too.
         """
         min_phy = self.commitlog.min_offset()
         firsts: dict[tuple[str, int], tuple[int, int]] = {}
@@ -423,7 +428,12 @@ class StoreLoader:
                 firsts[key] = first
             elif not cq.queue.files:  # a queue directory without a file: any record of it was lost
                 firsts[key] = (codec.NO_INDEX, codec.NO_INDEX)
-        for topic, qid in sorted(queues_with_records_before(self.files, firsts)):
+        lost = queues_with_records_before(self.files, firsts)
+        if self.commitlog.min_offset_with_tier() < min_phy:
+            # The scan reads the local segments only: a queue without a file may have had its records where
+            # only the tier holds them.  The rebuild reads the tier first and places whatever is there.
+            lost |= {key for key, first in firsts.items() if first[0] == codec.NO_INDEX}
+        for topic, qid in sorted(lost):
             cq = self._cq_table[(topic, qid)]
             start = firsts[(topic, qid)][1]
             log.warning("%s-%d %s, but records of it are still in the commitlog (a lost queue file, not "

@@ -320,7 +320,7 @@ def recover(files: "StoreFiles", last_exit_ok: bool, refill_from: int | None = N
             cq.flush_dirty()
         if report.abnormal:
             _sync_written_before_crash(files, report.start_offset)
-            _count_synced_as_flushed(files, last_valid)
+            _count_synced_as_flushed(files, last_valid, process)
     if max_cq >= process:
         for cq in files.consume_queues():
             n = cq.truncate_dirty_logic(process)
@@ -334,6 +334,8 @@ def recover(files: "StoreFiles", last_exit_ok: bool, refill_from: int | None = N
         if past == len(cut) and not holed:
             report.queues_rebuilt.pop(name, None)
     commitlog.queue.flushed_where = process
+    if writable:
+        files.checkpoint.cut_offsets(process)
     report.deleted_files += commitlog.queue.truncate_dirty(process)
     if writable and (report.stopped_because or check_from is not None):  # after a power loss, pages past a
         report.zeroed_bytes = _zero_stale_tail(commitlog, process)     # lost one may have reached the disk
@@ -373,18 +375,19 @@ def _sync_written_before_crash(files: "StoreFiles", start: int) -> None:
             mapped_file.fdatasync(f.fd)
 
 
-def _count_synced_as_flushed(files: "StoreFiles", last_valid: int) -> None:
+def _count_synced_as_flushed(files: "StoreFiles", last_valid: int, end: int) -> None:
     """(Once the log recovery kept is synced.)  Move the checkpoint's physicMsgTimestamp up to the last kept
     record's store time: else it stays where the crashed writer's last thorough flush left it, and damage to a
     record synced here is taken, after a later power loss, for a torn tail of unflushed writes and the durable
     records after it are truncated (store model seed 2253).  Set even when lower: every record up to it is
     durable now, and _refuse_to_cut_flushed_records finds a record with this store time after the damage
-    (an imported record last keeps its original, older store time)."""
+    (an imported record last keeps its original, older store time).  physicFlushedOffset moves up to ``end``,
+    where that record ends, with it."""
     if last_valid < 0:
         return
     ts = files.commitlog.pickup_store_timestamp(last_valid, 0)
     if ts > 0:
-        files.checkpoint.physicMsgTimestamp = ts
+        files.checkpoint.note_physic_flushed(ts, end)
 
 
 def _next_offsets_past_records(files: "StoreFiles", seen_qoff: dict[tuple[str, int], int]) -> None:
@@ -420,15 +423,23 @@ def _refuse_to_cut_a_written_record(files: "StoreFiles", process: int, report: R
     f = files.commitlog.queue.find(process)
     pos = None if f is None else process - f.file_from_offset
     ts = None if f is None else codec.intact_head(f.mm, pos, files.commitlog.file_size, f.file_from_offset)
+    if ts is None:
+        return
+    flushed_to = files.checkpoint.flushed_offset()
     flushed = files.checkpoint.physicMsgTimestamp
-    if ts is None or not 0 < ts < flushed:
+    if flushed_to is not None:  # the offset says it exactly (store times need not grow: imported records)
+        if process >= flushed_to:
+            return
+        because = f"it lies before the checkpoint's physicFlushedOffset {flushed_to}"
+    elif 0 < ts < flushed:
+        because = f"its store time {ts} is before the checkpoint's physicMsgTimestamp {flushed}"
+    else:
         return
     raise CommitLogDamagedError(f"{report.stopped_because}: the record at commitlog offset {process} ({f.path} at file "
-                                f"position {pos}) has an intact header and body, and its store time {ts} is before "
-                                f"the checkpoint's physicMsgTimestamp {flushed}: it was flushed before the power "
-                                f"loss, so its damage is no torn write; recovery would truncate the log at {process} "
-                                f"and lose it. No commitlog byte was changed: run `rocketstore verify {files.root} "
-                                f"--repair`")
+                                f"position {pos}) has an intact header and body, and {because}: it was flushed before "
+                                f"the power loss, so its damage is no torn write; recovery would truncate the log at "
+                                f"{process} and lose it. No commitlog byte was changed: run `rocketstore verify "
+                                f"{files.root} --repair`")
 
 
 def _refuse_to_cut_intact_records(files: "StoreFiles", process: int, max_cq: int, report: RecoveryReport) -> None:
@@ -460,8 +471,13 @@ def _refuse_to_cut_flushed_records(files: "StoreFiles", process: int, max_cq: in
     if nxt is None:
         return
     why = report.stopped_because or f"zero bytes at commitlog offset {process}, below the consume queues' end {max_cq}"
+    flushed_to = files.checkpoint.flushed_offset()
     if getattr(files, "process_crash_only", False):
         because = "only the process crashed (no page can be torn)"
+    elif flushed_to is not None:  # the offset says it exactly (store times need not grow: imported records)
+        if process >= flushed_to:
+            return
+        because = f"the damage lies before the checkpoint's physicFlushedOffset {flushed_to} (flushed before the power loss)"
     else:
         flushed = files.checkpoint.physicMsgTimestamp
         ts = files.commitlog.pickup_store_timestamp(nxt, 0)

@@ -132,6 +132,12 @@ class CleanService(ServiceThread):
                 # store read-only rather than lose it).
                 log.info("%s expired but is not in the tier %s yet; kept", f.path, tier.loc.uri)
                 break
+            if tier is not None and not self._queue_units_durable(f.end_offset):
+                # Its records stay readable from the tier, and recovery re-dispatches local segments only:
+                # units a power cut could still lose would leave them in no queue (skipped by every read).
+                log.info("%s expired but the consume-queue units of its records are not all dispatched and "
+                         "flushed yet; kept", f.path)
+                break
             if not deleted:  # the queue offsets of the records about to go must outlive them (queue registry)
                 files.save_queue_registry()
             if not f.destroy(cfg.destroyMapedFileIntervalForcibly, now=files.clock()):
@@ -143,6 +149,16 @@ class CleanService(ServiceThread):
                 files.sleep(cfg.deleteCommitLogFilesInterval / 1000)
         queue.delete_files(deleted)
         return [f.path for f in deleted]
+
+    def _queue_units_durable(self, end: int) -> bool:
+        """Whether every record before commitlog offset ``end`` has its consume-queue unit on disk: dispatch
+        has passed ``end`` and the queues were flushed whole since (the checkpoint's logicsDispatchedOffset),
+        flushing them here when dispatch is past it but the flush is not."""
+        cp = self.files.checkpoint
+        if cp.logicsDispatchedOffset < end <= cp.logics_dispatched_end:
+            from .flush import FlushConsumeQueueService
+            FlushConsumeQueueService(self.files).run_once(force=True)
+        return cp.logicsDispatchedOffset >= end
 
     def redelete_hanged_file(self) -> None:
         files, cfg = self.files, self.files.config

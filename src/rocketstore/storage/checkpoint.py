@@ -14,10 +14,15 @@ the page as it is, so a page it rewrote keeps older values here: they only move 
     40  "RSTORE01"            says the two offsets below were written
     48  physicFlushedOffset   the commitlog offset the last thorough commitlog flush reached
     56  logicsDispatchedOffset  the commitlog offset dispatched when the consume queues were last flushed whole
+    64  physicFlushedStamp    the physicMsgTimestamp physicFlushedOffset was written with (0: not known)
 
 Recovery starts from the segment whose first record is older than the timestamps (RocketMQ's rule), or
 earlier where the offsets say so: store times are not monotonic (an imported record keeps its own), and a
 segment that begins with an old one would otherwise be taken as the start past records never made durable.
+After a power loss physicFlushedOffset also says which records were flushed (:meth:`flushed_offset`): store
+times say it only while they grow, and an imported record's would count a write the power cut tore as flushed.
+When RocketMQ rewrote the page, physicMsgTimestamp no longer matches the stamp: the offset is older than the
+time, and the time decides, as in RocketMQ.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from .jsonfile import fsync_dir
 
 CHECKPOINT_SIZE = 4096
 _LAYOUT = struct.Struct(">qqqqq")
-_OURS = struct.Struct(">8sqq")
+_OURS = struct.Struct(">8sqqq")
 _OURS_AT = _LAYOUT.size
 _OURS_MAGIC = b"RSTORE01"
 
@@ -51,6 +56,7 @@ class StoreCheckpoint:
     logics_dispatched: int = field(default=0, repr=False, compare=False)
     physicFlushedOffset: int = -1  # (see the module docstring; -1: not known, a page RocketMQ wrote)
     logicsDispatchedOffset: int = -1
+    physicFlushedStamp: int = 0
     # The commitlog offset dispatch has reached, in memory only (as logics_dispatched): it becomes
     # logicsDispatchedOffset once the consume queues are flushed whole.
     logics_dispatched_end: int = field(default=-1, repr=False, compare=False)
@@ -76,9 +82,9 @@ class StoreCheckpoint:
             head = fh.read(_OURS_AT + _OURS.size)
         (cp.physicMsgTimestamp, cp.logicsMsgTimestamp, cp.indexMsgTimestamp,
          cp.masterFlushedOffset, cp.confirmPhyOffset) = _LAYOUT.unpack_from(head)
-        magic, physic, logics = _OURS.unpack_from(head, _OURS_AT)
+        magic, physic, logics, stamp = _OURS.unpack_from(head, _OURS_AT)
         if magic == _OURS_MAGIC:
-            cp.physicFlushedOffset, cp.logicsDispatchedOffset = physic, logics
+            cp.physicFlushedOffset, cp.logicsDispatchedOffset, cp.physicFlushedStamp = physic, logics, stamp
         return cp
 
     def recovery_offset(self) -> int | None:
@@ -87,6 +93,30 @@ class StoreCheckpoint:
         if self.physicFlushedOffset < 0 or self.logicsDispatchedOffset < 0:
             return None
         return min(self.physicFlushedOffset, self.logicsDispatchedOffset)
+
+    def note_physic_flushed(self, store_timestamp: int, offset: int) -> None:
+        """A thorough commitlog flush reached ``offset``, its last record stored at ``store_timestamp`` (0: keep
+        the time).  The offset is set first and the stamp last: a page written in between holds either an
+        offset no older than its time, or a stamp that does not match (then the time decides)."""
+        self.physicFlushedOffset = offset
+        if store_timestamp:
+            self.physicMsgTimestamp = store_timestamp
+        self.physicFlushedStamp = self.physicMsgTimestamp
+
+    def flushed_offset(self) -> int | None:
+        """The commitlog offset below which every record was flushed (thoroughly, then fdatasync'd), or None
+        when the page does not say it for its physicMsgTimestamp (RocketMQ's page, or one RocketMQ rewrote)."""
+        if self.physicFlushedOffset < 0 or not self.physicMsgTimestamp or \
+                self.physicFlushedStamp != self.physicMsgTimestamp:
+            return None
+        return self.physicFlushedOffset
+
+    def cut_offsets(self, end: int) -> None:
+        """The commitlog ends at ``end`` now (recovery cut its torn tail, or it was restored shorter): an offset
+        above it stands for records that are gone, and once the other offset moves past it, it would make the
+        records written next below it count as flushed into the consume queues."""
+        self.physicFlushedOffset = min(self.physicFlushedOffset, end)
+        self.logicsDispatchedOffset = min(self.logicsDispatchedOffset, end)
 
     def min_timestamp(self) -> int:
         """Recovery's lower bound: min(physic, logics) - 3 s, never negative."""
@@ -108,7 +138,8 @@ class StoreCheckpoint:
         _LAYOUT.pack_into(page, 0, self.physicMsgTimestamp, self.logicsMsgTimestamp, self.indexMsgTimestamp,
                           self.masterFlushedOffset, self.confirmPhyOffset)
         if self.physicFlushedOffset >= 0 or self.logicsDispatchedOffset >= 0:  # (else zeros, as RocketMQ's page)
-            _OURS.pack_into(page, _OURS_AT, _OURS_MAGIC, self.physicFlushedOffset, self.logicsDispatchedOffset)
+            _OURS.pack_into(page, _OURS_AT, _OURS_MAGIC, self.physicFlushedOffset, self.logicsDispatchedOffset,
+                            self.physicFlushedStamp)
         created = not os.path.exists(self.path)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:

@@ -175,10 +175,8 @@ class StoreFiles:
             self.running_flags.make_not_writeable(self.flush_error)
             log.error("%s: %s; store is now read-only", self.root, self.flush_error)
             return False
-        if thorough and self.commitlog.queue.store_timestamp:
-            self.checkpoint.physicMsgTimestamp = self.commitlog.queue.store_timestamp
         if thorough:
-            self.checkpoint.physicFlushedOffset = self.commitlog.queue.flushed_where
+            self.checkpoint.note_physic_flushed(self.commitlog.queue.store_timestamp, self.commitlog.queue.flushed_where)
         return done
 
     def flush_checkpoint(self) -> None:
