@@ -263,13 +263,15 @@ print("done", flush=True)
 """ % INPUT_SCHEMA
 
 
-def _pending(root: Path) -> dict | None:
+def _journal(root: Path) -> tuple[tuple[int, int] | None, dict | None]:
+    """The sink journal's identity (inode, mtime: it is replaced whole at each write) and its pending batch."""
     for p in (root / "spark-sinks").glob("*.json") if (root / "spark-sinks").is_dir() else []:
         try:
-            return json.loads(p.read_text()).get("pending")
-        except ValueError:
-            return None
-    return None
+            st = p.stat()
+            return (st.st_ino, st.st_mtime_ns), json.loads(p.read_text()).get("pending")
+        except (OSError, ValueError):
+            return None, None
+    return None, None
 
 
 def _append_started(root: Path, start: int) -> bool:
@@ -326,26 +328,35 @@ def test_sink_is_exactly_once_across_driver_kills(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(sink.__file__).parents[2]),
                                                          os.environ.get("PYTHONPATH", "")])}
     argv = [sys.executable, "-c", _DRIVER, str(tmp_path / "in"), str(chk), str(root)]
-    kills, partial, logs = 0, 0, []
+    kills, partial, logs, seen = 0, 0, [], []
+    log_end = 0  # where the log's last whole message ends after the last kill: a retry's append begins there
     for attempt in range(10):
         err = open(tmp_path / f"driver-{attempt}.log", "w+")
+        before = _journal(root)[0]
         p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
         try:
             if kills >= 2 and partial >= 1:
                 assert p.wait(300) == 0, _tail(err)
                 break
+            # This driver's own "pending" (a retry writes the same one again: the journal is a new file).
             deadline = time.monotonic() + 240
-            while time.monotonic() < deadline and p.poll() is None and _pending(root) is None:
+            stamp, pending = _journal(root)
+            while time.monotonic() < deadline and p.poll() is None and (stamp == before or pending is None):
                 time.sleep(0.005)
-            pending = _pending(root)
-            if pending is not None and _kill_inside_append(p, root, int(pending["from"]), deadline):
+                stamp, pending = _journal(root)
+            start = max(int(pending["from"]), log_end) if pending is not None else -1
+            if pending is not None and _kill_inside_append(p, root, start, deadline):
                 kills += 1
                 p.wait(30)
                 with MessageStore.open(str(root), read_only=True) as s:
                     prefix = f":{pending['batch']}:"
-                    n = sum(1 for _, _, m, _ in s.messages(pending["from"], read_body=False)
-                            if m is not None and prefix in m.properties.get(sink.SINK_PROPERTY, ""))
+                    n = 0
+                    for offset, size, m, _ in s.messages(int(pending["from"]), read_body=False):
+                        if m is not None:
+                            n += prefix in m.properties.get(sink.SINK_PROPERTY, "")
+                            log_end = offset + size
                 partial += 0 < n < per_file
+                seen.append(n)
             else:
                 assert p.wait(300) == 0, _tail(err)
                 break
@@ -357,7 +368,7 @@ def test_sink_is_exactly_once_across_driver_kills(tmp_path):
             logs.append(err.read())
             err.close()
     assert kills >= 2, logs[-1][-3000:]
-    assert partial >= 1, "no kill landed in the middle of an append"
+    assert partial >= 1, f"no kill landed in the middle of an append (rows of the batch in the log after each kill: {seen})"
     assert any("an earlier attempt appended" in t and "appending the rest" in t for t in logs)
     _check_every_row_once(root, "Killed", rows)
     journal = json.loads(next((root / "spark-sinks").glob("*.json")).read_text())
