@@ -57,6 +57,14 @@ def rebooted(store: str | Path) -> None:
     Path(store, "abort.bootid").write_text("boot-before-the-power-cut")
 
 
+def lose_queue_units(store: str | Path, topic: str, queue_id: int, kept: int) -> None:
+    """The power cut reached the queue's only file up to its first ``kept`` units: the rest reads as zeros."""
+    (cq,) = Path(store, "consumequeue", topic, str(queue_id)).iterdir()
+    data = bytearray(cq.read_bytes())
+    data[kept * 20:] = bytes(len(data) - kept * 20)
+    cq.write_bytes(bytes(data))
+
+
 def process_crashed(store: str | Path) -> None:
     """The process died, the machine did not: the abort file is from this boot."""
     Path(store, "abort").write_text("4242")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 
-from helpers.powerloss import rebooted
+from helpers.powerloss import lose_queue_units, rebooted
 from rocketstore import Message, MessageStore, StoreConfig
 
 IMPORTED_AT = 1_500_000_000_000  # 2017: an imported message's original store time
@@ -46,10 +46,7 @@ def test_a_segment_starting_with_an_imported_record_is_no_recovery_start_past_un
         shutil.copytree(live, image)  # the power cut: the commitlog is synced, TopicB's queue file only up to unit 5
     finally:
         s.close()
-    (cq,) = (image / "consumequeue" / "TopicB" / "0").iterdir()  # its first 5 units reached the disk
-    data = bytearray(cq.read_bytes())
-    data[5 * 20:] = bytes(len(data) - 5 * 20)
-    cq.write_bytes(bytes(data))
+    lose_queue_units(image, "TopicB", 0, kept=5)  # only its first 5 units reached the disk
     rebooted(image)
     with MessageStore.open(str(image), _cfg(), start_services=False) as s:
         assert s.max_offset_in_queue("TopicB", 0) == len(acked)
