@@ -153,6 +153,11 @@ class StoreLoader:
             self.commitlog.tier = self.tier
         self._load_consume_queues()
         self._check_quarantine()  # before the checkpoint and the index are touched
+        loaded = set(self._cq_table)
+        if not ro:
+            self._registry = self._read_queue_registry(loaded)
+        else:  # a reader cannot rebuild a lost queue: it names the loss (missing is not empty)
+            self.lost_queues = set(self._read_queue_registry(loaded)) - loaded
         if not ro:
             self._refill_lost_first_files()
         self.checkpoint = StoreCheckpoint.load(self.paths.checkpoint, read_only=ro, on_bad=self._on_bad_file)
@@ -164,11 +169,6 @@ class StoreLoader:
         reindex = self._plan_reindex()
         self._move_to_quarantine()
         reindex_from = self.index_service.resume_offset()
-        loaded = set(self._cq_table)
-        if not ro:
-            self._registry = self._read_queue_registry(loaded)
-        else:  # a reader cannot rebuild a lost queue: it names the loss (missing is not empty)
-            self.lost_queues = set(self._read_queue_registry(loaded)) - loaded
         for name in self.queues_to_rebuild:  # a rebuild places each unit at its record's queue offset
             topic, _, qid = name.rpartition("/")
             if (cq := self._cq_table.get((topic, int(qid)))) is not None:
@@ -418,10 +418,20 @@ class StoreLoader:
         for key, cq in self._cq_table.items():
             if f"{key[0]}/{key[1]}" in self.queues_to_rebuild:
                 continue
+            zeros = bool(cq.queue.files) and cq.holds_no_unit()
+            if zeros and (self._registry or {}).get(key, 0) > 0:
+                # Zero-filled where the registry says units were (missing is not empty): its records may lie
+                # anywhere, the tier's included, so the queue is rebuilt from the log's start.  (One whose
+                # records were all lost too is left with no file: later opens take the cheaper look below.)
+                log.warning("%s-%d: its files hold no unit, but the queue registry says it reached queue offset %d "
+                            "(a zero-filled queue file); rebuilding it from the commitlog", key[0], key[1],
+                            self._registry[key] - 1)
+                self._rebuild_queue(cq, [])
+                continue
             first = cq.first_unit()
             if first is not None and first[1] > 0 and first[0] > min_phy:
                 firsts[key] = first
-            elif not cq.queue.files:  # a queue directory without a file: any record of it was lost
+            elif not cq.queue.files or zeros:  # no file, or files of zeros: any record of it was lost
                 firsts[key] = (codec.NO_INDEX, codec.NO_INDEX)
         for topic, qid in sorted(queues_with_records_before(self.files, firsts)):
             cq = self._cq_table[(topic, qid)]

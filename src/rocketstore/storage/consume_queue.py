@@ -280,6 +280,12 @@ class ConsumeQueue:
                 break
         return None
 
+    def holds_no_unit(self) -> bool:
+        """Whether every file's first unit is zeros (read before recovery, whatever the written positions say):
+        units are written from a file's start (blank ones before a queue's first message), so such files hold
+        none, named records or blank."""
+        return all(f.mm[0:CQ_STORE_UNIT_SIZE] == _ZERO_UNIT for f in self.queue.files)
+
     def last_unit(self) -> tuple[int, int, int] | None:
         last = self.queue.last()
         if last is None or last.wrote_position < CQ_STORE_UNIT_SIZE:
