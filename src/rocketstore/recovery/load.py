@@ -485,7 +485,6 @@ class StoreLoader:
             self._refill_from_tier(-1, names)
         from ..services.dispatch import CommitLogDispatcher
         dispatcher = CommitLogDispatcher(self.files)
-        dispatched_before = self.checkpoint.logics_dispatched, self.checkpoint.logics_dispatched_end
         held = {}
         for (t, q) in self._cq_table:
             if (t, q) in lost:
@@ -494,22 +493,22 @@ class StoreLoader:
                 held[(t.encode("utf-8"), q)] = codec.NO_INDEX  # every record of a queue kept is skipped
             except UnicodeEncodeError:
                 pass
-        for mm, pos, size in _records_not_held(self.commitlog, held):
-            msg = codec.decode(mm, pos, pos + size, read_body=False)
-            key = (msg.topic, msg.queue_id)
-            if key not in self._cq_table:
-                if illegal_topic(msg.topic) is not None:
-                    continue  # (dispatch leaves such a record out of the queues, and says so)
-                if key not in lost:
-                    lost.append(key)
-                    log.warning("%s-%d: records in the commitlog but no consume queue (a lost directory); "
-                                "rebuilding it", *key)
-                    self.queues_to_rebuild.append(f"{key[0]}/{key[1]}")
-                self.find_consume_queue(*key).pad_gaps = True  # place each unit at its queue offset
-            cq = self._cq_table[key]
-            dispatcher.dispatch(msg, index=False, queue=True)
-            refilled.add(cq)
-        self.checkpoint.logics_dispatched, self.checkpoint.logics_dispatched_end = dispatched_before
+        with self.checkpoint.dispatch_marks_kept():
+            for mm, pos, size in _records_not_held(self.commitlog, held):
+                msg = codec.decode(mm, pos, pos + size, read_body=False)
+                key = (msg.topic, msg.queue_id)
+                if key not in self._cq_table:
+                    if illegal_topic(msg.topic) is not None:
+                        continue  # (dispatch leaves such a record out of the queues, and says so)
+                    if key not in lost:
+                        lost.append(key)
+                        log.warning("%s-%d: records in the commitlog but no consume queue (a lost directory); "
+                                    "rebuilding it", *key)
+                        self.queues_to_rebuild.append(f"{key[0]}/{key[1]}")
+                    self.find_consume_queue(*key).pad_gaps = True  # place each unit at its queue offset
+                cq = self._cq_table[key]
+                dispatcher.dispatch(msg, index=False, queue=True)
+                refilled.add(cq)
         for cq in refilled:
             cq.pad_gaps = False
         self.files.recover_topic_queue_table()
@@ -526,24 +525,23 @@ class StoreLoader:
         rebuilt = set(self.queues_to_rebuild if names is None else names)
         from ..services.dispatch import CommitLogDispatcher
         dispatcher = CommitLogDispatcher(self.files)
-        dispatched_before = self.checkpoint.logics_dispatched, self.checkpoint.logics_dispatched_end
         n = 0
         start = max(start, self.commitlog.min_offset_with_tier())
         try:
-            for off, _size, msg, problem in self.messages(start, read_body=False, skip_damaged=True):
-                if off >= local:
-                    break
-                if msg is None:
-                    log.warning("queue rebuild from the tier: %s; not placed", problem)
-                    continue
-                if msg.commit_log_offset == off and f"{msg.topic}/{msg.queue_id}" in rebuilt:
-                    dispatcher.dispatch(msg, index=False, queue=True)
-                    n += 1
+            with self.checkpoint.dispatch_marks_kept():
+                for off, _size, msg, problem in self.messages(start, read_body=False, skip_damaged=True):
+                    if off >= local:
+                        break
+                    if msg is None:
+                        log.warning("queue rebuild from the tier: %s; not placed", problem)
+                        continue
+                    if msg.commit_log_offset == off and f"{msg.topic}/{msg.queue_id}" in rebuilt:
+                        dispatcher.dispatch(msg, index=False, queue=True)
+                        n += 1
         except TierError as e:
             raise StoreLoadError(f"{self.paths.cq_rebuild}: the rebuild of consume queues {sorted(rebuilt)} must "
                                  f"read the records the tier holds from commitlog offset {start}: {e}; a writable "
                                  "open with the tier reachable finishes it") from None
-        self.checkpoint.logics_dispatched, self.checkpoint.logics_dispatched_end = dispatched_before
         log.warning("consume queues %s: %d unit(s) placed from records the tier holds", ", ".join(sorted(rebuilt)),
                     n)
 
