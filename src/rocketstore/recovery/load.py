@@ -29,7 +29,7 @@ from ..storage.geometry import store_config
 from ..storage.store_lock import StoreLock
 from ..storage.files import InFiles, StoreFiles
 from ..storage.index import IndexService
-from ..storage.jsonfile import write_file_durably
+from ..storage.jsonfile import replace_file_durably
 from ..storage.quarantine import QuarantinePlan, extend_torn_last_segment, file_kind
 from ..storage.read import StoreReader
 from ..tier.tiered import TieredStorage
@@ -208,7 +208,7 @@ class StoreLoader:
             raise StoreLoadError(f"{self.paths.index_rebuild}: the rebuild of index entries has not finished; a "
                                  "writable open (rocketstore recover) finishes it")
         if self.index_service.damaged:
-            write_file_durably(self.paths.index_rebuild, ("\n".join(self.index_service.damaged) + "\n").encode())
+            replace_file_durably(self.paths.index_rebuild, ("\n".join(self.index_service.damaged) + "\n").encode())
         return True
 
     def _commitlog_starts_with_a_record(self) -> bool:
@@ -467,7 +467,7 @@ class StoreLoader:
                     "earlier records (a lost consume-queue directory); rebuilding them from the commitlog",
                     ", ".join(names))
         self.queues_to_rebuild = list(dict.fromkeys(self.queues_to_rebuild + names))
-        write_file_durably(self.paths.cq_rebuild, ("\n".join(self.queues_to_rebuild) + "\n").encode())
+        replace_file_durably(self.paths.cq_rebuild, ("\n".join(self.queues_to_rebuild) + "\n").encode())
         for key in lost:
             cq = self._cq_table.pop(key, None)
             if cq is None:
@@ -618,7 +618,7 @@ class StoreLoader:
             text = "".join(f"{t}/{q} {n}\n" for (t, q), n in sorted(reg.items()))
             if text != self._registry_text:
                 os.makedirs(os.path.dirname(self.paths.queue_registry), exist_ok=True)
-                write_file_durably(self.paths.queue_registry, text.encode("utf-8"))
+                replace_file_durably(self.paths.queue_registry, text.encode("utf-8"))
                 self._registry_text = text
             self._registry = reg
 
