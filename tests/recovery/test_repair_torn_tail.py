@@ -22,23 +22,28 @@ from rocketstore.storage.checkpoint import StoreCheckpoint
 CFG = dict(mappedFileSizeCommitLog=32 * 1024, mappedFileSizeConsumeQueue=10 * 20, warmAheadBytes=0)
 
 
-def _power_loss_image(root, *, other_boot: bool = True) -> list[tuple[int, int, int]]:
+def _power_loss_image(root, *, other_boot: bool = True, damage: bool = True,
+                      imported_from: int | None = None) -> list[tuple[int, int, int]]:
     """60 records of T-0 in segment 0; the checkpoint says a flush covered records 0..39 (40.. stored later);
     record 10's body damaged (a disk error under a flushed record); records 45..47 zeros (pages a power cut
-    lost, with the pages of 48..59 written back); an abort file of another boot.  Returns (offset, size, store
-    time) of each record."""
+    lost, with the pages of 48..59 written back); an abort file of another boot.  ``imported_from``: records from
+    that one on are imported with store times a year back.  Returns (offset, size, store time) of each record."""
     cfg = StoreConfig(flushDiskType="SYNC_FLUSH", **CFG)
+    old = int(time.time() * 1000) - 365 * 86_400_000
     with MessageStore.open(str(root), cfg) as st:
         for i in range(60):
             if i == 40:
                 time.sleep(0.01)  # records 40.. are stored after the flush that covered 39
-            assert st.put(Message("T", b"m%d|" % i + bytes(200), queue_id=0, keys=f"k{i}")).ok
+            stored = old + i if imported_from is not None and i >= imported_from else None
+            assert st.put(Message("T", b"m%d|" % i + bytes(200), queue_id=0, keys=f"k{i}",
+                                  store_timestamp=stored)).ok
         recs = [(off, size, m.store_timestamp) for off, size, m, _ in st.messages()]
     cp = StoreCheckpoint.load(str(root / "checkpoint"))
     cp.physicMsgTimestamp = cp.logicsMsgTimestamp = recs[39][2]
     cp.physicFlushedOffset = cp.logicsDispatchedOffset = recs[39][0] + recs[39][1]
     cp.flush()
-    flip_body_bit(root, recs[10][0])
+    if damage:
+        flip_body_bit(root, recs[10][0])
     seg = root / "commitlog" / "00000000000000000000"
     with open(seg, "r+b") as fh:
         fh.seek(recs[45][0])
@@ -88,3 +93,18 @@ def test_repair_after_a_crash_of_the_process_alone_keeps_every_intact_record(tmp
         assert st.max_offset_in_queue("T", 0) == 60
         r = st.get("T", 0, 48, 1)
         assert r.messages[0].body == b"m48|" + bytes(200)
+
+
+def test_a_torn_tail_whose_next_record_is_imported_is_cut_by_recovery(tmp_path):
+    """Store model seed 42022 (imported records): the first intact record after the power cut's hole was
+    imported with a store time a year back, so it looked flushed by physicMsgTimestamp and the open refused a
+    plain torn tail (CommitLogDamagedError).  It lies past physicFlushedOffset, where the last thorough flush
+    reached: no flush covered it, the hole is the torn tail, and recovery ends the log there."""
+    root = tmp_path / "s"
+    recs = _power_loss_image(root, damage=False, imported_from=48)
+    assert recs[48][2] < recs[39][2], "record 48 looks older than the flush"
+    cfg = StoreConfig(**CFG)
+    with MessageStore.open(str(root), cfg) as st:
+        assert st.recovery_report.process_offset == recs[45][0]
+        assert st.max_offset_in_queue("T", 0) == 45
+        assert st.get("T", 0, 44, 1).messages[0].body == b"m44|" + bytes(200)

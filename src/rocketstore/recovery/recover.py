@@ -320,7 +320,7 @@ def recover(files: "StoreFiles", last_exit_ok: bool, refill_from: int | None = N
             cq.flush_dirty()
         if report.abnormal:
             _sync_written_before_crash(files, report.start_offset)
-            _count_synced_as_flushed(files, last_valid)
+            _count_synced_as_flushed(files, last_valid, process)
     if max_cq >= process:
         for cq in files.consume_queues():
             n = cq.truncate_dirty_logic(process)
@@ -373,18 +373,21 @@ def _sync_written_before_crash(files: "StoreFiles", start: int) -> None:
             mapped_file.fdatasync(f.fd)
 
 
-def _count_synced_as_flushed(files: "StoreFiles", last_valid: int) -> None:
+def _count_synced_as_flushed(files: "StoreFiles", last_valid: int, end: int) -> None:
     """(Once the log recovery kept is synced.)  Move the checkpoint's physicMsgTimestamp up to the last kept
     record's store time: else it stays where the crashed writer's last thorough flush left it, and damage to a
     record synced here is taken, after a later power loss, for a torn tail of unflushed writes and the durable
     records after it are truncated (store model seed 2253).  Set even when lower: every record up to it is
     durable now, and _refuse_to_cut_flushed_records finds a record with this store time after the damage
-    (an imported record last keeps its original, older store time)."""
+    (an imported record last keeps its original, older store time).  physicFlushedOffset, where the page keeps
+    one, moves up to ``end`` (the log recovery kept) with it: the refusals judge by it first."""
     if last_valid < 0:
         return
     ts = files.commitlog.pickup_store_timestamp(last_valid, 0)
     if ts > 0:
         files.checkpoint.physicMsgTimestamp = ts
+    if 0 <= files.checkpoint.physicFlushedOffset < end:
+        files.checkpoint.physicFlushedOffset = end
 
 
 def _next_offsets_past_records(files: "StoreFiles", seen_qoff: dict[tuple[str, int], int]) -> None:
@@ -436,7 +439,7 @@ def _refuse_to_cut_a_written_record(files: "StoreFiles", process: int, report: R
     pos = None if f is None else process - f.file_from_offset
     ts = None if f is None else codec.intact_head(f.mm, pos, files.commitlog.file_size, f.file_from_offset)
     flushed = files.checkpoint.physicMsgTimestamp
-    if ts is None or not 0 < ts < flushed:
+    if ts is None or not 0 < ts < flushed or _past_flushed_offset(files, process):
         return
     raise CommitLogDamagedError(f"{report.stopped_because}: the record at commitlog offset {process} ({f.path} at file "
                                 f"position {pos}) has an intact header and body, and its store time {ts} is before "
@@ -480,7 +483,7 @@ def _refuse_to_cut_flushed_records(files: "StoreFiles", process: int, max_cq: in
     else:
         flushed = files.checkpoint.physicMsgTimestamp
         ts = files.commitlog.pickup_store_timestamp(nxt, 0)
-        if not flushed or ts <= 0:
+        if not flushed or ts <= 0 or _past_flushed_offset(files, nxt):
             return
         if ts <= flushed:
             because = (f"the record after it was flushed before the power loss (store time {ts} is not after "
@@ -495,6 +498,16 @@ def _refuse_to_cut_flushed_records(files: "StoreFiles", process: int, max_cq: in
                                 f"it (at commitlog offset {nxt}); recovery would truncate the log at {process} and "
                                 f"lose every record after. No commitlog byte was changed: run `rocketstore verify "
                                 f"{files.root} --repair`, which keeps every valid record")
+
+
+def _past_flushed_offset(files: "StoreFiles", offset: int) -> bool:
+    """Whether the record at commitlog ``offset`` lies at or past physicFlushedOffset, where the last thorough
+    flush reached (when the checkpoint page keeps it): no flush the checkpoint knows of covered it, whatever its
+    store time says.  Store times are not monotonic: a record imported with an old one in the unflushed tail of
+    a power loss looked flushed, and the open refused a plain torn tail (store model seed 42022, imported
+    records)."""
+    flushed_end = files.checkpoint.physicFlushedOffset
+    return 0 <= flushed_end <= offset
 
 
 def _record_stored_at(commitlog, offset: int, store_timestamp: int) -> int | None:
