@@ -9,6 +9,10 @@ op (fault kind)    what it does, and what the model may drop
 =================  ==========================================================================================
 put                in-process open (SYNC_FLUSH or ASYNC_FLUSH), puts and batches over busy and quiet queues,
                    clean close.  Each ack's queue offset must be the next one of its queue.  Drops nothing.
+                   In every op that puts (here and in the child writers): runs of imported records, as
+                   ``rocketstore import`` writes them, with store times one to five years back
+                   (ROCKETSTORE_MODEL_IMPORTED, the share of puts, default 0.15): a segment may then begin with
+                   a record older than every checkpoint time (recovery's start, commit 9e34ad3).
 kill               a child writer (helpers/model.py) is SIGKILLed (idle after exactly N puts, or at a random
                    moment); acknowledged = the acks it wrote (fsynced) before.  Half the writers also put one
                    message early to a queue born in that writer (a quiet queue whose file is never full).  Under
@@ -134,17 +138,23 @@ choices change: re-check this list when the test changes.
 Still open (found by longer runs; the default PROFILES are the op sets whose seeds pass; run the rest with
 ROCKETSTORE_MODEL_OPS, e.g. ``ROCKETSTORE_MODEL_OPS=all``):
 
-- ``all`` ops, found in session 14 (fail on session 13's code too): 60050 (``powerloss``: a blank
-  unit of Busy-0 whose record the store still holds, raised naming the damage; another replay: a repair tombstone
-  where no message was lost), 60082 (``cq_damage``: ``get Quiet-3 @0: NO_MESSAGE_IN_QUEUE`` while the model holds
-  uid 43 there).
-
 - ``cq_damage`` (``put,kill,recover,retention,rm_cq,cq_damage,reimport``) / 6042: two units swapped after retention,
   the open (recovery's order check) cuts Busy-2 at the swapped unit and cannot rebuild it ("units 3..34 are not in
   the commitlog recovery checked from 65536"): ``get Busy-2 @28: OFFSET_OVERFLOW_BADLY (queue 3..3)`` before the
   repair.
 
-Fixed since the first run of this test (they must fail again if put back): ``all`` / 60024 and 60040 (a consume-queue
+Fixed since the first run of this test (they must fail again if put back): ``all`` / 60082 (``cq_damage``
+tail-zero+reboot from unit 0 of Quiet-3, whose records only the tier held after retention: recovery saw an empty
+queue, ``get Quiet-3 @0: NO_MESSAGE_IN_QUEUE``; a queue whose files hold no unit while the registry says it had
+some is now rebuilt, tests/recovery/test_zero_filled_queue.py), 60050 (``powerloss`` ASYNC with keep=0.3 after a
+rolled-back repair left flushed damage: the open refused, and ``verify --repair`` kept the records past the power
+cut's hole, leaving a tombstone or blank units for messages never flushed; fails 1-2 replays in 6, e.g.
+ROCKETSTORE_MODEL_REPEAT=6; repair now ends the log at the torn tail as recovery would,
+tests/recovery/test_repair_torn_tail.py), 61036 (hunt of session 15: the queue registry rewritten in place and
+torn by the power cut, ``consumeQueues.registry line 6: '\x00...'``, the open refused; now replaced whole.  Its
+first replay also showed the model's own bug: the power-loss image did not follow renames, so a file written
+atomically, temp file fsynced then renamed, came back as zeros: config/tierStore.json and its .bak); ``all`` /
+60024 and 60040 (a consume-queue
 directory removed after retention deleted the local copy of a tier-held segment was rebuilt from the local
 segments only: the tier-held units blank, OFFSET_FOUND_NULL skipped messages); tier profile / 2253 (records a crashed
 writer left were synced by the next open's recovery, but the checkpoint's physicMsgTimestamp stayed behind them: a
