@@ -287,40 +287,6 @@ def install_dir_shadow(live: str, shadow: str) -> Any:
                 return
             super()._sync_fd(fd, real)
 
-        def install(self) -> "DirShadow":
-            super().install()
-            for name in ("replace", "rename"):
-                self._patch(os, name, self._moving(getattr(os, name)))
-            return self
-
-        def _moving(self, real: Any) -> Any:
-            """A rename moves an inode: the bytes synced under the old name are the new name's (a temp file
-            fsynced, then renamed over the live one, as every atomic JSON write does), and a name renamed over
-            loses what it had.  The shadow is kept by name, so it follows the rename; without this the image
-            zeroed such files (seed 61036: config/tierStore.json and its .bak all zeros, the open refused)."""
-            def move(src: Any, dst: Any, *args: Any, **kw: Any) -> None:
-                real(src, dst, *args, **kw)
-                a, b = (self._under_root(p) for p in (src, dst))
-                if a is None and b is None:
-                    return
-                with self._lock:
-                    old = Path(self.shadow, a) if a is not None else None
-                    new = Path(self.shadow, b) if b is not None else None
-                    if new is not None and old is not None and old.is_file():
-                        new.parent.mkdir(parents=True, exist_ok=True)
-                        real(old, new)
-                    elif new is not None and new.is_file():
-                        new.unlink()  # the name now holds bytes never synced: zeros in the image
-                    elif old is not None and old.is_file():
-                        old.unlink()
-            return move
-
-        def _under_root(self, path: Any) -> str | None:
-            full = os.path.realpath(os.path.abspath(os.fspath(path)))
-            if full.startswith(self.root + os.sep):
-                return os.path.relpath(full, self.root)
-            return None
-
     return DirShadow(live, shadow).install()
 
 

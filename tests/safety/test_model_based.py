@@ -153,8 +153,12 @@ ROCKETSTORE_MODEL_REPEAT=6; repair now ends the log at the torn tail as recovery
 tests/recovery/test_repair_torn_tail.py), 61036 (hunt of session 15: the queue registry rewritten in place and
 torn by the power cut, ``consumeQueues.registry line 6: '\x00...'``, the open refused; now replaced whole.  Its
 first replay also showed the model's own bug: the power-loss image did not follow renames, so a file written
-atomically, temp file fsynced then renamed, came back as zeros: config/tierStore.json and its .bak); ``all`` /
-60024 and 60040 (a consume-queue
+atomically, temp file fsynced then renamed, came back as zeros: config/tierStore.json and its .bak); once puts
+included imported records (session 15), default profiles / 42022 (the first intact record after a power cut's
+hole was imported with an old store time: it looked flushed and the open refused a plain torn tail; recovery now
+judges by physicFlushedOffset) and 42025 (``query Busy#k1 does not find uid 1`` after a power loss: an index file
+ending with imported records looked older than indexMsgTimestamp and was kept after a newer one was dropped, so
+the rebuild resumed past the dropped file's records); ``all`` / 60024 and 60040 (a consume-queue
 directory removed after retention deleted the local copy of a tier-held segment was rebuilt from the local
 segments only: the tier-held units blank, OFFSET_FOUND_NULL skipped messages); tier profile / 2253 (records a crashed
 writer left were synced by the next open's recovery, but the checkpoint's physicMsgTimestamp stayed behind them: a
