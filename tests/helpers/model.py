@@ -40,6 +40,10 @@ DIRSYNC = ".dirsync"  # under the shadow: the entries of each directory as of it
 QUEUES = [("Busy", 0, 10.0), ("Busy", 1, 8.0), ("Busy", 2, 4.0), ("Quiet", 0, 0.6), ("Quiet", 3, 0.4),
           ("Rare", 1, 0.2)]
 TAGS = ["TagA", "TagB", "TagC", None]
+# The share of puts that are imported records with old store times (rocketstore import, MessageStore's import
+# path): recovery's start must not trust a segment that begins with one (checkpoint offsets, commit 9e34ad3).
+IMPORTED = float(os.environ.get("ROCKETSTORE_MODEL_IMPORTED", "0.15"))
+IMPORT_RUN = 16
 
 
 # ---------------------------------------------------------------- messages
@@ -66,32 +70,49 @@ class Spec:
     size: int
     keys: str
     tags: str | None
+    stored_at: int | None = None  # an imported record's original store time (epoch ms), kept by the put
 
     def message(self) -> Message:
-        return Message(self.topic, body_of(self.uid, self.size), queue_id=self.qid, tags=self.tags, keys=self.keys)
+        return Message(self.topic, body_of(self.uid, self.size), queue_id=self.qid, tags=self.tags, keys=self.keys,
+                       store_timestamp=self.stored_at)
 
     def to_json(self) -> list[Any]:
-        return [self.uid, self.topic, self.qid, self.size, self.keys, self.tags]
+        return [self.uid, self.topic, self.qid, self.size, self.keys, self.tags, self.stored_at]
 
     @classmethod
     def from_json(cls, v: list[Any]) -> "Spec":
         return cls(*v)
 
 
+def imported_store_time(uid: int, share: float | None = None) -> int | None:
+    """The original store time of put ``uid`` when it is an imported record, else None: runs of 16 uids (an
+    import replays a dump's records one after another), ``share`` of them (default ROCKETSTORE_MODEL_IMPORTED or
+    IMPORTED), one to five years back, a millisecond apart within a run.  Drawn from the uid, not from a run's
+    random stream, so the seeds' operations stay as they were."""
+    share = IMPORTED if share is None else share
+    r = random.Random(uid // IMPORT_RUN * 2654435761 + 17)
+    if r.random() >= share:
+        return None
+    return int(time.time() * 1000) - r.randint(365, 5 * 365) * 86_400_000 + uid % IMPORT_RUN
+
+
 def gen_puts(rng: random.Random, next_uid: int, n_puts: int) -> list[list[Spec]]:
-    """``n_puts`` puts (a fifth of them batches of 2-4) over the busy and quiet queues."""
+    """``n_puts`` puts (a fifth of them batches of 2-4) over the busy and quiet queues; some are imported
+    records with old store times (:func:`imported_store_time`, one time for a batch, as a put of a batch keeps
+    its first message's): a segment may then begin with a record older than every checkpoint time."""
     weights = [w for _, _, w in QUEUES]
     out = []
     for _ in range(n_puts):
         topic, qid, _ = rng.choices(QUEUES, weights)[0]
         n = rng.randint(2, 4) if rng.random() < 0.2 else 1
         batch = []
+        stored_at = imported_store_time(next_uid)
         for _ in range(n):
             uid = next_uid
             next_uid += 1
             size = rng.randint(1, 300) if rng.random() < 0.85 else rng.randint(300, 3000)
             keys = f"k{uid} x{uid}" if rng.random() < 0.2 else f"k{uid}"
-            batch.append(Spec(uid, topic, qid, size, keys, rng.choice(TAGS)))
+            batch.append(Spec(uid, topic, qid, size, keys, rng.choice(TAGS), stored_at))
         out.append(batch)
     return out
 

@@ -5,6 +5,8 @@
 ``mmap.flush``).  At each sync of a file under the store root it reads the file's
 bytes *before* the real call and, once the call has succeeded, stores them under
 the shadow directory (temp file + rename, so a SIGKILL never leaves a torn copy).
+A rename (``os.replace``/``os.rename``) under the root moves the shadow copy with
+the name: a file fsynced under a temp name and renamed is durable as renamed.
 Bytes written before a sync began are durable after it; bytes written while it ran
 may or may not be, and the model takes the pessimistic answer.
 
@@ -28,7 +30,7 @@ import shutil
 import threading
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import rocketstore.storage.index as index_mod
 from rocketstore import StoreConfig
@@ -115,6 +117,8 @@ class SyncShadow:
         def index_flush(f: index_mod.IndexFile) -> None:  # mmap.flush is msync: the map's pages become durable
             self._sync_path(f.path, lambda: real_index_flush(f))
         self._patch(index_mod.IndexFile, "flush", index_flush)
+        for name in ("replace", "rename"):
+            self._patch(os, name, self._moving(getattr(os, name)))
         return self
 
     def uninstall(self) -> None:
@@ -131,6 +135,37 @@ class SyncShadow:
     def _patch(self, obj: object, name: str, value: object) -> None:
         self._saved.append((obj, name, getattr(obj, name)))
         setattr(obj, name, value)
+
+    # ------------------------------------------------------------ renames
+
+    def _moving(self, real: Any) -> Any:
+        """A rename moves an inode: the bytes synced under the old name are the new name's (a temp file
+        fsynced, then renamed over the live one, as every atomic JSON write does), and a name renamed over
+        loses what it had.  The shadow is kept by name, so it follows the rename; without this the image
+        zeroed such files (seed 61036: config/tierStore.json and its .bak all zeros, the open refused)."""
+        def move(src: Any, dst: Any, *args: Any, **kw: Any) -> None:
+            real(src, dst, *args, **kw)
+            a, b = (self._under_root(p) for p in (src, dst))
+            if a is None and b is None:
+                return
+            with self._lock:
+                for suffix in ("", SHADOW_TAG):  # the copy and the tag it stands for go together
+                    old = Path(self.shadow, a + suffix) if a is not None else None
+                    new = Path(self.shadow, b + suffix) if b is not None else None
+                    if new is not None and old is not None and old.is_file():
+                        new.parent.mkdir(parents=True, exist_ok=True)
+                        real(old, new)
+                    elif new is not None and new.is_file():
+                        new.unlink()  # the name now holds bytes never synced: zeros in the image
+                    elif old is not None and old.is_file():
+                        old.unlink()
+        return move
+
+    def _under_root(self, path: Any) -> str | None:
+        full = os.path.realpath(os.path.abspath(os.fspath(path)))
+        if full.startswith(self.root + os.sep):
+            return os.path.relpath(full, self.root)
+        return None
 
     # ------------------------------------------------------------ syncing
     def _sync_fd(self, fd: int, real: Callable[[int], None]) -> None:

@@ -9,6 +9,10 @@ op (fault kind)    what it does, and what the model may drop
 =================  ==========================================================================================
 put                in-process open (SYNC_FLUSH or ASYNC_FLUSH), puts and batches over busy and quiet queues,
                    clean close.  Each ack's queue offset must be the next one of its queue.  Drops nothing.
+                   In every op that puts (here and in the child writers): runs of imported records, as
+                   ``rocketstore import`` writes them, with store times one to five years back
+                   (ROCKETSTORE_MODEL_IMPORTED, the share of puts, default 0.15): a segment may then begin with
+                   a record older than every checkpoint time (recovery's start, commit 9e34ad3).
 kill               a child writer (helpers/model.py) is SIGKILLed (idle after exactly N puts, or at a random
                    moment); acknowledged = the acks it wrote (fsynced) before.  Half the writers also put one
                    message early to a queue born in that writer (a quiet queue whose file is never full).  Under
@@ -121,6 +125,11 @@ choices change: re-check this list when the test changes.
 - not listed: a record torn by a power cut is accepted when its body is intact: all ops / 1009 (replays): ``get
   Busy-2 @6: returned uid 30 tags 'TagB\x00' ... body ok``: the topic and properties after the body are covered
   by no CRC, so a zeroed last page of the record passes every check recovery makes.
+- recovery's start taken from store times alone (commit 9e34ad3's checkpoint offsets reverted in
+  ``_checkpoint_start``), once puts include imported records: default profiles / 43000 (``powerloss``, step 1:
+  ``the commitlog walk met damage: .../00000000000000032768 at file position 759: body CRC mismatch``: the segment
+  began with an imported record, recovery started there, past a record the power cut tore); 1 of 31 seeds
+  43000-43030 in 240 s.
 - not listed: the commitlog directory is never fsynced after a segment is created: ``powerloss_dirent`` / 1, 3
   (``the writable open refused: start offset 131072 does not follow ...``); earlier versions also lost a
   SYNC_FLUSH ack (``acknowledged uid 190 (powerloss-SYNC_FLUSH) is not in the commitlog walk``).
@@ -134,17 +143,27 @@ choices change: re-check this list when the test changes.
 Still open (found by longer runs; the default PROFILES are the op sets whose seeds pass; run the rest with
 ROCKETSTORE_MODEL_OPS, e.g. ``ROCKETSTORE_MODEL_OPS=all``):
 
-- ``all`` ops, found in session 14 (fail on session 13's code too): 60050 (``powerloss``: a blank
-  unit of Busy-0 whose record the store still holds, raised naming the damage; another replay: a repair tombstone
-  where no message was lost), 60082 (``cq_damage``: ``get Quiet-3 @0: NO_MESSAGE_IN_QUEUE`` while the model holds
-  uid 43 there).
-
 - ``cq_damage`` (``put,kill,recover,retention,rm_cq,cq_damage,reimport``) / 6042: two units swapped after retention,
   the open (recovery's order check) cuts Busy-2 at the swapped unit and cannot rebuild it ("units 3..34 are not in
   the commitlog recovery checked from 65536"): ``get Busy-2 @28: OFFSET_OVERFLOW_BADLY (queue 3..3)`` before the
   repair.
 
-Fixed since the first run of this test (they must fail again if put back): ``all`` / 60024 and 60040 (a consume-queue
+Fixed since the first run of this test (they must fail again if put back): ``all`` / 60082 (``cq_damage``
+tail-zero+reboot from unit 0 of Quiet-3, whose records only the tier held after retention: recovery saw an empty
+queue, ``get Quiet-3 @0: NO_MESSAGE_IN_QUEUE``; a queue whose files hold no unit while the registry says it had
+some is now rebuilt, tests/recovery/test_zero_filled_queue.py), 60050 (``powerloss`` ASYNC with keep=0.3 after a
+rolled-back repair left flushed damage: the open refused, and ``verify --repair`` kept the records past the power
+cut's hole, leaving a tombstone or blank units for messages never flushed; fails 1-2 replays in 6, e.g.
+ROCKETSTORE_MODEL_REPEAT=6; repair now ends the log at the torn tail as recovery would,
+tests/recovery/test_repair_torn_tail.py), 61036 (hunt of session 15: the queue registry rewritten in place and
+torn by the power cut, ``consumeQueues.registry line 6: '\x00...'``, the open refused; now replaced whole.  Its
+first replay also showed the model's own bug: the power-loss image did not follow renames, so a file written
+atomically, temp file fsynced then renamed, came back as zeros: config/tierStore.json and its .bak); once puts
+included imported records (session 15), default profiles / 42022 (the first intact record after a power cut's
+hole was imported with an old store time: it looked flushed and the open refused a plain torn tail; recovery now
+judges by physicFlushedOffset) and 42025 (``query Busy#k1 does not find uid 1`` after a power loss: an index file
+ending with imported records looked older than indexMsgTimestamp and was kept after a newer one was dropped, so
+the rebuild resumed past the dropped file's records); ``all`` / 60024 and 60040 (a consume-queue
 directory removed after retention deleted the local copy of a tier-held segment was rebuilt from the local
 segments only: the tier-held units blank, OFFSET_FOUND_NULL skipped messages); tier profile / 2253 (records a crashed
 writer left were synced by the next open's recovery, but the checkpoint's physicMsgTimestamp stayed behind them: a

@@ -122,6 +122,30 @@ def test_model_a_file_made_again_under_a_synced_name_has_no_synced_bytes(tmp_pat
     assert (tmp_path / "image2" / "seg").read_bytes() == b"new segment, not synced"
 
 
+def test_model_a_synced_file_renamed_is_durable_under_its_new_name(tmp_path):
+    """An atomic write (temp file fsynced, renamed over the old one) is durable as renamed; the name it replaced
+    loses its old bytes; a never-synced file renamed over a synced name is zeros there."""
+    live, shadow = tmp_path / "store", tmp_path / "shadow"
+    live.mkdir()
+    with SyncShadow(live, shadow):
+        for name, data in (("state.json", b"old"), ("state.json.tmp", b"new state")):
+            with open(live / name, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(live / "state.json.tmp", live / "state.json")
+        (live / "other").write_bytes(b"synced")
+        fd = os.open(live / "other", os.O_RDWR)
+        os.fsync(fd)
+        os.close(fd)
+        (live / "draft").write_bytes(b"never synced")
+        os.rename(live / "draft", live / "other")
+    fate = crash_image(live, shadow, tmp_path / "image")
+    assert (tmp_path / "image" / "state.json").read_bytes() == b"new state"
+    assert (tmp_path / "image" / "other").read_bytes() == bytes(len(b"never synced"))
+    assert fate == {"state.json": "synced", "other": "zeroed"}
+
+
 def test_model_covers_every_sync_in_the_store():
     """The store makes bytes durable only through calls the model intercepts (a new path must be added here)."""
     src = REPO / "src" / "rocketstore"

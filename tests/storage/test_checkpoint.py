@@ -90,3 +90,17 @@ def test_torn_checkpoint_is_refused_or_handed_to_on_bad(tmp_path, size):
     assert cp.to_dict() == dict.fromkeys(FIELDS, 0)  # nothing believed from the torn file
     assert path.read_bytes() == bytes(CHECKPOINT_SIZE)  # moved aside, a fresh page written
     assert (tmp_path / "checkpoint.bad").stat().st_size == size
+
+
+def test_dispatch_marks_kept_restores_both_marks_together(tmp_path):
+    """A queue refill dispatches old records out of commitlog order: the two in-memory dispatch marks come back as
+    they were after it, also when the refill raises."""
+    cp = StoreCheckpoint.load(str(tmp_path / "checkpoint"))
+    cp.logics_dispatched, cp.logics_dispatched_end = 1_700_000_000_000, 4096
+    with cp.dispatch_marks_kept():
+        cp.logics_dispatched, cp.logics_dispatched_end = 1_600_000_000_000, 128
+    assert (cp.logics_dispatched, cp.logics_dispatched_end) == (1_700_000_000_000, 4096)
+    with pytest.raises(RuntimeError), cp.dispatch_marks_kept():
+        cp.logics_dispatched_end = 7
+        raise RuntimeError("refill failed")
+    assert (cp.logics_dispatched, cp.logics_dispatched_end) == (1_700_000_000_000, 4096)

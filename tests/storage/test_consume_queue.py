@@ -210,3 +210,34 @@ def test_reopen_of_a_queue_left_with_only_blank_units_then_refill(tmp_path):
         assert r.get_unit(13) == (1300, 100, 0)
     finally:
         r.close()
+
+
+def test_the_last_naming_unit_and_the_naming_end_step_over_blank_units(tmp_path):
+    """Units 0..9 name records (the first file), 10..19 are blank (expired or lost records: the second file).
+    The naming end before a position walks back over files to unit 9's record; the last naming unit is looked
+    for in the last file holding units only (none there: its units are all blank); blank units alone name no
+    end."""
+    cq = _queue(tmp_path)
+    try:
+        for i in range(10):
+            cq.put_unit(1000 + 100 * i, 90, 0, i)
+        last = cq.queue.last_for_append(SIZE)
+        last.append(PRE_BLANK_UNIT * 10)  # units 10..19, blank
+        assert cq.max_offset_in_queue == 20
+        assert cq._naming_end(last, last.wrote_position) == 1000 + 100 * 9 + 90
+        assert cq._naming_end(last, 0) == 1000 + 100 * 9 + 90  # from the file before
+        assert cq._naming_end(cq.queue.files[0], 40) == 1190
+        assert cq._last_naming_unit() is None
+        cq.put_unit(5000, 80, 0, 20)
+        assert cq._last_naming_unit() == (20, 5000)
+        assert cq._naming_end(cq.queue.last(), cq.queue.last().wrote_position) == 5080
+    finally:
+        cq.close()
+    blank = _made(ConsumeQueue(str(tmp_path), "TopicB", 0, SIZE))
+    blank.load()
+    try:
+        blank.queue.last_for_append(0).append(PRE_BLANK_UNIT * 3)
+        assert blank._naming_end(blank.queue.last(), blank.queue.last().wrote_position) == -1
+        assert blank._last_naming_unit() is None
+    finally:
+        blank.close()

@@ -119,6 +119,26 @@ def test_reopen_after_unclean_exit_drops_files_newer_than_the_checkpoint(tmp_pat
     r.close()
 
 
+def test_reopen_after_unclean_exit_drops_every_file_after_one_newer_than_the_checkpoint(tmp_path):
+    """Store model seed 42025 (imported records): the later files end with records imported with store times a
+    year back, so they end "older" than indexMsgTimestamp while the first file, newer, is dropped.  Kept, they
+    made the index resume past the first file's records: their keys were never indexed again.  Every file after
+    a dropped one goes too, and the rebuild resumes at the start."""
+    s = _service(tmp_path)
+    for i in range(3):  # 9 entries: the first file's 7 (records 0..2000), two in the second
+        s.build_index("TopicI", 1000 * i, T0 + 1000 * i, 0, f"U{i}", f"k{i} shared")
+    old = T0 - 365 * 86_400_000
+    for i in range(3, 5):  # imported: the second and third files end a year before the first
+        s.build_index("TopicI", 1000 * i, old + i, 0, f"U{i}", f"k{i} shared")
+    s.flush()
+    s.close()
+    assert len(os.listdir(tmp_path)) == 3
+    r = IndexService(str(tmp_path), SLOTS, ENTRIES)
+    dropped = r.load(False, T0 + 1000)  # indexMsgTimestamp: the checkpoint's, before the first file ended
+    assert len(dropped) == 3 and not r.files and r.resume_offset() == 0
+    r.close()
+
+
 def test_truncate_drops_entries_at_or_past_an_offset(tmp_path):
     s = _service(tmp_path)
     _put_five(s)

@@ -29,7 +29,7 @@ from ..storage.geometry import store_config
 from ..storage.store_lock import StoreLock
 from ..storage.files import InFiles, StoreFiles
 from ..storage.index import IndexService
-from ..storage.jsonfile import write_file_durably
+from ..storage.jsonfile import replace_file_durably
 from ..storage.quarantine import QuarantinePlan, extend_torn_last_segment, file_kind
 from ..storage.read import StoreReader
 from ..tier.tiered import TieredStorage
@@ -153,6 +153,11 @@ class StoreLoader:
             self.commitlog.tier = self.tier
         self._load_consume_queues()
         self._check_quarantine()  # before the checkpoint and the index are touched
+        loaded = set(self._cq_table)
+        if not ro:
+            self._registry = self._read_queue_registry(loaded)
+        else:  # a reader cannot rebuild a lost queue: it names the loss (missing is not empty)
+            self.lost_queues = set(self._read_queue_registry(loaded)) - loaded
         if not ro:
             self._refill_lost_first_files()
         self.checkpoint = StoreCheckpoint.load(self.paths.checkpoint, read_only=ro, on_bad=self._on_bad_file)
@@ -164,11 +169,6 @@ class StoreLoader:
         reindex = self._plan_reindex()
         self._move_to_quarantine()
         reindex_from = self.index_service.resume_offset()
-        loaded = set(self._cq_table)
-        if not ro:
-            self._registry = self._read_queue_registry(loaded)
-        else:  # a reader cannot rebuild a lost queue: it names the loss (missing is not empty)
-            self.lost_queues = set(self._read_queue_registry(loaded)) - loaded
         for name in self.queues_to_rebuild:  # a rebuild places each unit at its record's queue offset
             topic, _, qid = name.rpartition("/")
             if (cq := self._cq_table.get((topic, int(qid)))) is not None:
@@ -211,7 +211,7 @@ class StoreLoader:
             raise StoreLoadError(f"{self.paths.index_rebuild}: the rebuild of index entries has not finished; a "
                                  "writable open (rocketstore recover) finishes it")
         if self.index_service.damaged:
-            write_file_durably(self.paths.index_rebuild, ("\n".join(self.index_service.damaged) + "\n").encode())
+            replace_file_durably(self.paths.index_rebuild, ("\n".join(self.index_service.damaged) + "\n").encode())
         return True
 
     def _commitlog_starts_with_a_record(self) -> bool:
@@ -423,10 +423,20 @@ class StoreLoader:
         for key, cq in self._cq_table.items():
             if f"{key[0]}/{key[1]}" in self.queues_to_rebuild:
                 continue
+            zeros = bool(cq.queue.files) and cq.holds_no_unit()
+            if zeros and (self._registry or {}).get(key, 0) > 0:
+                # Zero-filled where the registry says units were (missing is not empty): its records may lie
+                # anywhere, the tier's included, so the queue is rebuilt from the log's start.  (One whose
+                # records were all lost too is left with no file: later opens take the cheaper look below.)
+                log.warning("%s-%d: its files hold no unit, but the queue registry says it reached queue offset %d "
+                            "(a zero-filled queue file); rebuilding it from the commitlog", key[0], key[1],
+                            self._registry[key] - 1)
+                self._rebuild_queue(cq, [])
+                continue
             first = cq.first_unit()
             if first is not None and first[1] > 0 and first[0] > min_phy:
                 firsts[key] = first
-            elif not cq.queue.files:  # a queue directory without a file: any record of it was lost
+            elif not cq.queue.files or zeros:  # no file, or files of zeros: any record of it was lost
                 firsts[key] = (codec.NO_INDEX, codec.NO_INDEX)
         lost = queues_with_records_before(self.files, firsts)
         if self.commitlog.min_offset_with_tier() < min_phy:
@@ -467,7 +477,7 @@ class StoreLoader:
                     "earlier records (a lost consume-queue directory); rebuilding them from the commitlog",
                     ", ".join(names))
         self.queues_to_rebuild = list(dict.fromkeys(self.queues_to_rebuild + names))
-        write_file_durably(self.paths.cq_rebuild, ("\n".join(self.queues_to_rebuild) + "\n").encode())
+        replace_file_durably(self.paths.cq_rebuild, ("\n".join(self.queues_to_rebuild) + "\n").encode())
         for key in lost:
             cq = self._cq_table.pop(key, None)
             if cq is None:
@@ -485,7 +495,6 @@ class StoreLoader:
             self._refill_from_tier(-1, names)
         from ..services.dispatch import CommitLogDispatcher
         dispatcher = CommitLogDispatcher(self.files)
-        dispatched_before = self.checkpoint.logics_dispatched, self.checkpoint.logics_dispatched_end
         held = {}
         for (t, q) in self._cq_table:
             if (t, q) in lost:
@@ -494,22 +503,22 @@ class StoreLoader:
                 held[(t.encode("utf-8"), q)] = codec.NO_INDEX  # every record of a queue kept is skipped
             except UnicodeEncodeError:
                 pass
-        for mm, pos, size in _records_not_held(self.commitlog, held):
-            msg = codec.decode(mm, pos, pos + size, read_body=False)
-            key = (msg.topic, msg.queue_id)
-            if key not in self._cq_table:
-                if illegal_topic(msg.topic) is not None:
-                    continue  # (dispatch leaves such a record out of the queues, and says so)
-                if key not in lost:
-                    lost.append(key)
-                    log.warning("%s-%d: records in the commitlog but no consume queue (a lost directory); "
-                                "rebuilding it", *key)
-                    self.queues_to_rebuild.append(f"{key[0]}/{key[1]}")
-                self.find_consume_queue(*key).pad_gaps = True  # place each unit at its queue offset
-            cq = self._cq_table[key]
-            dispatcher.dispatch(msg, index=False, queue=True)
-            refilled.add(cq)
-        self.checkpoint.logics_dispatched, self.checkpoint.logics_dispatched_end = dispatched_before
+        with self.checkpoint.dispatch_marks_kept():
+            for mm, pos, size in _records_not_held(self.commitlog, held):
+                msg = codec.decode(mm, pos, pos + size, read_body=False)
+                key = (msg.topic, msg.queue_id)
+                if key not in self._cq_table:
+                    if illegal_topic(msg.topic) is not None:
+                        continue  # (dispatch leaves such a record out of the queues, and says so)
+                    if key not in lost:
+                        lost.append(key)
+                        log.warning("%s-%d: records in the commitlog but no consume queue (a lost directory); "
+                                    "rebuilding it", *key)
+                        self.queues_to_rebuild.append(f"{key[0]}/{key[1]}")
+                    self.find_consume_queue(*key).pad_gaps = True  # place each unit at its queue offset
+                cq = self._cq_table[key]
+                dispatcher.dispatch(msg, index=False, queue=True)
+                refilled.add(cq)
         for cq in refilled:
             cq.pad_gaps = False
         self.files.recover_topic_queue_table()
@@ -526,24 +535,23 @@ class StoreLoader:
         rebuilt = set(self.queues_to_rebuild if names is None else names)
         from ..services.dispatch import CommitLogDispatcher
         dispatcher = CommitLogDispatcher(self.files)
-        dispatched_before = self.checkpoint.logics_dispatched, self.checkpoint.logics_dispatched_end
         n = 0
         start = max(start, self.commitlog.min_offset_with_tier())
         try:
-            for off, _size, msg, problem in self.messages(start, read_body=False, skip_damaged=True):
-                if off >= local:
-                    break
-                if msg is None:
-                    log.warning("queue rebuild from the tier: %s; not placed", problem)
-                    continue
-                if msg.commit_log_offset == off and f"{msg.topic}/{msg.queue_id}" in rebuilt:
-                    dispatcher.dispatch(msg, index=False, queue=True)
-                    n += 1
+            with self.checkpoint.dispatch_marks_kept():
+                for off, _size, msg, problem in self.messages(start, read_body=False, skip_damaged=True):
+                    if off >= local:
+                        break
+                    if msg is None:
+                        log.warning("queue rebuild from the tier: %s; not placed", problem)
+                        continue
+                    if msg.commit_log_offset == off and f"{msg.topic}/{msg.queue_id}" in rebuilt:
+                        dispatcher.dispatch(msg, index=False, queue=True)
+                        n += 1
         except TierError as e:
             raise StoreLoadError(f"{self.paths.cq_rebuild}: the rebuild of consume queues {sorted(rebuilt)} must "
                                  f"read the records the tier holds from commitlog offset {start}: {e}; a writable "
                                  "open with the tier reachable finishes it") from None
-        self.checkpoint.logics_dispatched, self.checkpoint.logics_dispatched_end = dispatched_before
         log.warning("consume queues %s: %d unit(s) placed from records the tier holds", ", ".join(sorted(rebuilt)),
                     n)
 
@@ -620,7 +628,7 @@ class StoreLoader:
             text = "".join(f"{t}/{q} {n}\n" for (t, q), n in sorted(reg.items()))
             if text != self._registry_text:
                 os.makedirs(os.path.dirname(self.paths.queue_registry), exist_ok=True)
-                write_file_durably(self.paths.queue_registry, text.encode("utf-8"))
+                replace_file_durably(self.paths.queue_registry, text.encode("utf-8"))
                 self._registry_text = text
             self._registry = reg
 

@@ -101,6 +101,14 @@ def _tier_reader(root: str, cfg: StoreConfig, below: int) -> Any:
     return reader
 
 
+def tier_end(root: str, cfg: StoreConfig) -> int:
+    """The commitlog offset where the segments the tier holds end (0: no tier, or none published)."""
+    if not cfg.tieredStoreUri:
+        return 0
+    reader = _tier_reader(root, cfg, _local_commitlog_min(StorePaths(root).commitlog))
+    return 0 if reader is None else reader.manifest.end_offset
+
+
 def tier_copies(root: str, cfg: StoreConfig, spans: list[Any]) -> int:
     """Give each damaged span of a segment the tier holds the tier's bytes for it (``span.restored``), when
     those bytes are trusted records (magic, size, PHYSICALOFFSET, body CRC) covering the span exactly, up to a

@@ -406,6 +406,21 @@ def _next_offsets_past_records(files: "StoreFiles", seen_qoff: dict[tuple[str, i
         cq.pad_gaps = True
 
 
+def cuts_as_torn_tail(files: Any, offset: int) -> bool:
+    """Whether recovery after a power loss (an unclean stop of another boot), its scan stopped at damage at
+    commitlog ``offset``, takes it for the torn tail of unflushed writes and ends the log there (True), or refuses
+    the open as damage to flushed records (False): the rule of the two refusals below, for ``verify --repair``,
+    which must end such a tail where recovery would, not keep records a power loss left after a hole.
+    ``files``: the commitlog and checkpoint as loaded (``root``, ``commitlog``, ``checkpoint``)."""
+    report = RecoveryReport(abnormal=True, stopped_because=f"damage at commitlog offset {offset}")
+    try:
+        _refuse_to_cut_a_written_record(files, offset, report)
+        _refuse_to_cut_flushed_records(files, offset, -1, report)
+    except CommitLogDamagedError:
+        return False
+    return True
+
+
 def _refuse_to_cut_a_written_record(files: "StoreFiles", process: int, report: RecoveryReport) -> None:
     """After a power loss, refuse to truncate at a record whose header and body are intact (only its tail failed
     a check) when its store time is before the checkpoint's physicMsgTimestamp: a thorough flush that began after

@@ -1,7 +1,8 @@
 """Offline repair: keep every trusted CommitLog record as it is, then rebuild the consume queues, index and checkpoint.
 
 The CommitLog is the source of truth and repair never deletes or zeroes bytes
-that hold a valid record.  It walks every segment with the full checks (magic,
+that hold a valid record, but for the torn tail of a power loss (below), which
+recovery would end the log at as well (the originals are kept).  It walks every segment with the full checks (magic,
 TOTALSIZE, stored PHYSICALOFFSET equal to the position, body CRC).  Where a
 record fails, it resynchronises on the next record that passes them all and
 calls the bytes in between a *damaged span*.
@@ -33,7 +34,15 @@ their TOTALSIZE:
 * **a blank record** after the last tombstone (or over the whole span) when
   nothing valid follows in a file that is not the last;
 * **nothing** at the end of the last file: that is the log's torn tail, and
-  the rebuild's recovery ends the log there, as RocketMQ would.
+  the rebuild's recovery ends the log there, as RocketMQ would;
+* **the cut** of the torn tail of a power loss: after an unclean stop of
+  another boot, the first span past the checkpoint's flushed point that
+  recovery would take for the torn end of unflushed writes (its refusals'
+  rule, ``recover.cuts_as_torn_tail``) ends the log, with the intact records
+  a power loss left after it (pages reach the disk in any order): the rest of
+  its segment is zeroed and later segments removed, originals kept.  Recovery
+  ends the log there too; keeping them would leave gaps or tombstones for
+  messages that were never flushed.
 
 Without consume-queue knowledge (queue files lost, or a PREPARED/ROLLBACK
 record) the span gets only fillers or a blank; the lost message's queue offset
@@ -88,6 +97,7 @@ import os
 import shutil
 import time
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 from ..format import codec
@@ -97,12 +107,16 @@ from ..storage.quarantine import extend_torn_last_segment
 from ..storage.index import IndexService
 from ..paths import StorePaths
 from ..storage.geometry import store_config
-from .load import loaded
+from ..storage.checkpoint import StoreCheckpoint
+from ..storage.commitlog import CommitLog
+from .load import boot_id, loaded, read_text
+from .recover import cuts_as_torn_tail
 from .verify import finding, verify_store
 
 from .damage import (DamagedSpan, held_queue_offsets, lost_messages, filler_pieces, filler_record, header_fixes,
                      layout, plan, tombstone_record)
-from .placement import old_unit_reader, place_queues, tier_copies, tier_records, trusted_records, write_queue
+from .placement import (old_unit_reader, place_queues, tier_copies, tier_end, tier_records, trusted_records,
+                        write_queue)
 
 from ..storage.jsonfile import fsync_dir
 
@@ -250,6 +264,13 @@ def _apply(spans: list[DamagedSpan], qdir: str, file_size: int) -> list[DamagedS
         keep = os.path.join(qdir, "commitlog", name)
         _keep_original(p, keep)
         _step("kept " + name)
+        if [piece[:3] for s in file_spans for piece in s.pieces] == [(int(name), file_size, "cut")]:
+            log.warning("%s: past the torn tail of a power loss: removed as recovery removes it; original kept in "
+                        "%s", p, keep)
+            os.unlink(p)  # (a roll-back puts the kept original back)
+            fsync_dir(cdir)
+            _step("removed " + name)
+            continue
         new = os.path.join(qdir, "new", name)
         os.makedirs(os.path.dirname(new), exist_ok=True)
         shutil.copyfile(keep, new)
@@ -267,6 +288,8 @@ def _apply(spans: list[DamagedSpan], qdir: str, file_size: int) -> list[DamagedS
                         os.pwrite(fh.fileno(), codec.blank_record(file_size - at), at)
                     elif kind == "tier copy":
                         os.pwrite(fh.fileno(), s.restored, at)
+                    elif kind == "cut":  # the torn tail of a power loss: the log ends here
+                        os.pwrite(fh.fileno(), bytes(length), at)
                     elif kind == "tombstone":
                         rec = tombstone_record(length, m, off, s.resume_store_timestamp, os.path.basename(qdir))
                         os.pwrite(fh.fileno(), rec, at)
@@ -503,6 +526,57 @@ def _files(root: str) -> dict[str, str]:
     return out
 
 
+def _torn_tail_start(paths: StorePaths, cfg: StoreConfig, spans: list[DamagedSpan]) -> int | None:
+    """The commitlog offset of the first damaged span that recovery would take for the torn tail of a power
+    loss (:func:`recover.cuts_as_torn_tail`), or None.
+
+    After a power loss the pages written since the last flush reach the disk in any order: a hole among them
+    with intact records after it is the log's torn end, and recovery ends the log there (those records were
+    never flushed).  It refuses the open only for damage to flushed records, and the operator then runs this
+    repair: repairing that damage and keeping what lies past a later hole instead would leave the queues with
+    gaps (or tombstones) for messages the power loss took, which no open of the same files without the
+    earlier damage would have (store model seed 60050).  Only after an unclean stop of another boot (a crash of
+    the process alone tears nothing), with a checkpoint that says how far the flushes reached, and past the
+    segments a tier holds."""
+    if not os.path.exists(paths.abort) or not spans:
+        return None
+    boot = boot_id()
+    if boot is not None and read_text(paths.abort_boot) == boot:
+        return None
+    try:
+        cp = StoreCheckpoint.load(paths.checkpoint, read_only=True)
+    except StoreLoadError:
+        return None
+    if cp.physicMsgTimestamp <= 0:
+        return None
+    floor = max(cp.physicFlushedOffset, tier_end(paths.root, cfg))
+    commitlog = CommitLog(paths.commitlog, cfg.mappedFileSizeCommitLog, read_only=True)
+    try:
+        commitlog.load()
+        files = SimpleNamespace(root=paths.root, commitlog=commitlog, checkpoint=cp, process_crash_only=False)
+        for s in spans:
+            if s.restored is None and s.offset >= floor and cuts_as_torn_tail(files, s.offset):
+                return None if s.action == "end-of-log" else s.offset  # (nothing after it: left to recovery)
+    finally:
+        commitlog.close()
+    return None
+
+
+def _cut_spans(paths: StorePaths, file_size: int, torn: int) -> list[DamagedSpan]:
+    """The torn tail from commitlog offset ``torn`` to the log's end as spans to cut: the rest of its segment
+    (zeros), and each later segment whole (removed); every original is kept in quarantine."""
+    why = "past the torn tail of a power loss (writes after the last flush): the log ends here, as recovery ends it"
+    cut = []
+    for name in sorted(n for n in os.listdir(paths.commitlog) if len(n) == 20 and n.isdigit()):
+        base = int(name)
+        if base + file_size <= torn:
+            continue
+        start = max(base, torn)
+        cut.append(DamagedSpan(os.path.join(paths.commitlog, name), start, base + file_size - start, why, "cut",
+                               False))
+    return cut
+
+
 def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool = False) -> dict[str, Any]:
     """Repair the store at ``path`` (see the module docstring); return verify's result plus what was done.
 
@@ -528,6 +602,9 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
             extend_torn_last_segment(paths.commitlog, cfg.mappedFileSizeCommitLog, False)
         spans = plan(path, cfg.mappedFileSizeCommitLog)
         tier_copies(path, cfg, spans)  # damaged here, intact in the tier's copy: not lost, written back
+        torn = _torn_tail_start(paths, cfg, spans)
+        if torn is not None:  # the log ends there, as recovery ends it: what follows is cut, not kept past a hole
+            spans = [s for s in spans if s.offset < torn] + _cut_spans(paths, cfg.mappedFileSizeCommitLog, torn)
         lost_messages(paths.consumequeue, [s for s in spans if s.restored is None])
         held = held_queue_offsets(spans, cfg.mappedFileSizeCommitLog)
         # Records whose routing fields contradict the old unit pointing at them: reported, never rewritten
@@ -537,6 +614,11 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
         for s in spans:
             if s.restored is not None:
                 s.pieces = [(s.offset, s.length, "tier copy", None)]
+                continue
+            if s.action == "cut":
+                s.pieces = [(s.offset, s.length, "cut", None)]
+                for m in s.messages:
+                    m["tombstone"] = False
                 continue
             s.pieces = layout(s, held, qname)
             kept_as = {id(m) for _o, _n, kind, m in s.pieces if kind == "tombstone"}

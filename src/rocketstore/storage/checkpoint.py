@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import os
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from ..errors import StoreLoadError
 from .jsonfile import fsync_dir
@@ -86,6 +88,17 @@ class StoreCheckpoint:
         if magic == _OURS_MAGIC:
             cp.physicFlushedOffset, cp.logicsDispatchedOffset, cp.physicFlushedStamp = physic, logics, stamp
         return cp
+
+    @contextmanager
+    def dispatch_marks_kept(self) -> Iterator[None]:
+        """Keep the two in-memory dispatch marks (``logics_dispatched``, ``logics_dispatched_end``) as they are
+        across a block that dispatches records out of commitlog order (a queue refill places old records): the
+        marks say how far dispatch has reached in order, and an old record must not move them back."""
+        kept = self.logics_dispatched, self.logics_dispatched_end
+        try:
+            yield
+        finally:
+            self.logics_dispatched, self.logics_dispatched_end = kept
 
     def recovery_offset(self) -> int | None:
         """The commitlog offset from which every record may be neither flushed nor in a flushed consume queue

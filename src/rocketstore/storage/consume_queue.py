@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from .mapped_file import MappedFile, MappedFileQueue
 
@@ -280,6 +280,12 @@ class ConsumeQueue:
                 break
         return None
 
+    def holds_no_unit(self) -> bool:
+        """Whether every file's first unit is zeros (read before recovery, whatever the written positions say):
+        units are written from a file's start (blank ones before a queue's first message), so such files hold
+        none, named records or blank."""
+        return all(f.mm[0:CQ_STORE_UNIT_SIZE] == _ZERO_UNIT for f in self.queue.files)
+
     def last_unit(self) -> tuple[int, int, int] | None:
         last = self.queue.last()
         if last is None or last.wrote_position < CQ_STORE_UNIT_SIZE:
@@ -448,14 +454,21 @@ class ConsumeQueue:
     def _naming_end(self, last: MappedFile, stop: int) -> int:
         """End of the record named by the last unit before position ``stop`` of ``last`` (or in a file before it)
         that names one; -1 when every unit kept is blank (expired or lost records name no end)."""
+        for _qoff, off, size in self._naming_units_back(last, stop):
+            return off + size
+        return -1
+
+    def _naming_units_back(self, last: MappedFile, stop: int) -> Iterator[tuple[int, int, int]]:
+        """(queue offset, commitlog offset, size) of each unit that names a record, last first: from position
+        ``stop`` of ``last`` back to the queue's first file.  Blank units (expired or lost records) name none,
+        so their offset and size are no record's: skipped."""
         files = self.queue.files
         for f in reversed(files[:files.index(last) + 1]):
             end = stop if f is last else f.wrote_position
-            for q in range(end - CQ_STORE_UNIT_SIZE, -1, -CQ_STORE_UNIT_SIZE):
-                off, size, _ = _UNIT.unpack_from(f.mm, q)
-                if size != BLANK_SIZE:  # (a blank unit points at none: its offset and size are no end)
-                    return off + size
-        return -1
+            for p in range(end - CQ_STORE_UNIT_SIZE, -1, -CQ_STORE_UNIT_SIZE):
+                off, size, _ = _UNIT.unpack_from(f.mm, p)
+                if 0 < size < BLANK_SIZE:
+                    yield (f.file_from_offset + p) // CQ_STORE_UNIT_SIZE, off, size
 
     def correct_min_offset(self, min_commit_log_offset: int) -> None:
         """Move ``min_logic_offset`` just past the last unit whose record lies below the commitlog minimum.
@@ -527,14 +540,11 @@ class ConsumeQueue:
     def _last_naming_unit(self) -> tuple[int, int] | None:
         """(queue offset, commitlog offset) of the last unit that names a record (blank units skipped), looked
         for in the last file holding units, or None."""
-        for f in reversed(self.queue.files):
-            if f.wrote_position < CQ_STORE_UNIT_SIZE:
-                continue
-            for p in range(f.wrote_position - CQ_STORE_UNIT_SIZE, -1, -CQ_STORE_UNIT_SIZE):
-                off, size, _ = _UNIT.unpack_from(f.mm, p)
-                if 0 < size < BLANK_SIZE:
-                    return (f.file_from_offset + p) // CQ_STORE_UNIT_SIZE, off
+        last = next((f for f in reversed(self.queue.files) if f.wrote_position >= CQ_STORE_UNIT_SIZE), None)
+        if last is None:
             return None
+        for qoff, off, _size in self._naming_units_back(last, last.wrote_position):
+            return (qoff, off) if qoff * CQ_STORE_UNIT_SIZE >= last.file_from_offset else None
         return None
 
     # ------------------------------------------------------------ writing (dispatch)

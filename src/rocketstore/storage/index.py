@@ -416,6 +416,7 @@ class IndexService:
         if not os.path.isdir(self.directory):
             return dropped
         damaged_from: str | None = None  # the name of the first damaged file: it and the files after it go
+        dropped_newer = False  # a file newer than the checkpoint was dropped: the files after it go too
         for name in sorted(os.listdir(self.directory)):
             path = os.path.join(self.directory, name)
             if name.endswith(".tmp") and len(name) == 21 and name[:17].isdigit():
@@ -444,7 +445,13 @@ class IndexService:
                 dropped.append(path)
                 f.destroy()
                 continue
-            if not last_exit_ok and f.end_timestamp > index_msg_timestamp:
+            # After an unclean exit a file newer than the checkpoint goes, and every file after it: entries go in
+            # commitlog order and the rebuild resumes at the last kept entry.  Store times are not monotonic (an
+            # imported record keeps its own), so a later file may end "older" than the checkpoint while an
+            # earlier one does not: kept alone, it would make the rebuild resume past the dropped file's records
+            # (their keys never found again: store model seed 42025, imported records).
+            if not last_exit_ok and (dropped_newer or f.end_timestamp > index_msg_timestamp):
+                dropped_newer = True
                 dropped.append(path)
                 if self.read_only:
                     f.close()

@@ -36,6 +36,19 @@ def write_file_durably(path: str, data: bytes) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
+def replace_file_durably(path: str, data: bytes) -> None:
+    """Write a small file whole or not at all: a temp file beside it, fsynced, renamed over it, its directory
+    fsynced.  An in-place rewrite (:func:`write_file_durably`) cut by a power loss leaves the file torn (the
+    queue registry read back with a line of zeros refused the open: store model seed 61036)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
 def write_json_atomic(path: str, obj: Any) -> None:
     write_bytes_atomic(path, json.dumps(obj, ensure_ascii=False, indent=2, sort_keys=True).encode("utf-8"))
 
