@@ -90,16 +90,33 @@ class SinkJournal:
         self.query_id = query_id
 
     def read(self) -> dict[str, Any]:
+        """The journal's state; a journal that is missing while its ``.bak`` is there is the ``.bak``'s.
+
+        ``write_json_atomic`` moves the current file to ``.bak`` before it renames the new one into place: a
+        kill or power cut between the two leaves only ``.bak``, the state before that write, which is right
+        for the retry (before a ``committed``: the pending append, whose rows the retry finds and leaves out;
+        before a ``pending``: the last committed batch, nothing of the next one written yet).  Read as "no
+        journal", it would append the whole batch again."""
+        data = self._load(self.path)
+        if data is None:
+            data = self._load(f"{self.path}.bak")
+            if data is None:
+                return {"queryId": self.query_id, "committed": None, "pending": None}
+            log.warning("%s: missing; using %s.bak (a write of the journal was cut between its renames)",
+                        self.path, self.path)
+        return data
+
+    def _load(self, path: str) -> dict[str, Any] | None:
         try:
-            with open(self.path, "rb") as fh:
+            with open(path, "rb") as fh:
                 data = json.loads(fh.read().decode("utf-8"))
         except FileNotFoundError:
-            return {"queryId": self.query_id, "committed": None, "pending": None}
+            return None
         except (OSError, ValueError) as e:  # no fallback to an older state: it could let a batch in twice
-            raise StoreError(f"{self.path}: unreadable ({e}); the sink cannot tell which batches this store "
+            raise StoreError(f"{path}: unreadable ({e}); the sink cannot tell which batches this store "
                              "holds, nothing was appended") from None
         if not isinstance(data, dict) or data.get("queryId") != self.query_id:
-            raise StoreError(f"{self.path}: not this query's sink journal; nothing was appended")
+            raise StoreError(f"{path}: not this query's sink journal; nothing was appended")
         return data
 
     def write(self, state: dict[str, Any]) -> None:
@@ -107,11 +124,14 @@ class SinkJournal:
 
 
 def written_rows(store: MessageStore, from_offset: int, prefix: str) -> Counter[str]:
-    """The ids of the rows of one batch (``SPARK_SINK_ROW`` starting with ``prefix``) from ``from_offset`` on."""
+    """The ids of the rows of one batch (``SPARK_SINK_ROW`` starting with ``prefix``) from ``from_offset`` on;
+    StoreError at a damaged record."""
     found: Counter[str] = Counter()
-    for _offset, _size, msg, _err in store.messages(from_offset, read_body=False):
-        if msg is None:
-            continue
+    for offset, _size, msg, err in store.messages(from_offset, read_body=False):
+        if msg is None:  # the walk ends here: counting on would miss the rows after it and append them twice
+            raise StoreError(f"{store.root}: the record at commitlog offset {offset} is damaged ({err}); the sink "
+                             f"cannot tell which rows of batch {prefix.split(':')[1]} an earlier attempt wrote "
+                             "after it, nothing was appended (repair the store, then restart the query)")
         value = (msg.properties or {}).get(SINK_PROPERTY)
         if value is not None and value.startswith(prefix):
             found[value] += 1
