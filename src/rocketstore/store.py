@@ -196,7 +196,7 @@ class MessageStore:
             fh.write(previous)
         write_file_durably(self.paths.abort, str(os.getpid()).encode())
         self.timer = TimerService(self, self.paths.config, self._put_direct, clock=self.files.clock,
-                                  sync=self._flush_puts)
+                                  sync=self.make_puts_durable)
         self.timer.start()
         self.dead_letters = DeadLetterService(self, self.paths.config)
         self.dead_letters.start()
@@ -299,8 +299,10 @@ class MessageStore:
                 return self._put_delayed(message)
         return self._put([message], batch=False)
 
-    def _flush_puts(self) -> bool:
-        """Make every put so far durable (fdatasync of the commitlog); False when it could not be."""
+    def make_puts_durable(self) -> bool:
+        """Make every put so far durable (fdatasync of the commitlog); False when it could not be.  For a put
+        whose record lets a durable state forget another (the timer's copies, dead letters): under
+        asynchronous flush the record would otherwise sit in the page cache while the state is fsynced."""
         self.files.flush_commitlog(0, False)
         return self.files.flush_error is None
 
