@@ -181,3 +181,22 @@ def test_a_damaged_record_among_an_earlier_attempts_rows_is_refused(tmp_path):
         sink.commit_batch(str(root), QUERY, 0, _stage(tmp_path, 0, rows, "-retry"), OPTS)
     with MessageStore.open(str(root), CFG, read_only=True) as s:
         assert sum(1 for _, _, m, _ in s.messages(skip_damaged=True) if m is not None) == len(recs) - 1
+
+
+def test_a_pending_offset_past_the_log_end_is_not_kept_for_the_next_retry(tmp_path):
+    """``pending.from`` past the commitlog's end: a power cut took the log's unflushed tail (another writer's
+    records before the pending offset, and the attempt's rows after it) while the journal, fsynced, kept the
+    offset.  The retry finds nothing there and appends the batch from the log's end, below that offset; if it is
+    killed too, the next retry must look from where the rows now are, not from the old offset (it would miss the
+    rows the killed retry wrote and append them a second time)."""
+    root = _new_store(tmp_path)
+    rows = _rows()
+    sink.commit_batch(str(root), QUERY, 0, _stage(tmp_path, 0, rows), OPTS)
+    with MessageStore.open(str(root), CFG, read_only=True) as s:
+        end = s.max_phy_offset()
+    sink.SinkJournal(str(root), QUERY).write({"queryId": QUERY, "committed": 0,
+                                              "pending": {"batch": 1, "from": end + 4096}})
+    _killed_attempt(tmp_path, root, 1, _stage(tmp_path, 1, rows, "-try0"), "put", 2)
+    assert 0 < sum(n for k, n in _stored(root).items() if k[3] == "1") < sum(map(len, rows))
+    sink.commit_batch(str(root), QUERY, 1, _stage(tmp_path, 1, rows, "-last"), OPTS)
+    assert _stored(root) == _want({0: rows, 1: rows})

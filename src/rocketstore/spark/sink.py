@@ -163,7 +163,9 @@ def commit_batch(root: str, query_id: str, batch_id: int, parts: list[write.Stag
         pending = state.get("pending")
         skip = None
         if pending is not None:  # an earlier attempt was cut short: leave out what it wrote
-            start = int(pending["from"])
+            # Past the log's end when a power cut took the log's tail back below it (and the attempt's rows with
+            # it): this attempt appends from the end, where the next retry must look.
+            start = min(int(pending["from"]), store.max_phy_offset())
             already = written_rows(store, start, f"{query_id}:{batch_id}:")
             log.warning("%s: batch %d of query %s: an earlier attempt appended %d of its rows from commitlog "
                         "offset %d; appending the rest", root, batch_id, query_id, sum(already.values()), start)
