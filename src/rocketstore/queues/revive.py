@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from ..errors import StoreError, StoreLockedError
+from ..errors import StoreError, StoreLockedError, TierError
 from ..format.codec import MessageExt
 from ..format.message import Message, PutMessageResult
 from ..services.base import ServiceThread
@@ -151,11 +151,16 @@ class DeadLetterMoves:
 
     def letter(self, d: DeadLetter) -> Message | None:
         """The dead letter to put for ``d``; None when none is needed (its copy is in the DLQ: a move cut short;
-        or the message is unreadable: dropped), ``d`` then removed from the state."""
+        or the message is damaged or gone: dropped), ``d`` then removed from the state; None too, ``d`` left
+        parked, when the message cannot be read for now (TierError, OSError)."""
         if not self.pop.holds(d):
             return None
         try:
             m = self.store.look(d.entry.phy)
+        except (TierError, OSError) as e:  # unreadable for now (the bucket, the disk): the next round tries again
+            log.warning("%s@%s: message at %d cannot be read now (%s); it stays parked", d.topic, d.group,
+                        d.entry.phy, e)
+            return None
         except Exception as e:  # noqa: BLE001 - gone or damaged: never delivered again either way
             log.error("%s@%s: message at %d unreadable (%s); dropped instead of dead-lettered", d.topic, d.group,
                       d.entry.phy, e)

@@ -42,6 +42,7 @@ from typing import Any, Callable, Protocol
 from ..format import codec
 from ..format.codec import MessageExt
 from ..format.message import GetMessageResult, GetMessageStatus, Message, PutMessageResult
+from ..errors import TierError
 from ..services.base import ServiceThread
 from ..storage.jsonfile import read_json, write_json_atomic
 
@@ -319,14 +320,25 @@ class TimerService(ServiceThread):
             if not due:
                 return 0
             copies: list[tuple[tuple[int, int, int], Message | None]] = []
+            later = []
             for item in due:
                 try:
                     m = self.store.look(item[2])
+                except (TierError, OSError) as e:  # unreadable for now (the bucket, the disk): due again soon
+                    log.warning("timer message at commitlog offset %d cannot be read now (%s); tried again",
+                                item[2], e)
+                    later.append(item)
+                    continue
                 except Exception as e:
                     log.error("timer message at commitlog offset %d unreadable (%s); dropped", item[2], e)
                     copies.append((item, None))
                     continue
                 copies.append((item, restore(m, self.store_host, drop=(P_REAL_TOPIC, P_REAL_QID, P_DELAY))))
+            if later:
+                with self.lock:
+                    for item in later:
+                        heapq.heappush(self.heap, item)
+                self.retry_at = self._now_ms() + 1000
             doubt = {item[1]: [c.topic, c.queue_id, self.store.max_offset_in_queue(c.topic, c.queue_id)]
                      for item, c in copies if c is not None}
             self._write_state(doubt)  # durably, before any copy is put
