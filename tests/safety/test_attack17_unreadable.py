@@ -71,3 +71,22 @@ def test_a_delay_message_that_cannot_be_read_for_now_is_delivered_later(tmp_path
             time.sleep(0.02)
         assert flaky.left == 0, "the timer never tried to read it"
         assert [m.body for m in got] == [b"delayed"], "the delay message was dropped"
+
+
+def test_a_redelivery_that_cannot_read_its_message_for_now_keeps_it(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A nacked message due again, its record unreadable for now at the receive: it is not delivered this time
+    and not dropped (dropping acks it: the group would never see it again); the next receive delivers it."""
+    root = str(tmp_path / "s")
+    with MessageStore.open(root, SMALL) as st:
+        phy = st.put(Message("T", b"again")).commit_log_offset
+        st.wait_dispatched()
+        with st.simple_consumer("G", "T", retry_policy=RetryPolicy(3, (0,))) as c:
+            got = c.receive(4)
+            assert [m.body for m in got] == [b"again"]
+            c.nack(got[0])
+            monkeypatch.setattr(st, "look", FlakyLook(st, {phy}, 1))
+            assert c.receive(4) == []  # the bucket is down
+            got = c.receive(4)
+            assert [(m.body, m.delivery_attempt) for m in got] == [(b"again", 2)]
+            c.ack(got[0])
