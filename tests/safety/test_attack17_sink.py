@@ -200,3 +200,61 @@ def test_a_pending_offset_past_the_log_end_is_not_kept_for_the_next_retry(tmp_pa
     assert 0 < sum(n for k, n in _stored(root).items() if k[3] == "1") < sum(map(len, rows))
     sink.commit_batch(str(root), QUERY, 1, _stage(tmp_path, 1, rows, "-last"), OPTS)
     assert _stored(root) == _want({0: rows, 1: rows})
+
+
+def test_two_queries_with_equal_rows_in_one_store_each_append_theirs_once(tmp_path):
+    """Query A's batch 0 is cut by a kill half-way; query B then appends its batch 0, the same rows (same digests,
+    another query id), after A's rows; A's retry scans from its pending offset over B's rows and must count only
+    its own: in the end each query's rows are in the store exactly once, B's untouched."""
+    other = "0c9e2a41-7d3b-4f0e-8e21-5a6b7c8d9e0f"
+    root = _new_store(tmp_path)
+    rows = _rows()
+    _killed_attempt(tmp_path, root, 0, _stage(tmp_path, 0, rows, "-a"), "put", 3)
+    b_parts = [write.stage(iter([pa.RecordBatch.from_pylist(r, schema=ROW_SCHEMA)]), str(tmp_path / "staging-b"), p,
+                           0, OPTS, CFG.maxMessageSize, CFG.mappedFileSizeCommitLog, True, sink.RowMarker(other, 0))
+               for p, r in enumerate(rows)]
+    assert sink.commit_batch(str(root), other, 0, b_parts, OPTS)["messages"] == sum(map(len, rows))
+    sink.commit_batch(str(root), QUERY, 0, _stage(tmp_path, 0, rows, "-a-retry"), OPTS)
+    with MessageStore.open(str(root), CFG, read_only=True) as s:
+        by_query = Counter((m.properties[sink.SINK_PROPERTY].split(":")[0], m.body, m.queue_id, m.keys)
+                           for _, _, m, _ in s.messages() if m is not None)
+    want = Counter((r["body"], r["queueId"], r["keys"]) for part in rows for r in part)
+    for q in (QUERY, other):
+        assert Counter({k[1:]: n for k, n in by_query.items() if k[0] == q}) == want, q
+
+
+@pytest.mark.parametrize("damage", ["torn", "other query", "torn backup"])
+def test_a_damaged_journal_is_refused_and_nothing_is_appended(tmp_path, damage):
+    """A journal that does not parse, or names another query (and, the journal missing, such a ``.bak``), is
+    not read as "no journal" nor replaced by an older state: the commit refuses, naming the file, and the store
+    keeps exactly what it had."""
+    root = _new_store(tmp_path)
+    rows = _rows()
+    sink.commit_batch(str(root), QUERY, 0, _stage(tmp_path, 0, rows), OPTS)
+    journal = Path(sink.SinkJournal(str(root), QUERY).path)
+    if damage == "torn":
+        journal.write_bytes(journal.read_bytes()[:20])
+    elif damage == "other query":
+        journal.write_text(journal.read_text().replace(QUERY, "ffffffff-2d6a-4c55-9a51-0d3f3c1e7a10"))
+    else:
+        Path(f"{journal}.bak").write_bytes(b'{"queryId": "' + QUERY.encode() + b'", "comm')
+        journal.unlink()
+    before = _stored(root)
+    with pytest.raises(StoreError, match="journal|unreadable"):
+        sink.commit_batch(str(root), QUERY, 0, _stage(tmp_path, 0, rows, "-retry"), OPTS)
+    assert _stored(root) == before == _want({0: rows})
+
+
+def test_a_lost_journal_is_not_read_as_a_new_query(tmp_path):
+    """Batch 1's attempt is killed half-way, then the journal and its ``.bak`` are lost (deleted).  The retry of
+    batch 1 (a query past its first batch with no journal: missing is not empty) looks through the whole log for
+    the rows of its batch and appends only the rest."""
+    root = _new_store(tmp_path)
+    rows = _rows()
+    sink.commit_batch(str(root), QUERY, 0, _stage(tmp_path, 0, rows), OPTS)
+    _killed_attempt(tmp_path, root, 1, _stage(tmp_path, 1, rows, "-try0"), "put", 3)
+    assert 0 < sum(n for k, n in _stored(root).items() if k[3] == "1") < sum(map(len, rows))
+    for f in (root / sink.JOURNALS).iterdir():
+        f.unlink()
+    sink.commit_batch(str(root), QUERY, 1, _stage(tmp_path, 1, rows, "-retry"), OPTS)
+    assert _stored(root) == _want({0: rows, 1: rows})

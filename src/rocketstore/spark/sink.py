@@ -21,7 +21,10 @@ it was cut short, the records from its offset on are scanned, and the rows of th
 (counted by digest, as a multiset: equal rows are equal) are left out; ``pending`` is written durably before
 the first put; after the append is flushed (the store closed) ``committed`` is written.  A crash before
 ``pending`` leaves nothing of the batch; between ``pending`` and ``committed``, the retry finds what was
-written; after ``committed``, the retry is skipped.  As with every Spark sink, exactly once needs a source that
+written; after ``committed``, the retry is skipped.  A journal cut between the two renames of its atomic write is read
+from its ``.bak`` (the state before that write); a query past its first batch that finds no journal at all
+(lost) counts this batch's rows over the whole local log.  A damaged record among the rows counted is refused
+(the count would stop there).  As with every Spark sink, exactly once needs a source that
 replays a batch with the same rows (files, Kafka-like sources, ``rocketstore`` itself).
 """
 
@@ -106,6 +109,10 @@ class SinkJournal:
                         self.path, self.path)
         return data
 
+    def present(self) -> bool:
+        """Whether the journal (or its ``.bak``) is there: a query that appended a batch here always has one."""
+        return os.path.exists(self.path) or os.path.exists(f"{self.path}.bak")
+
     def _load(self, path: str) -> dict[str, Any] | None:
         try:
             with open(path, "rb") as fh:
@@ -161,6 +168,12 @@ def commit_batch(root: str, query_id: str, batch_id: int, parts: list[write.Stag
                         "not appended again", root, batch_id, query_id, committed)
             return {"store": root, "messages": 0, "skipped": True}
         pending = state.get("pending")
+        if pending is None and batch_id > 0 and not journal.present():
+            # Missing is not empty: a query past its first batch that finds no journal lost it (or appended
+            # nothing so far); an attempt of this batch may have written rows anywhere in the local log.
+            log.warning("%s: no journal %s for batch %d of query %s; looking through the whole log for rows "
+                        "an earlier attempt wrote", root, journal.path, batch_id, query_id)
+            pending = {"batch": batch_id, "from": store.min_phy_offset()}
         skip = None
         if pending is not None:  # an earlier attempt was cut short: leave out what it wrote
             # Past the log's end when a power cut took the log's tail back below it (and the attempt's rows with
