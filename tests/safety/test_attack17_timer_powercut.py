@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shutil
 import time
-from pathlib import Path
 
 from rocketstore.config import StoreConfig
 from rocketstore.format.message import Message
