@@ -195,7 +195,8 @@ class MessageStore:
         with open(self.paths.abort_bak, "wb") as fh:
             fh.write(previous)
         write_file_durably(self.paths.abort, str(os.getpid()).encode())
-        self.timer = TimerService(self, self.paths.config, self._put_direct, clock=self.files.clock)
+        self.timer = TimerService(self, self.paths.config, self._put_direct, clock=self.files.clock,
+                                  sync=self.make_puts_durable)
         self.timer.start()
         self.dead_letters = DeadLetterService(self, self.paths.config)
         self.dead_letters.start()
@@ -297,6 +298,13 @@ class MessageStore:
                     props and ("DELAY" in props or "TIMER_DELIVER_MS" in props)):
                 return self._put_delayed(message)
         return self._put([message], batch=False)
+
+    def make_puts_durable(self) -> bool:
+        """Make every put so far durable (fdatasync of the commitlog); False when it could not be.  For a put
+        whose record lets a durable state forget another (the timer's copies, dead letters): under
+        asynchronous flush the record would otherwise sit in the page cache while the state is fsynced."""
+        self.files.flush_commitlog(0, False)
+        return self.files.flush_error is None
 
     def _put_direct(self, message: Message) -> PutMessageResult:
         """A put that does not route delays: the timer's own records and the copies it delivers."""

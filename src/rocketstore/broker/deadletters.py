@@ -65,7 +65,13 @@ class BrokerDeadLetters:
             msg = moves.letter(d)
             if msg is None:
                 continue
-            if moves.placed(d, await broker.put(msg)):
+            res = await broker.put(msg)
+            if res.ok and not await asyncio.get_running_loop().run_in_executor(None, store.make_puts_durable):
+                # not settled: parked with its DLQ end, the next round finds the copy or puts it again
+                log.error("the commitlog could not be flushed after a dead letter's put to %s; the message stays "
+                          "parked", msg.topic)
+                return moved
+            if moves.placed(d, res):
                 moved += 1
                 broker.notify(dlq_topic(d.group))
         return moved

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from ..format.codec import MessageExt, java_hash
-from ..errors import CorruptRecordError
+from ..errors import CorruptRecordError, TierError
 from ..storage.jsonfile import write_bytes_atomic
 from ..format.message import GetMessageStatus
 from ..storage.consumer_offsets import ConsumerOffsetManager, read_json_lenient
@@ -507,7 +507,12 @@ class PopService:
                 continue
             if e.phy >= self.store.max_phy_offset():
                 continue  # a read-only view a moment older than the receiver's that read it: not here yet
-            msg = self._read(e)
+            try:
+                msg = self._read(e)
+            except (TierError, OSError) as err:  # unreadable for now: not delivered this time, never dropped
+                log.warning("%s@%s queue %d offset %d: message cannot be read now (%s); kept for a later receive",
+                            qs.topic, qs.group, qs.queue_id, off, err)
+                continue
             if msg is None:
                 log.warning("%s@%s queue %d offset %d: message no longer in the store; dropped",
                             qs.topic, qs.group, qs.queue_id, off)
@@ -524,6 +529,8 @@ class PopService:
             if self.store.min_readable_offset() <= e.phy < self.store.max_phy_offset():
                 raise  # damaged in place: never dropped (acked) on the quiet
             return None  # deleted by retention, or a bad offset from an old state file
+        except (TierError, OSError):
+            raise  # the bucket or the disk, for now: dropping would ack the message
         except Exception:
             return None
 

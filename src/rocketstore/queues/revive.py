@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from ..errors import StoreLockedError
+from ..errors import StoreError, StoreLockedError, TierError
 from ..format.codec import MessageExt
 from ..format.message import Message, PutMessageResult
 from ..services.base import ServiceThread
@@ -109,7 +109,12 @@ class DeadLetterMover:
             for d in moves.marked():
                 msg = moves.letter(d)
                 if msg is not None:
-                    moved += moves.placed(d, self.store.put(msg))
+                    res = self.store.put(msg)
+                    if res.ok and not self.store.make_puts_durable():
+                        # not settled: parked with its DLQ end, a later round finds the copy or puts it again
+                        raise StoreError(f"{self.store.root}: the commitlog could not be flushed after a dead "
+                                         f"letter's put to {msg.topic}; the message stays parked")
+                    moved += moves.placed(d, res)
         return moved
 
 
@@ -117,9 +122,10 @@ class DeadLetterMoves:
     """One round of moving a pop state's parked messages (the caller serialises rounds on one state).
 
     The caller: :meth:`mark`, then makes the state durable (no put before that), waits for the store's
-    dispatch if :meth:`mark` said so, and for each of :meth:`marked`: puts :meth:`letter` unless it is None
-    and hands the result to :meth:`placed`; then writes the state (a lost write only makes the next round
-    find the copies).
+    dispatch if :meth:`mark` said so, and for each of :meth:`marked`: puts :meth:`letter` unless it is None,
+    makes the put durable (under asynchronous flush the dead letter could sit in the page cache while the state
+    that forgets the message is fsynced: a power cut would lose it from both) and hands the result to
+    :meth:`placed`; then writes the state (a lost write only makes the next round find the copies).
     """
 
     def __init__(self, store: Any, pop: PopService, store_host: Any = None) -> None:
@@ -145,11 +151,16 @@ class DeadLetterMoves:
 
     def letter(self, d: DeadLetter) -> Message | None:
         """The dead letter to put for ``d``; None when none is needed (its copy is in the DLQ: a move cut short;
-        or the message is unreadable: dropped), ``d`` then removed from the state."""
+        or the message is damaged or gone: dropped), ``d`` then removed from the state; None too, ``d`` left
+        parked, when the message cannot be read for now (TierError, OSError)."""
         if not self.pop.holds(d):
             return None
         try:
             m = self.store.look(d.entry.phy)
+        except (TierError, OSError) as e:  # unreadable for now (the bucket, the disk): the next round tries again
+            log.warning("%s@%s: message at %d cannot be read now (%s); it stays parked", d.topic, d.group,
+                        d.entry.phy, e)
+            return None
         except Exception as e:  # noqa: BLE001 - gone or damaged: never delivered again either way
             log.error("%s@%s: message at %d unreadable (%s); dropped instead of dead-lettered", d.topic, d.group,
                       d.entry.phy, e)

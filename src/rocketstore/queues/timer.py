@@ -16,8 +16,10 @@ real queue and that queue's end before the put (written durably before the puts,
 timer topic is read from ``offset`` to rebuild the schedule, so delays survive a restart and SIGKILL.  A crash
 between a copy's put and the state write leaves the message in ``delivering``: the next start looks for the copy
 (same ``UNIQ_KEY`` and born time) in its real queue from the recorded end on, and counts it delivered if it is
-there.  So every due message is put into its topic exactly once, as far as the store can tell (a put whose
-copy the commitlog lost in a power cut, with asynchronous flush, is put again: the timer record is older).
+there.  Under asynchronous flush a round fsyncs the commitlog after its puts and before the state says
+"delivered", so a power cut cannot keep that state and lose a copy (if the flush fails, the state is no longer
+written and the timer stops: the durable state still names the round's messages as ``delivering``).  So every
+due message is put into its topic exactly once, as far as the store can tell.
 A store whose timer records RocketMQ's own timer handled (its ``timercheck``/``timerwheel`` files, no
 ``timerState.json``) has them left alone: they were delivered by RocketMQ.
 
@@ -40,6 +42,7 @@ from typing import Any, Callable, Protocol
 from ..format import codec
 from ..format.codec import MessageExt
 from ..format.message import GetMessageResult, GetMessageStatus, Message, PutMessageResult
+from ..errors import TierError
 from ..services.base import ServiceThread
 from ..storage.jsonfile import read_json, write_json_atomic
 
@@ -149,8 +152,12 @@ class TimerService(ServiceThread):
 
     def __init__(self, store: TimerStore, config_dir: str, put: Callable[[Message], PutMessageResult],
                  store_host: tuple[bytes, int] = (b"\x7f\x00\x00\x01", 10911),
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, sync: Callable[[], bool] = lambda: True) -> None:
         super().__init__(interval=1.0)
+        # Makes the copies put so far durable (False: it could not); under asynchronous flush a copy can sit in
+        # the page cache for seconds, and the state saying "delivered" must not outlive it in a power cut.
+        self.sync = sync
+        self.frozen: str | None = None  # why the state is no longer written (the durable one keeps the doubt)
         self.clock = clock  # seconds: the store's clock (tests drive it); due times are compared with it
         self.store = store
         self.path = os.path.join(config_dir, STATE_FILE)
@@ -303,6 +310,8 @@ class TimerService(ServiceThread):
     def deliver_due(self, now: int | None = None) -> int:
         """Put every due message into its topic (at most MAX_ROUND); returns how many were."""
         with self._round:
+            if self.frozen is not None:
+                return 0  # a copy put now would not be recorded: the next start delivers it
             now = self._now_ms() if now is None else now
             with self.lock:
                 due = []
@@ -311,14 +320,25 @@ class TimerService(ServiceThread):
             if not due:
                 return 0
             copies: list[tuple[tuple[int, int, int], Message | None]] = []
+            later = []
             for item in due:
                 try:
                     m = self.store.look(item[2])
+                except (TierError, OSError) as e:  # unreadable for now (the bucket, the disk): due again soon
+                    log.warning("timer message at commitlog offset %d cannot be read now (%s); tried again",
+                                item[2], e)
+                    later.append(item)
+                    continue
                 except Exception as e:
                     log.error("timer message at commitlog offset %d unreadable (%s); dropped", item[2], e)
                     copies.append((item, None))
                     continue
                 copies.append((item, restore(m, self.store_host, drop=(P_REAL_TOPIC, P_REAL_QID, P_DELAY))))
+            if later:
+                with self.lock:
+                    for item in later:
+                        heapq.heappush(self.heap, item)
+                self.retry_at = self._now_ms() + 1000
             doubt = {item[1]: [c.topic, c.queue_id, self.store.max_offset_in_queue(c.topic, c.queue_id)]
                      for item, c in copies if c is not None}
             self._write_state(doubt)  # durably, before any copy is put
@@ -342,6 +362,11 @@ class TimerService(ServiceThread):
                         self.delivered.add(item[1])
                 self._delivered_hook()
             finally:
+                if done and not self.sync():
+                    # The state written before the puts names them as "delivering": left so, the next start
+                    # looks for the copies that reached the disk and puts the others again.
+                    self.frozen = "the commitlog could not be flushed after delivering delay messages"
+                    log.error("%s: %s; the timer state is no longer written", self.path, self.frozen)
                 self._write_state()
             if topics:
                 self.store.wait_dispatched(5.0)
@@ -369,6 +394,8 @@ class TimerService(ServiceThread):
         return snap
 
     def _write_state(self, delivering: dict[int, list] | None = None) -> None:
+        if self.frozen is not None:
+            return
         if not delivering and self.seen_next == 0 and not self.heap and not os.path.exists(self.path):
             return  # a store that never held a delay message gets no state file
         write_json_atomic(self.path, self.snapshot(delivering))

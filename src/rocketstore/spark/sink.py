@@ -21,7 +21,10 @@ it was cut short, the records from its offset on are scanned, and the rows of th
 (counted by digest, as a multiset: equal rows are equal) are left out; ``pending`` is written durably before
 the first put; after the append is flushed (the store closed) ``committed`` is written.  A crash before
 ``pending`` leaves nothing of the batch; between ``pending`` and ``committed``, the retry finds what was
-written; after ``committed``, the retry is skipped.  As with every Spark sink, exactly once needs a source that
+written; after ``committed``, the retry is skipped.  A journal cut between the two renames of its atomic write is read
+from its ``.bak`` (the state before that write); a query past its first batch that finds no journal at all
+(lost) counts this batch's rows over the whole local log.  A damaged record among the rows counted is refused
+(the count would stop there).  As with every Spark sink, exactly once needs a source that
 replays a batch with the same rows (files, Kafka-like sources, ``rocketstore`` itself).
 """
 
@@ -90,16 +93,37 @@ class SinkJournal:
         self.query_id = query_id
 
     def read(self) -> dict[str, Any]:
+        """The journal's state; a journal that is missing while its ``.bak`` is there is the ``.bak``'s.
+
+        ``write_json_atomic`` moves the current file to ``.bak`` before it renames the new one into place: a
+        kill or power cut between the two leaves only ``.bak``, the state before that write, which is right
+        for the retry (before a ``committed``: the pending append, whose rows the retry finds and leaves out;
+        before a ``pending``: the last committed batch, nothing of the next one written yet).  Read as "no
+        journal", it would append the whole batch again."""
+        data = self._load(self.path)
+        if data is None:
+            data = self._load(f"{self.path}.bak")
+            if data is None:
+                return {"queryId": self.query_id, "committed": None, "pending": None}
+            log.warning("%s: missing; using %s.bak (a write of the journal was cut between its renames)",
+                        self.path, self.path)
+        return data
+
+    def present(self) -> bool:
+        """Whether the journal (or its ``.bak``) is there: a query that appended a batch here always has one."""
+        return os.path.exists(self.path) or os.path.exists(f"{self.path}.bak")
+
+    def _load(self, path: str) -> dict[str, Any] | None:
         try:
-            with open(self.path, "rb") as fh:
+            with open(path, "rb") as fh:
                 data = json.loads(fh.read().decode("utf-8"))
         except FileNotFoundError:
-            return {"queryId": self.query_id, "committed": None, "pending": None}
+            return None
         except (OSError, ValueError) as e:  # no fallback to an older state: it could let a batch in twice
-            raise StoreError(f"{self.path}: unreadable ({e}); the sink cannot tell which batches this store "
+            raise StoreError(f"{path}: unreadable ({e}); the sink cannot tell which batches this store "
                              "holds, nothing was appended") from None
         if not isinstance(data, dict) or data.get("queryId") != self.query_id:
-            raise StoreError(f"{self.path}: not this query's sink journal; nothing was appended")
+            raise StoreError(f"{path}: not this query's sink journal; nothing was appended")
         return data
 
     def write(self, state: dict[str, Any]) -> None:
@@ -107,11 +131,14 @@ class SinkJournal:
 
 
 def written_rows(store: MessageStore, from_offset: int, prefix: str) -> Counter[str]:
-    """The ids of the rows of one batch (``SPARK_SINK_ROW`` starting with ``prefix``) from ``from_offset`` on."""
+    """The ids of the rows of one batch (``SPARK_SINK_ROW`` starting with ``prefix``) from ``from_offset`` on;
+    StoreError at a damaged record."""
     found: Counter[str] = Counter()
-    for _offset, _size, msg, _err in store.messages(from_offset, read_body=False):
-        if msg is None:
-            continue
+    for offset, _size, msg, err in store.messages(from_offset, read_body=False):
+        if msg is None:  # the walk ends here: counting on would miss the rows after it and append them twice
+            raise StoreError(f"{store.root}: the record at commitlog offset {offset} is damaged ({err}); the sink "
+                             f"cannot tell which rows of batch {prefix.split(':')[1]} an earlier attempt wrote "
+                             "after it, nothing was appended (repair the store, then restart the query)")
         value = (msg.properties or {}).get(SINK_PROPERTY)
         if value is not None and value.startswith(prefix):
             found[value] += 1
@@ -141,9 +168,17 @@ def commit_batch(root: str, query_id: str, batch_id: int, parts: list[write.Stag
                         "not appended again", root, batch_id, query_id, committed)
             return {"store": root, "messages": 0, "skipped": True}
         pending = state.get("pending")
+        if pending is None and batch_id > 0 and not journal.present():
+            # Missing is not empty: a query past its first batch that finds no journal lost it (or appended
+            # nothing so far); an attempt of this batch may have written rows anywhere in the local log.
+            log.warning("%s: no journal %s for batch %d of query %s; looking through the whole log for rows "
+                        "an earlier attempt wrote", root, journal.path, batch_id, query_id)
+            pending = {"batch": batch_id, "from": store.min_phy_offset()}
         skip = None
         if pending is not None:  # an earlier attempt was cut short: leave out what it wrote
-            start = int(pending["from"])
+            # Past the log's end when a power cut took the log's tail back below it (and the attempt's rows with
+            # it): this attempt appends from the end, where the next retry must look.
+            start = min(int(pending["from"]), store.max_phy_offset())
             already = written_rows(store, start, f"{query_id}:{batch_id}:")
             log.warning("%s: batch %d of query %s: an earlier attempt appended %d of its rows from commitlog "
                         "offset %d; appending the rest", root, batch_id, query_id, sum(already.values()), start)
