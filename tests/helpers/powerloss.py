@@ -5,18 +5,20 @@
 ``mmap.flush``).  At each sync of a file under the store root it reads the file's
 bytes *before* the real call and, once the call has succeeded, stores them under
 the shadow directory (temp file + rename, so a SIGKILL never leaves a torn copy).
-A rename (``os.replace``/``os.rename``) under the root moves the shadow copy with
-the name: a file fsynced under a temp name and renamed is durable as renamed.
 Bytes written before a sync began are durable after it; bytes written while it ran
 may or may not be, and the model takes the pessimistic answer.
 
+A shadow copy stands for one file (an inode), not a name: a file's first sync tags
+it with a token (an extended attribute; the inode number where the file system has
+none, which a new file may reuse) and its copies are kept under that token.  The
+tag moves with the file, so a file fsynced under a temp name and renamed is durable
+as renamed, a name renamed over holds the new file, and a file deleted and made
+again under the same name (a segment recovery truncated, then a new one at that
+offset) has no synced bytes until it is synced itself; no kill between a rename
+and any bookkeeping can make the model lose track.
+
 ``crash_image`` builds the directory a power cut would leave: every file the store
 had, with its shadow bytes if it was ever synced, else zeros of its current length.
-A shadow copy stands for one file, not a name: its first sync tags the file with
-a token (an extended attribute; the inode number where the file system has none,
-which a new file may reuse) kept beside the copy, and a file deleted and
-made again under the same name (a segment recovery truncated, then a new one at
-that offset) has no synced bytes until it is synced itself.
 With ``dir_entries=True`` a name survives only if its directory was fsynced while
 it held that name (each directory fsync under the root records the directory's
 listing): a file whose data was synced but whose name never was is lost.
@@ -30,14 +32,14 @@ import shutil
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import rocketstore.storage.index as index_mod
 from rocketstore import StoreConfig
 import rocketstore.storage.mapped_file as mapped_file_mod
 
 SHADOW_TMP = ".shadow-tmp"
-SHADOW_TAG = ".tag"  # beside each shadow copy: the token the live file it is a copy of was tagged with
+BY_TAG = ".by-tag"  # in the shadow: one copy per tagged file, named by its token
 TAG_XATTR = "user.rocketstore.shadow"
 DIR_ENTRIES = ".dir-entries.json"  # in the shadow: directory (relative, "." the root) -> names its last fsync saw
 
@@ -117,8 +119,6 @@ class SyncShadow:
         def index_flush(f: index_mod.IndexFile) -> None:  # mmap.flush is msync: the map's pages become durable
             self._sync_path(f.path, lambda: real_index_flush(f))
         self._patch(index_mod.IndexFile, "flush", index_flush)
-        for name in ("replace", "rename"):
-            self._patch(os, name, self._moving(getattr(os, name)))
         return self
 
     def uninstall(self) -> None:
@@ -135,37 +135,6 @@ class SyncShadow:
     def _patch(self, obj: object, name: str, value: object) -> None:
         self._saved.append((obj, name, getattr(obj, name)))
         setattr(obj, name, value)
-
-    # ------------------------------------------------------------ renames
-
-    def _moving(self, real: Any) -> Any:
-        """A rename moves an inode: the bytes synced under the old name are the new name's (a temp file
-        fsynced, then renamed over the live one, as every atomic JSON write does), and a name renamed over
-        loses what it had.  The shadow is kept by name, so it follows the rename; without this the image
-        zeroed such files (seed 61036: config/tierStore.json and its .bak all zeros, the open refused)."""
-        def move(src: Any, dst: Any, *args: Any, **kw: Any) -> None:
-            real(src, dst, *args, **kw)
-            a, b = (self._under_root(p) for p in (src, dst))
-            if a is None and b is None:
-                return
-            with self._lock:
-                for suffix in ("", SHADOW_TAG):  # the copy and the tag it stands for go together
-                    old = Path(self.shadow, a + suffix) if a is not None else None
-                    new = Path(self.shadow, b + suffix) if b is not None else None
-                    if new is not None and old is not None and old.is_file():
-                        new.parent.mkdir(parents=True, exist_ok=True)
-                        real(old, new)
-                    elif new is not None and new.is_file():
-                        new.unlink()  # the name now holds bytes never synced: zeros in the image
-                    elif old is not None and old.is_file():
-                        old.unlink()
-        return move
-
-    def _under_root(self, path: Any) -> str | None:
-        full = os.path.realpath(os.path.abspath(os.fspath(path)))
-        if full.startswith(self.root + os.sep):
-            return os.path.relpath(full, self.root)
-        return None
 
     # ------------------------------------------------------------ syncing
     def _sync_fd(self, fd: int, real: Callable[[int], None]) -> None:
@@ -184,7 +153,7 @@ class SyncShadow:
                 tag = _tag(fh.fileno())
                 data = fh.read()
             real()  # raises on failure: then nothing is recorded as durable
-            _write_copy(os.path.join(self.shadow, rel), data, tag)
+            _write_copy(self.shadow, tag, data)
             self.synced[rel] = self.synced.get(rel, 0) + 1
 
     def _is_store_dir(self, path: str) -> bool:
@@ -213,46 +182,44 @@ class SyncShadow:
 
 
 def _tag(fd: int) -> str:
-    """The open file's token (given at its first sync, kept for its life): its identity for its shadow copy.
-    A token is never replaced: a kill between tagging and recording the copy then costs nothing."""
+    """The open file's token (given at its first sync, kept for its life): its identity for its shadow copy."""
     try:
         return os.getxattr(fd, TAG_XATTR).decode()
     except OSError:
         pass
-    token = f"{os.fstat(fd).st_ino}:{uuid.uuid4().hex}"
+    token = uuid.uuid4().hex
     try:
         os.setxattr(fd, TAG_XATTR, token.encode())
     except OSError:  # no extended attributes here: the inode number alone
-        token = str(os.fstat(fd).st_ino)
+        token = f"ino{os.fstat(fd).st_ino}"
     return token
 
 
-def _tag_of(path: str | Path) -> str:
+def _tag_of(path: str | Path) -> str | None:
     try:
         return os.getxattr(path, TAG_XATTR).decode()
     except OSError:
-        return str(os.stat(path).st_ino)
+        try:
+            return f"ino{os.stat(path).st_ino}"
+        except OSError:
+            return None
 
 
-def _write_copy(dest: str, data: bytes, tag: str) -> None:
-    """Store a file's synced bytes and its tag (each by temp file + rename, the copy first: a kill between them
-    leaves the old tag beside new bytes, which only makes the file count as never synced)."""
+def _write_copy(shadow: str | Path, tag: str, data: bytes) -> None:
+    """Store the synced bytes of the file tagged ``tag`` (temp file + rename: a kill leaves the last copy)."""
+    dest = os.path.join(shadow, BY_TAG, tag)
     os.makedirs(os.path.dirname(dest), exist_ok=True)
-    for path, content in ((dest, data), (dest + SHADOW_TAG, tag.encode())):
-        with open(path + SHADOW_TMP, "wb") as out:
-            out.write(content)
-        os.replace(path + SHADOW_TMP, path)
+    with open(dest + SHADOW_TMP, "wb") as out:
+        out.write(data)
+    os.replace(dest + SHADOW_TMP, dest)
 
 
 def synced_copy(live: str | Path, shadow: str | Path, rel: str | Path) -> Path | None:
-    """The shadow copy of the live file ``rel``, if one was made from this very file (its tag); None when the
-    file was never synced, or only an earlier file of that name was (deleted since and made again)."""
-    copy = Path(shadow, rel)
-    try:
-        recorded = Path(str(copy) + SHADOW_TAG).read_text()
-        return copy if copy.is_file() and _tag_of(Path(live, rel)) == recorded else None
-    except OSError:
-        return None
+    """The shadow copy of the live file ``rel`` (its bytes at its last sync), or None when this very file was
+    never synced (an earlier file of that name may have been: deleted since and made again)."""
+    tag = _tag_of(Path(live, rel))
+    copy = Path(shadow, BY_TAG, tag) if tag else None
+    return copy if copy is not None and copy.is_file() else None
 
 
 def seed_shadow_files(live: str | Path, shadow: str | Path) -> None:
@@ -265,7 +232,7 @@ def seed_shadow_files(live: str | Path, shadow: str | Path) -> None:
                 tag = _tag(fd)
             finally:
                 os.close(fd)
-            _write_copy(str(Path(shadow, src.relative_to(live))), src.read_bytes(), tag)
+            _write_copy(shadow, tag, src.read_bytes())
 
 
 def mark_names_durable(root: str | Path, shadow: str | Path) -> None:

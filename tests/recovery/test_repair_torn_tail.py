@@ -39,8 +39,9 @@ def _power_loss_image(root, *, other_boot: bool = True, damage: bool = True,
                                   store_timestamp=stored)).ok
         recs = [(off, size, m.store_timestamp) for off, size, m, _ in st.messages()]
     cp = StoreCheckpoint.load(str(root / "checkpoint"))
-    cp.physicMsgTimestamp = cp.logicsMsgTimestamp = recs[39][2]
-    cp.physicFlushedOffset = cp.logicsDispatchedOffset = recs[39][0] + recs[39][1]
+    cp.logicsMsgTimestamp = recs[39][2]
+    cp.note_physic_flushed(recs[39][2], recs[39][0] + recs[39][1])  # a thorough flush: offset, time and stamp
+    cp.logicsDispatchedOffset = recs[39][0] + recs[39][1]
     cp.flush()
     if damage:
         flip_body_bit(root, recs[10][0])

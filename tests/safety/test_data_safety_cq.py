@@ -247,8 +247,8 @@ def test_the_queue_registry_is_written_only_when_it_changes(tmp_path, monkeypatc
     _fill(path, 4)
     MessageStore.open(str(path), _config()).close()  # writes the queues' next offsets (2 and 2)
     writes = []
-    real = store_mod.write_file_durably
-    monkeypatch.setattr(store_mod, "write_file_durably", lambda p, data: (writes.append(p), real(p, data)))
+    real = store_mod.replace_file_durably
+    monkeypatch.setattr(store_mod, "replace_file_durably", lambda p, data: (writes.append(p), real(p, data)))
     reads = []
     real_read = store_mod._read_utf8
     monkeypatch.setattr(store_mod, "_read_utf8", lambda p: (reads.append(p), real_read(p))[1])

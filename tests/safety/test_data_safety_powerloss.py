@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from conftest import GOLDEN_CONF, run_cli
-from helpers.powerloss import SyncShadow, crash_image, process_crashed, rebooted
+from helpers.powerloss import SyncShadow, crash_image, process_crashed, rebooted, synced_copy
 from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig
 from rocketstore.services.flush import FlushConsumeQueueService
 from rocketstore.recovery.verify import verify_store
@@ -63,9 +63,9 @@ def _quiet_and_busy(live: Path, shadow: Path, image: Path, cfg: StoreConfig) -> 
             assert store.wait_dispatched()
             deadline = time.monotonic() + 10
             busy_cq = Path(store.find_consume_queue("Busy", 0).queue.files[0].path).relative_to(live)
-            while time.monotonic() < deadline and not (shadow / busy_cq).exists():
+            while time.monotonic() < deadline and synced_copy(live, shadow, busy_cq) is None:
                 time.sleep(0.02)  # the busy queue's file reaches flushConsumeQueueLeastPages and is synced
-            assert (shadow / busy_cq).exists()
+            assert synced_copy(live, shadow, busy_cq) is not None
             assert store.checkpoint.logicsMsgTimestamp == 0  # no thorough round since the first, empty one
             fate = crash_image(live, shadow, image)
         finally:
@@ -137,7 +137,7 @@ def test_thorough_flush_syncs_every_queue_before_logics_timestamp_advances(tmp_p
             assert store.checkpoint.logicsMsgTimestamp == r.store_timestamp
             rel = str(Path("consumequeue") / "Quiet" / "0" / f"{0:020d}")
             assert sh.synced.get(rel)
-            data = (shadow / rel).read_bytes()
+            data = synced_copy(live, shadow, rel).read_bytes()
             assert UNIT.unpack_from(data, 0)[:2] == (r.commit_log_offset, r.wrote_bytes)
         finally:
             store.close()
