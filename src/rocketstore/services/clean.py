@@ -153,12 +153,15 @@ class CleanService(ServiceThread):
     def _queue_units_durable(self, end: int) -> bool:
         """Whether every record before commitlog offset ``end`` has its consume-queue unit on disk: dispatch
         has passed ``end`` and the queues were flushed whole since (the checkpoint's logicsDispatchedOffset),
-        flushing them here when dispatch is past it but the flush is not."""
+        flushing them here when dispatch is past it but the flush is not.  Records the index missed (no index
+        file can be made: a full disk) do not count: the index catch-up skips what left the disk, as without a
+        tier, and waiting for it kept every tiered segment on a full disk."""
         cp = self.files.checkpoint
-        if cp.logicsDispatchedOffset < end <= cp.logics_dispatched_end:
+        durable = max(cp.logicsDispatchedOffset, cp.logics_units_flushed)
+        if durable < end <= cp.logics_dispatched_end:
             from .flush import FlushConsumeQueueService
             FlushConsumeQueueService(self.files).run_once(force=True)
-        return cp.logicsDispatchedOffset >= end
+        return max(cp.logicsDispatchedOffset, cp.logics_units_flushed) >= end
 
     def redelete_hanged_file(self) -> None:
         files, cfg = self.files, self.files.config

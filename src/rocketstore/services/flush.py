@@ -95,6 +95,7 @@ class FlushConsumeQueueService(ServiceThread):
         checkpoint = self.files.checkpoint
         dispatched = checkpoint.logics_dispatched  # read first: every unit up to it is in the queues' maps
         dispatched_end = checkpoint.logics_dispatched_end
+        units_end = dispatched_end  # (the queues' own: what the index missed does not hold it back)
         index = self.files.index_service
         if index.missed_from is not None:  # records the index missed: a crash must recover from them on
             dispatched = min(dispatched, index.missed_ts)
@@ -108,6 +109,8 @@ class FlushConsumeQueueService(ServiceThread):
                 checkpoint.logicsMsgTimestamp = dispatched
             if dispatched_end > checkpoint.logicsDispatchedOffset:
                 checkpoint.logicsDispatchedOffset = dispatched_end
+            if units_end > checkpoint.logics_units_flushed:
+                checkpoint.logics_units_flushed = units_end
             self.files.flush_checkpoint()
 
     def on_shutdown(self) -> None:

@@ -62,6 +62,9 @@ class StoreCheckpoint:
     # The commitlog offset dispatch has reached, in memory only (as logics_dispatched): it becomes
     # logicsDispatchedOffset once the consume queues are flushed whole.
     logics_dispatched_end: int = field(default=-1, repr=False, compare=False)
+    # The commitlog offset below which every record's consume-queue unit is flushed, in memory only: as
+    # logicsDispatchedOffset, but not held back by records the index missed (tiered retention's gate).
+    logics_units_flushed: int = field(default=-1, repr=False, compare=False)
 
     @classmethod
     def load(cls, path: str, *, read_only: bool = False, on_bad: "callable | None" = None) -> "StoreCheckpoint":
@@ -130,6 +133,7 @@ class StoreCheckpoint:
         records written next below it count as flushed into the consume queues."""
         self.physicFlushedOffset = min(self.physicFlushedOffset, end)
         self.logicsDispatchedOffset = min(self.logicsDispatchedOffset, end)
+        self.logics_units_flushed = min(self.logics_units_flushed, end)
 
     def min_timestamp(self) -> int:
         """Recovery's lower bound: min(physic, logics) - 3 s, never negative."""
