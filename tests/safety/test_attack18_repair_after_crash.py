@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 from helpers.powerloss import SyncShadow, crash_image
 from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig

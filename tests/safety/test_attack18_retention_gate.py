@@ -12,8 +12,6 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
-import pytest
-
 from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig
 from rocketstore.storage.index import IndexService
 from rocketstore.tier.upload import upload_round
