@@ -8,7 +8,7 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ..format import codec
 from ..config import StoreConfig
@@ -180,6 +180,11 @@ def tier_records(root: str, cfg: StoreConfig) -> Iterator[codec.MessageExt]:
                          "repair refused, nothing was changed") from None
 
 
+def _kept_by(old_unit: Callable[[str, int, int], int | None], topic: str, qid: int) -> Callable[[_Placed], bool]:
+    """``prefer`` for _longest_ordered: of two records claiming one queue offset, the one the old unit named."""
+    return lambda r: old_unit(topic, qid, r.queue_offset) == r.phy
+
+
 def _longest_ordered(recs: list[_Placed], prefer: Any = None) -> list[_Placed]:
     """The longest run of records (in commitlog order) whose queue offsets strictly grow: dispatch writes a
     queue in commitlog order, so a record out of that order cannot be placed without moving its neighbours.
@@ -257,11 +262,7 @@ def place_queues(records: Iterator[codec.MessageExt], on_record: Any = None, old
     gaps: list[dict[str, Any]] = []
     unplaced: list[dict[str, Any]] = []
     for (topic, qid), recs in sorted(queues.items()):
-        prefer = None
-        if old_unit is not None:
-            def prefer(r: _Placed, topic: str = topic, qid: int = qid) -> bool:
-                return old_unit(topic, qid, r.queue_offset) == r.phy
-        ordered = _longest_ordered(recs, prefer)
+        ordered = _longest_ordered(recs, None if old_unit is None else _kept_by(old_unit, topic, qid))
         chosen: list[_Placed] = []
         for r in ordered:
             before = chosen[-1] if chosen else None
