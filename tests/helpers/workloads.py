@@ -7,7 +7,7 @@ import random
 import threading
 from collections.abc import Callable, Iterator
 
-from rocketstore import MessageStore
+from rocketstore import GetMessageStatus, MessageStore
 from rocketstore.storage.consume_queue import ConsumeQueue
 from rocketstore.format.message import Message
 
@@ -49,3 +49,18 @@ def put_units_threads() -> Iterator[list[int]]:
         yield writers
     finally:
         ConsumeQueue.put_units = real
+
+
+def read_queue(store: MessageStore, topic: str, qid: int, start: int | None = None) -> dict[int, bytes]:
+    """Every message of a queue, queue offset -> body, from ``start`` (the queue's minimum when None; 0 fails a
+    queue whose first offsets were hidden) to its end; every get must find messages."""
+    off = store.min_offset_in_queue(topic, qid) if start is None else start
+    end = store.max_offset_in_queue(topic, qid)
+    got: dict[int, bytes] = {}
+    while off < end:
+        r = store.get(topic, qid, off, 32)
+        assert r.status is GetMessageStatus.FOUND, \
+            f"get {topic}-{qid} @{off}: {r.status.name} (queue ..{end}), next {r.next_begin_offset}"
+        got.update((m.queue_offset, m.body) for m in r.messages)
+        off = r.next_begin_offset
+    return got

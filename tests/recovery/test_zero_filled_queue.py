@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig
+from helpers.workloads import read_queue
+from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.tier.upload import upload_round
 
 
@@ -15,17 +16,6 @@ def _config(tier: Path, **kw) -> StoreConfig:
     return StoreConfig(mappedFileSizeCommitLog=32 * 1024, mappedFileSizeConsumeQueue=10 * 20, maxHashSlotNum=32,
                        maxIndexNum=128, warmAheadBytes=0, tieredStoreUri=f"file://{tier}",
                        tieredStoreFileReservedTime=0, tieredStoreUploadInterval=3600_000, **kw)
-
-
-def _read(st: MessageStore, topic: str, qid: int) -> dict[int, bytes]:
-    off, end = st.min_offset_in_queue(topic, qid), st.max_offset_in_queue(topic, qid)
-    got = {}
-    while off < end:
-        r = st.get(topic, qid, off, 32)
-        assert r.status is GetMessageStatus.FOUND, f"get {topic}-{qid} @{off}: {r.status.name} (queue ..{end})"
-        got.update((m.queue_offset, m.body) for m in r.messages)
-        off = r.next_begin_offset
-    return got
 
 
 def _zero_after_a_reboot(root: Path, qdir: Path) -> None:
@@ -60,7 +50,7 @@ def test_a_zero_filled_queue_whose_records_only_the_tier_holds_is_rebuilt(tmp_pa
     assert "Quiet/3 6" in (root / "config" / "consumeQueues.registry").read_text()
     _zero_after_a_reboot(root, root / "consumequeue" / "Quiet" / "3")
     with MessageStore.open(str(root), _config(tier)) as st:
-        assert _read(st, "Quiet", 3) == quiet
+        assert read_queue(st, "Quiet", 3) == quiet
         assert st.put(Message("Quiet", b"next", queue_id=3)).queue_offset == 6
     with MessageStore.open(str(root), _config(tier), read_only=True) as st:
-        assert _read(st, "Quiet", 3) == {**quiet, 6: b"next"}
+        assert read_queue(st, "Quiet", 3) == {**quiet, 6: b"next"}

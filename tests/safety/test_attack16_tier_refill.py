@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 from helpers.powerloss import SyncShadow, crash_image, rebooted
-from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig
+from helpers.workloads import read_queue
+from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.tier.upload import upload_round
 
 SEG = 32 * 1024
@@ -20,18 +21,6 @@ def _cfg(tier: Path, **kw) -> StoreConfig:
                 tieredStoreFileReservedTime=0, tieredStoreUploadInterval=3600_000, messageIndexEnable=False)
     base.update(kw)
     return StoreConfig(**base)
-
-
-def _read_all(st: MessageStore, topic: str, qid: int) -> dict[int, bytes]:
-    """Every message of the queue from queue offset 0 (a queue whose first offsets were hidden fails here)."""
-    off, end = 0, st.max_offset_in_queue(topic, qid)
-    got = {}
-    while off < end:
-        r = st.get(topic, qid, off, 32)
-        assert r.status is GetMessageStatus.FOUND, f"get {topic}-{qid} @{off}: {r.status.name}, next {r.next_begin_offset}"
-        got.update((m.queue_offset, m.body) for m in r.messages)
-        off = r.next_begin_offset
-    return got
 
 
 def _wait_uploaded(st: MessageStore) -> None:
@@ -74,14 +63,14 @@ def test_queue_units_of_tier_only_records_are_durable_before_their_segment_leave
             st.clean_service.delete_expired_commitlog_files(True)
             assert st.commitlog.min_offset() >= SEG
             for key, want in bodies.items():
-                assert _read_all(st, *key) == want
+                assert read_queue(st, *key, start=0) == want
             _power_cut(root, shadow, image)
         finally:
             st.close()
     rebooted(image)
     with MessageStore.open(str(image), _cfg(tier), start_services=False) as st:
         for key, want in bodies.items():
-            assert _read_all(st, *key) == want
+            assert read_queue(st, *key, start=0) == want
 
 
 def test_a_tiered_segment_whose_records_were_never_dispatched_stays_on_disk(tmp_path):
@@ -103,14 +92,14 @@ def test_a_tiered_segment_whose_records_were_never_dispatched_stays_on_disk(tmp_
         kept = st.commitlog.min_offset()
     with MessageStore.open(str(root), _cfg(tier), start_services=False) as st:
         for key, want in bodies.items():
-            assert _read_all(st, *key) == want
+            assert read_queue(st, *key, start=0) == want
         st.clean_service.delete_expired_commitlog_files(True)  # dispatched by this open's recovery: it may go
         assert st.commitlog.min_offset() == SEG > kept
         for key, want in bodies.items():
-            assert _read_all(st, *key) == want
+            assert read_queue(st, *key, start=0) == want
     with MessageStore.open(str(root), _cfg(tier), start_services=False) as st:
         for key, want in bodies.items():
-            assert _read_all(st, *key) == want
+            assert read_queue(st, *key, start=0) == want
 
 
 def test_a_lost_consumequeue_directory_of_a_tiered_store_then_a_power_cut(tmp_path):
@@ -141,7 +130,7 @@ def test_a_lost_consumequeue_directory_of_a_tiered_store_then_a_power_cut(tmp_pa
         st = MessageStore.open(str(root), _cfg(tier))
         try:
             for key in keys:
-                assert _read_all(st, *key) == bodies[key]
+                assert read_queue(st, *key, start=0) == bodies[key]
             for i in range(200, 260):
                 put(st, i)
             _power_cut(root, shadow, image)
@@ -151,7 +140,7 @@ def test_a_lost_consumequeue_directory_of_a_tiered_store_then_a_power_cut(tmp_pa
     for _ in range(2):
         with MessageStore.open(str(image), _cfg(tier), start_services=False) as st:
             for key in keys:
-                assert _read_all(st, *key) == bodies[key]
+                assert read_queue(st, *key, start=0) == bodies[key]
 
 
 def test_a_queue_whose_only_file_was_lost_is_rebuilt_from_the_records_only_the_tier_holds(tmp_path):
@@ -175,8 +164,8 @@ def test_a_queue_whose_only_file_was_lost_is_rebuilt_from_the_records_only_the_t
     (only,) = (root / "consumequeue" / "Q" / "3").iterdir()
     only.unlink()
     with MessageStore.open(str(root), _cfg(tier), start_services=False) as st:
-        assert _read_all(st, "Q", 3) == quiet
+        assert read_queue(st, "Q", 3, start=0) == quiet
     with MessageStore.open(str(root), _cfg(tier), read_only=True) as st:
-        assert _read_all(st, "Q", 3) == quiet
+        assert read_queue(st, "Q", 3, start=0) == quiet
     with MessageStore.open(str(root), _cfg(tier), start_services=False) as st:
         assert st.put(Message("Q", b"q5", queue_id=3)).queue_offset == 5

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from conftest import GOLDEN_CONF, copy_store, flip_body_bit, golden_expected, golden_store, run_cli
-from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig
+from helpers.workloads import read_queue
+from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.errors import StoreError
 from rocketstore.tier.upload import upload_round
 
@@ -351,24 +352,13 @@ def _tiered_store_with_a_torn_queue_file(tmp_path: Path, *, keep_first_queue_fil
     return root, tier, cfg, bodies
 
 
-def _read_queue(st: MessageStore) -> dict[int, bytes]:
-    off, end = st.min_offset_in_queue("T", 1), st.max_offset_in_queue("T", 1)
-    got = {}
-    while off < end:
-        r = st.get("T", 1, off, 32)
-        assert r.status is GetMessageStatus.FOUND, f"get T-1 @{off}: {r.status.name}, next {r.next_begin_offset}"
-        got.update((m.queue_offset, m.body) for m in r.messages)
-        off = r.next_begin_offset
-    return got
-
-
 def test_a_torn_queue_file_is_rebuilt_from_the_records_the_tier_holds(tmp_path):
     """Model seed 20096 (``put,kill,recover,retention,reimport,repair_int,tier_upload,tier_fault,index_damage``):
     the open moved the torn queue file aside and refilled the queue from the local log only: units 60..65 were
     written blank and a read there returned OFFSET_FOUND_NULL, skipping acknowledged messages the tier holds."""
     root, _tier, cfg, bodies = _tiered_store_with_a_torn_queue_file(tmp_path)
     with MessageStore.open(str(root), cfg()) as st:
-        assert _read_queue(st) == bodies
+        assert read_queue(st, "T", 1) == bodies
 
 
 def test_a_torn_queue_file_after_a_kept_one_is_rebuilt_from_the_records_the_tier_holds(tmp_path):
@@ -380,9 +370,9 @@ def test_a_torn_queue_file_after_a_kept_one_is_rebuilt_from_the_records_the_tier
     offset, and the refill starts where the kept units end."""
     root, _tier, cfg, bodies = _tiered_store_with_a_torn_queue_file(tmp_path, keep_first_queue_files=True)
     with MessageStore.open(str(root), cfg()) as st:
-        assert _read_queue(st) == bodies
+        assert read_queue(st, "T", 1) == bodies
     with MessageStore.open(str(root), cfg(), read_only=True) as st:
-        assert _read_queue(st) == bodies
+        assert read_queue(st, "T", 1) == bodies
 
 
 def test_a_lost_queue_directory_is_rebuilt_from_the_records_the_tier_holds_too(tmp_path):
@@ -392,9 +382,9 @@ def test_a_lost_queue_directory_is_rebuilt_from_the_records_the_tier_holds_too(t
     root, _tier, cfg, bodies = _tiered_store_with_a_torn_queue_file(tmp_path)
     shutil.rmtree(root / "consumequeue" / "T")
     with MessageStore.open(str(root), cfg()) as st:
-        assert _read_queue(st) == bodies
+        assert read_queue(st, "T", 1) == bodies
     with MessageStore.open(str(root), cfg(), read_only=True) as st:
-        assert _read_queue(st) == bodies
+        assert read_queue(st, "T", 1) == bodies
 
 
 @pytest.mark.parametrize("lost", ["bucket", "bucket-and-local"])
@@ -417,10 +407,10 @@ def test_a_torn_queue_file_is_never_rebuilt_blank_while_the_tier_manifest_is_los
         MessageStore.open(str(root), cfg(), read_only=True)
     assert _tree_bytes(root) == before, "a refused read-only open changed the store"
     with MessageStore.open(str(root), cfg()) as st:
-        assert _read_queue(st) == bodies
+        assert read_queue(st, "T", 1) == bodies
     assert list(tier.rglob("tier.json")), "the writable open republished the manifest"
     with MessageStore.open(str(root), cfg(), read_only=True) as st:
-        assert _read_queue(st) == bodies
+        assert read_queue(st, "T", 1) == bodies
 
 
 def _tree_bytes(root: Path) -> dict[str, bytes]:
