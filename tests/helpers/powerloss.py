@@ -107,6 +107,8 @@ class SyncShadow:
         self._lock = threading.Lock()  # syncs of one file commit in call order
         self._saved: list[tuple[object, str, object]] = []
         self.synced: dict[str, int] = {}  # relative path -> number of syncs recorded
+        # Called with the file's relative path once a sync of it is recorded (a test cuts the power there).
+        self.after_sync: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------ install
     def install(self) -> "SyncShadow":
@@ -155,6 +157,8 @@ class SyncShadow:
             real()  # raises on failure: then nothing is recorded as durable
             _write_copy(self.shadow, tag, data)
             self.synced[rel] = self.synced.get(rel, 0) + 1
+        if self.after_sync is not None:
+            self.after_sync(rel)
 
     def _is_store_dir(self, path: str) -> bool:
         return (path == self.root or path.startswith(self.root + os.sep)) and os.path.isdir(path)
@@ -227,12 +231,16 @@ def seed_shadow_files(live: str | Path, shadow: str | Path) -> None:
     for d, _dirs, files in os.walk(live):
         for name in files:
             src = Path(d, name)
-            fd = os.open(src, os.O_RDONLY)
+            try:
+                fd = os.open(src, os.O_RDONLY)
+            except FileNotFoundError:
+                continue  # a temp file renamed away meanwhile (a live store's thread): its new name is seen or not
             try:
                 tag = _tag(fd)
+                data = os.pread(fd, os.fstat(fd).st_size, 0)
             finally:
                 os.close(fd)
-            _write_copy(shadow, tag, src.read_bytes())
+            _write_copy(shadow, tag, data)
 
 
 def mark_names_durable(root: str | Path, shadow: str | Path) -> None:

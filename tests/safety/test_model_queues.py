@@ -117,6 +117,7 @@ from typing import Any
 import pytest
 
 from helpers.model import body_of, uid_of
+from helpers.powerloss import crash_image, rebooted
 from helpers.queue_model import FIFO_KEY, JOURNAL, LINGER, PAGE, SECTOR, AgentProc, journal_image, unb64
 
 from rocketstore.format import codec
@@ -131,7 +132,8 @@ CONF = dict(mappedFileSizeCommitLog=64 * 1024, mappedFileSizeConsumeQueue=50 * 2
             maxIndexNum=256, warmAheadBytes=0, flushDiskType="ASYNC_FLUSH")
 LOG_CUT_SHARE = 0.5  # power cuts that also take the commitlog's unflushed tail (cut_log)
 OPS = {"put": 8, "put_delay": 3, "put_fifo": 5, "put_other": 1, "recv": 14, "ack": 9, "nack": 3, "cid": 2,
-       "advance": 6, "flush": 2, "reopen": 1, "restart": 1, "kill": 2, "resend": 1, "powercut": 1}
+       "advance": 6, "flush": 2, "reopen": 1, "restart": 1, "kill": 2, "resend": 1, "powercut": 1,
+       "syncut": 1}
 
 
 class Violation(AssertionError):
@@ -271,7 +273,7 @@ class Run:
             self.note(f"{i}:{op} t+{self.now % 100000}")
             before, sig = self.durable_marks(), self.shadow_sig()
             getattr(self, f"op_{op}")()
-            if op != "powercut" and self.shadow_sig() != sig:
+            if op not in ("powercut", "syncut") and self.shadow_sig() != sig:
                 self.synced(before)  # the journal was fsynced during the step (a sync ack, a dead-letter move)
             self.walk(f"after step {i} ({op})")
         self.note("drain")
@@ -592,14 +594,7 @@ class Run:
         mid = self.rng.random() < 0.4
         proc = self.rng.choice(["W", "R"])
         what = self.cut_call(proc) if mid else ""
-        for p in ("W", "R"):
-            self.procs[p].kill()
-        for r in list(self.receivers.values()):
-            for it, h in r.pending:
-                t = self.track(r.group, it)
-                if t.state == "open" and t.handle == h:
-                    t.maybe_acked = True
-            del self.receivers[r.name]
+        self.power_off()
         log_cut = self.cut_log() if self.rng.random() < LOG_CUT_SHARE else ""
         path = Path(self.root, JOURNAL)
         image, how = b"", "no journal"
@@ -609,6 +604,25 @@ class Run:
                                        self.rng.choice([SECTOR, PAGE]))
             path.write_bytes(image)
             Path(self.shadow).write_bytes(image)  # on the disk now
+        self.back_to_synced()
+        self.note(f"  power cut{' in ' + proc + ' ' + what if mid else ''}: journal {how}{log_cut}")
+        self.spawn("W")
+        self.spawn("R")
+
+    def power_off(self) -> None:
+        """Both processes die at once; acks buffered in their receivers may be lost."""
+        for p in ("W", "R"):
+            self.procs[p].kill()
+        for r in list(self.receivers.values()):
+            for it, h in r.pending:
+                t = self.track(r.group, it)
+                if t.state == "open" and t.handle == h:
+                    t.maybe_acked = True
+            del self.receivers[r.name]
+
+    def back_to_synced(self) -> None:
+        """(After a power cut.)  What the model knows goes back to the pop state's last fsync: acks since may be
+        lost, deliveries since forgotten, handles superseded since current again."""
         issued: dict[tuple[str, tuple[str, int, int]], set[str]] = {}
         for (g, h), key in self.handle_keys.items():
             issued.setdefault((g, key), set()).add(h)
@@ -620,9 +634,59 @@ class Run:
             if t.state == "open":
                 t.fuzzy = True  # held or backing off as of some record since the fsync, or visible
                 t.lo = min(t.lo, t.dur_lo)  # deliveries since the fsync may be forgotten
-        self.note(f"  power cut{' in ' + proc + ' ' + what if mid else ''}: journal {how}{log_cut}")
+
+    def op_syncut(self) -> None:
+        """A power cut at one of the store's own sync points (ASYNC_FLUSH), in W's timer round or in a W
+        receive that dead-letters: the disk as of now counts as synced (a reboot), W shadows every later sync
+        of a store file (helpers/powerloss.py SyncShadow) and dies right after the k-th one (or at the end of
+        the call), and the store restarts on the crash image (crash_image: each file as of its last sync).  So
+        the cut lands between a timer delivery's puts, its commitlog flush and its state write, or between a
+        dead letter's put, its flush and the pop-state write, or in a flush thread's sync -- and whatever it
+        took, a due delayed message must still reach its topic at the next timer round and a message past
+        maxReconsumeTimes must still reach its DLQ (or be delivered again): never lost."""
+        self.settle()  # buffered acks written: as of now everything is on the disk
+        self.synced()
+        due = sorted(d["at"] for uid, d in self.delays.items() if not any(x.uid == uid for x in self.items.values()))
+        kind = "tick" if due and self.rng.random() < 0.7 else self.rng.choice(["tick", "receive"])
+        k = self.rng.randint(1, 8)
+        disk = str(self.tmp / "disk.shadow")
+        shutil.rmtree(disk, ignore_errors=True)
+        w = self.procs["W"]
+        w.call("arm", self.now, disk, k)
+        if kind == "tick":
+            self.now = max(self.now + 100, due[0] if due else 0) + self.rng.choice([0, 1000, 8000])
+            ans = w.call_or_death("tick", self.now)
+        else:
+            self.now += self.rng.choice([0, 3000, 8000, 20000])  # back-offs and invisible times run out
+            r = self.pick("W")
+            self.uncertain_receive(r)
+            ans = w.call_or_death("receive", self.now, r.name, 4)
+        self.power_off()
+        image = self.tmp / "disk.image"
+        shutil.rmtree(image, ignore_errors=True)
+        fate = crash_image(self.root, disk, image)
+        shutil.rmtree(self.root)
+        os.replace(image, self.root)
+        shutil.rmtree(disk, ignore_errors=True)
+        rebooted(self.root)
+        journal = Path(self.root, JOURNAL)
+        if journal.exists():
+            Path(self.shadow).write_bytes(journal.read_bytes())  # on the disk now
+        self.back_to_synced()
+        zeroed = sorted(f for f, how in fate.items() if how != "synced")
+        self.note(f"  power cut at W's sync {k} in a {kind}{' (the call returned first)' if ans else ''}; "
+                  f"never synced, zeroed: {zeroed}")
         self.spawn("W")
         self.spawn("R")
+
+    def uncertain_receive(self, r: Receiver) -> None:
+        """A receive whose answer the model will not know (cut by a kill): any deliverable message of the group
+        may now be held, and delivered once more."""
+        for it in self.items.values():
+            t = self.track(r.group, it)
+            if self.wants(r.group, it) and t.state == "open":
+                t.fuzzy, t.hi = True, t.hi + 1
+        self.apply_pending_uncertain(r)
 
     def cut_log(self) -> str:
         """(Power cut, both processes dead.)  The commitlog's unflushed tail (ASYNC_FLUSH) goes too: the last few
@@ -704,11 +768,7 @@ class Run:
             self.procs[proc].send("tick", self.now)
         elif kind == "receive":
             r = self.rng.choice(rs)
-            for it in self.items.values():  # any deliverable message of the group may now be held
-                t = self.track(r.group, it)
-                if self.wants(r.group, it) and t.state == "open":
-                    t.fuzzy, t.hi = True, t.hi + 1
-            self.apply_pending_uncertain(r)
+            self.uncertain_receive(r)
             self.procs[proc].send("receive", self.now, r.name, 4)
         else:
             r = self.rng.choice(rs)
