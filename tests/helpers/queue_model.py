@@ -13,9 +13,9 @@ Power cuts at the store's sync points (``op_arm``): the writer shadows every syn
 (helpers/powerloss.py SyncShadow) and kills itself right after the k-th one; the test builds the crash image
 (helpers/powerloss.py crash_image) from the shadow.
 
-Power cuts of the journal alone: each agent copies ``config/popState.journal`` to a shadow file whenever it fsyncs the journal (under
-the pop-state flock, so the copy is what that fsync made durable); :func:`journal_image` then builds the journal
-a power cut leaves from the shadow and the live file.
+Power cuts of the journal alone: each agent copies ``config/popState.journal`` to a shadow file whenever it
+fsyncs the journal (under the pop-state flock, so the copy is what that fsync made durable);
+:func:`journal_image` then builds the journal a power cut leaves from the shadow and the live file.
 """
 
 from __future__ import annotations
