@@ -160,6 +160,12 @@ class SyncShadow:
         if self.after_sync is not None:
             self.after_sync(rel)
 
+    def seed(self) -> None:
+        """Every file now under the root counts as synced (a disk after a reboot); under the lock, so that a sync
+        a live store's thread makes meanwhile is recorded before or after, never overwritten with older bytes."""
+        with self._lock:
+            seed_shadow_files(self.root, self.shadow)
+
     def _is_store_dir(self, path: str) -> bool:
         return (path == self.root or path.startswith(self.root + os.sep)) and os.path.isdir(path)
 
@@ -261,6 +267,8 @@ def crash_image(live: str | Path, shadow: str | Path, dest: str | Path, *, dir_e
     if dir_entries and (shadow / DIR_ENTRIES).is_file():
         durable = json.loads((shadow / DIR_ENTRIES).read_text(encoding="utf-8"))
     for d, _dirs, files in os.walk(live):
+        if not dir_entries:  # every name is durable: an empty directory too (a queue whose files recovery cut)
+            (dest / Path(d).relative_to(live)).mkdir(parents=True, exist_ok=True)
         for name in files:
             src = Path(d) / name
             rel = src.relative_to(live)

@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 from helpers.model import body_of
-from helpers.powerloss import SyncShadow, seed_shadow_files
+from helpers.powerloss import SyncShadow
 
 from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.queues import ReceiptHandleError, RetryPolicy
@@ -220,7 +220,7 @@ class Agent:
         wherever it lands: between a timer round's copies and its state write, a dead letter's put and the pop
         state's, a flush thread's commitlog sync..."""
         shadowing = SyncShadow(self.root, shadow).install()  # first: a file a thread replaces meanwhile is seen
-        seed_shadow_files(self.root, shadow)
+        shadowing.seed()
         count = [0]
 
         def after_sync(rel: str) -> None:

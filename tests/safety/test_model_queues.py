@@ -46,14 +46,15 @@ group's fsynced acks of them must not hide the next puts.  The store's other fil
 Power cuts at the store's own sync points (``syncut``, ASYNC_FLUSH): the disk as of the step's start counts as
 synced (a reboot: buffered acks settled first, so the model holds everything before as durable), then W shadows
 every sync of a file under the store (helpers/powerloss.py SyncShadow, as the store model does) and dies right
-after the k-th one (k random, 1-8; or at the end of the call) in a timer round (time moved to a pending delay's
-due time), in a W receive, whose dead-letter mover runs, or in a W ack; the store restarts on the crash image
-(crash_image: each file as of its last sync, a file never synced zeroed).  So the cut lands anywhere among the
-round's state write "delivering", its copies' puts, the commitlog flush and the state write "delivered", or
-among the mover's pop-state write, the dead letter's put, its flush and the pop-state write that lets the message go, or
-in a flush thread's sync.  Checked: at-least-once -- a due delayed message reaches its topic at the next timer
-round (never "delivered" in a state that outlived its copy), a message past maxReconsumeTimes reaches its DLQ or
-is delivered again (the drain wants it acked or dead-lettered), nothing acknowledged before comes back or goes.
+after the k-th one (k random, 1-8; or at the end of the call) in a timer round (time moved to a pending delay's due
+time), in a W receive, whose dead-letter mover runs (aimed at a message past its last delivery), or in a W ack; the
+store restarts on the crash image (crash_image: each file as of its last sync, a file never synced zeroed).  So the
+cut lands anywhere among the round's state write "delivering", its copies' puts, the commitlog flush and the state
+write "delivered", or among the mover's pop-state write, the dead letter's put, its flush and the pop-state write
+that lets the message go, or in a flush thread's sync.  Checked: at-least-once -- a due delayed message reaches its
+topic at the next timer round (never "delivered" in a state that outlived its copy), a message past
+maxReconsumeTimes reaches its DLQ or is delivered again (the drain wants it acked or dead-lettered), nothing
+acknowledged before comes back or goes.
 
 A kill in the middle of a call leaves the model uncertain of exactly that call's effect (the message may be held
 until its invisible time, an ack may have landed); the checks it weakens say so where they do.
@@ -676,6 +677,13 @@ class Run:
         mine = self.held(r)
         if kind == "ack" and not mine:
             kind = "receive"
+        # A receive aims at a message past its last allowed delivery, so that the mover runs in it
+        exhausted = [(q, t) for q in self.receivers.values() if q.proc == "W" for it in self.items.values()
+                     if self.wants(q.group, it) for t in [self.track(q.group, it)]
+                     if t.state == "open" and self.dlq_due(q.group, it, t)]
+        if kind == "receive" and exhausted:
+            r, t = self.rng.choice(exhausted)
+            self.now = max(self.now, t.visible_at)
         k = self.rng.randint(1, 8)
         disk = str(self.tmp / "disk.shadow")
         shutil.rmtree(disk, ignore_errors=True)
