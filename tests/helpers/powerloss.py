@@ -107,6 +107,8 @@ class SyncShadow:
         self._lock = threading.Lock()  # syncs of one file commit in call order
         self._saved: list[tuple[object, str, object]] = []
         self.synced: dict[str, int] = {}  # relative path -> number of syncs recorded
+        # Called with the file's relative path once a sync of it is recorded (a test cuts the power there).
+        self.after_sync: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------ install
     def install(self) -> "SyncShadow":
@@ -155,6 +157,14 @@ class SyncShadow:
             real()  # raises on failure: then nothing is recorded as durable
             _write_copy(self.shadow, tag, data)
             self.synced[rel] = self.synced.get(rel, 0) + 1
+        if self.after_sync is not None:
+            self.after_sync(rel)
+
+    def seed(self) -> None:
+        """Every file now under the root counts as synced (a disk after a reboot); under the lock, so that a sync
+        a live store's thread makes meanwhile is recorded before or after, never overwritten with older bytes."""
+        with self._lock:
+            seed_shadow_files(self.root, self.shadow)
 
     def _is_store_dir(self, path: str) -> bool:
         return (path == self.root or path.startswith(self.root + os.sep)) and os.path.isdir(path)
@@ -227,12 +237,16 @@ def seed_shadow_files(live: str | Path, shadow: str | Path) -> None:
     for d, _dirs, files in os.walk(live):
         for name in files:
             src = Path(d, name)
-            fd = os.open(src, os.O_RDONLY)
+            try:
+                fd = os.open(src, os.O_RDONLY)
+            except FileNotFoundError:
+                continue  # a temp file renamed away meanwhile (a live store's thread): its new name is seen or not
             try:
                 tag = _tag(fd)
+                data = os.pread(fd, os.fstat(fd).st_size, 0)
             finally:
                 os.close(fd)
-            _write_copy(shadow, tag, src.read_bytes())
+            _write_copy(shadow, tag, data)
 
 
 def mark_names_durable(root: str | Path, shadow: str | Path) -> None:
@@ -253,6 +267,8 @@ def crash_image(live: str | Path, shadow: str | Path, dest: str | Path, *, dir_e
     if dir_entries and (shadow / DIR_ENTRIES).is_file():
         durable = json.loads((shadow / DIR_ENTRIES).read_text(encoding="utf-8"))
     for d, _dirs, files in os.walk(live):
+        if not dir_entries:  # every name is durable: an empty directory too (a queue whose files recovery cut)
+            (dest / Path(d).relative_to(live)).mkdir(parents=True, exist_ok=True)
         for name in files:
             src = Path(d) / name
             rel = src.relative_to(live)

@@ -9,9 +9,13 @@ receivers would).  Commands and answers are JSON lines over two pipes.  Every co
 pass when the test says so, never by sleeping.  Message identity comes from helpers/model.py: body
 ``m<uid>|<bytes derived from uid>``, keys ``k<uid>``.
 
-Power cuts: each agent copies ``config/popState.journal`` to a shadow file whenever it fsyncs the journal (under
-the pop-state flock, so the copy is what that fsync made durable); :func:`journal_image` then builds the journal
-a power cut leaves from the shadow and the live file.
+Power cuts at the store's sync points (``op_arm``): the writer shadows every sync of a file under the store
+(helpers/powerloss.py SyncShadow) and kills itself right after the k-th one; the test builds the crash image
+(helpers/powerloss.py crash_image) from the shadow.
+
+Power cuts of the journal alone: each agent copies ``config/popState.journal`` to a shadow file whenever it
+fsyncs the journal (under the pop-state flock, so the copy is what that fsync made durable);
+:func:`journal_image` then builds the journal a power cut leaves from the shadow and the live file.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import time
 from typing import Any
 
 from helpers.model import body_of
+from helpers.powerloss import SyncShadow
 
 from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.queues import ReceiptHandleError, RetryPolicy
@@ -114,6 +119,7 @@ class Agent:
         # (wall-clock) seconds after the first of them: short here, the test waits for it (op_settle) before it
         # lets the store's clock move on.
         simple_consumer_module.ACK_LINGER = LINGER
+        self.root = root
         self.store = MessageStore.open(root, StoreConfig(**conf), read_only=not writable, clock=self.clock)
         self.consumers: dict[str, Any] = {}
 
@@ -208,6 +214,21 @@ class Agent:
                 return [r.status.value, msg.topic, r.queue_offset if r.ok else None]
         return ["NOT_FOUND", None, None]
 
+    def op_arm(self, shadow: str, k: int) -> None:
+        """From now on every sync of a store file is shadowed under ``shadow`` (already seeded with the files as
+        they are: a disk after a reboot) and the power goes (SIGKILL, no cleanup) right after the ``k``-th one,
+        wherever it lands: between a timer round's copies and its state write, a dead letter's put and the pop
+        state's, a flush thread's commitlog sync..."""
+        shadowing = SyncShadow(self.root, shadow).install()  # first: a file a thread replaces meanwhile is seen
+        shadowing.seed()
+        count = [0]
+
+        def after_sync(rel: str) -> None:
+            count[0] += 1
+            if count[0] >= k:
+                os.kill(os.getpid(), signal.SIGKILL)
+        shadowing.after_sync = after_sync
+
     def op_shutdown(self) -> None:
         for c in self.consumers.values():
             c.close()
@@ -301,6 +322,19 @@ class AgentProc:
     def call(self, op: str, now: int, *a: Any) -> dict[str, Any]:
         self.send(op, now, *a)
         ans = self._read(60)
+        if "crash" in ans:
+            raise AgentError(f"agent {self.name}: {op}{tuple(a)} raised {ans['crash']}")
+        return ans
+
+    def call_or_death(self, op: str, now: int, *a: Any) -> dict[str, Any] | None:
+        """A call that may end in the agent's death (an armed power cut): its answer, or None if it died."""
+        self.send(op, now, *a)
+        try:
+            ans = self._read(60)
+        except AgentError as e:
+            if not str(e).endswith("died"):
+                raise
+            return None
         if "crash" in ans:
             raise AgentError(f"agent {self.name}: {op}{tuple(a)} raised {ans['crash']}")
         return ans

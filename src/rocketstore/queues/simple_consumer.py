@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 ACK_BATCH = 256
 ACK_LINGER = 0.2
+ACK_RETRY = 1.0  # seconds before the linger thread writes buffered acks again after a failed write
 OWN_DISPATCH_WAIT = 0.01  # seconds a writer's receive waits for the dispatch thread's round under way
 _clients = itertools.count(1)
 # How a read-only store extends its view to what the writer appended (registered by the package root:
@@ -280,6 +281,8 @@ class SimpleConsumer:
             except Exception as e:  # noqa: BLE001 - closed meanwhile, or the state file failed: the next call retries
                 if not c.closed:
                     log.warning("%s@%s: writing buffered acks failed: %s", c.topic, c.group, e)
+                    with c._linger_cv:  # tried again later, not at once: a lasting failure made this a busy loop
+                        c._linger_cv.wait(ACK_RETRY)
             c = None
 
     def flush(self) -> None:
