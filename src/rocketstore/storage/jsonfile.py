@@ -27,12 +27,17 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def write_file_durably(path: str, data: bytes) -> None:
-    """Write a small file in place, fsync it and its directory (a marker file a power cut must not lose)."""
+def _write_synced(path: str, data: bytes) -> None:
+    """Write ``data`` as the whole of ``path`` and fsync it (the first step of every durable write here)."""
     with open(path, "wb") as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def write_file_durably(path: str, data: bytes) -> None:
+    """Write a small file in place, fsync it and its directory (a marker file a power cut must not lose)."""
+    _write_synced(path, data)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
@@ -41,10 +46,7 @@ def replace_file_durably(path: str, data: bytes) -> None:
     fsynced.  An in-place rewrite (:func:`write_file_durably`) cut by a power loss leaves the file torn (the
     queue registry read back with a line of zeros refused the open: store model seed 61036)."""
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    _write_synced(tmp, data)
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
@@ -58,10 +60,7 @@ def write_bytes_atomic(path: str, data: bytes) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    _write_synced(tmp, data)
     if os.path.exists(path):
         bak = f"{path}.bak"
         try:
