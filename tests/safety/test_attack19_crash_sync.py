@@ -21,7 +21,7 @@ from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig
 
 CFG = dict(mappedFileSizeCommitLog=32 * 1024, mappedFileSizeConsumeQueue=10 * 20, maxHashSlotNum=32,
            maxIndexNum=128, warmAheadBytes=0, flushDiskType="ASYNC_FLUSH", flushIntervalCommitLog=600_000,
-           flushCommitLogThoroughInterval=600_000, flushIntervalConsumeQueue=600_000, messageIndexEnable=False)
+           flushCommitLogThoroughInterval=600_000, flushIntervalConsumeQueue=600_000)
 N = 300  # about 4 segments of the crashed writer's records
 
 _CRASHING_WRITER = textwrap.dedent("""
@@ -29,7 +29,7 @@ _CRASHING_WRITER = textwrap.dedent("""
     from rocketstore import Message, MessageStore, StoreConfig
     st = MessageStore.open(sys.argv[1], StoreConfig(**eval(sys.argv[2])))
     for i in range(1, int(sys.argv[3]) + 1):
-        assert st.put(Message("T", b"m%d|" % i + bytes(400), queue_id=0)).ok
+        assert st.put(Message("T", b"m%d|" % i + bytes(400), queue_id=0, keys="k%d" % i)).ok
     st.wait_dispatched(10.0)  # the queues hold every record (in the page cache too)
     os._exit(0)  # the process dies: no flush, no close; its records are in the page cache only
 """)
