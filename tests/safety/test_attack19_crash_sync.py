@@ -61,3 +61,5 @@ def test_an_open_after_a_process_crash_makes_every_record_it_counts_as_flushed_d
             got.update((m.queue_offset, m.body) for m in r.messages)
             off = r.next_begin_offset
         assert got == want
+        for i in range(1, N + 1, 7):  # the crashed writer's index entries too
+            assert [m.body for m in st.query("T", "k%d" % i).messages] == [want[i]], i
