@@ -1,5 +1,6 @@
-"""A lost consume-queue directory rebuilt from a tier whose copy of a segment is damaged or gone while the
-local copy left the disk (attack19): never a queue read short.  A damaged record is a blank unit whose read
+"""A tiered store whose first segments only the tier holds (attack19): opened or repaired without its tier, and
+a lost consume-queue directory rebuilt from a tier whose copy of a segment is damaged or gone: never a queue
+read short.  A damaged record is a blank unit whose read
 names the loss (CorruptRecordError, not skipped); a segment the bucket lost refuses the open (the rebuild must
 read it; its marker stays).  Nothing found: kept because no other test loses the tier's copy under a rebuild."""
 
@@ -11,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from helpers.workloads import read_queue
-from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig
 from rocketstore.errors import CorruptRecordError, StoreLoadError
+from rocketstore.recovery.repair import repair_store
 from rocketstore.tier.upload import upload_round
 
 SEG = 32 * 1024
@@ -75,3 +77,25 @@ def test_a_lost_queue_rebuilt_from_a_tier_segment_damaged_or_gone_is_never_read_
             except CorruptRecordError:
                 named.append(off)
         assert len(named) == 1 and got == {k: v for k, v in bodies.items() if k not in named}
+
+
+def test_a_store_that_deleted_segments_on_its_tiers_word_is_refused_without_the_tier(tmp_path):
+    """Repaired without tieredStoreUri, a store whose first segments only the tier holds had its queues rebuilt
+    from the local records alone: the units of the tier-held messages became blank, and with the tier back a
+    read of them named damage (acknowledged messages, intact in the tier, unreadable for good).  A repair or a
+    writable open (whose queue rebuilds would do the same) without the tier is refused now, before anything
+    changes; a read-only open is not (it changes nothing; Spark's planner opens a store so, the tier given to
+    it apart); with the tier every message reads."""
+    root, tier = tmp_path / "s", tmp_path / "tier"
+    bodies = _tiered_store(root, tier)
+    plain = StoreConfig(mappedFileSizeCommitLog=SEG, mappedFileSizeConsumeQueue=10 * 20, maxHashSlotNum=32,
+                        maxIndexNum=128, warmAheadBytes=0, messageIndexEnable=False)
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and p.name != "lock"}
+    with pytest.raises(StoreLoadError, match="tierStore.json: this store deleted its local commitlog segments"):
+        MessageStore.open(str(root), plain)
+    with MessageStore.open(str(root), plain, read_only=True) as st:
+        assert st.get("T", 0, 0, 1).status is GetMessageStatus.OFFSET_TOO_SMALL  # (the reader's view, unchanged)
+    with pytest.raises(StoreLoadError, match="no tieredStoreUri is set"):
+        repair_store(str(root), plain)
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and p.name != "lock"} == before
+    assert _read_all(root, tier) == bodies
