@@ -7,13 +7,14 @@ read it; its marker stays).  Nothing found: kept because no other test loses the
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
 from helpers.workloads import read_queue
-from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig
-from rocketstore.errors import CorruptRecordError, StoreLoadError
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.errors import CorruptRecordError, StoreError, StoreLoadError
 from rocketstore.recovery.repair import repair_store
 from rocketstore.tier.upload import upload_round
 
@@ -82,20 +83,51 @@ def test_a_lost_queue_rebuilt_from_a_tier_segment_damaged_or_gone_is_never_read_
 def test_a_store_that_deleted_segments_on_its_tiers_word_is_refused_without_the_tier(tmp_path):
     """Repaired without tieredStoreUri, a store whose first segments only the tier holds had its queues rebuilt
     from the local records alone: the units of the tier-held messages became blank, and with the tier back a
-    read of them named damage (acknowledged messages, intact in the tier, unreadable for good).  A repair or a
-    writable open (whose queue rebuilds would do the same) without the tier is refused now, before anything
-    changes; a read-only open is not (it changes nothing; Spark's planner opens a store so, the tier given to
-    it apart); with the tier every message reads."""
+    read of them named damage (acknowledged messages, intact in the tier, unreadable for good).  Opened
+    without it, its first messages read as expired (OFFSET_TOO_SMALL).  Both are refused now, before anything
+    changes; with the tier every message reads."""
     root, tier = tmp_path / "s", tmp_path / "tier"
     bodies = _tiered_store(root, tier)
     plain = StoreConfig(mappedFileSizeCommitLog=SEG, mappedFileSizeConsumeQueue=10 * 20, maxHashSlotNum=32,
                         maxIndexNum=128, warmAheadBytes=0, messageIndexEnable=False)
     before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and p.name != "lock"}
-    with pytest.raises(StoreLoadError, match="tierStore.json: this store deleted its local commitlog segments"):
-        MessageStore.open(str(root), plain)
-    with MessageStore.open(str(root), plain, read_only=True) as st:
-        assert st.get("T", 0, 0, 1).status is GetMessageStatus.OFFSET_TOO_SMALL  # (the reader's view, unchanged)
+    for read_only in (False, True):
+        with pytest.raises(StoreLoadError, match="tierStore.json: this store deleted its local commitlog segments"):
+            MessageStore.open(str(root), plain, read_only=read_only)
     with pytest.raises(StoreLoadError, match="no tieredStoreUri is set"):
         repair_store(str(root), plain)
     assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and p.name != "lock"} == before
     assert _read_all(root, tier) == bodies
+
+
+def test_a_receiver_without_the_tier_does_not_skip_the_messages_only_the_tier_holds(tmp_path):
+    """A read-only store opened without tieredStoreUri (a receiver process whose config lacks the tier) read
+    the queue's tier-held messages as expired: its SimpleConsumer moved group G past all of them and dropped
+    the redelivery of one G had received, as 'no longer in the store'; with the tier back, G never saw any of
+    them again (131 acknowledged messages skipped)."""
+    root, tier = tmp_path / "s", tmp_path / "tier"
+    bodies = _tiered_store(root, tier)
+    plain = StoreConfig(mappedFileSizeCommitLog=SEG, mappedFileSizeConsumeQueue=10 * 20, maxHashSlotNum=32,
+                        maxIndexNum=128, warmAheadBytes=0, messageIndexEnable=False)
+    with MessageStore.open(str(root), _cfg(tier)) as st:
+        with st.simple_consumer("G", "T", invisible_duration=0.2) as c:
+            assert [m.queue_offset for m in c.receive(1)] == [0]  # received, not acked: due again in 0.2 s
+    time.sleep(0.3)
+    try:
+        with MessageStore.open(str(root), plain, read_only=True) as st:
+            with st.simple_consumer("G", "T", invisible_duration=0.2) as c:
+                c.receive(4)
+    except StoreError:
+        pass  # refused, or the receive names the tier it cannot see: fine
+    seen: dict[int, bytes] = {}
+    with MessageStore.open(str(root), _cfg(tier)) as st:
+        with st.simple_consumer("G", "T", invisible_duration=0.2) as c:
+            deadline = time.monotonic() + 20
+            while len(seen) < len(bodies) and time.monotonic() < deadline:
+                got = c.receive(32)
+                for m in got:
+                    seen[m.queue_offset] = m.body
+                    c.ack(m)
+                if not got:
+                    time.sleep(0.05)
+    assert sorted(set(bodies) - set(seen)) == []

@@ -133,8 +133,8 @@ class StoreLoader:
         # so the index files need not be dropped and rebuilt; after a reboot or power loss they may be torn.
         self.process_crash_only = self.abort_file_present and boot_id() is not None and \
             read_text(self.paths.abort_boot) == boot_id()
-        if not cfg.tieredStoreUri and not ro:  # before anything changes: its oldest records are in a tier it
-            refuse_without_tier(self.root)      # cannot see (a reader changes nothing: Spark's planner opens so)
+        if not cfg.tieredStoreUri:  # before anything changes: its oldest records are in a tier it cannot see
+            refuse_without_tier(self.root)
         if not ro:
             os.makedirs(self.paths.commitlog, exist_ok=True)
             os.makedirs(self.paths.consumequeue, exist_ok=True)

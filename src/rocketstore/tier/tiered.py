@@ -557,17 +557,17 @@ def read_store_state(id_path: str) -> tuple[str, int, int] | None:
 
 def refuse_without_tier(root: str) -> None:
     """Refuse a store that deleted local commitlog segments because its tier held them (``localDeletedEnd`` in
-    ``config/tierStore.json``) when it is opened for writing or repaired without ``tieredStoreUri``: its records
-    below that offset are in the tier only, and a rebuild of its queues (``verify --repair``, a lost queue
-    directory or file) would place no unit for them: acknowledged messages, intact in the tier, unreadable
-    for good (missing is not empty)."""
+    ``config/tierStore.json``) when it is opened or repaired without ``tieredStoreUri``: its records below that
+    offset are in the tier only (missing is not empty).  Without the tier, a rebuild of its queues (``verify
+    --repair``, a lost queue directory or file) placed no unit for them (acknowledged messages, intact in the
+    tier, unreadable for good), and a reader took them for expired: its receivers moved their groups past
+    them and dropped their redeliveries."""
     path = os.path.join(root, "config", STORE_ID_FILE)
     state = read_store_state(path)
     if state is not None and state[2] > 0:
         raise StoreLoadError(f"{path}: this store deleted its local commitlog segments below offset {state[2]} "
                              "because its tier held them, and no tieredStoreUri is set: those records are read "
-                             "from the tier only; set tieredStoreUri (STORE/broker.conf or --config) to open it for writing or "
-                             "repair it")
+                             "from the tier only; set tieredStoreUri (STORE/broker.conf or --config) to open or repair it")
 
 
 def open_tier_reader(uri: str, options: dict[str, Any]) -> TierReader:
