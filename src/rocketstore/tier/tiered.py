@@ -189,6 +189,7 @@ class TieredStorage:
         return os.path.join(self.root, "config", STORE_ID_FILE)
 
     def _load_state(self) -> None:
+        """Read ``tierStore.json`` (:func:`read_store_state`)."""
         state = read_store_state(self.id_path)
         if state is not None:
             self.store_id, self.generation, self.deleted_end = state
@@ -567,7 +568,8 @@ def refuse_without_tier(root: str) -> None:
     if state is not None and state[2] > 0:
         raise StoreLoadError(f"{path}: this store deleted its local commitlog segments below offset {state[2]} "
                              "because its tier held them, and no tieredStoreUri is set: those records are read "
-                             "from the tier only; set tieredStoreUri (STORE/broker.conf or --config) to open or repair it")
+                             "from the tier only; set tieredStoreUri (STORE/broker.conf or --config) to open or "
+                             "repair it")
 
 
 def open_tier_reader(uri: str, options: dict[str, Any]) -> TierReader:
