@@ -334,11 +334,11 @@ class TimerService(ServiceThread):
                     copies.append((item, None))
                     continue
                 copies.append((item, restore(m, self.store_host, drop=(P_REAL_TOPIC, P_REAL_QID, P_DELAY))))
-            if later:
+            if later:  # due again in a second, each alone: a pause of the whole timer (retry_at) would hold
+                retry = self._now_ms() + 1000  # back every other message for as long as one stays unreadable
                 with self.lock:
-                    for item in later:
-                        heapq.heappush(self.heap, item)
-                self.retry_at = self._now_ms() + 1000
+                    for _at, queue_offset, phy in later:
+                        heapq.heappush(self.heap, (retry, queue_offset, phy))
             doubt = {item[1]: [c.topic, c.queue_id, self.store.max_offset_in_queue(c.topic, c.queue_id)]
                      for item, c in copies if c is not None}
             self._write_state(doubt)  # durably, before any copy is put

@@ -32,7 +32,7 @@ from ..storage.index import IndexService
 from ..storage.jsonfile import replace_file_durably
 from ..storage.quarantine import QuarantinePlan, extend_torn_last_segment, file_kind
 from ..storage.read import StoreReader
-from ..tier.tiered import TieredStorage
+from ..tier.tiered import TieredStorage, refuse_without_tier
 from .recover import drop_mismatched_tail, queues_with_records_before, recover
 
 log = logging.getLogger(__name__)
@@ -133,6 +133,8 @@ class StoreLoader:
         # so the index files need not be dropped and rebuilt; after a reboot or power loss they may be torn.
         self.process_crash_only = self.abort_file_present and boot_id() is not None and \
             read_text(self.paths.abort_boot) == boot_id()
+        if not cfg.tieredStoreUri:  # before anything changes: its oldest records are in a tier it cannot see
+            refuse_without_tier(self.root)
         if not ro:
             os.makedirs(self.paths.commitlog, exist_ok=True)
             os.makedirs(self.paths.consumequeue, exist_ok=True)

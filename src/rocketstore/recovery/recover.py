@@ -362,7 +362,14 @@ def _sync_written_before_crash(files: "StoreFiles", start: int) -> None:
     crashed process wrote (a crash of the process alone keeps them in the page cache) while the checkpoint
     goes on to count on them: the commitlog segments from where recovery started, and every consume-queue
     file with units pointing there.  After a reboot the files are already what the disk holds: cheap.
+
+    Also from the checkpoint's offsets when they are lower (from the first segment when the page has none):
+    only below them did a flush of the crashed writer sync the log and the queues.  After a crash of the
+    process alone the scan may start well past them (one segment before the lowest queue end, when the
+    checkpoint's times name no segment), and the segments between were counted as flushed, never synced.
     """
+    durable = files.checkpoint.recovery_offset()
+    start = min(start, 0 if durable is None else durable)
     for f in files.commitlog.queue.files:
         if f.end_offset > start:
             mapped_file.fdatasync(f.fd)

@@ -189,25 +189,10 @@ class TieredStorage:
         return os.path.join(self.root, "config", STORE_ID_FILE)
 
     def _load_state(self) -> None:
-        """Read ``tierStore.json`` (its ``.bak`` when the file is damaged or caught mid-rename)."""
-        problem = None
-        for cand in (self.id_path, f"{self.id_path}.bak"):
-            try:
-                with open(cand, encoding="utf-8") as fh:
-                    d = json.load(fh)
-                store_id = str(d["storeId"])
-                generation, deleted_end = int(d.get("generation", 0)), int(d.get("localDeletedEnd", 0))
-            except FileNotFoundError:
-                continue
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                problem = problem or f"{type(e).__name__}: {e}"
-                continue
-            if cand != self.id_path:
-                log.warning("%s: %s; using its .bak", self.id_path, problem or "missing")
-            self.store_id, self.generation, self.deleted_end = store_id, generation, deleted_end
-            return
-        if problem is not None:
-            raise StoreLoadError(f"{self.id_path}: unreadable tier identity: {problem}")
+        """Read ``tierStore.json`` (:func:`read_store_state`)."""
+        state = read_store_state(self.id_path)
+        if state is not None:
+            self.store_id, self.generation, self.deleted_end = state
 
     def _save_state(self) -> None:
         from ..storage.jsonfile import write_json_atomic
@@ -546,6 +531,45 @@ class TieredStorage:
                 "segments": len(m.commitlog) if m else 0,
                 "queueFiles": sum(len(v) for v in m.consumequeue.values()) if m else 0,
                 "indexFiles": len(m.index) if m else 0, "updatedAt": m.updated_at if m else None}
+
+
+def read_store_state(id_path: str) -> tuple[str, int, int] | None:
+    """``tierStore.json`` (its ``.bak`` when the file is damaged or caught mid-rename): the store's tier id, the
+    highest manifest generation it published and ``localDeletedEnd``; None when neither file is there."""
+    problem = None
+    for cand in (id_path, f"{id_path}.bak"):
+        try:
+            with open(cand, encoding="utf-8") as fh:
+                d = json.load(fh)
+            store_id = str(d["storeId"])
+            generation, deleted_end = int(d.get("generation", 0)), int(d.get("localDeletedEnd", 0))
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            problem = problem or f"{type(e).__name__}: {e}"
+            continue
+        if cand != id_path:
+            log.warning("%s: %s; using its .bak", id_path, problem or "missing")
+        return store_id, generation, deleted_end
+    if problem is not None:
+        raise StoreLoadError(f"{id_path}: unreadable tier identity: {problem}")
+    return None
+
+
+def refuse_without_tier(root: str) -> None:
+    """Refuse a store that deleted local commitlog segments because its tier held them (``localDeletedEnd`` in
+    ``config/tierStore.json``) when it is opened or repaired without ``tieredStoreUri``: its records below that
+    offset are in the tier only (missing is not empty).  Without the tier, a rebuild of its queues (``verify
+    --repair``, a lost queue directory or file) placed no unit for them (acknowledged messages, intact in the
+    tier, unreadable for good), and a reader took them for expired: its receivers moved their groups past
+    them and dropped their redeliveries."""
+    path = os.path.join(root, "config", STORE_ID_FILE)
+    state = read_store_state(path)
+    if state is not None and state[2] > 0:
+        raise StoreLoadError(f"{path}: this store deleted its local commitlog segments below offset {state[2]} "
+                             "because its tier held them, and no tieredStoreUri is set: those records are read "
+                             "from the tier only; set tieredStoreUri (STORE/broker.conf or --config) to open or "
+                             "repair it")
 
 
 def open_tier_reader(uri: str, options: dict[str, Any]) -> TierReader:
