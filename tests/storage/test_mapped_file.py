@@ -97,6 +97,27 @@ def test_truncate_dirty_moves_positions_back_and_deletes_later_files(tmp_path):
     q.close()
 
 
+def test_truncate_dirty_makes_its_deletions_durable_before_it_returns(tmp_path, monkeypatch):
+    """A file recovery dropped must not come back after a power cut with its stale records (attack19): the
+    directory is fsynced after the unlinks; a read-only view deletes nothing and syncs nothing."""
+    from rocketstore.storage import mapped_file
+    q = MappedFileQueue(str(tmp_path), SIZE)
+    _fill(q, 3 * SIZE // 64, b"y" * 64)
+    events: list[tuple[str, str]] = []
+    real_unlink, real_sync = os.unlink, mapped_file.fsync_dir
+    monkeypatch.setattr(os, "unlink", lambda p, *a, **k: (events.append(("unlink", str(p))), real_unlink(p, *a, **k)))
+    monkeypatch.setattr(mapped_file, "fsync_dir", lambda d: (events.append(("fsync_dir", str(d))), real_sync(d)))
+    q.truncate_dirty(SIZE + 100)
+    assert events == [("unlink", str(tmp_path / file_name(2 * SIZE))), ("fsync_dir", str(tmp_path))]
+    q.close()
+    events.clear()
+    view = MappedFileQueue(str(tmp_path), SIZE, read_only=True)
+    view.load()
+    view.truncate_dirty(100)
+    assert events == [] and (tmp_path / file_name(SIZE)).exists()
+    view.close()
+
+
 def test_load_refuses_a_file_of_the_wrong_size_and_a_bad_name(tmp_path):
     q = MappedFileQueue(str(tmp_path), SIZE)
     _fill(q, 2, b"z" * 64)

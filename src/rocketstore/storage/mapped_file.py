@@ -515,7 +515,10 @@ class MappedFileQueue:
 
     # ------------------------------------------------------------ truncation and deletion
     def truncate_dirty(self, offset: int) -> list[str]:
-        """Move positions back to ``offset``; delete files wholly beyond it.  Bytes are not zeroed."""
+        """Move positions back to ``offset``; delete files wholly beyond it.  Bytes are not zeroed.
+
+        The deletions are made durable (the directory fsynced) before this returns: a power cut must not bring
+        back a file recovery dropped, with its stale records, beside what the store writes after it."""
         removed = []
         for f in list(self.files):
             if f.end_offset > offset:
@@ -528,6 +531,8 @@ class MappedFileQueue:
                     else:
                         f.destroy()
                     self.files.remove(f)
+        if removed and not self.read_only:
+            fsync_dir(self.directory)
         return removed
 
     def delete_files(self, victims: list[MappedFile]) -> None:
