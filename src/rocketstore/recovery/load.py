@@ -32,7 +32,7 @@ from ..storage.index import IndexService
 from ..storage.jsonfile import replace_file_durably
 from ..storage.quarantine import QuarantinePlan, extend_torn_last_segment, file_kind
 from ..storage.read import StoreReader
-from ..tier.tiered import TieredStorage
+from ..tier.tiered import TieredStorage, refuse_without_tier
 from .recover import drop_mismatched_tail, queues_with_records_before, recover
 
 log = logging.getLogger(__name__)
@@ -127,6 +127,7 @@ class StoreLoader:
 
     def load(self) -> None:
         cfg, ro = self.config, self.read_only
+        refuse_without_tier(self.root, cfg.tieredStoreUri)  # before any file is read or written
         self.last_exit_ok = not os.path.exists(self.paths.abort)
         self.abort_file_present = not self.last_exit_ok
         # After a crash of the process alone (same OS boot), every byte written through the maps is intact,

@@ -34,14 +34,14 @@ import numpy as np
 import pyarrow as pa
 
 from ..format import codec
-from ..config import read_conf_file
+from ..config import StoreConfig, read_conf_file
 from ..errors import StoreError, StoreLoadError
 from ..storage.geometry import STORE_CONF
 from ..tier.manifest import MANIFEST, TierManifest
 from ..config import TierLocation
 from ..tier.objectstore import ObjectStore
 from ..tier.reader import TierReader
-from ..tier.tiered import STORE_ID_FILE
+from ..tier.tiered import STORE_ID_FILE, refuse_without_tier
 from .segment import Segment
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,12 @@ class TierRef:
         ref = cls(uri.rstrip("/"), *vals)
         ref.location()  # a malformed URI fails on the driver, naming it
         return ref
+
+    def store_config(self) -> StoreConfig:
+        """This tier as the keys of a store's config: a store the driver opens beside the read uses the tier
+        the read uses (given as read options, it may be missing from the store's broker.conf)."""
+        return StoreConfig.from_mapping({"tieredStoreUri": self.uri, **{k: v for k, v in zip(TIER_KEYS, (
+            self.endpoint, self.region, self.access_key, self.secret_key)) if v}}, source="read options")
 
     def location(self) -> TierLocation:
         return TierLocation.parse(self.uri, endpoint=self.endpoint, region=self.region,
@@ -121,6 +127,7 @@ def tier_of(root: str, options: Mapping[str, Any]) -> TierRef | None:
     conf = {k.lower(): v for k, v in read_conf_file(conf_path).items()} if os.path.isfile(conf_path) else {}
     uri = low.get("tieredstoreuri") or conf.get("tieredstoreuri")
     if not uri:
+        refuse_without_tier(root, "")  # a store that copied segments to a tier is not read as its local part
         return None
     merged = {k.lower(): low.get(k.lower()) or conf.get(k.lower()) or "" for k in TIER_KEYS}
     return TierRef.from_options(str(uri), merged)
