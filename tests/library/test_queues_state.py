@@ -234,3 +234,26 @@ def test_a_queue_record_is_written_as_json_dumps_would_and_reads_back() -> None:
         assert text == json.dumps(record, ensure_ascii=False, separators=(",", ":"))
         back = [Entry.from_json(a) for a in json.loads(text)["entries"]]
         assert back == [e for _, e in sorted(qs.entries.items())]
+
+
+def test_an_operation_that_failed_is_forgotten_not_written_by_close(store: MessageStore) -> None:
+    """Found with session 16's one-flush dead-letter round: an operation that raised inside ``locked()`` had
+    its changes left in the in-memory state, unjournaled, and close() wrote them into consumerOffset.json (the
+    old mover, killed by an error at its second put after settling the first letter, committed past a
+    message whose copy then stood for a resend with the same UNIQ_KEY: the resend never reached the DLQ).
+    Now the state of a failed operation is dropped: close writes nothing of it, the next operation reads the
+    files again."""
+    with store.simple_consumer("G", "T", invisible_duration=60) as c:
+        m = c.receive(1)[0]
+        qid = m.message.queue_id
+        with pytest.raises(RuntimeError, match="failed"):
+            with c.state.locked() as pop:
+                assert pop.ack("G", "T", m.receipt_handle)
+                raise RuntimeError("the operation failed after the ack")
+    assert ConsumerOffsetManager(str(Path(store.root) / "config")).get("T", "G", qid) in (None, 0)
+    with store.simple_consumer("G", "T", invisible_duration=60) as c:
+        got = c.receive(8)
+        assert len(got) == 5 and m.message.commit_log_offset not in [d.message.commit_log_offset for d in got]
+        c.ack(m)  # the handle is still good: the failed ack was not taken
+        c.flush()
+    assert ConsumerOffsetManager(str(Path(store.root) / "config")).get("T", "G", qid) == 1

@@ -153,8 +153,14 @@ class SharedPopState:
                 self._catch_up()
                 pop = self.pop
                 assert pop is not None
-                yield pop
-                self._append(pop, durable)
+                try:
+                    yield pop
+                    self._append(pop, durable)
+                except BaseException:
+                    # What the failed operation changed was not journaled: forgotten, so that neither close()
+                    # (consumerOffset.json) nor a later operation writes it; the next one reads the files again.
+                    self.pop = None
+                    raise
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
