@@ -257,3 +257,33 @@ def test_an_operation_that_failed_is_forgotten_not_written_by_close(store: Messa
         c.ack(m)  # the handle is still good: the failed ack was not taken
         c.flush()
     assert ConsumerOffsetManager(str(Path(store.root) / "config")).get("T", "G", qid) == 1
+
+
+
+def test_a_load_cut_short_by_a_lost_queue_is_not_used_half_loaded(tmp_path: Path, monkeypatch) -> None:
+    """A read-only receiver's reload of the pop state (another process compacted it) stopped at a queue its
+    store holds as lost (the lost-queue error, raised while clamping that queue's state): the queues after it
+    were never loaded, yet the next call took the half-loaded state as current (the files had not changed)
+    and handed out a message another receiver held in flight, as new.  Now a load cut short is dropped: the
+    next call loads again (and refuses again while the queue is lost)."""
+    import shutil
+
+    from rocketstore.errors import CorruptRecordError
+    monkeypatch.setattr(state, "COMPACT_BYTES", 1)  # every journal append rewrites popState.json
+    root = str(tmp_path / "s")
+    with MessageStore.open(root, StoreConfig()) as w:
+        w.put(Message("T", b"t0"))
+        assert w.wait_dispatched()
+        shutil.rmtree(Path(root) / "consumequeue" / "T")  # (the writer keeps its open queue)
+        with MessageStore.open(root, read_only=True) as r, \
+                r.simple_consumer("GZ", "F", invisible_duration=60) as c:
+            assert c.receive(8) == []  # its state loaded: nothing of T in it yet
+            with w.simple_consumer("GT", "T", invisible_duration=60) as x:
+                assert [m.body for m in x.receive(1)] == [b"t0"]
+            w.put(Message("F", b"f0"))
+            assert w.wait_dispatched()
+            with w.simple_consumer("GZ", "F", invisible_duration=60) as z:
+                assert [m.body for m in z.receive(1)] == [b"f0"]  # held in flight; GZ/F after GT/T
+            for _ in range(2):  # (the second call handed out f0, attempt 1, from the half-loaded state)
+                with pytest.raises(CorruptRecordError, match="a lost consume queue"):
+                    c.receive(8)
