@@ -10,7 +10,6 @@ import pytest
 
 from rocketstore import Message, MessageStore, StoreConfig
 from rocketstore.queues import RetryPolicy
-from rocketstore.queues.pop import PopService
 from rocketstore.queues.revive import DeadLetterMover, DeadLetterService
 
 

@@ -18,7 +18,6 @@ as options (RocketMQ tieredstore's key names) or in the AWS environment.
 
 from __future__ import annotations
 
-import json
 import logging
 import mmap
 import os
@@ -41,7 +40,7 @@ from ..tier.manifest import MANIFEST, TierManifest
 from ..config import TierLocation
 from ..tier.objectstore import ObjectStore
 from ..tier.reader import TierReader
-from ..tier.tiered import STORE_ID_FILE, refuse_without_tier
+from ..tier.tiered import STORE_ID_FILE, load_tier_state, refuse_without_tier
 from .segment import Segment
 
 log = logging.getLogger(__name__)
@@ -180,13 +179,8 @@ def tier_below(root: str, ref: TierRef | None, local_min: int | None, local_size
 
 def _check_ours(root: str, ref: TierRef, m: TierManifest, local_size: int | None) -> None:
     id_path = os.path.join(root, "config", STORE_ID_FILE)
-    try:
-        with open(id_path, encoding="utf-8") as fh:
-            store_id = str(json.load(fh)["storeId"])
-    except FileNotFoundError:
-        store_id = None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise StoreLoadError(f"{id_path}: unreadable tier identity: {e}") from None
+    state = load_tier_state(root)  # (its .bak when damaged; StoreLoadError when neither can be read)
+    store_id = state.store_id if state is not None else None
     if store_id != m.store_id:
         raise StoreLoadError(f"{ref.uri}/{MANIFEST}: the tier belongs to store {m.store_id}, not {root} "
                              f"({store_id or 'no ' + id_path}); refusing to read it as this store's")
