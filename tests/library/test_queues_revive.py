@@ -137,3 +137,55 @@ def test_one_flush_makes_a_rounds_dead_letters_durable_before_any_leaves_the_sta
         assert dlq_bodies(st) == [b"first", b"resent"]
         assert DeadLetterMover(st, st.paths.config).run() == 0
         assert dlq_bodies(st) == [b"first", b"resent"]
+
+
+def test_the_brokers_round_makes_its_dead_letters_durable_with_one_flush(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The broker's round (broker/deadletters.py) on the same protocol: its puts, one make_puts_durable, then
+    the ``placed`` calls that let the messages go (it flushed once per letter).  A stand-in broker over a real
+    store and the pop state the read-only receivers parked the two messages in."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from rocketstore.broker.deadletters import BrokerDeadLetters
+    from rocketstore.queues.pop import PopService
+    from rocketstore.queues.revive import DeadLetterMoves
+    from rocketstore.storage.consumer_offsets import ConsumerOffsetManager
+    root = str(tmp_path / "s")
+    park_two_with_one_uniq_key(root)
+    calls: list[str] = []
+    real_placed = DeadLetterMoves.placed
+
+    def placed(self, d, res):
+        calls.append("placed")
+        return real_placed(self, d, res)
+    monkeypatch.setattr(DeadLetterMoves, "placed", placed)
+    monkeypatch.setattr(DeadLetterService, "run_once", lambda self: None)  # the round below moves them
+    with MessageStore.open(root, StoreConfig()) as st:
+        real_durable = st.make_puts_durable
+
+        def durable():
+            calls.append("flush")
+            return real_durable()
+        monkeypatch.setattr(st, "make_puts_durable", durable)
+
+        async def ensure_dlq_topic(group: str) -> None:
+            return None
+
+        class Broker:
+            store, store_host = st, None
+            pop = PopService(st, ConsumerOffsetManager(st.paths.config), st.paths.config)
+            topics = SimpleNamespace(ensure_dlq_topic=ensure_dlq_topic)
+
+            async def persist(self, *, final: bool = False) -> bool:
+                return True
+
+            async def put(self, msg: Message):
+                calls.append(f"put {msg.topic}")
+                return st.put(msg)
+
+            def notify(self, topic: str, *a: object) -> None:
+                pass
+        assert asyncio.run(BrokerDeadLetters(Broker()).move()) == 2
+        assert calls == ["put %DLQ%G", "put %DLQ%G", "flush", "placed", "placed"]
+        assert dlq_bodies(st) == [b"first", b"resent"]

@@ -61,8 +61,8 @@ _INDEX_HEADER = struct.Struct(">qqqqii")
 @dataclass(frozen=True)
 class TierState:
     """What ``config/tierStore.json`` says: the store's tier id, the highest manifest generation it published,
-    the commitlog offset below which it deleted local segments on the tier's word, and the tier's URI (written
-    since session 16; "" in older files)."""
+    the commitlog offset below which it deleted local segments on the tier's word, and the tier's URI (for the error
+    that refuses an open without it; "" in files written before it was recorded)."""
 
     store_id: str
     generation: int
