@@ -226,8 +226,32 @@ def _queues(store: MessageStore, topics: Iterable[str] | None) -> list[ConsumeQu
             qids = [int(q) for q in os.listdir(os.path.join(root, topic)) if q.isdigit()]
         except OSError:
             continue
-        out += [store.find_consume_queue(topic, q) for q in sorted(qids)]
+        lost = store.lost_queues
+        out += [store.find_consume_queue(topic, q) for q in sorted(qids)
+                if not lost or (topic, q) not in lost or _found_again(store, topic, q)]
     return out
+
+
+def _found_again(store: MessageStore, topic: str, queue_id: int) -> bool:
+    """Whether a queue that was lost when the view opened (registered, its directory gone: every read of it
+    refused) is the writer's again: its directory is back (the caller saw it) and no unfinished rebuild names
+    it (``consumequeue.rebuild``: a writable open refills a lost queue from the commitlog under that marker, and
+    drops the marker once the queue is whole and flushed).  It is then dropped from the lost queues and loaded
+    as a queue new to the view, each unit checked against the commitlog; until then reads keep refusing it
+    (missing is not empty), never read it as an empty or partly refilled queue."""
+    marker = store.paths.cq_rebuild
+    try:
+        with open(marker, encoding="utf-8") as fh:
+            if f"{topic}/{queue_id}" in fh.read().split():
+                return False
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # cannot tell: still lost
+        log.warning("%s: %s; %s/%d stays a lost queue for now", marker, e, topic, queue_id)
+        return False
+    store.lost_queues.discard((topic, queue_id))
+    log.warning("%s/%d: its consume-queue directory is back and rebuilt; read again from its files", topic, queue_id)
+    return True
 
 
 def _extend_consume_queue(store: MessageStore, cq: ConsumeQueue, log_end: int, log_min: int,

@@ -223,3 +223,62 @@ def test_ack_linger_thread_backs_off_after_a_failed_write(tmp_path: Path, monkey
             time.sleep(0.6)
             failing[0] = False
             assert 1 <= len(tries) <= 3, f"{len(tries)} writes of the buffered ack in 0.6 s: no back-off"
+
+
+def test_a_read_only_receiver_reads_and_acks_a_lost_queue_once_the_writer_rebuilt_it(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    """Queue model hunt (session 15, seed 720): a read-only store fixed its set of lost queues (registered, the
+    directory gone) at open, so its receivers of the topic failed every call, acks included, until reopened,
+    also after a writer rebuilt the queue from the commitlog and put more there.  While the directory is
+    missing (or a rebuild that names it is unfinished) the reader still refuses the queue (missing is not
+    empty); once the writer rebuilt it, the same reader reads every message, old and new, and acks them."""
+    import shutil
+
+    import pytest
+    from rocketstore.errors import CorruptRecordError
+
+    root = str(tmp_path / "s")
+    with MessageStore.open(root, StoreConfig()) as w:
+        for i in range(3):
+            w.put(Message("T", f"old{i}".encode()))
+        w.wait_dispatched()
+        qid = w.queue_keys()[0][1]
+        with w.simple_consumer("G", "T", invisible_duration=60) as first:
+            assert [m.body for m in first.receive(1)] == [b"old0"]  # in flight: the group's state has the queue
+    shutil.rmtree(tmp_path / "s" / "consumequeue" / "T")
+    with MessageStore.open(root, read_only=True) as r, r.simple_consumer("G", "T", invisible_duration=60) as c:
+        with pytest.raises(CorruptRecordError, match="a lost consume queue"):
+            r.get("T", qid, 0)
+        with pytest.raises(CorruptRecordError, match="a lost consume queue"):
+            c.receive(8)
+        # A writable open is rebuilding the queue: its directory is back, the marker still names it.
+        (tmp_path / "s" / "consumequeue" / "T" / str(qid)).mkdir(parents=True)
+        (tmp_path / "s" / "consumequeue.rebuild").write_text(f"T/{qid}\n")
+        with pytest.raises(CorruptRecordError, match="a lost consume queue"):
+            c.receive(8)
+        (tmp_path / "s" / "consumequeue.rebuild").unlink()
+        (tmp_path / "s" / "consumequeue" / "T" / str(qid)).rmdir()
+        # The writable open's recovery makes T's directory again (with the units of the records it offers)
+        # before the rebuild refills it: the marker names T from before recovery, so the reader still refuses.
+        from rocketstore.recovery.load import StoreLoader
+        refill, seen = StoreLoader._refill_lost_queues, []
+
+        def look_first(self, loaded):
+            seen.append((tmp_path / "s" / "consumequeue" / "T" / str(qid)).is_dir())
+            with pytest.raises(CorruptRecordError, match="a lost consume queue"):
+                c.receive(8)
+            return refill(self, loaded)
+        monkeypatch.setattr(StoreLoader, "_refill_lost_queues", look_first)
+        with MessageStore.open(root, StoreConfig()) as w:  # rebuilds T from the commitlog, then more puts
+            assert seen == [True]
+            for i in range(2):
+                w.put(Message("T", f"new{i}".encode()))
+            w.wait_dispatched()
+            got = c.receive(8)
+            assert sorted(m.body for m in got) == [b"new0", b"new1", b"old1", b"old2"]
+            for m in got:
+                c.ack(m)
+            c.flush()
+            assert [r.get("T", qid, 0).status.name, len(r.get("T", qid, 0).messages)] == ["FOUND", 5]
+            with w.simple_consumer("G", "T", invisible_duration=60) as other:
+                assert other.receive(8) == [], "acked messages delivered again"

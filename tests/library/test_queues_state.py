@@ -234,3 +234,56 @@ def test_a_queue_record_is_written_as_json_dumps_would_and_reads_back() -> None:
         assert text == json.dumps(record, ensure_ascii=False, separators=(",", ":"))
         back = [Entry.from_json(a) for a in json.loads(text)["entries"]]
         assert back == [e for _, e in sorted(qs.entries.items())]
+
+
+def test_an_operation_that_failed_is_forgotten_not_written_by_close(store: MessageStore) -> None:
+    """Found with session 16's one-flush dead-letter round: an operation that raised inside ``locked()`` had
+    its changes left in the in-memory state, unjournaled, and close() wrote them into consumerOffset.json (the
+    old mover, killed by an error at its second put after settling the first letter, committed past a
+    message whose copy then stood for a resend with the same UNIQ_KEY: the resend never reached the DLQ).
+    Now the state of a failed operation is dropped: close writes nothing of it, the next operation reads the
+    files again."""
+    with store.simple_consumer("G", "T", invisible_duration=60) as c:
+        m = c.receive(1)[0]
+        qid = m.message.queue_id
+        with pytest.raises(RuntimeError, match="failed"):
+            with c.state.locked() as pop:
+                assert pop.ack("G", "T", m.receipt_handle)
+                raise RuntimeError("the operation failed after the ack")
+    assert ConsumerOffsetManager(str(Path(store.root) / "config")).get("T", "G", qid) in (None, 0)
+    with store.simple_consumer("G", "T", invisible_duration=60) as c:
+        got = c.receive(8)
+        assert len(got) == 5 and m.message.commit_log_offset not in [d.message.commit_log_offset for d in got]
+        c.ack(m)  # the handle is still good: the failed ack was not taken
+        c.flush()
+    assert ConsumerOffsetManager(str(Path(store.root) / "config")).get("T", "G", qid) == 1
+
+
+
+def test_a_load_cut_short_by_a_lost_queue_is_not_used_half_loaded(tmp_path: Path, monkeypatch) -> None:
+    """A read-only receiver's reload of the pop state (another process compacted it) stopped at a queue its
+    store holds as lost (the lost-queue error, raised while clamping that queue's state): the queues after it
+    were never loaded, yet the next call took the half-loaded state as current (the files had not changed)
+    and handed out a message another receiver held in flight, as new.  Now a load cut short is dropped: the
+    next call loads again (and refuses again while the queue is lost)."""
+    import shutil
+
+    from rocketstore.errors import CorruptRecordError
+    monkeypatch.setattr(state, "COMPACT_BYTES", 1)  # every journal append rewrites popState.json
+    root = str(tmp_path / "s")
+    with MessageStore.open(root, StoreConfig()) as w:
+        w.put(Message("T", b"t0"))
+        assert w.wait_dispatched()
+        shutil.rmtree(Path(root) / "consumequeue" / "T")  # (the writer keeps its open queue)
+        with MessageStore.open(root, read_only=True) as r, \
+                r.simple_consumer("GZ", "F", invisible_duration=60) as c:
+            assert c.receive(8) == []  # its state loaded: nothing of T in it yet
+            with w.simple_consumer("GT", "T", invisible_duration=60) as x:
+                assert [m.body for m in x.receive(1)] == [b"t0"]
+            w.put(Message("F", b"f0"))
+            assert w.wait_dispatched()
+            with w.simple_consumer("GZ", "F", invisible_duration=60) as z:
+                assert [m.body for m in z.receive(1)] == [b"f0"]  # held in flight; GZ/F after GT/T
+            for _ in range(2):  # (the second call handed out f0, attempt 1, from the half-loaded state)
+                with pytest.raises(CorruptRecordError, match="a lost consume queue"):
+                    c.receive(8)

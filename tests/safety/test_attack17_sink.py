@@ -72,7 +72,8 @@ _KILLED = r"""
 import os, pickle, sys
 from rocketstore import MessageStore
 from rocketstore.spark import sink, write
-root, query, batch, where, n, parts_file = sys.argv[1:]
+root, query, batch, where, n, parts_file = sys.argv[1:7]
+checkpoint = sys.argv[7] if len(sys.argv) > 7 else None
 batch, n = int(batch), int(n)
 with open(parts_file, "rb") as fh:
     parts, opts = pickle.load(fh)
@@ -93,19 +94,20 @@ elif where == "committed":  # the store closed, the journal not yet saying so
             os._exit(9)
         journal_write(self, state)
     sink.SinkJournal.write = killing_write
-sink.commit_batch(root, query, batch, parts, opts)
+sink.commit_batch(root, query, batch, parts, opts, checkpoint)
 os._exit(0)
 """
 
 
 def _killed_attempt(tmp: Path, root: Path, batch_id: int, parts: list[write.StagedPart], where: str,
-                    n: int = 0) -> None:
+                    n: int = 0, checkpoint: Path | None = None) -> None:
     parts_file = tmp / f"parts-{batch_id}-{where}-{n}.pickle"
     parts_file.write_bytes(pickle.dumps((parts, OPTS)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(sink.__file__).parents[2]),
                                                          os.environ.get("PYTHONPATH", "")])}
     p = subprocess.run([sys.executable, "-c", _KILLED, str(root), QUERY, str(batch_id), where, str(n),
-                        str(parts_file)], env=env, capture_output=True, text=True, timeout=120)
+                        str(parts_file)] + ([str(checkpoint)] if checkpoint is not None else []), env=env,
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 9, p.stderr[-2000:]
 
 
@@ -258,3 +260,29 @@ def test_a_lost_journal_is_not_read_as_a_new_query(tmp_path):
         f.unlink()
     sink.commit_batch(str(root), QUERY, 1, _stage(tmp_path, 1, rows, "-retry"), OPTS)
     assert _stored(root) == _want({0: rows, 1: rows})
+
+
+def test_a_lost_journal_of_the_first_batch_is_told_apart_by_the_query_checkpoint(tmp_path, monkeypatch):
+    """Session 15 left batch 0 out of the lost-journal rule: with no journal a first batch looks like a new
+    query's, so a retry of batch 0 whose journal was lost after its append started appended every row again.
+    The sink now marks the query's checkpoint (``<checkpointLocation>/rocketstore-sink/``) before its first
+    append to a store: batch 0 killed half-way, journal and .bak deleted, the retry finds the mark and appends
+    only the rest.  A new query (no mark) does not look through the log, and marks its checkpoint."""
+    root = _new_store(tmp_path)
+    rows = _rows()
+    checkpoint = tmp_path / "checkpoint"
+    _killed_attempt(tmp_path, root, 0, _stage(tmp_path, 0, rows, "-try0"), "put", 3, checkpoint)
+    assert 0 < sum(_stored(root).values()) < sum(map(len, rows))
+    assert len(list((checkpoint / sink.SinkStart.DIR).glob("*.json"))) == 1
+    for f in (root / sink.JOURNALS).iterdir():
+        f.unlink()
+    sink.commit_batch(str(root), QUERY, 0, _stage(tmp_path, 0, rows, "-retry"), OPTS, f"file://{checkpoint}")
+    assert _stored(root) == _want({0: rows})
+
+    def no_scan(*a, **kw):
+        raise AssertionError("a new query's first batch looked through the log")
+    other = _new_store(tmp_path / "other")
+    monkeypatch.setattr(sink, "written_rows", no_scan)
+    sink.commit_batch(str(other), QUERY, 0, _stage(tmp_path, 0, rows, "-other"), OPTS, str(tmp_path / "cp2"))
+    assert _stored(other) == _want({0: rows})
+    assert len(list((tmp_path / "cp2" / sink.SinkStart.DIR).glob("*.json"))) == 1

@@ -120,10 +120,11 @@ uid 3 ... was acked or dead-lettered" (the pop state let the message go, its dea
 Hunting (ROCKETSTORE_MODEL_SYNCUT=8, seeds 700-749, 100 steps) found a flaw of the image, not of the store:
 crash_image dropped empty directories, so a queue directory whose files recovery had cut (a lost tail took all
 its records) vanished while the registry kept the queue, and a read-only receiver held it as lost (seed 720,
-"acks buffered in live receivers ['R50'] are not written 5 s after the ack"); crash_image now keeps them.  Left
-open (seen there, not fixed): a read-only store's lost queues are fixed at its open (``lost_queues``), so its
-receivers of that topic fail every call, buffered acks included, until reopened, even after the writer made the
-queue again.  Fixed from it: the receiver's ack-linger thread retried a failing write at once, in a busy loop
+"acks buffered in live receivers ['R50'] are not written 5 s after the ack"); crash_image now keeps them.  Seen
+there and fixed in session 16: a read-only store's lost queues were fixed at its open (``lost_queues``), so its
+receivers of that topic failed every call, buffered acks included, until reopened, even after the writer made the
+queue again (the tail view now takes a lost queue back once its directory is back and no unfinished rebuild
+names it; tests/library/test_queues_model_found.py).  Fixed from it too: the receiver's ack-linger thread retried a failing write at once, in a busy loop
 (28888 tries in 5 s); it waits ACK_RETRY now (tests/library/test_queues_model_found.py).
 
 Not modelled: power loss of the store's files beside the journal and the commitlog's tail outside ``syncut``

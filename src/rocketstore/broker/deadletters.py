@@ -60,17 +60,23 @@ class BrokerDeadLetters:
             return 0
         if retried:  # a copy put just before a crash must be in its queue to be found
             await asyncio.get_running_loop().run_in_executor(None, store.wait_dispatched, 5.0)
-        moved = 0
+        put = []
         for d in moves.marked():
             msg = moves.letter(d)
             if msg is None:
                 continue
             res = await broker.put(msg)
-            if res.ok and not await asyncio.get_running_loop().run_in_executor(None, store.make_puts_durable):
-                # not settled: parked with its DLQ end, the next round finds the copy or puts it again
-                log.error("the commitlog could not be flushed after a dead letter's put to %s; the message stays "
-                          "parked", msg.topic)
-                return moved
+            moves.claim(d, res)
+            put.append((d, res))
+        # one flush serves the round's puts; no message leaves the state before its dead letter is durable
+        if any(res.ok for _d, res in put) and \
+                not await asyncio.get_running_loop().run_in_executor(None, store.make_puts_durable):
+            # not settled: parked with their DLQ ends, the next round finds the copies or puts them again
+            log.error("the commitlog could not be flushed after the puts of %d dead letter(s); the messages stay "
+                      "parked", len(put))
+            return 0
+        moved = 0
+        for d, res in put:
             if moves.placed(d, res):
                 moved += 1
                 broker.notify(dlq_topic(d.group))

@@ -106,15 +106,19 @@ class DeadLetterMover:
         moved = 0
         with state.locked(durable=True) as pop:
             moves = DeadLetterMoves(self.store, pop)
+            put: list[tuple[DeadLetter, PutMessageResult]] = []
             for d in moves.marked():
                 msg = moves.letter(d)
                 if msg is not None:
                     res = self.store.put(msg)
-                    if res.ok and not self.store.make_puts_durable():
-                        # not settled: parked with its DLQ end, a later round finds the copy or puts it again
-                        raise StoreError(f"{self.store.root}: the commitlog could not be flushed after a dead "
-                                         f"letter's put to {msg.topic}; the message stays parked")
-                    moved += moves.placed(d, res)
+                    moves.claim(d, res)
+                    put.append((d, res))
+            if any(res.ok for _d, res in put) and not self.store.make_puts_durable():
+                # not settled: parked with their DLQ ends, a later round finds the copies or puts them again
+                raise StoreError(f"{self.store.root}: the commitlog could not be flushed after the puts of "
+                                 f"{len(put)} dead letter(s); the messages stay parked")
+            for d, res in put:
+                moved += moves.placed(d, res)
         return moved
 
 
@@ -122,10 +126,11 @@ class DeadLetterMoves:
     """One round of moving a pop state's parked messages (the caller serialises rounds on one state).
 
     The caller: :meth:`mark`, then makes the state durable (no put before that), waits for the store's
-    dispatch if :meth:`mark` said so, and for each of :meth:`marked`: puts :meth:`letter` unless it is None,
-    makes the put durable (under asynchronous flush the dead letter could sit in the page cache while the state
-    that forgets the message is fsynced: a power cut would lose it from both) and hands the result to
-    :meth:`placed`; then writes the state (a lost write only makes the next round find the copies).
+    dispatch if :meth:`mark` said so, and for each of :meth:`marked`: puts :meth:`letter` unless it is None and
+    hands the result to :meth:`claim` at once; then makes the round's puts durable, once for all of them (under
+    asynchronous flush a dead letter could sit in the page cache while the state that forgets the message is
+    fsynced: a power cut would lose it from both), and only then hands each result to :meth:`placed`; then
+    writes the state (a lost write only makes the next round find the copies).
     """
 
     def __init__(self, store: Any, pop: PopService, store_host: Any = None) -> None:
@@ -173,9 +178,16 @@ class DeadLetterMoves:
             return None
         return dead_letter(m, d.group, d.topic, d.entry.attempts, self.store_host)
 
+    def claim(self, d: DeadLetter, res: PutMessageResult) -> None:
+        """Right after the put of ``d``'s letter: its DLQ position is taken, so that :meth:`letter` of another
+        message of the round (before :meth:`placed` settles ``d``) never takes that copy for its own."""
+        if res.ok:
+            self.matched.add((dlq_topic(d.group), res.queue_offset))
+
     def placed(self, d: DeadLetter, res: PutMessageResult) -> bool:
-        """The put of ``d``'s letter returned ``res``: on success ``d`` leaves the state; else it stays parked
-        (with its DLQ end: the next round looks for a copy first)."""
+        """The put of ``d``'s letter returned ``res`` (claimed, and made durable with the round's puts): on
+        success ``d`` leaves the state; else it stays parked (with its DLQ end: the next round looks for a copy
+        first)."""
         dlq = dlq_topic(d.group)
         if not res.ok:
             log.error("moving the message at %d of %s to %s failed: %s; the next round tries again", d.entry.phy,

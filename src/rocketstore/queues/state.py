@@ -150,11 +150,18 @@ class SharedPopState:
             self._follow()
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
             try:
-                self._catch_up()
-                pop = self.pop
-                assert pop is not None
-                yield pop
-                self._append(pop, durable)
+                try:
+                    self._catch_up()
+                    pop = self.pop
+                    assert pop is not None
+                    yield pop
+                    self._append(pop, durable)
+                except BaseException:
+                    # What the failed operation (or a load cut short) changed was not journaled: forgotten, so
+                    # that neither close() (consumerOffset.json), nor a later operation, nor a compaction writes
+                    # it; the next operation reads the files again.
+                    self.pop = None
+                    raise
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 

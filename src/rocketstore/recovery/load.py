@@ -108,6 +108,7 @@ class StoreLoader:
         self._registry: dict[tuple[str, int], int] | None = None
         self._registry_text: str | None = None  # what the registry file holds (written by this store)
         self._registry_lock = threading.Lock()
+        self._lost_marked = False  # the rebuild marker names lost queues before recovery (_mark_lost_queues)
         # The hooks StoreFiles calls back: the registry is the loader's, per-topic retention a read's.
         files.on_new_queue = self.on_new_queue
         files.save_queue_registry = self.save_queue_registry
@@ -127,14 +128,13 @@ class StoreLoader:
 
     def load(self) -> None:
         cfg, ro = self.config, self.read_only
+        refuse_without_tier(self.root, cfg.tieredStoreUri)  # before any file is read or written
         self.last_exit_ok = not os.path.exists(self.paths.abort)
         self.abort_file_present = not self.last_exit_ok
         # After a crash of the process alone (same OS boot), every byte written through the maps is intact,
         # so the index files need not be dropped and rebuilt; after a reboot or power loss they may be torn.
         self.process_crash_only = self.abort_file_present and boot_id() is not None and \
             read_text(self.paths.abort_boot) == boot_id()
-        if not cfg.tieredStoreUri:  # before anything changes: its oldest records are in a tier it cannot see
-            refuse_without_tier(self.root)
         if not ro:
             os.makedirs(self.paths.commitlog, exist_ok=True)
             os.makedirs(self.paths.consumequeue, exist_ok=True)
@@ -158,6 +158,7 @@ class StoreLoader:
         loaded = set(self._cq_table)
         if not ro:
             self._registry = self._read_queue_registry(loaded)
+            self._mark_lost_queues(loaded)
         else:  # a reader cannot rebuild a lost queue: it names the loss (missing is not empty)
             self.lost_queues = set(self._read_queue_registry(loaded)) - loaded
         if not ro:
@@ -354,9 +355,25 @@ class StoreLoader:
         if self.paths.checkpoint in self._quarantine.carry_out():
             self.checkpoint.flush()  # a fresh one where the bad one was
 
+    def _mark_lost_queues(self, loaded: set[tuple[str, int]]) -> None:
+        """Name the registered queues whose directory is gone in the rebuild marker before recovery runs.
+
+        Recovery may make such a directory again, with the units of the records it offers only, before
+        :meth:`_refill_lost_queues` rebuilds the queue whole; a read-only view beside this writer
+        (tail_view) takes a lost queue back once its directory is there and no marker names it, so without
+        the marker it could read that partial queue (missing is not empty)."""
+        lost = sorted(set(self._registry or ()) - loaded)
+        if not lost or not self.commitlog.queue.files:
+            return  # (_refill_lost_queues rebuilds nothing either)
+        names = list(dict.fromkeys(self.queues_to_rebuild + [f"{t}/{q}" for t, q in lost]))
+        replace_file_durably(self.paths.cq_rebuild, ("\n".join(names) + "\n").encode())
+        self._lost_marked = True
+
     def _finish_queue_rebuild(self) -> None:
         """Make the refilled queues durable, then drop the marker that made recovery start where they end."""
         if self.read_only or not self.queues_to_rebuild:
+            if self._lost_marked and os.path.exists(self.paths.cq_rebuild):  # (no queue was rebuilt after all)
+                os.unlink(self.paths.cq_rebuild)
             return
         report = self.recovery_report
         for name in self.queues_to_rebuild:

@@ -164,7 +164,7 @@ def tier_records(root: str, cfg: StoreConfig) -> Iterator[codec.MessageExt]:
     below = _local_commitlog_min(StorePaths(root).commitlog)
     if not cfg.tieredStoreUri:
         from ..tier.tiered import refuse_without_tier
-        refuse_without_tier(root)  # a tier it cannot see holds its first records: refused before any change
+        refuse_without_tier(root, "")  # a tier it cannot see holds its first records: refused before any change
         return
     if below <= 0:
         return

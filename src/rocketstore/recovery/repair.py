@@ -106,7 +106,8 @@ from ..errors import StoreError, StoreLoadError, StoreLockedError
 from ..storage.quarantine import extend_torn_last_segment
 from ..storage.index import IndexService
 from ..paths import StorePaths
-from ..storage.geometry import store_config
+from ..storage.geometry import configured, store_config
+from ..tier.tiered import refuse_without_tier
 from ..storage.checkpoint import StoreCheckpoint
 from ..storage.commitlog import CommitLog
 from .load import boot_id, loaded, read_text
@@ -487,6 +488,7 @@ def finish_interrupted_repair(root: str, config: StoreConfig | None = None) -> d
     paths = StorePaths(root)
     if not os.path.exists(paths.repair_marker):
         return None
+    refuse_without_tier(root, configured(root, config).tieredStoreUri)
     try:
         with _store_lock(paths, False) as fd:
             marker = read_marker(root)
@@ -608,6 +610,7 @@ def repair_store(path: str, config: StoreConfig | None = None, *, dry_run: bool 
     paths = StorePaths(path)
     if not os.path.isdir(paths.commitlog):
         raise StoreLoadError(f"{path}: no commitlog directory; not a store")
+    refuse_without_tier(path, configured(path, config).tieredStoreUri)  # (its records are the tier's too)
     marker = read_marker(path)
     if marker is not None and dry_run:
         raise StoreLoadError(f"{describe_marker(path, marker)}; a dry run changes nothing: run verify --repair or "

@@ -107,10 +107,11 @@ def store_roots(options: dict[str, str]) -> list[str]:
     return [p for p in out if not (p in seen or seen.add(p))]
 
 
-def open_read_only(root: str) -> MessageStore:
+def open_read_only(root: str, tier: TierRef | None = None) -> MessageStore:
+    """The store read-only, with ``tier`` (the read's tier, perhaps given as read options only) when given."""
     if not os.path.isdir(StorePaths(root).commitlog):
         raise StoreLoadError(f"{root}: not a message store (no commitlog directory)")
-    return MessageStore.open(root, read_only=True)
+    return MessageStore.open(root, None if tier is None else tier.store_config(), read_only=True)
 
 
 def _segment_times(segs: list[SegmentInfo]) -> None:
@@ -274,7 +275,7 @@ def plan_scan(root: str, flt: RowFilter, *, report: PlanReport | None = None,
             kept.append(s)
         keep = drop("storeTimestamp", kept)
     if (flt.topics is not None or flt.queue_ids is not None or flt.keys is not None) and keep and local:
-        with open_read_only(root) as store:
+        with open_read_only(root, tier) as store:
             file_size = store.commitlog.file_size
             units = units_by_queue(store)
             covered = _covered_segments(local, units, file_size)  # tier segments are never covered: kept

@@ -18,7 +18,6 @@ as options (RocketMQ tieredstore's key names) or in the AWS environment.
 
 from __future__ import annotations
 
-import json
 import logging
 import mmap
 import os
@@ -34,14 +33,14 @@ import numpy as np
 import pyarrow as pa
 
 from ..format import codec
-from ..config import read_conf_file
+from ..config import StoreConfig, read_conf_file
 from ..errors import StoreError, StoreLoadError
 from ..storage.geometry import STORE_CONF
 from ..tier.manifest import MANIFEST, TierManifest
 from ..config import TierLocation
 from ..tier.objectstore import ObjectStore
 from ..tier.reader import TierReader
-from ..tier.tiered import STORE_ID_FILE
+from ..tier.tiered import STORE_ID_FILE, load_tier_state, refuse_without_tier
 from .segment import Segment
 
 log = logging.getLogger(__name__)
@@ -76,6 +75,12 @@ class TierRef:
         ref = cls(uri.rstrip("/"), *vals)
         ref.location()  # a malformed URI fails on the driver, naming it
         return ref
+
+    def store_config(self) -> StoreConfig:
+        """This tier as the keys of a store's config: a store the driver opens beside the read uses the tier
+        the read uses (given as read options, it may be missing from the store's broker.conf)."""
+        return StoreConfig.from_mapping({"tieredStoreUri": self.uri, **{k: v for k, v in zip(TIER_KEYS, (
+            self.endpoint, self.region, self.access_key, self.secret_key)) if v}}, source="read options")
 
     def location(self) -> TierLocation:
         return TierLocation.parse(self.uri, endpoint=self.endpoint, region=self.region,
@@ -121,6 +126,7 @@ def tier_of(root: str, options: Mapping[str, Any]) -> TierRef | None:
     conf = {k.lower(): v for k, v in read_conf_file(conf_path).items()} if os.path.isfile(conf_path) else {}
     uri = low.get("tieredstoreuri") or conf.get("tieredstoreuri")
     if not uri:
+        refuse_without_tier(root, "")  # a store that copied segments to a tier is not read as its local part
         return None
     merged = {k.lower(): low.get(k.lower()) or conf.get(k.lower()) or "" for k in TIER_KEYS}
     return TierRef.from_options(str(uri), merged)
@@ -173,13 +179,8 @@ def tier_below(root: str, ref: TierRef | None, local_min: int | None, local_size
 
 def _check_ours(root: str, ref: TierRef, m: TierManifest, local_size: int | None) -> None:
     id_path = os.path.join(root, "config", STORE_ID_FILE)
-    try:
-        with open(id_path, encoding="utf-8") as fh:
-            store_id = str(json.load(fh)["storeId"])
-    except FileNotFoundError:
-        store_id = None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise StoreLoadError(f"{id_path}: unreadable tier identity: {e}") from None
+    state = load_tier_state(root)  # (its .bak when damaged; StoreLoadError when neither can be read)
+    store_id = state.store_id if state is not None else None
     if store_id != m.store_id:
         raise StoreLoadError(f"{ref.uri}/{MANIFEST}: the tier belongs to store {m.store_id}, not {root} "
                              f"({store_id or 'no ' + id_path}); refusing to read it as this store's")

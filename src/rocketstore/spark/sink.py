@@ -23,7 +23,8 @@ the first put; after the append is flushed (the store closed) ``committed`` is w
 ``pending`` leaves nothing of the batch; between ``pending`` and ``committed``, the retry finds what was
 written; after ``committed``, the retry is skipped.  A journal cut between the two renames of its atomic write is read
 from its ``.bak`` (the state before that write); a query past its first batch that finds no journal at all
-(lost) counts this batch's rows over the whole local log.  A damaged record among the rows counted is refused
+(lost) counts this batch's rows over the whole local log, and so does a first batch whose query's checkpoint
+holds the sink's start mark (:class:`SinkStart`).  A damaged record among the rows counted is refused
 (the count would stop there).  As with every Spark sink, exactly once needs a source that
 replays a batch with the same rows (files, Kafka-like sources, ``rocketstore`` itself).
 """
@@ -130,6 +131,70 @@ class SinkJournal:
         write_json_atomic(self.path, state)
 
 
+class SinkStart:
+    """``<checkpointLocation>/rocketstore-sink/<store digest>.json``: this query began appending to this store.
+
+    The journal alone cannot tell a first batch whose journal was lost from a new query's first batch: both
+    find no journal.  Spark's checkpoint keeps the query's id; the sink writes this mark there (durably) before
+    the journal's first ``pending`` and the first put.  A query that finds no journal but its mark has appended
+    here before (its rows may be anywhere in the log); with neither it is new.  Losing the checkpoint loses the
+    query id with it (Spark starts a new query), so no earlier attempt's rows can be mistaken for this one's.
+    Only a checkpoint on a local file system (a path or ``file:``) can be marked; elsewhere (hdfs://, s3a://)
+    a first batch's lost journal is not told apart (as before), which the log says."""
+
+    DIR = "rocketstore-sink"
+
+    def __init__(self, checkpoint: str | None, root: str) -> None:
+        self.path: str | None = None
+        local = _local_path(checkpoint)
+        if local is not None:
+            digest = hashlib.blake2b(os.path.realpath(root).encode("utf-8", "surrogatepass"), digest_size=16)
+            self.path = os.path.join(local, self.DIR, f"{digest.hexdigest()}.json")
+        self.checkpoint = checkpoint
+
+    def seen(self, query_id: str) -> bool:
+        if self.path is None:
+            return False
+        try:
+            with open(self.path, "rb") as fh:
+                data = json.loads(fh.read().decode("utf-8"))
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError) as e:  # cannot tell: taken as seen (a count of the log, never a double)
+            log.warning("%s: unreadable (%s); taken as an earlier start of query %s", self.path, e, query_id)
+            return True
+        return not isinstance(data, dict) or data.get("queryId") in (None, query_id)
+
+    def note(self, query_id: str, root: str) -> None:
+        if self.path is None:
+            log.warning("rocketstore sink: checkpointLocation %r is not a local directory; a lost journal of "
+                        "query %s's first batch would not be told from a new query's", self.checkpoint, query_id)
+            return
+        from ..storage.jsonfile import fsync_dir, write_json_atomic
+        parent = os.path.dirname(self.path)
+        if not os.path.isdir(parent):
+            os.makedirs(parent, exist_ok=True)
+            fsync_dir(os.path.dirname(parent))
+        write_json_atomic(self.path, {"queryId": query_id, "store": os.path.realpath(root)})
+
+
+def _local_path(location: str | None) -> str | None:
+    """The local directory of a checkpoint location (a path, ``file:/dir`` or ``file:///dir``); None for
+    another scheme or none given."""
+    if not location:
+        return None
+    text = str(location)
+    if text.startswith("file:"):
+        text = text[len("file:"):]
+        if text.startswith("//"):
+            text = text[2:]
+            if not text.startswith("/"):  # file://host/dir: not this machine's
+                return None
+    elif "://" in text:
+        return None
+    return os.path.abspath(text)
+
+
 def written_rows(store: MessageStore, from_offset: int, prefix: str) -> Counter[str]:
     """The ids of the rows of one batch (``SPARK_SINK_ROW`` starting with ``prefix``) from ``from_offset`` on;
     StoreError at a damaged record."""
@@ -156,8 +221,9 @@ def _leave_out(already: Counter[str]) -> Callable[[write.StagedRow], bool]:
 
 
 def commit_batch(root: str, query_id: str, batch_id: int, parts: list[write.StagedPart],
-                 opts: write.WriteOptions) -> dict[str, Any]:
-    """Append one micro-batch's staged rows exactly once (see the module's docstring); a summary."""
+                 opts: write.WriteOptions, checkpoint: str | None = None) -> dict[str, Any]:
+    """Append one micro-batch's staged rows exactly once (see the module's docstring); a summary.
+    ``checkpoint``: the query's checkpointLocation (:class:`SinkStart`)."""
     journal = SinkJournal(root, query_id)
     store = write.open_for_append(root, opts)
     try:
@@ -168,12 +234,16 @@ def commit_batch(root: str, query_id: str, batch_id: int, parts: list[write.Stag
                         "not appended again", root, batch_id, query_id, committed)
             return {"store": root, "messages": 0, "skipped": True}
         pending = state.get("pending")
-        if pending is None and batch_id > 0 and not journal.present():
+        if pending is None and not journal.present():
             # Missing is not empty: a query past its first batch that finds no journal lost it (or appended
-            # nothing so far); an attempt of this batch may have written rows anywhere in the local log.
-            log.warning("%s: no journal %s for batch %d of query %s; looking through the whole log for rows "
-                        "an earlier attempt wrote", root, journal.path, batch_id, query_id)
-            pending = {"batch": batch_id, "from": store.min_phy_offset()}
+            # nothing so far), and so did one whose checkpoint says it began appending here; an attempt of this
+            # batch may have written rows anywhere in the local log.
+            start_mark = SinkStart(checkpoint, root)
+            if batch_id > 0 or start_mark.seen(query_id):
+                log.warning("%s: no journal %s for batch %d of query %s; looking through the whole log for rows "
+                            "an earlier attempt wrote", root, journal.path, batch_id, query_id)
+                pending = {"batch": batch_id, "from": store.min_phy_offset()}
+            start_mark.note(query_id, root)  # before the journal's pending and the first put
         skip = None
         if pending is not None:  # an earlier attempt was cut short: leave out what it wrote
             # Past the log's end when a power cut took the log's tail back below it (and the attempt's rows with
@@ -206,8 +276,9 @@ class StagedBatch(WriterCommitMessage):
 class RocketStoreStreamWriter(DataSourceStreamArrowWriter):
     """``writeStream.format("rocketstore")``: options and columns as the batch writer's (``replay`` aside)."""
 
-    def __init__(self, setup: write.WriterSetup) -> None:
+    def __init__(self, setup: write.WriterSetup, checkpoint: str | None = None) -> None:
         self.setup = setup  # the batch writer's checks of target, options and columns (write.writer_setup)
+        self.checkpoint = checkpoint  # the query's checkpointLocation option (SinkStart)
         if self.setup.opts.replay:
             raise StoreError("rocketstore sink: replay is for batch imports (a stream's store times are new)")
 
@@ -239,7 +310,7 @@ class RocketStoreStreamWriter(DataSourceStreamArrowWriter):
         try:
             parts = [m.part for m in got if m.part.rows]
             if parts:
-                summary = commit_batch(self.setup.root, query_id, batchId, parts, self.setup.opts)
+                summary = commit_batch(self.setup.root, query_id, batchId, parts, self.setup.opts, self.checkpoint)
                 log.info("sink %s batch %d: %s", query_id, batchId, summary)
         finally:
             write.cleanup(self.staging(query_id, batchId))

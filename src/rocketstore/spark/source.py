@@ -807,4 +807,5 @@ class RocketStoreDataSource(DataSource):
         if overwrite:
             raise StoreError("rocketstore sink: only outputMode('append') is supported (a store is append-only)")
         opts = Options(self.options)
-        return RocketStoreStreamWriter(writer_setup(opts.roots(), opts.config_options(), schema.fieldNames()))
+        return RocketStoreStreamWriter(writer_setup(opts.roots(), opts.config_options(), schema.fieldNames()),
+                                       opts.get("checkpointLocation"))

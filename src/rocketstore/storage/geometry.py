@@ -243,15 +243,19 @@ def _index_geometry(config: StoreConfig, m: Measured, allow_quarantine: bool) ->
     return {"maxHashSlotNum": slots, "maxIndexNum": 4 * slots}
 
 
-def store_config(root: str, config: StoreConfig | None = None, *, allow_quarantine: bool = False) -> StoreConfig:
-    """The config an open of ``root`` uses: ``<root>/broker.conf`` overlaid with ``config``, geometry resolved."""
+def configured(root: str, config: StoreConfig | None = None) -> StoreConfig:
+    """``<root>/broker.conf`` overlaid with ``config``, geometry not yet measured: what a tool may read before
+    the files are (e.g. whether the store names its tier)."""
     own = os.path.join(root, STORE_CONF)
     cfg = StoreConfig.load(own) if os.path.isfile(own) else None
     if cfg is None:
-        cfg = config or StoreConfig()
-    elif config is not None:
-        cfg = cfg.overlay(config)
-    return resolve_geometry(root, cfg, allow_quarantine=allow_quarantine)
+        return config or StoreConfig()
+    return cfg if config is None else cfg.overlay(config)
+
+
+def store_config(root: str, config: StoreConfig | None = None, *, allow_quarantine: bool = False) -> StoreConfig:
+    """The config an open of ``root`` uses: ``<root>/broker.conf`` overlaid with ``config``, geometry resolved."""
+    return resolve_geometry(root, configured(root, config), allow_quarantine=allow_quarantine)
 
 
 def init_store(root: str, preset: str = "default") -> bool:

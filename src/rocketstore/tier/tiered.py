@@ -33,6 +33,7 @@ import threading
 import time
 import uuid
 import zlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..paths import StorePaths
@@ -51,9 +52,83 @@ log = logging.getLogger(__name__)
 
 STORE_ID_FILE = "tierStore.json"  # under the store's config/: which tier this store owns, by id
 LOCAL_MANIFEST = "tierManifest.json"  # under config/: the last manifest this store published, for opens
+UNKNOWN_URI = "<its tier's URI>"  # what an error tells to set when tierStore.json predates its tieredStoreUri
 REPUBLISH_RETRY_SECONDS = 600  # a republish that failed on the same damage is tried again after this long
 _UNIT = struct.Struct(">qiq")  # a consume-queue unit
 _INDEX_HEADER = struct.Struct(">qqqqii")
+
+
+@dataclass(frozen=True)
+class TierState:
+    """What ``config/tierStore.json`` says: the store's tier id, the highest manifest generation it published,
+    the commitlog offset below which it deleted local segments on the tier's word, and the tier's URI (for the error
+    that refuses an open without it; "" in files written before it was recorded)."""
+
+    store_id: str
+    generation: int
+    deleted_end: int
+    uri: str
+
+    @property
+    def copied(self) -> bool:
+        """Whether the store ever published a manifest (segments in the tier count) or deleted a local segment."""
+        return self.generation > 0 or self.deleted_end > 0
+
+
+def load_tier_state(root: str) -> TierState | None:
+    """Read ``config/tierStore.json`` (its ``.bak`` when the file is damaged or caught mid-rename); None when
+    neither exists, StoreLoadError naming the file when neither can be read."""
+    path = os.path.join(root, "config", STORE_ID_FILE)
+    problem = None
+    for cand in (path, f"{path}.bak"):
+        try:
+            with open(cand, encoding="utf-8") as fh:
+                d = json.load(fh)
+            state = TierState(str(d["storeId"]), int(d.get("generation", 0)), int(d.get("localDeletedEnd", 0)),
+                              str(d.get("tieredStoreUri") or ""))
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            problem = problem or f"{type(e).__name__}: {e}"
+            continue
+        if cand != path:
+            log.warning("%s: %s; using its .bak", path, problem or "missing")
+        return state
+    if problem is not None:
+        raise StoreLoadError(f"{path}: unreadable tier identity: {problem}")
+    return None
+
+
+def refuse_without_tier(root: str, uri: str) -> None:
+    """Missing is not empty: a store whose ``config/tierStore.json`` says it copied segments to a tier (and
+    retention may since have deleted the local copies) is not opened, repaired, rebuilt or read without that
+    tier (``uri``, its config's ``tieredStoreUri``, empty).  Read without it, the records only the tier holds
+    would be skipped (reads starting at the local log, OFFSET_TOO_SMALL) and a rebuild would drop their units
+    and keys.  StoreLoadError naming the store, the file and what to set; called before anything is touched.
+    A store whose tierStore.json says nothing was ever published opens as before."""
+    if uri:
+        return
+    path = os.path.join(root, "config", STORE_ID_FILE)
+    copies = [p for p in (os.path.join(root, "config", LOCAL_MANIFEST),
+                          os.path.join(root, "config", LOCAL_MANIFEST + ".bak")) if os.path.exists(p)]
+    fix = "set tieredStoreUri={} in {} (or --config)".format
+    conf = os.path.join(root, "broker.conf")
+    try:
+        state = load_tier_state(root)
+    except StoreLoadError as e:
+        raise StoreLoadError(f"{e}, and tieredStoreUri is not set: whether the tier of {root} holds records cannot "
+                             f"be told; {fix(UNKNOWN_URI, conf)}; nothing was changed") from None
+    if not copies and (state is None or not state.copied):
+        return
+    if state is not None and state.copied:
+        held = f"{path} says generation {state.generation} of its tier's manifest was published" + (
+            f" and local segments below commitlog offset {state.deleted_end} were deleted" if state.deleted_end
+            else "")
+    else:
+        held = f"{copies[0]} is the copy of a manifest this store published to its tier ({path})"
+    where = state.uri if state is not None and state.uri else UNKNOWN_URI
+    raise StoreLoadError(f"{held}, but tieredStoreUri is not set: without its tier the messages only the "
+                         f"tier holds would be skipped or dropped; {fix(where, conf)}; nothing was changed")
 
 
 class TieredStorage:
@@ -189,16 +264,16 @@ class TieredStorage:
         return os.path.join(self.root, "config", STORE_ID_FILE)
 
     def _load_state(self) -> None:
-        """Read ``tierStore.json`` (:func:`read_store_state`)."""
-        state = read_store_state(self.id_path)
+        state = load_tier_state(self.root)
         if state is not None:
-            self.store_id, self.generation, self.deleted_end = state
+            self.store_id, self.generation, self.deleted_end = state.store_id, state.generation, state.deleted_end
 
     def _save_state(self) -> None:
         from ..storage.jsonfile import write_json_atomic
         with self._state_lock:
+            # tieredStoreUri: where this store's tier is, for the error that refuses an open without it
             write_json_atomic(self.id_path, {"storeId": self.store_id, "generation": self.generation,
-                                             "localDeletedEnd": self.deleted_end})
+                                             "localDeletedEnd": self.deleted_end, "tieredStoreUri": self.loc.uri})
 
     def ensure_store_id(self) -> str:
         """This store's tier identity, made (durably) on first use."""
@@ -531,45 +606,6 @@ class TieredStorage:
                 "segments": len(m.commitlog) if m else 0,
                 "queueFiles": sum(len(v) for v in m.consumequeue.values()) if m else 0,
                 "indexFiles": len(m.index) if m else 0, "updatedAt": m.updated_at if m else None}
-
-
-def read_store_state(id_path: str) -> tuple[str, int, int] | None:
-    """``tierStore.json`` (its ``.bak`` when the file is damaged or caught mid-rename): the store's tier id, the
-    highest manifest generation it published and ``localDeletedEnd``; None when neither file is there."""
-    problem = None
-    for cand in (id_path, f"{id_path}.bak"):
-        try:
-            with open(cand, encoding="utf-8") as fh:
-                d = json.load(fh)
-            store_id = str(d["storeId"])
-            generation, deleted_end = int(d.get("generation", 0)), int(d.get("localDeletedEnd", 0))
-        except FileNotFoundError:
-            continue
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            problem = problem or f"{type(e).__name__}: {e}"
-            continue
-        if cand != id_path:
-            log.warning("%s: %s; using its .bak", id_path, problem or "missing")
-        return store_id, generation, deleted_end
-    if problem is not None:
-        raise StoreLoadError(f"{id_path}: unreadable tier identity: {problem}")
-    return None
-
-
-def refuse_without_tier(root: str) -> None:
-    """Refuse a store that deleted local commitlog segments because its tier held them (``localDeletedEnd`` in
-    ``config/tierStore.json``) when it is opened or repaired without ``tieredStoreUri``: its records below that
-    offset are in the tier only (missing is not empty).  Without the tier, a rebuild of its queues (``verify
-    --repair``, a lost queue directory or file) placed no unit for them (acknowledged messages, intact in the
-    tier, unreadable for good), and a reader took them for expired: its receivers moved their groups past
-    them and dropped their redeliveries."""
-    path = os.path.join(root, "config", STORE_ID_FILE)
-    state = read_store_state(path)
-    if state is not None and state[2] > 0:
-        raise StoreLoadError(f"{path}: this store deleted its local commitlog segments below offset {state[2]} "
-                             "because its tier held them, and no tieredStoreUri is set: those records are read "
-                             "from the tier only; set tieredStoreUri (STORE/broker.conf or --config) to open or "
-                             "repair it")
 
 
 def open_tier_reader(uri: str, options: dict[str, Any]) -> TierReader:
