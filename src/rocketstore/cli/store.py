@@ -300,7 +300,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     import time
     from ..services.metrics import not_live_reason, read_metrics
     if not os.path.isdir(args.store):
-        raise CliError(f"{args.store}: no such store directory")
+        raise CliError(f"{args.store}: " + ("not a directory (a store is a directory)" if os.path.exists(args.store)
+                                            else "no such store directory"))
     if not args.live:
         with open_read_only(args) as store:
             state = store.state()

@@ -87,6 +87,8 @@ class MessageEncoder:
         else:
             props = m.build_properties().encode("utf-8")
         if props:  # never a record recovery after a power loss would take for a torn write (codec.tail_problem)
+            if properties_string is None and props.count(b"\x01") != props.count(b"\x02"):
+                _refuse_separator_in_name(properties)
             why = codec.properties_problem(props)
             if why is not None:
                 raise codec.RecordError(f"{why}: a torn write could not be told from this (RocketMQ writes "
@@ -199,3 +201,12 @@ class MessageEncoder:
         return (list(codes) if any(codes) else None, None if keys.count(None) == len(keys) else list(keys),
                 None if uniqs.count(None) == len(uniqs) else list(uniqs), None)
 
+
+def _refuse_separator_in_name(properties: dict[str, str] | None) -> None:
+    """A property name holding 0x01 (RocketMQ's name/value separator) would read back as another name and value:
+    the record would not return the message that was put, so the put is refused (a value may hold it: the first
+    0x01 of a pair ends its name)."""
+    for name in properties or ():
+        if "\x01" in name:
+            raise codec.RecordError(f"property name {name!r} holds \\x01, the name/value separator of the "
+                                    "properties string: it would read back as another property")

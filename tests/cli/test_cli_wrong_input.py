@@ -1,0 +1,55 @@
+"""What a new user types wrong: a file for a store, a bad value in a config file, a mistyped msgId.
+
+Each is refused with exit status 2 and one line on stderr that names what and where, and touches nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import golden_expected, golden_store, run_cli
+
+PATH_COMMANDS = [["state"], ["dump"], ["verify"], ["retention"], ["stats"], ["topics"], ["groups"], ["lag"],
+                 ["get", "--topic", "T", "--queue-id", "0", "--offset", "0"],
+                 ["query", "--topic", "T", "--key", "k"],
+                 ["put", "--topic", "T", "--body", "hello"], ["init"], ["recover"], ["tier", "status"]]
+
+
+def _one_error_line(r) -> str:
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.decode().splitlines()
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    assert r.stdout == b""
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", PATH_COMMANDS, ids=lambda c: " ".join(c[:1] if c[0] != "tier" else c[:2]))
+def test_a_file_given_as_the_store_is_named_as_not_a_directory(command, tmp_path):
+    f = tmp_path / "store.jsonl"
+    f.write_bytes(b'{"topic": "T"}\n')
+    n = 2 if command[0] == "tier" else 1
+    err = _one_error_line(run_cli(*command[:n], f, *command[n:]))
+    assert str(f) in err and "not a directory" in err, err
+    assert f.read_bytes() == b'{"topic": "T"}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["store.jsonl"]
+
+
+@pytest.mark.parametrize("line,needle", [("flushDiskType=MAYBE", "flushDiskType=MAYBE: must be"),
+                                         ("maxMessageSize=-1", "maxMessageSize=-1: must be positive"),
+                                         ("topicRetentionMs=forever", "topicRetentionMs=forever")])
+def test_a_refused_config_value_names_the_file_it_is_in(line, needle, tmp_path):
+    conf = tmp_path / "my.conf"
+    conf.write_text(line + "\n")
+    err = _one_error_line(run_cli("state", golden_store("basic"), "--config", conf))
+    assert err.endswith(needle) or needle in err, err
+    assert str(conf) in err, err
+    store = tmp_path / "s"
+    err = _one_error_line(run_cli("put", store, "--topic", "T", "--body", "x", "--config", conf))
+    assert str(conf) in err and not store.exists(), err
+
+
+def test_a_msg_id_naming_no_record_start_does_not_claim_damage():
+    e = golden_expected("basic")[3]
+    offset = e["commitLogOffset"] + 5  # inside the record: no record starts there
+    err = _one_error_line(run_cli("msg", golden_store("basic"), "--id", e["msgId"][:-16] + f"{offset:016X}"))
+    assert "not the start of one" in err and "holds a damaged record" not in err, err
+    assert f"commitlog offset {offset}" in err and "00000000000000000000" in err, err

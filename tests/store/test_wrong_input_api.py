@@ -1,0 +1,43 @@
+"""What a new user passes wrong through the Python API: refused with the package's errors, naming what."""
+
+from __future__ import annotations
+
+import pytest
+
+from rocketstore import Message, MessageStore, StoreConfig
+from rocketstore.config import golden_config
+from rocketstore.errors import ConfigError, StoreLoadError
+from rocketstore.format.message import PutMessageStatus
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+def test_opening_a_file_as_a_store_says_it_is_not_a_directory(tmp_path, read_only):
+    f = tmp_path / "store"
+    f.write_bytes(b"not a store")
+    with pytest.raises(StoreLoadError, match="not a directory") as e:
+        MessageStore.open(str(f), read_only=read_only)
+    assert str(f) in str(e.value) and f.read_bytes() == b"not a store"
+
+
+@pytest.mark.parametrize("key,value,want", [("mappedFileSizeCommitLog", "1048576", "int"),
+                                            ("maxMessageSize", True, "int"),
+                                            ("messageIndexEnable", "false", "bool"),
+                                            ("flushDiskType", 1, "str")])
+def test_a_storeconfig_field_of_the_wrong_type_is_a_config_error_naming_it(key, value, want):
+    with pytest.raises(ConfigError, match=f"{key}=.*expected {want}"):
+        StoreConfig(**{key: value})
+
+
+def test_a_property_name_holding_the_name_value_separator_is_refused(tmp_path):
+    with MessageStore.open(str(tmp_path / "s"), golden_config()) as store:
+        before = store.max_phy_offset()
+        for m in (Message("T", b"x", properties={"a\x01": "b"}),
+                  Message("T", b"x", tags="TagA", keys=["k"], properties={"city\x01x": "Berlin"})):
+            r = store.put(m)
+            assert r.status is PutMessageStatus.MESSAGE_ILLEGAL and "\\x01" in r.error, r
+            r = store.put_batch([Message("T", b"ok"), m])
+            assert r.status is PutMessageStatus.MESSAGE_ILLEGAL, r
+        assert store.max_phy_offset() == before
+        r = store.put(Message("T", b"x", properties={"a": "b\x01c", "d": "e"}))  # a value may hold it
+        assert r.status is PutMessageStatus.PUT_OK
+        assert store.look(r.commit_log_offset).properties == {"a": "b\x01c", "d": "e"}
