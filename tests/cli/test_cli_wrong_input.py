@@ -53,3 +53,27 @@ def test_a_msg_id_naming_no_record_start_does_not_claim_damage():
     err = _one_error_line(run_cli("msg", golden_store("basic"), "--id", e["msgId"][:-16] + f"{offset:016X}"))
     assert "not the start of one" in err and "holds a damaged record" not in err, err
     assert f"commitlog offset {offset}" in err and "00000000000000000000" in err, err
+
+
+@pytest.mark.parametrize("command", [["state"], ["topics"], ["groups"], ["lag"], ["dlq", "list"],
+                                     ["get", "--topic", "TopicA", "--queue-id", "0", "--offset", "0", "--no-body"],
+                                     ["msg", "--id", "7F00000100002A9F0000000000000000", "--no-body"]],
+                         ids=lambda c: " ".join(c[:2] if c[0] == "dlq" else c[:1]))
+def test_json_is_short_for_format_json_wherever_there_is_a_format(command):
+    n = 2 if command[0] == "dlq" else 1
+    args = [*command[:n], golden_store("basic"), *command[n:]]
+    r = run_cli(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == run_cli(*args, "--format", "json").stdout and r.stdout.startswith(b"{")
+
+
+def test_tier_status_before_the_first_upload_and_as_json(tmp_path):
+    import json
+    store = tmp_path / "s"
+    store.mkdir()
+    (store / "broker.conf").write_text(f"mappedFileSizeCommitLog=65536\ntieredStoreUri=file://{tmp_path}/tier\n")
+    assert run_cli("put", store, "--topic", "T", "--body", "x").returncode == 0
+    r = run_cli("tier", "status", store)
+    assert r.returncode == 0 and b"offsets none yet" in r.stdout and b"None" not in r.stdout, r.stdout
+    doc = json.loads(run_cli("tier", "status", store, "--json").stdout)
+    assert doc["minOffset"] is None and doc["uri"] == f"file://{tmp_path}/tier"

@@ -397,7 +397,6 @@ def cmd_msg(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- wiring
 
 def _live_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", dest="format", action="store_const", const=JSON, help="same as --format json")
     p.add_argument("--admin-user", metavar="USER",
                    help=f"ACL Super user for a running broker with ACL on (default ${live.USER_ENV}; the "
                         f"secret comes from ${live.SECRET_ENV} or --admin-secret-file)")
