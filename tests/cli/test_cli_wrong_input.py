@@ -77,3 +77,11 @@ def test_tier_status_before_the_first_upload_and_as_json(tmp_path):
     assert r.returncode == 0 and b"offsets none yet" in r.stdout and b"None" not in r.stdout, r.stdout
     doc = json.loads(run_cli("tier", "status", store, "--json").stdout)
     assert doc["minOffset"] is None and doc["uri"] == f"file://{tmp_path}/tier"
+
+
+def test_import_from_a_directory_is_refused_and_leaves_no_store(tmp_path):
+    (tmp_path / "dumps").mkdir()
+    store = tmp_path / "new-store"
+    err = _one_error_line(run_cli("import", store, "--from", tmp_path / "dumps"))
+    assert str(tmp_path / "dumps") in err and "not a dump file" in err, err
+    assert not store.exists()
