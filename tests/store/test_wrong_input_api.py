@@ -41,3 +41,24 @@ def test_a_property_name_holding_the_name_value_separator_is_refused(tmp_path):
         r = store.put(Message("T", b"x", properties={"a": "b\x01c", "d": "e"}))  # a value may hold it
         assert r.status is PutMessageStatus.PUT_OK
         assert store.look(r.commit_log_offset).properties == {"a": "b\x01c", "d": "e"}
+
+
+def test_reads_of_a_closed_store_say_it_is_closed(tmp_path):
+    from rocketstore.errors import StoreClosedError
+    store = MessageStore.open(str(tmp_path / "s"), golden_config())
+    r = store.put(Message("T", b"x", keys=["k"]))
+    store.wait_dispatched()
+    store.close()
+    for read in (lambda: store.look(r.commit_log_offset), lambda: store.query("T", "k"),
+                 lambda: store.offset_by_time("T", 0, 0), lambda: store.get("T", 0, 0)):
+        with pytest.raises(StoreClosedError, match="closed"):
+            read()
+
+
+def test_offset_by_time_refuses_an_unknown_boundary():
+    from conftest import golden_store
+    from rocketstore.errors import StoreError
+    with MessageStore.open(str(golden_store("basic")), read_only=True) as store:
+        assert store.offset_by_time("TopicA", 0, 0, "lower") == 0
+        with pytest.raises(StoreError, match="boundary 'middle'"):
+            store.offset_by_time("TopicA", 0, 0, "middle")
