@@ -67,7 +67,11 @@ class Selection:
                         on_damaged(off, problem or "damaged record")
                         offset = off + max(rec_size, 1)
                         continue
-                    raise StoreError(f"scan stopped at commitlog offset {off}: {problem}")
+                    hint = ""
+                    if off == self.from_offset and n == 0:  # the first record, where the caller said to start
+                        hint = (" (the start offset given may not be the start of a record: take one from a "
+                                "message's commitLogOffset)")
+                    raise StoreError(f"scan stopped at commitlog offset {off}: {problem}{hint}")
                 offset = off + rec_size
                 if self.to_time is not None and msg.store_timestamp > self.to_time:
                     return  # store times ascend in commitlog order (stamped under the put lock)

@@ -85,3 +85,12 @@ def test_import_from_a_directory_is_refused_and_leaves_no_store(tmp_path):
     err = _one_error_line(run_cli("import", store, "--from", tmp_path / "dumps"))
     assert str(tmp_path / "dumps") in err and "not a dump file" in err, err
     assert not store.exists()
+
+
+def test_dump_from_an_offset_inside_a_record_says_it_may_not_start_one():
+    e = golden_expected("basic")[3]
+    err = _one_error_line(run_cli("dump", golden_store("basic"), "--from-offset", str(e["commitLogOffset"] + 5)))
+    assert f"commitlog offset {e['commitLogOffset'] + 5}" in err and "may not be the start of a record" in err, err
+    nxt = golden_expected("basic")[4]["commitLogOffset"]  # a record's own offset reads as before
+    r = run_cli("dump", golden_store("basic"), "--from-offset", str(nxt), "--limit", "1", "--no-body")
+    assert r.returncode == 0 and b'"commitLogOffset": %d' % nxt in r.stdout
