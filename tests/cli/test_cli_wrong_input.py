@@ -94,3 +94,21 @@ def test_dump_from_an_offset_inside_a_record_says_it_may_not_start_one():
     nxt = golden_expected("basic")[4]["commitLogOffset"]  # a record's own offset reads as before
     r = run_cli("dump", golden_store("basic"), "--from-offset", str(nxt), "--limit", "1", "--no-body")
     assert r.returncode == 0 and b'"commitLogOffset": %d' % nxt in r.stdout
+
+
+@pytest.mark.parametrize("job", [["verify"], ["export", "--to", "OUT"], ["stats"], ["rebuild"]], ids=lambda j: j[0])
+@pytest.mark.parametrize("what", ["missing", "file", "empty dir"])
+def test_spark_jobs_refuse_a_store_that_is_not_one_before_starting_spark(job, what, tmp_path):
+    import time
+    store = tmp_path / "store"
+    if what == "file":
+        store.write_text("x")
+    elif what == "empty dir":
+        store.mkdir()
+    args = [a if a != "OUT" else str(tmp_path / "out") for a in job[1:]]
+    t0 = time.monotonic()
+    err = _one_error_line(run_cli("spark", job[0], store, *args, "--master", "local[1]"))
+    assert time.monotonic() - t0 < 5, "a JVM was started"  # (a Spark session takes 10 s and more here)
+    assert str(store) in err and ("no such store directory", "not a directory", "not a message store")[
+        ["missing", "file", "empty dir"].index(what)] in err, err
+    assert not (tmp_path / "out").exists()
