@@ -112,3 +112,10 @@ def test_spark_jobs_refuse_a_store_that_is_not_one_before_starting_spark(job, wh
     assert str(store) in err and ("no such store directory", "not a directory", "not a message store")[
         ["missing", "file", "empty dir"].index(what)] in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_spark_package_into_a_file_says_out_is_not_a_directory(tmp_path):
+    (tmp_path / "dist").write_text("x")
+    err = _one_error_line(run_cli("spark", "package", "--out", tmp_path / "dist"))
+    assert str(tmp_path / "dist") in err and "not a directory" in err, err
+    assert (tmp_path / "dist").read_text() == "x"

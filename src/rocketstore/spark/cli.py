@@ -179,6 +179,8 @@ def _stats(spark: Any, args: argparse.Namespace) -> int:
 
 def _package(args: argparse.Namespace) -> int:
     from .package import build
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise StoreError(f"{args.out}: not a directory (--out names the directory to write the zip and launcher to)")
     _emit(build(args.out))
     return 0
 
