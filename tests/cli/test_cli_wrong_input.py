@@ -119,3 +119,24 @@ def test_spark_package_into_a_file_says_out_is_not_a_directory(tmp_path):
     err = _one_error_line(run_cli("spark", "package", "--out", tmp_path / "dist"))
     assert str(tmp_path / "dist") in err and "not a directory" in err, err
     assert (tmp_path / "dist").read_text() == "x"
+
+
+@pytest.mark.parametrize("change,needle", [({"queueId": "x"}, "queueId 'x': expected an integer"),
+                                           ({"storeTimestamp": "yesterday"}, "storeTimestamp 'yesterday'"),
+                                           ({"topic": 5}, "topic 5: expected a string"),
+                                           ({"properties": [1]}, "properties [1]: expected an object"),
+                                           ({"flag": 2 ** 40}, "flag 1099511627776"),
+                                           ({"storeTimestamp": 2 ** 70}, "store_timestamp"),
+                                           (None, "a JSON list, not an object")],
+                         ids=["queueId", "storeTimestamp-str", "topic", "properties", "flag", "storeTimestamp-big",
+                              "list"])
+def test_import_names_a_hand_edited_field_and_imports_nothing(change, needle, tmp_path):
+    import json
+    lines = [json.loads(line) for line in golden_store("basic").parent.joinpath("expected.jsonl").read_text()
+             .splitlines()[:3]]
+    lines[1] = [1, 2] if change is None else {**lines[1], **change}
+    src = tmp_path / "edited.jsonl"
+    src.write_text("".join(json.dumps(d) + "\n" for d in lines))
+    err = _one_error_line(run_cli("import", tmp_path / "s", "--from", src))
+    assert f"{src}:2:" in err and needle in err and "nothing imported" in err, err
+    assert not (tmp_path / "s").exists()

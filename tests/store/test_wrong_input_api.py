@@ -62,3 +62,18 @@ def test_offset_by_time_refuses_an_unknown_boundary():
         assert store.offset_by_time("TopicA", 0, 0, "lower") == 0
         with pytest.raises(StoreError, match="boundary 'middle'"):
             store.offset_by_time("TopicA", 0, 0, "middle")
+
+
+@pytest.mark.parametrize("field,value", [("flag", 2 ** 40), ("sys_flag", 2 ** 33), ("reconsume_times", -2 ** 40),
+                                         ("born_timestamp", 2 ** 70), ("store_timestamp", 2 ** 64),
+                                         ("prepared_transaction_offset", 2 ** 63), ("flag", "3"),
+                                         ("born_host", "1.2.3.4:99999999999")])
+def test_a_header_field_out_of_its_range_is_message_illegal_naming_it(tmp_path, field, value):
+    with MessageStore.open(str(tmp_path / "s"), golden_config()) as store:
+        r = store.put(Message("T", b"x", **{field: value}))
+        assert r.status is PutMessageStatus.MESSAGE_ILLEGAL, r
+        assert (field if field != "born_host" else "born_port") in r.error, r.error
+        r = store.put_batch([Message("T", b"a"), Message("T", b"x", **{field: value})])
+        assert r.status is PutMessageStatus.MESSAGE_ILLEGAL, r
+        r = store.put(Message("T", b"ok", flag=-1, prepared_transaction_offset=2 ** 63 - 1))  # in range: stored
+        assert r.status is PutMessageStatus.PUT_OK and r.queue_offset == 0 and r.commit_log_offset == 0
