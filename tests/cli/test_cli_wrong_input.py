@@ -140,3 +140,14 @@ def test_import_names_a_hand_edited_field_and_imports_nothing(change, needle, tm
     err = _one_error_line(run_cli("import", tmp_path / "s", "--from", src))
     assert f"{src}:2:" in err and needle in err and "nothing imported" in err, err
     assert not (tmp_path / "s").exists()
+
+
+def test_serve_on_a_port_in_use_is_one_line_and_makes_no_store(tmp_path):
+    import socket
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        err = _one_error_line(run_cli("serve", tmp_path / "s", "--port", str(port)))
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err, err
+    assert not (tmp_path / "s").exists()
