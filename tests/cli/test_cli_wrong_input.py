@@ -151,3 +151,14 @@ def test_serve_on_a_port_in_use_is_one_line_and_makes_no_store(tmp_path):
         err = _one_error_line(run_cli("serve", tmp_path / "s", "--port", str(port)))
     assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err, err
     assert not (tmp_path / "s").exists()
+
+
+def test_serve_with_its_admin_port_in_use_is_one_line_and_makes_no_store(tmp_path):
+    import socket
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        err = _one_error_line(run_cli("serve", tmp_path / "s", "--port", "0", "--admin-port", str(port)))
+    assert f"cannot listen on 127.0.0.1:{port} for the admin endpoint" in err, err
+    assert not (tmp_path / "s").exists()

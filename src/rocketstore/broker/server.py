@@ -92,6 +92,9 @@ async def serve_async(opts: ServeOptions, *, ready: Callable[[str, int], None] |
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", -1), *KEEPALIVE_OPTIONS])
     port = _bind(server, opts)
+    taken = _port_taken(bcfg.adminHost, bcfg.adminPort) if bcfg.adminPort > 0 else None
+    if taken is not None:  # (before the store is opened, as for the gRPC port)
+        raise CliError(f"cannot listen on {bcfg.adminHost}:{bcfg.adminPort} for the admin endpoint: {taken}")
     store = MessageStore.open(opts.store, opts.store_config)
     try:
         await _serve_store(server, port, store, bcfg, opts, ready, stop_event, access, admission)
