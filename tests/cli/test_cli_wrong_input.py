@@ -162,3 +162,18 @@ def test_serve_with_its_admin_port_in_use_is_one_line_and_makes_no_store(tmp_pat
         err = _one_error_line(run_cli("serve", tmp_path / "s", "--port", "0", "--admin-port", str(port)))
     assert f"cannot listen on 127.0.0.1:{port} for the admin endpoint" in err, err
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("count,ok", [("500", True), ("abc", False), ("0", False)])
+def test_demo_takes_any_positive_message_count_and_refuses_others_in_one_line(count, ok, tmp_path):
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "ROCKETSTORE_DEMO_DIR": str(tmp_path / "d"), "ROCKETSTORE_DEMO_MESSAGES": count}
+    r = subprocess.run([sys.executable, "-m", "rocketstore.cli.demo"], capture_output=True, env=env, timeout=120)
+    if ok:  # under 1,000 messages the key step was 0 (range() raised); the lookups counted 1,000 whatever ran
+        assert r.returncode == 0, r.stderr
+        assert b"500/500 found" in r.stdout, r.stdout
+    else:
+        err = _one_error_line(r)
+        assert f"ROCKETSTORE_DEMO_MESSAGES='{count}'" in err and not (tmp_path / "d").exists(), err
