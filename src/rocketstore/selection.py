@@ -36,6 +36,14 @@ class Selection:
     max_messages: int | None = None
     max_bytes: int | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("from_offset", "from_time", "to_time", "max_messages", "max_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                # (a time as text, which the CLI's flags take: refused here, not a TypeError deep in the scan)
+                raise StoreError(f"Selection {name}={value!r}: expected an int"
+                                 + (" (epoch milliseconds)" if name.endswith("time") else ""))
+
     @property
     def limited(self) -> bool:
         return self.max_messages is not None or self.max_bytes is not None

@@ -77,3 +77,13 @@ def test_a_header_field_out_of_its_range_is_message_illegal_naming_it(tmp_path, 
         assert r.status is PutMessageStatus.MESSAGE_ILLEGAL, r
         r = store.put(Message("T", b"ok", flag=-1, prepared_transaction_offset=2 ** 63 - 1))  # in range: stored
         assert r.status is PutMessageStatus.PUT_OK and r.queue_offset == 0 and r.commit_log_offset == 0
+
+
+@pytest.mark.parametrize("field,value", [("from_time", "2026-11-22T00:00:00Z"), ("to_time", 1.5e12),
+                                         ("from_offset", "0"), ("max_messages", True)])
+def test_a_selection_field_that_is_not_an_int_is_refused_naming_it(field, value):
+    from rocketstore.errors import StoreError
+    from rocketstore.selection import Selection
+    with pytest.raises(StoreError, match=f"Selection {field}="):
+        Selection(topic="TopicA", **{field: value})
+    assert Selection(topic="TopicA", from_time=0, to_time=2 ** 62, max_messages=1).max_messages == 1
