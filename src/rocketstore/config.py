@@ -47,6 +47,9 @@ def require(config: object, ok: bool, key: str, why: str) -> None:
         raise ConfigError(f"{key}={getattr(config, key)}: {why}")
 
 
+_FIELD_TYPES: dict[Any, type] = {"int": int, "bool": bool, "str": str}
+
+
 @dataclass
 class StoreConfig:
     """Store settings (RocketMQ 5.3.3 names and defaults).
@@ -117,6 +120,12 @@ class StoreConfig:
         return self
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # StoreConfig(maxMessageSize="4096"): named here, not a TypeError from a comparison
+            want = _FIELD_TYPES.get(f.type)
+            value = getattr(self, f.name)
+            if want is not None and (not isinstance(value, want) or (want is int and isinstance(value, bool))):
+                raise ConfigError(f"{f.name}={value!r}: expected {f.type}, not {type(value).__name__} "
+                                  "(StoreConfig.load and from_mapping convert strings)")
         self.validate()
 
     @property
@@ -182,7 +191,10 @@ class StoreConfig:
             if key not in types:
                 raise ConfigError(f"{source}: unknown key {key!r}")
             kwargs[key] = _convert(raw, types[key], f"{source}: {key}")
-        cfg = cls(**kwargs)
+        try:
+            cfg = cls(**kwargs)
+        except ConfigError as e:  # name where the refused value was written, as the conversion errors do
+            raise ConfigError(f"{source}: {e}") from None
         cfg.__dict__["_explicit"] = dict.fromkeys(kwargs, source)
         return cfg
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 import time
 from typing import Any, Iterator, NamedTuple
 
@@ -49,6 +50,9 @@ def read_lines(path: str) -> Iterator[Line]:
                 d = json.loads(raw)
             except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
                 yield Line(number, len(raw), None, f"not a JSON line: {e}", None)
+                continue
+            if not isinstance(d, dict):
+                yield Line(number, len(raw), None, f"not a message: a JSON {type(d).__name__}, not an object", None)
                 continue
             try:
                 msg = Message.from_json(d)
@@ -103,7 +107,7 @@ def _group_problem(store: MessageStore, group: list[Line], now_ms: int) -> tuple
             return line.number, line.problem
         try:
             store.encoder.encode(line.message, now_ms)  # the put path's own checks (topic, sizes, hosts, properties)
-        except ValueError as e:
+        except (ValueError, struct.error) as e:  # (struct.error: a number the record's field cannot hold)
             return line.number, str(e)
     if len(group) > 1:
         why = batch_problem([line.message for line in group])

@@ -36,6 +36,14 @@ class Selection:
     max_messages: int | None = None
     max_bytes: int | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("from_offset", "from_time", "to_time", "max_messages", "max_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                # (a time as text, which the CLI's flags take: refused here, not a TypeError deep in the scan)
+                raise StoreError(f"Selection {name}={value!r}: expected an int"
+                                 + (" (epoch milliseconds)" if name.endswith("time") else ""))
+
     @property
     def limited(self) -> bool:
         return self.max_messages is not None or self.max_bytes is not None
@@ -67,7 +75,11 @@ class Selection:
                         on_damaged(off, problem or "damaged record")
                         offset = off + max(rec_size, 1)
                         continue
-                    raise StoreError(f"scan stopped at commitlog offset {off}: {problem}")
+                    hint = ""
+                    if off == self.from_offset and n == 0:  # the first record, where the caller said to start
+                        hint = (" (the start offset given may not be the start of a record: take one from a "
+                                "message's commitLogOffset)")
+                    raise StoreError(f"scan stopped at commitlog offset {off}: {problem}{hint}")
                 offset = off + rec_size
                 if self.to_time is not None and msg.store_timestamp > self.to_time:
                     return  # store times ascend in commitlog order (stamped under the put lock)

@@ -81,6 +81,8 @@ class MessageStore:
         self.metrics = StoreMetrics()
         self.encoder = MessageEncoder.for_config(config)
 
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise StoreLoadError(f"{root}: not a directory (a store is a directory)")
         if not os.path.isdir(root):
             if read_only:
                 raise StoreLoadError(f"{root}: no such store directory")

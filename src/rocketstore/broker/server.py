@@ -12,6 +12,7 @@ import ipaddress
 import json
 import logging
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -91,6 +92,9 @@ async def serve_async(opts: ServeOptions, *, ready: Callable[[str, int], None] |
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", -1), *KEEPALIVE_OPTIONS])
     port = _bind(server, opts)
+    taken = _port_taken(bcfg.adminHost, bcfg.adminPort) if bcfg.adminPort > 0 else None
+    if taken is not None:  # (before the store is opened, as for the gRPC port)
+        raise CliError(f"cannot listen on {bcfg.adminHost}:{bcfg.adminPort} for the admin endpoint: {taken}")
     store = MessageStore.open(opts.store, opts.store_config)
     try:
         await _serve_store(server, port, store, bcfg, opts, ready, stop_event, access, admission)
@@ -115,8 +119,26 @@ def admission_of(bcfg: BrokerConfig, access: AccessControl | None, frame_limit: 
     return Admission(access, budget, frame_limit)
 
 
+def _port_taken(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on, tried with a plain socket first: gRPC's core logs a failed bind on
+    stderr itself, beside the one line the CLI prints (the server binds without SO_REUSEPORT, as this does)."""
+    if port == 0:
+        return None
+    host = host.strip("[]")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def _bind(server: Any, opts: ServeOptions) -> int:
     address = bind_address(opts.host, opts.port)
+    taken = _port_taken(opts.host, opts.port)
+    if taken is not None:
+        raise CliError(f"cannot listen on {address}: {taken}")
     try:
         if opts.tls_cert or opts.tls_key:
             if not (opts.tls_cert and opts.tls_key):

@@ -363,9 +363,11 @@ def find_by_id(store: MessageStore, msg_id: str, topic: str | None = None) -> tu
             if m.uniq_key == msg_id:
                 hits.append(m)
     if not hits and damage is not None:  # the id may name that record: say what is there, not "no message"
+        # Its header did not name this id either, so the offset may just as well not start a record (a mistyped
+        # id): say both, never claim damage the store may not have.
         raise CorruptRecordError(f"no intact message with id {msg_id}: commitlog offset {decoded[2]}, which an "
-                                 f"offset msgId of that value names, holds a damaged record: {damage}",
-                                 path=damage.path, offset=damage.offset)
+                                 f"offset msgId of that value names, holds no intact record (a damaged record, or "
+                                 f"not the start of one): {damage}", path=damage.path, offset=damage.offset)
     return "uniqKey", sorted(hits, key=lambda m: m.commit_log_offset)
 
 
@@ -395,7 +397,6 @@ def cmd_msg(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- wiring
 
 def _live_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", dest="format", action="store_const", const=JSON, help="same as --format json")
     p.add_argument("--admin-user", metavar="USER",
                    help=f"ACL Super user for a running broker with ACL on (default ${live.USER_ENV}; the "
                         f"secret comes from ${live.SECRET_ENV} or --admin-secret-file)")

@@ -90,8 +90,9 @@ def run(path: str, count: int = 300_000) -> dict[str, float]:
         stats["consumed"] = read
         stats["consume_seconds"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        found = sum(len(store.query(topics[i % 3], f"order-{i}").messages) for i in range(0, count, count // 1000))
-        stats["key_lookups"] = 1000
+        lookups = range(0, count, max(1, count // 1000))  # about 1,000 keys spread over the store
+        found = sum(len(store.query(topics[i % 3], f"order-{i}").messages) for i in lookups)
+        stats["key_lookups"] = len(lookups)
         stats["key_hits"] = found
         stats["lookup_seconds"] = time.perf_counter() - t0
         state = store.state()
@@ -103,7 +104,12 @@ def run(path: str, count: int = 300_000) -> dict[str, float]:
 
 def main() -> int:
     path = os.environ.get("ROCKETSTORE_DEMO_DIR", "demo-store")
-    count = int(os.environ.get("ROCKETSTORE_DEMO_MESSAGES", "300000"))
+    raw = os.environ.get("ROCKETSTORE_DEMO_MESSAGES", "300000")
+    count = int(raw) if raw.strip().isdigit() else 0
+    if count < 1:
+        sys.stderr.write(f"rocketstore demo: error: ROCKETSTORE_DEMO_MESSAGES={raw!r}: expected a whole number of "
+                         "messages, at least 1\n")
+        return 2
     try:
         s = run(path, count)
     except DemoDirError as e:

@@ -28,6 +28,7 @@ _TABLE_CELL_MAX = 80
 def add_format_flag(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--format", choices=FORMATS, default=default,
                    help=f"output: {TABLE} (aligned columns), {JSON} or {CSV} (default {default})")
+    p.add_argument("--json", dest="format", action="store_const", const=JSON, help="same as --format json")
 
 
 def add_store_command(sub: Any, name: str, handler: Any, help: str,

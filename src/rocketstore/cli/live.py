@@ -149,7 +149,7 @@ def find(store: str, creds: Credentials | None = None) -> LiveBroker | None:
     try:
         with open(path, encoding="utf-8") as fh:
             doc = json.load(fh)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no broker (a path that is no store is refused by the open)
         return None
     except PermissionError:
         raise CliError(f"{path}: no permission to read the running broker's admin endpoint (ACL off: only the "

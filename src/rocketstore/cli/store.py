@@ -238,6 +238,8 @@ def cmd_put(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     import os
     from ..importer import import_file
+    if os.path.isdir(args.source):
+        raise CliError(f"{args.source}: a directory, not a dump file (JSON lines)")
     passes = 1 if args.continue_on_error else 2  # validate, then write
     total = os.path.getsize(args.source) * passes  # (an unreadable file fails here, before the store is opened)
     created = not os.path.exists(args.store)
@@ -245,7 +247,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         try:
             with progress_bar(total, "import", unit="B") as bar:
                 result = import_file(store, args.source, args.continue_on_error, bar)
-        except StoreError:
+        except (StoreError, OSError):  # (OSError: the file became unreadable after the size was taken)
             unused = created and store.max_phy_offset() == 0
             store.close()
             if unused:  # the store this command made and never wrote to: leave no trace of it either
@@ -300,7 +302,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     import time
     from ..services.metrics import not_live_reason, read_metrics
     if not os.path.isdir(args.store):
-        raise CliError(f"{args.store}: no such store directory")
+        raise CliError(f"{args.store}: " + ("not a directory (a store is a directory)" if os.path.exists(args.store)
+                                            else "no such store directory"))
     if not args.live:
         with open_read_only(args) as store:
             state = store.state()

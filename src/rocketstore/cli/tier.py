@@ -60,7 +60,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.format == JSON:
         emit(st)
     else:
-        print(f"tier {st['uri']}  offsets [{st['minOffset']}, {st['endOffset']})  local from {st['localMinOffset']}"
+        span = "none yet" if st["minOffset"] is None else f"[{st['minOffset']}, {st['endOffset']})"
+        print(f"tier {st['uri']}  offsets {span}  local from {st['localMinOffset']}"
               f"  max {st['maxOffset']}  sealed segments not uploaded: {st['sealedNotUploaded']}"
               + (f"  ERROR: {st['error']}" if st["error"] else "")
               + (f"  UPLOAD BLOCKED: {st['uploadBlocked']}" if st["uploadBlocked"] else ""))

@@ -9,6 +9,9 @@ rows with one too, so that the driver's commit only stamps and writes.
 
 from __future__ import annotations
 
+import struct
+from typing import Any
+
 from . import codec
 from ..config import StoreConfig
 from .message import (DEFAULT_STORE_HOST, LOCALHOST, Message, batch_bodies, host_tuple, illegal_topic, is_plain,
@@ -79,7 +82,7 @@ class MessageEncoder:
             return codec.encode_with_tail(topic, body, b"", queue_id, 0, 0, now_ms, LOCALHOST[0], 0,
                                           DEFAULT_STORE_HOST[0], DEFAULT_STORE_HOST[1], 0, 0, self.max_message_size)
         (tags, keys, properties, flag, sys_flag, born_ts, born_host, store_host, reconsume, prepared,
-         properties_string, _, _, _) = more_fields(m)
+         properties_string, store_ts, _, _) = more_fields(m)
         if properties_string is not None:
             props = properties_string.encode("utf-8")
         elif tags is None and keys is None:  # (what build_properties does then, from the fields read above)
@@ -87,12 +90,21 @@ class MessageEncoder:
         else:
             props = m.build_properties().encode("utf-8")
         if props:  # never a record recovery after a power loss would take for a torn write (codec.tail_problem)
+            if properties_string is None and props.count(b"\x01") != props.count(b"\x02"):
+                _refuse_separator_in_name(properties)
             why = codec.properties_problem(props)
             if why is not None:
                 raise codec.RecordError(f"{why}: a torn write could not be told from this (RocketMQ writes "
                                         "name\\x01value\\x02 pairs, no zero byte)")
         born_addr, born_port = LOCALHOST if born_host is None else host_tuple(born_host)
         store_addr, store_port = DEFAULT_STORE_HOST if store_host is None else host_tuple(store_host)
+        try:  # the header packs these under the put lock: a value it cannot hold must be refused here
+            _NUMBERS.pack(flag, sys_flag, reconsume, born_port, store_port, 0 if born_ts is None else born_ts,
+                          prepared, 0 if store_ts is None else store_ts)
+        except struct.error:
+            _refuse_number(flag=flag, sys_flag=sys_flag, reconsume_times=reconsume, born_port=born_port,
+                           store_port=store_port, born_timestamp=born_ts, prepared_transaction_offset=prepared,
+                           store_timestamp=store_ts)
         if sys_flag & 0x30 or len(born_addr) != 4 or len(store_addr) != 4:
             sys_flag = codec.with_host_flags(sys_flag, born_addr, store_addr)
         return codec.encode_with_tail(topic, body, props, queue_id, flag, sys_flag,
@@ -199,3 +211,27 @@ class MessageEncoder:
         return (list(codes) if any(codes) else None, None if keys.count(None) == len(keys) else list(keys),
                 None if uniqs.count(None) == len(uniqs) else list(uniqs), None)
 
+
+def _refuse_separator_in_name(properties: dict[str, str] | None) -> None:
+    """A property name holding 0x01 (RocketMQ's name/value separator) would read back as another name and value:
+    the record would not return the message that was put, so the put is refused (a value may hold it: the first
+    0x01 of a pair ends its name)."""
+    for name in properties or ():
+        if "\x01" in name:
+            raise codec.RecordError(f"property name {name!r} holds \\x01, the name/value separator of the "
+                                    "properties string: it would read back as another property")
+
+
+# The record header's types: flag, sysFlag, reconsumeTimes, the two ports (int32); bornTimestamp,
+# preparedTransactionOffset, storeTimestamp (int64).
+_NUMBERS = struct.Struct(">iiiiiqqq")
+
+
+def _refuse_number(**fields: Any) -> None:
+    """Name the field the record header cannot hold (MESSAGE_ILLEGAL), not a struct.error from the put lock."""
+    for bits, (name, value) in zip((32, 32, 32, 32, 32, 64, 64, 64), fields.items()):
+        if value is None and name in ("born_timestamp", "store_timestamp"):
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not -2 ** (bits - 1) <= value < 2 ** (bits - 1):
+            raise codec.RecordError(f"{name} {value!r}: the record holds a signed {bits}-bit integer there")
+    raise codec.RecordError(f"{fields}: not integers the record header can hold")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -165,14 +166,30 @@ class Message:
         encoding = d.get("bodyEncoding", "base64")
         if encoding not in ("base64", "utf-8"):
             raise ValueError(f"bodyEncoding {encoding!r}: expected 'base64' or 'utf-8'")
-        body = (d.get("body") or "").encode("utf-8") if encoding == "utf-8" else base64.b64decode(d.get("body") or "")
-        return cls(topic=d["topic"], body=body, queue_id=d.get("queueId", 0),
-                   flag=d.get("flag", 0), sys_flag=d.get("sysFlag", 0), born_timestamp=d.get("bornTimestamp"),
-                   born_host=d.get("bornHost"), store_host=d.get("storeHost"),
-                   reconsume_times=d.get("reconsumeTimes", 0),
-                   prepared_transaction_offset=d.get("preparedTransactionOffset", 0),
-                   properties_string=d.get("propertiesString"), properties=d.get("properties") or {},
-                   store_timestamp=d.get("storeTimestamp"))
+        if "topic" not in d:
+            raise ValueError("no topic")
+        f = functools.partial(_json_field, d)
+        raw = f("body", str, None) or ""
+        body = raw.encode("utf-8") if encoding == "utf-8" else base64.b64decode(raw)
+        return cls(topic=f("topic", str, None), body=body, queue_id=f("queueId", int, 0),
+                   flag=f("flag", int, 0), sys_flag=f("sysFlag", int, 0), born_timestamp=f("bornTimestamp", int, None),
+                   born_host=f("bornHost", str, None), store_host=f("storeHost", str, None),
+                   reconsume_times=f("reconsumeTimes", int, 0),
+                   prepared_transaction_offset=f("preparedTransactionOffset", int, 0),
+                   properties_string=f("propertiesString", str, None), properties=f("properties", dict, None) or {},
+                   store_timestamp=f("storeTimestamp", int, None))
+
+
+def _json_field(d: Mapping[str, Any], key: str, kind: type, default: Any) -> Any:
+    """``d[key]`` when it is of JSON type ``kind`` (``default`` when absent or null): a dump line edited by hand
+    is refused naming the field, never handed to the encoder (whose struct packing would fail mid-put)."""
+    value = d.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        name = {int: "an integer", str: "a string", dict: "an object"}[kind]
+        raise ValueError(f"{key} {value!r}: expected {name}")
+    return value
 
 
 for _i, _name in enumerate(_MORE_FIELDS):

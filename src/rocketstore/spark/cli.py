@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 from ..errors import CliError, StoreError
+from ..paths import StorePaths
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +93,25 @@ def _spark_error(e: BaseException) -> StoreError:
     return StoreError(f"{name.rsplit('.', 1)[-1]}: {message}"[:2000])
 
 
+# Jobs that read an existing store: a local STORE that is missing or a file is refused before the JVM starts
+# (seconds, and its warnings on stderr), as the other commands refuse it.
+_READS_A_STORE = ("verify", "rebuild", "export", "stats")
+
+
+def _refuse_missing_store(args: argparse.Namespace) -> None:
+    store = args.store
+    if args.spark_command not in _READS_A_STORE or "://" in store:
+        return
+    if not os.path.isdir(store):
+        raise StoreError(f"{store}: " + ("not a directory (a store is a directory)" if os.path.exists(store)
+                                         else "no such store directory"))
+    if not os.path.isdir(StorePaths(store).commitlog):  # (what the source's planner refuses, in the JVM's time)
+        raise StoreError(f"{store}: not a message store (no commitlog directory)")
+
+
 def _run(args: argparse.Namespace, job: Callable[[Any, argparse.Namespace], int]) -> int:
     from . import jobs
+    _refuse_missing_store(args)
     conf = _conf(args.conf or [])
     try:
         spark = jobs.session(args.master, conf, app_name=f"rocketstore {args.spark_command}")
@@ -160,6 +179,8 @@ def _stats(spark: Any, args: argparse.Namespace) -> int:
 
 def _package(args: argparse.Namespace) -> int:
     from .package import build
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise StoreError(f"{args.out}: not a directory (--out names the directory to write the zip and launcher to)")
     _emit(build(args.out))
     return 0
 

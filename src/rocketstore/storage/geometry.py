@@ -266,6 +266,8 @@ def init_store(root: str, preset: str = "default") -> bool:
     """
     if preset not in PRESETS:
         raise ConfigError(f"preset {preset!r}: expected one of {', '.join(sorted(PRESETS))}")
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ConfigError(f"{root}: not a directory; refusing to initialise it")
     conf = os.path.join(root, STORE_CONF)
     entries = [e for e in os.listdir(root) if not e.startswith(".")] if os.path.isdir(root) else []
     if entries:

@@ -13,11 +13,11 @@ import os
 from typing import Any, Iterator
 
 from ..config import total_memory_bytes
-from ..errors import CorruptRecordError, StoreClosedError, TierError
+from ..errors import CorruptRecordError, StoreClosedError, StoreError, TierError
 from ..format import codec
 from ..format.codec import MessageExt
 from ..format.message import GetMessageResult, GetMessageStatus, QueryMessageResult, parse_tag_filter
-from .consume_queue import CQ_STORE_UNIT_SIZE, LOWER, ConsumeQueue
+from .consume_queue import CQ_STORE_UNIT_SIZE, LOWER, UPPER, ConsumeQueue
 from .files import InFiles, StoreFiles
 
 from .read_batch import BatchReads
@@ -343,6 +343,8 @@ class StoreReader(TierReads, UnitChecks, BatchReads):
         Raises :class:`CorruptRecordError` (file and offset) when no record
         decodes there or, reading the body, the body fails its BODYCRC.
         """
+        if self.files.closed:  # (else the emptied segment list reads as "no segment holds it")
+            raise StoreClosedError(f"{self.root}: store is closed")
         return self.commitlog.read_message(commit_log_offset, read_body=read_body, check_crc=read_body)
 
     def query(self, topic: str, key: str, max_num: int = 32, begin: int = 0, end: int = 2 ** 63 - 1,
@@ -356,6 +358,8 @@ class StoreReader(TierReads, UnitChecks, BatchReads):
         entry pointing at bytes that are no record, raises
         :class:`CorruptRecordError` naming the file and offset.
         """
+        if self.files.closed:
+            raise StoreClosedError(f"{self.root}: store is closed")
         limit = min(max_num, self.config.maxMsgsNumBatch)
         offsets, last_ts, last_phy = self.index_service.query_offset(topic, key, limit, begin, end)
         if self.tier is not None and self.tier.reader is not None and len(offsets) < limit:
@@ -404,6 +408,10 @@ class StoreReader(TierReads, UnitChecks, BatchReads):
 
     def offset_by_time(self, topic: str, queue_id: int, timestamp: int, boundary: str = LOWER) -> int:
         """Queue offset by store time (RocketMQ's getOffsetInQueueByTime)."""
+        if boundary not in (LOWER, UPPER):  # (any other value searched as UPPER, silently)
+            raise StoreError(f"offset_by_time: boundary {boundary!r}: expected {LOWER!r} or {UPPER!r}")
+        if self.files.closed:
+            raise StoreClosedError(f"{self.root}: store is closed")
         cq = self._cq_table.get((topic, queue_id))
         if cq is None:
             return 0
