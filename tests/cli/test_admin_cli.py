@@ -18,7 +18,7 @@ from rocketstore import Message, MessageStore
 from rocketstore.format.codec import decode_offset_msg_id
 from rocketstore.config import golden_config
 from rocketstore.cli.timeparse import parse_time_ms
-from conftest import GOLDEN_CONF, copy_store, golden_expected, golden_queries, golden_store, run_cli
+from conftest import GOLDEN_CONF, golden_expected, golden_queries, golden_store, run_cli
 
 
 def _ok(*args: object) -> str:

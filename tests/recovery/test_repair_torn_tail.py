@@ -86,7 +86,7 @@ def test_repair_after_a_crash_of_the_process_alone_keeps_every_intact_record(tmp
     """Same files, but the abort file is of this boot: only the process died, no page can be torn, so the
     zeros are damage like the other, and every intact record after them is kept (as before)."""
     root = tmp_path / "s"
-    recs = _power_loss_image(root, other_boot=False)
+    _power_loss_image(root, other_boot=False)
     cfg = StoreConfig(**CFG)
     result = repair_store(str(root), cfg)
     assert not [s for s in result["lost"] if s["action"] == "cut"]

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import GOLDEN_CONF, copy_store, flip_body_bit, golden_expected, golden_store, run_cli
 from rocketstore import GetMessageStatus, MessageStore
-from rocketstore.config import StoreConfig, golden_config
+from rocketstore.config import golden_config
 from rocketstore.storage.consume_queue import PRE_BLANK_UNIT
 from rocketstore.errors import CorruptRecordError, StoreLoadError
 from rocketstore.format.message import Message

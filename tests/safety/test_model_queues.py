@@ -138,7 +138,6 @@ chance.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -147,8 +146,6 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from helpers.model import body_of, uid_of
 from helpers.powerloss import crash_image, rebooted

@@ -204,7 +204,6 @@ print("committed", flush=True)
 def test_commit_killed_midway_leaves_every_queue_a_prefix(tmp_path):
     """SIGKILL of the driver's commit half-way: the store opens (abnormal recovery), verifies clean but for a
     torn last record, and each queue holds a prefix of its rows (partition 0's before partition 1's), every one intact and found by key."""
-    import os
     import signal
     import subprocess
     import sys
