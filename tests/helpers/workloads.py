@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
-from rocketstore import GetMessageStatus, MessageStore
+from rocketstore import GetMessageStatus, MessageStore, StoreConfig
 from rocketstore.storage.consume_queue import ConsumeQueue
 from rocketstore.format.message import Message
 
@@ -64,3 +69,29 @@ def read_queue(store: MessageStore, topic: str, qid: int, start: int | None = No
         got.update((m.queue_offset, m.body) for m in r.messages)
         off = r.next_begin_offset
     return got
+
+
+_CRASHING_WRITER = textwrap.dedent("""
+    import os, sys
+    from rocketstore import Message, MessageStore, StoreConfig
+    st = MessageStore.open(sys.argv[1], StoreConfig(**eval(sys.argv[2])))
+    keyed, dispatched = sys.argv[4] == "1", sys.argv[5] == "1"
+    for i in range(1, int(sys.argv[3]) + 1):
+        assert st.put(Message("T", b"m%d|" % i + bytes(400), queue_id=0, keys="k%d" % i if keyed else None)).ok
+    if dispatched:
+        st.wait_dispatched(10.0)  # the queues hold every record (in the page cache too)
+    os._exit(0)  # the process dies: no flush, no close; its records are in the page cache only
+""")
+
+
+def crashed_writer(root: Path, cfg: dict, n: int, *, keyed: bool = False, dispatched: bool = False
+                   ) -> dict[int, bytes]:
+    """One put (m0) by a clean open and close, then a writer process that puts m1..m``n`` on T/0 and dies
+    without a flush or a close (ASYNC_FLUSH: its records reach the page cache only).  Returns the bodies by
+    queue offset.  Run it under a power-loss shadow to see what a later power cut keeps."""
+    with MessageStore.open(str(root), StoreConfig(**cfg)) as st:
+        assert st.put(Message("T", b"m0|" + bytes(400), queue_id=0)).ok
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    subprocess.run([sys.executable, "-c", _CRASHING_WRITER, str(root), repr(cfg), str(n), "1" if keyed else "0",
+                    "1" if dispatched else "0"], check=True, env=env, timeout=60)
+    return {i: b"m%d|" % i + bytes(400) for i in range(n + 1)}

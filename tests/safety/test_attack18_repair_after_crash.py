@@ -10,12 +10,9 @@ shut down cleanly) and the messages were gone from the disk."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 
 from helpers.powerloss import SyncShadow, crash_image
+from helpers.workloads import crashed_writer
 from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig
 from rocketstore.recovery.repair import repair_store
 
@@ -23,27 +20,11 @@ CFG = dict(mappedFileSizeCommitLog=32 * 1024, mappedFileSizeConsumeQueue=10 * 20
            maxIndexNum=128, warmAheadBytes=0, flushDiskType="ASYNC_FLUSH", flushIntervalCommitLog=600_000,
            flushCommitLogThoroughInterval=600_000, flushIntervalConsumeQueue=600_000)
 
-_CRASHING_WRITER = textwrap.dedent("""
-    import os, sys
-    from rocketstore import Message, MessageStore, StoreConfig
-    st = MessageStore.open(sys.argv[1], StoreConfig(**eval(sys.argv[2])))
-    for i in range(1, 101):
-        assert st.put(Message("T", b"m%d|" % i + bytes(400), queue_id=0)).ok
-    os._exit(0)  # the process dies: no flush, no close; its records are in the page cache only
-""")
-
 
 def test_repair_after_a_process_crash_makes_the_crashed_writers_records_durable(tmp_path):
     root, shadow, image = tmp_path / "s", tmp_path / "shadow", tmp_path / "image"
-    want = {}
     with SyncShadow(root, shadow):
-        with MessageStore.open(str(root), StoreConfig(**CFG)) as st:
-            assert st.put(Message("T", b"m0|" + bytes(400), queue_id=0)).ok
-        want[0] = b"m0|" + bytes(400)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        subprocess.run([sys.executable, "-c", _CRASHING_WRITER, str(root), repr(CFG)], check=True, env=env,
-                       timeout=60)
-        want.update((i, b"m%d|" % i + bytes(400)) for i in range(1, 101))
+        want = crashed_writer(root, CFG, 100)
         assert (root / "abort").exists() and (root / "commitlog" / "00000000000000032768").exists()
         result = repair_store(str(root), StoreConfig(**CFG))
         assert not [m for s in result["lost"] for m in s["messages"]], result["lost"]  # (the zeros past the end)

@@ -12,11 +12,9 @@ A power cut then took their records (and their queue units): acknowledged messag
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 
 from helpers.powerloss import SyncShadow, crash_image
+from helpers.workloads import crashed_writer
 from rocketstore import GetMessageStatus, Message, MessageStore, StoreConfig
 
 CFG = dict(mappedFileSizeCommitLog=32 * 1024, mappedFileSizeConsumeQueue=10 * 20, maxHashSlotNum=32,
@@ -24,28 +22,11 @@ CFG = dict(mappedFileSizeCommitLog=32 * 1024, mappedFileSizeConsumeQueue=10 * 20
            flushCommitLogThoroughInterval=600_000, flushIntervalConsumeQueue=600_000)
 N = 300  # about 4 segments of the crashed writer's records
 
-_CRASHING_WRITER = textwrap.dedent("""
-    import os, sys
-    from rocketstore import Message, MessageStore, StoreConfig
-    st = MessageStore.open(sys.argv[1], StoreConfig(**eval(sys.argv[2])))
-    for i in range(1, int(sys.argv[3]) + 1):
-        assert st.put(Message("T", b"m%d|" % i + bytes(400), queue_id=0, keys="k%d" % i)).ok
-    st.wait_dispatched(10.0)  # the queues hold every record (in the page cache too)
-    os._exit(0)  # the process dies: no flush, no close; its records are in the page cache only
-""")
-
 
 def test_an_open_after_a_process_crash_makes_every_record_it_counts_as_flushed_durable(tmp_path):
     root, shadow, image = tmp_path / "s", tmp_path / "shadow", tmp_path / "image"
-    want = {}
     with SyncShadow(root, shadow):
-        with MessageStore.open(str(root), StoreConfig(**CFG)) as st:
-            assert st.put(Message("T", b"m0|" + bytes(400), queue_id=0)).ok
-        want[0] = b"m0|" + bytes(400)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        subprocess.run([sys.executable, "-c", _CRASHING_WRITER, str(root), repr(CFG), str(N)], check=True, env=env,
-                       timeout=60)
-        want.update((i, b"m%d|" % i + bytes(400)) for i in range(1, N + 1))
+        want = crashed_writer(root, CFG, N, keyed=True, dispatched=True)
         assert (root / "abort").exists() and len(os.listdir(root / "commitlog")) >= 4
         with MessageStore.open(str(root), StoreConfig(**CFG)) as st:  # recovers the crash, then runs and stops
             assert st.recovery_report.abnormal and st.process_crash_only
