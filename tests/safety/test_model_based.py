@@ -247,8 +247,9 @@ from typing import Any
 import pytest
 
 from conftest import REPO
-from helpers.model import (TAGS, Model, Msg, Spec, body_of, conf_dict, crash_image_pages, gen_puts,
-                           model_config, put_specs, seed_shadow, uid_of)
+from helpers.model import (TAGS, TOPICS, Model, Msg, Spec, body_of, conf_dict, crash_image_pages, gen_puts,
+                           install_dir_shadow, mark_durable, model_config, put_specs, seed_shadow, uid_of)
+from helpers.powerloss import mirror_edit
 from rocketstore import GetMessageStatus, MessageStore, StoreError
 from rocketstore.errors import CommitLogDamagedError
 from rocketstore.consumer import Consumer
@@ -262,6 +263,9 @@ WEIGHTS = {"put": 6, "kill": 3, "powerloss": 3, "powerloss_dirent": 1, "recover"
            "repair_int": 2, "tier_upload": 2, "tier_fault": 1, "rm_cq": 1, "truncate": 1, "reimport": 1,
            "cq_damage": 1, "index_damage": 1}
 SECONDS = float(os.environ.get("ROCKETSTORE_MODEL_SECONDS", "40"))
+# "1": every sync of every writer is recorded in one shadow for the whole run (seeded once, see Run.durable);
+# "0": each power-loss child's shadow is seeded from the disk as it is (the old, blind model); unset: on.
+DURABLE = os.environ.get("ROCKETSTORE_MODEL_DURABLE", "1") != "0"
 STEPS = int(os.environ.get("ROCKETSTORE_MODEL_STEPS", "14"))
 CHECKS = {c.strip() for c in os.environ.get("ROCKETSTORE_MODEL_CHECKS", "walk,get,tags,query,consumer,verify"
                                              ).split(",") if c.strip()}
@@ -306,9 +310,16 @@ def _cli_env() -> dict[str, str]:
                                                        os.environ.get("PYTHONPATH", "")]))
 
 
-def cli(*args: Any, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rocketstore", *map(str, args)], capture_output=True,
-                          timeout=timeout, env=_cli_env(), cwd=REPO)
+def cli_argv(*args: Any, shadow: tuple[Path, Path] | None = None) -> list[str]:
+    """``rocketstore ARGS``; with ``shadow`` (store, shadow dir) its syncs of the store are recorded there."""
+    if shadow is None:
+        return [sys.executable, "-m", "rocketstore", *map(str, args)]
+    return [sys.executable, str(CHILD), "--cli", str(shadow[0]), str(shadow[1]), *map(str, args)]
+
+
+def cli(*args: Any, timeout: float = 120, shadow: tuple[Path, Path] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cli_argv(*args, shadow=shadow), capture_output=True, timeout=timeout, env=_cli_env(),
+                          cwd=REPO)
 
 
 # ====================================================================== a run
@@ -339,8 +350,18 @@ class Run:
         self.damaged_phys: set[int] = set()  # records whose body was damaged by hand: legitimately lost
         self.lost_slots: set[tuple[str, int, int]] = set()  # their queue offsets: a read there may name the damage
         self.pid_counter = 0
+        # The power-loss shadow of the whole run (``durable``): what the disk holds, each file as of its last sync.
+        # Seeded once here and only where the whole disk legitimately is what the files hold (a power-loss image
+        # replaced the store, a fault op's reboot); every writer in between records its syncs into it: the child
+        # writers (killed or power-cut), the CLI processes, and the stores this process opens (``recording``).
+        # Bytes a killed writer left in the page cache stay unsynced until some writer syncs them, so a power
+        # cut after a recovery that forgets to sync them takes them (commit a55f787, seed 7050 below).
+        self.durable = DURABLE
+        self.shadow = tmp / "shadow0"
+        self._recorder: Any = None
         self.path.mkdir(parents=True)
         self._write_conf()
+        self.reseed("the run's start")
 
     # ------------------------------------------------------------ helpers
     @property
@@ -354,6 +375,37 @@ class Run:
                 "tieredStoreUri", "tieredStoreFileReservedTime", "tieredStoreUploadInterval", "warmAheadBytes")
         (self.path / "broker.conf").write_text("".join(f"{k}={getattr(cfg, k)}\n" for k in keys
                                                        if getattr(cfg, k) != ""))
+        if self.durable:  # the operator's file: on disk long before any power cut the model makes
+            mark_durable(self.path, self.shadow, self.path / "broker.conf")
+
+    # ------------------------------------------------------------ the durable image (see __init__)
+    def reseed(self, why: str) -> None:
+        """The whole disk is what the files hold now (the run's start, a power-loss image, a reboot)."""
+        if self.durable:
+            seed_shadow(self.path, self.shadow)
+            if why != "the run's start":
+                self.note(f"  shadow reseeded: {why}")
+
+    def start_recording(self) -> None:
+        """Record the syncs this process makes (the stores the steps and checks open) into the shadow."""
+        if self.durable and self._recorder is None:
+            self._recorder = install_dir_shadow(str(self.path), str(self.shadow))
+
+    def stop_recording(self) -> None:
+        if self._recorder is not None:
+            self._recorder.uninstall()
+            self._recorder = None
+
+    def shadowed(self) -> tuple[Path, Path] | None:
+        """(store, shadow) for a CLI process whose syncs must be recorded, or None."""
+        return (self.path, self.shadow) if self.durable else None
+
+    def disk_edit(self, path: Path, edit: Any) -> None:
+        """``edit()`` changes ``path`` as the disk itself would (damage, a cut): the synced copy changes alike."""
+        before = path.read_bytes() if self.durable and path.exists() else b""
+        edit()
+        if self.durable:
+            mirror_edit(path, self.shadow, before)
 
     def cfg(self, flush: str | None = None, **over: Any):
         flush = flush or self.rng.choice(["SYNC_FLUSH", "ASYNC_FLUSH"])
@@ -383,11 +435,15 @@ class Run:
     # ------------------------------------------------------------ the loop
     def run(self) -> None:
         weights = [WEIGHTS[o] for o in self.ops]
-        for i in range(self.n_steps):
-            op = "put" if i == 0 else self.rng.choices(self.ops, weights)[0]
-            self.note(f"{i}:{op}")
-            getattr(self, f"op_{op}")()
-            Checker(self, strict=not self.damaged).check(f"after step {i} ({op})")
+        self.start_recording()
+        try:
+            for i in range(self.n_steps):
+                op = "put" if i == 0 else self.rng.choices(self.ops, weights)[0]
+                self.note(f"{i}:{op}")
+                getattr(self, f"op_{op}")()
+                Checker(self, strict=not self.damaged).check(f"after step {i} ({op})")
+        finally:
+            self.stop_recording()
 
     # ------------------------------------------------------------ ops
     def new_puts(self, n: int) -> list[list[Spec]]:
@@ -414,7 +470,7 @@ class Run:
         puts = self.new_puts(self.rng.choice([self.rng.randint(10, 150), self.rng.randint(150, 500)]))
         cfg = self.cfg(flush)
         self.pid_counter += 1
-        if self.rng.random() < 0.5:  # a queue born in this writer, with one early message: its file is never full
+        if self.rng.random() < 0.5 and "Fresh" in TOPICS:  # a queue born in this writer, with one early message: its file is never full
             uid = self.model.next_uid
             self.model.next_uid += 1
             at = self.rng.randrange(min(5, len(puts)))
@@ -430,9 +486,12 @@ class Run:
         jitter = self.rng.random() * 0.03
         plan.write_text(json.dumps({"config": conf_dict(cfg), "puts": [[s.to_json() for s in b] for b in puts],
                                     "stop_after": target if idle else None}))
-        if power:
+        if self.durable:
+            shadow = self.shadow  # the run's: killed writers record their syncs too
+        elif power:
             seed_shadow(self.path, shadow)
-        args = [sys.executable, str(CHILD), str(self.path), str(plan), str(acks)] + ([str(shadow)] if power else [])
+        args = [sys.executable, str(CHILD), str(self.path), str(plan), str(acks)] + \
+            ([str(shadow)] if power or self.durable else [])
         p = subprocess.Popen(args, stderr=subprocess.PIPE, env=_cli_env(), cwd=REPO)
         deadline = time.monotonic() + 30
         try:
@@ -476,6 +535,7 @@ class Run:
                 (self.path / "abort.bootid").write_text(f"another-boot-{self.seed}-{self.pid_counter}")
             lost = sorted(k for k, v in fate.items() if v.startswith("unlinked"))
             self.note(f"  image keep={keep} {'unlinked ' + str(lost[:6]) if lost else ''}")
+            self.reseed("the power-loss image is the disk")
 
     def op_kill(self) -> None:
         self._child(power=False)
@@ -487,7 +547,7 @@ class Run:
         self._child(power=True, dirent=True)
 
     def op_recover(self) -> None:
-        r = cli("recover", self.path)
+        r = cli("recover", self.path, shadow=self.shadowed())
         self.note(f"  recover exit {r.returncode}")
         if r.returncode != 0:
             self.fail(f"recover exited {r.returncode}: {r.stderr.decode()[-2000:]}")
@@ -588,12 +648,15 @@ class Run:
         if sources and self.rng.random() < 0.5:
             a = self.rng.choice(sources)
             src = segs[a.phy - a.phy % size].read_bytes()[a.phy % size:a.phy % size + a.rec_size]
-            with open(seg, "r+b") as fh:
-                fh.seek(m.phy % size)
-                fh.write(src)
+
+            def misdirected() -> None:
+                with open(seg, "r+b") as fh:
+                    fh.seek(m.phy % size)
+                    fh.write(src)
+            self.disk_edit(seg, misdirected)
             self.note(f"  copied the record of uid {a.spec.uid} ({a.phy}) over uid {m.spec.uid} {m.slot} at {m.phy}")
         else:
-            flip_body_bit(self.path, m.phy, f"commitlog/{seg.name}")
+            self.disk_edit(seg, lambda: flip_body_bit(self.path, m.phy, f"commitlog/{seg.name}"))
             self.note(f"  damaged the body of uid {m.spec.uid} {m.slot} at {m.phy}")
         self.damaged_phys.add(m.phy)
         self.lost_slots.add(m.slot)
@@ -606,7 +669,7 @@ class Run:
     def op_repair_int(self) -> None:
         if self.rng.random() < 0.6:
             self.damage_record()
-        p = subprocess.Popen([sys.executable, "-m", "rocketstore", "verify", "--repair", str(self.path)],
+        p = subprocess.Popen(cli_argv("verify", "--repair", self.path, shadow=self.shadowed()),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_cli_env(), cwd=REPO)
         how = self.rng.choice(["SIGINT", "SIGKILL", "finish"])
         if how != "finish":
@@ -667,7 +730,7 @@ class Run:
         damaged = None
         if kind == "local-manifest-damaged+down" and local_saved is not None:
             damaged = local_saved[: len(local_saved) // 2]
-            local.write_bytes(damaged)
+            self.disk_edit(local, lambda: local.write_bytes(damaged))
         self.tier_down = True
         try:
             Checker(self, strict=False).check(f"tier fault {kind}")
@@ -683,7 +746,7 @@ class Run:
             if not (self.tier_dir / "tier.json").exists():
                 (self.tier_dir / "tier.json").write_bytes(saved)
             if damaged is not None and local.exists() and local.read_bytes() == damaged:
-                local.write_bytes(local_saved)
+                self.disk_edit(local, lambda: local.write_bytes(local_saved))
 
     def op_rm_cq(self) -> None:
         topics = sorted({m.spec.topic for m in self.model.msgs.values()})
@@ -718,8 +781,7 @@ class Run:
             cut = self.rng.randint(end, size - 1) if end < size else size
         else:
             cut = self.rng.randint(0, end - 1)
-        with open(last, "r+b") as fh:
-            fh.truncate(cut)
+        self.disk_edit(last, lambda: os.truncate(last, cut))  # stands for a cut the disk holds (a torn end)
         lost = [m for m in mine if m.phy + m.rec_size - base > cut]
         self.note(f"  truncate {last.name} {size} -> {cut} (records end at {end}; cuts {len(lost)})")
         self.model.drop_many(lost, "truncate")
@@ -728,12 +790,12 @@ class Run:
                 pass
         except StoreError as e:
             self.note(f"  open refused: {str(e)[:120]}; the operator extends the file back")
-            with open(last, "r+b") as fh:
-                fh.truncate(size)
+            self.disk_edit(last, lambda: os.truncate(last, size))
 
     def op_reimport(self) -> None:
         dump = self.tmp / f"dump{self.gen}.jsonl"
-        r = cli("dump", self.path, *(["--skip-damaged"] if self.damaged_phys else []), timeout=300)
+        r = cli("dump", self.path, *(["--skip-damaged"] if self.damaged_phys else []), timeout=300,
+                shadow=self.shadowed())
         if r.returncode != 0 and not (self.damaged_phys and r.returncode == 1):
             self.fail(f"dump exited {r.returncode}: {r.stderr.decode()[-2000:]}")
         dump.write_bytes(r.stdout)
@@ -756,12 +818,18 @@ class Run:
             self.fail(f"dump printed messages {dup[:5]} more than once")
         old = self.path
         self.gen += 1
+        recording = self._recorder is not None
+        self.stop_recording()
         self.path = self.tmp / f"store-gen{self.gen}"
+        self.shadow = self.tmp / f"shadow{self.gen}"
         self.path.mkdir()
         if self.tier_dir:
             self.tier_dir = self.tmp / f"tier{self.gen}"
         self._write_conf()
-        r = cli("import", self.path, "--from", dump, timeout=300)
+        self.reseed("the run's start")  # a new store: only its broker.conf, the operator's
+        if recording:
+            self.start_recording()
+        r = cli("import", self.path, "--from", dump, timeout=300, shadow=self.shadowed())
         self.note(f"  dump {len(lines)} lines, import into {self.path.name}: exit {r.returncode}")
         if r.returncode != 0:
             self.fail(f"import exited {r.returncode}: {r.stderr.decode()[-2000:]}")
@@ -820,7 +888,7 @@ class Run:
             data[a:] = bytes(len(data) - a)
         else:  # a page boundary inside unit a: its offset and size survived, its tagsCode and what follows did not
             data[a + 12:] = bytes(len(data) - a - 12)
-        f.write_bytes(bytes(data))
+        self.disk_edit(f, lambda: f.write_bytes(bytes(data)))
         base = int(f.name) // 20
         self.note(f"  cq damage {kind} {f.relative_to(self.path)} units {base + a // 20},{base + b // 20}")
         self.excused = {(topic, qid, base + a // 20), (topic, qid, base + b // 20)}
@@ -828,11 +896,12 @@ class Run:
             # a torn queue file after a power cut: recovery alone must rebuild it (no commitlog damage)
             (self.path / "abort").write_text("")
             (self.path / "abort.bootid").write_text(f"other-boot-{self.seed}")
+            self.reseed("a reboot (the torn queue file is what the power cut left)")
             return
         self.damaged = True
         earlier_quarantine = self.quarantine_explained or bool(self.damaged_phys)
         Checker(self, strict=False).check(f"damaged ({kind}), before repair")
-        r = cli("verify", "--repair", self.path)
+        r = cli("verify", "--repair", self.path, shadow=self.shadowed())
         self.note(f"  verify --repair exit {r.returncode}")
         self.damaged = False
         self.excused = set()
@@ -855,17 +924,19 @@ class Run:
             return
         f = self.rng.choice(files)
         if kind.startswith("indexCount"):
-            with open(f, "r+b") as fh:
-                fh.seek(36)
-                fh.write((40000 if kind == "indexCount-high" else -5).to_bytes(4, "big", signed=True))
+            def count() -> None:
+                with open(f, "r+b") as fh:
+                    fh.seek(36)
+                    fh.write((40000 if kind == "indexCount-high" else -5).to_bytes(4, "big", signed=True))
+            self.disk_edit(f, count)
         else:
             cut = self.rng.randint(1, min(f.stat().st_size - 1, 30 if kind == "torn-index" else 200)) \
                 if kind == "torn-index" else self.rng.choice([n for n in range(1, f.stat().st_size) if n % 20])
-            with open(f, "r+b") as fh:
-                fh.truncate(cut)
+            self.disk_edit(f, lambda: os.truncate(f, cut))
         if self.rng.random() < 0.5:  # found after an unclean stop of another boot
             (self.path / "abort").write_text("")
             (self.path / "abort.bootid").write_text(f"other-boot-{self.seed}-i")
+            self.reseed("a reboot (the damaged file is what the disk held)")
         self.note(f"  {kind} {f.relative_to(self.path)}")
         self.quarantine_explained = True  # the damaged file may be kept in quarantine/ (not a loss)
 
@@ -896,7 +967,7 @@ class Checker:
                 self.fail(f"{where}: the writable open (recovery) refused: {type(e).__name__}: {e}")
             # A record damaged by hand with intact ones after it, no finished repair: refusing is right; the
             # operator runs verify --repair to its end.
-            r = cli("verify", "--repair", self.run.path)
+            r = cli("verify", "--repair", self.run.path, shadow=self.run.shadowed())
             self.run.note(f"  open refused (damaged record); verify --repair exit {r.returncode}")
             if b"Traceback" in r.stderr:
                 self.fail(f"{where}: verify --repair printed a traceback: {r.stderr.decode()[-2000:]}")
@@ -1181,14 +1252,20 @@ def _tag_code(tag: str) -> int:
 
 # ====================================================================== running
 
+# environment knobs a replay needs besides the seed, the ops and the steps
+REPLAY_KNOBS = ("ROCKETSTORE_MODEL_TOPICS", "ROCKETSTORE_MODEL_IMPORTED", "ROCKETSTORE_MODEL_CONF",
+                "ROCKETSTORE_MODEL_DURABLE")
+
+
 def run_seed(tmp: Path, seed: int, ops: list[str], steps: int) -> Run:
     run = Run(tmp, seed, ops, steps)
     try:
         run.run()
     except Exception as e:  # noqa: BLE001 - a violation or a crash of the store: both end the run with the replay
         detail = "" if isinstance(e, Violation) else "\n" + traceback.format_exc()
+        knobs = "".join(f" {k}={os.environ[k]}" for k in REPLAY_KNOBS if os.environ.get(k))
         raise Violation(f"seed {seed} (store {run.path}; replay: ROCKETSTORE_MODEL_SEED={seed} ROCKETSTORE_MODEL_OPS="
-                        f"{','.join(ops)} ROCKETSTORE_MODEL_STEPS={steps})\n{type(e).__name__}: {e}{detail}\n"
+                        f"{','.join(ops)} ROCKETSTORE_MODEL_STEPS={steps}{knobs})\n{type(e).__name__}: {e}{detail}\n"
                         f"steps:\n  " + "\n  ".join(run.steps)) from None
     return run
 
@@ -1207,6 +1284,7 @@ def test_model_smoke(tmp_path, profile):
                                    "powerloss_dirent"] if o in ops]
     run.tier_dir = run.tier_dir or (tmp_path / "tier0" if "tier_upload" in ops else None)
     run._write_conf()
+    run.start_recording()
     try:
         for i, op in enumerate(order):
             run.note(f"{i}:{op}")
@@ -1218,6 +1296,8 @@ def test_model_smoke(tmp_path, profile):
     except Exception as e:  # noqa: BLE001
         detail = "" if isinstance(e, Violation) else "\n" + traceback.format_exc()
         raise Violation(f"smoke: {type(e).__name__}: {e}{detail}\nsteps:\n  " + "\n  ".join(run.steps)) from None
+    finally:
+        run.stop_recording()
 
 
 def test_retention_bound_counts_what_the_tier_upload_service_took_during_the_step(tmp_path):
