@@ -17,10 +17,12 @@ kill               a child writer (helpers/model.py) is SIGKILLed (idle after ex
                    moment); acknowledged = the acks it wrote (fsynced) before.  Half the writers also put one
                    message early to a queue born in that writer (a quiet queue whose file is never full).  Under
                    SYNC and ASYNC alike nothing acknowledged may be lost (the page cache survives a process
-                   crash); the put in flight may or may not be there.
-powerloss          as kill, with the child's syncs shadowed; the store becomes the power-loss image: each file
-                   as of its last sync plus a random subset of later 4 KiB pages (some of them torn: each
-                   512-byte sector new or old by a coin), abort.bootid of another boot.
+                   crash); the put in flight may or may not be there.  Its syncs are recorded in the run's
+                   shadow (below): what it left unsynced stays so until a later writer syncs it.
+powerloss          as kill; the store becomes the power-loss image of the run's shadow: each file as of its
+                   last sync by any writer since the run's start (or its last reseed) plus a random subset of
+                   later 4 KiB pages (some of them torn: each 512-byte sector new or old by a coin),
+                   abort.bootid of another boot.  The image is the disk: the shadow is reseeded from it.
                    SYNC_FLUSH acks must survive; ASYNC_FLUSH acks of that child may be lost (dropped if the
                    walk does not find them), and so may the put in flight.
 powerloss_dirent   powerloss, also losing the names of files created after their directory's last fsync
@@ -70,13 +72,31 @@ Reads may raise a StoreError only while a damage or tier fault is in force.
 
 The default run takes, seed by seed, one of the op PROFILES (each a set of ops whose seeds pass today).
 
+The durable image (``Run.shadow``, helpers/powerloss.py's tags and copies): one shadow for the whole run (per
+store generation), seeded from the files once at the run's start and again only where the whole disk
+legitimately is what the files hold: after a power-loss image replaced the store, and after the fault ops that
+declare a reboot (``cq_damage``'s ``+reboot`` kinds, ``index_damage`` with ``abort`` of another boot: the op
+says the power was cut and the files are what survived).  ``reimport`` starts a new store and a new shadow
+(its broker.conf seeded).  Every writer in between records its syncs: child writers, killed or power-cut
+(the same shadow: a kill leaves the page cache unsynced, and nothing re-seeds it), the CLI processes
+(``recover``, ``verify --repair``, ``dump``, ``import`` run as ``helpers/model.py --cli``) and every store this
+process opens (steps and checks, ``Run.start_recording``).  A fault op that edits a file as the disk or an
+operator would (``repair_int``'s flipped bit or misdirected write, ``truncate`` and the extension back,
+``cq_damage``, ``index_damage``, a damaged local tier manifest) makes the same edit in the file's synced copy
+(``mirror_edit``): the bytes around it keep whatever durability they had, so an edit never hides an unsynced
+page.  broker.conf, the operator's, counts as durable when written.  ``rm -r`` and ``os.utime`` change no
+synced byte.  ROCKETSTORE_MODEL_DURABLE=0 restores the old model, each power-loss writer's shadow seeded from
+every file on disk (blind to a recovery that forgets to sync what a killed writer left in the page cache).
+
 Knobs (environment): ROCKETSTORE_MODEL_SECONDS (time budget of the random test, default 40),
 ROCKETSTORE_MODEL_SEED (replay one seed; printed on failure with the step list), ROCKETSTORE_MODEL_STEPS (steps
 per seed, default 14), ROCKETSTORE_MODEL_OPS (comma list of the ops above to use, or ``all``; default: the
 PROFILES),
 ROCKETSTORE_MODEL_SKIP (comma list of ops to leave out), ROCKETSTORE_MODEL_CHECKS (comma list of walk, get, tags,
 query, consumer, verify; default all: leaving ``verify`` out shows the read failures a verify finding would
-hide), ROCKETSTORE_MODEL_BASE_SEED (first seed of the random test, default 1000), ROCKETSTORE_MODEL_REPEAT.
+hide), ROCKETSTORE_MODEL_BASE_SEED (first seed of the random test, default 1000), ROCKETSTORE_MODEL_REPEAT,
+ROCKETSTORE_MODEL_DURABLE (above), and for targeted runs (helpers/model.py) ROCKETSTORE_MODEL_TOPICS (the topics
+puts use: Busy, Quiet, Rare, Fresh) and ROCKETSTORE_MODEL_CONF (``key=value,...`` over every open's config).
 ``test_model_smoke`` runs one fixed sequence that touches every enabled op once (seed 7), in a few seconds.
 
 Replay: ROCKETSTORE_MODEL_SEED=<seed> ROCKETSTORE_MODEL_OPS=<ops> pytest tests/safety/test_model_based.py -k random.  A
@@ -130,6 +150,18 @@ choices change: re-check this list when the test changes.
   ``the commitlog walk met damage: .../00000000000000032768 at file position 759: body CRC mismatch``: the segment
   began with an imported record, recovery started there, past a record the power cut tore); 1 of 31 seeds
   43000-43030 in 240 s.
+- a crashed writer's page cache counted as flushed, never synced (commit a55f787's ``_sync_written_before_crash``
+  reverted: recovery after a crash of the process alone synced only from where its scan started, one segment
+  before the lowest queue end): found once the shadow persisted across the run (session 16), with
+  ``ROCKETSTORE_MODEL_OPS=put,kill,powerloss ROCKETSTORE_MODEL_TOPICS=Busy ROCKETSTORE_MODEL_IMPORTED=0
+  ROCKETSTORE_MODEL_CONF=flushIntervalCommitLog=600000,flushCommitLogThoroughInterval=600000`` (an ASYNC writer
+  that never flushes; no quiet or imported queue end pulls the scan's start back) / 7001 (step 3: ``the writable
+  open (recovery) refused: CommitLogDamagedError: .../00000000000000065536 at file position 7095: record size 523
+  disagrees with its fields (91): the damage lies before the checkpoint's physicFlushedOffset 168253``: a kill
+  ASYNC writer, the check's open recovered it, the next power cut took the segments recovery counted as flushed),
+  7002 (step 7, the same after two kills); 5 of 17 seeds 7000-7016 in 60 s.  With ROCKETSTORE_MODEL_DURABLE=0
+  (every file seeded before the power-loss writer) both pass: the old model was blind to it.  With the fix, 3 of
+  3 replays of each pass.
 - not listed: the commitlog directory is never fsynced after a segment is created: ``powerloss_dirent`` / 1, 3
   (``the writable open refused: start offset 131072 does not follow ...``); earlier versions also lost a
   SYNC_FLUSH ack (``acknowledged uid 190 (powerloss-SYNC_FLUSH) is not in the commitlog walk``).
@@ -465,8 +497,8 @@ class Run:
                 if p:
                     self.fail(p)
 
-    def _child(self, power: bool, dirent: bool = False) -> None:
-        flush = self.rng.choice(["SYNC_FLUSH", "ASYNC_FLUSH"])
+    def _child(self, power: bool, dirent: bool = False, flush: str | None = None) -> None:
+        flush = flush or self.rng.choice(["SYNC_FLUSH", "ASYNC_FLUSH"])
         puts = self.new_puts(self.rng.choice([self.rng.randint(10, 150), self.rng.randint(150, 500)]))
         cfg = self.cfg(flush)
         self.pid_counter += 1
@@ -1315,6 +1347,39 @@ def test_retention_bound_counts_what_the_tier_upload_service_took_during_the_ste
     assert any("tier upload service ran inside the step" in s for s in run.steps), run.steps
     assert int(run.segments()[0].name) > 0, f"nothing went, so the race was not reached: {run.steps}"
     Checker(run, strict=True).check("after retention with the upload round inside it")
+
+
+def test_the_shadow_keeps_a_killed_writers_page_cache_unsynced_until_recovery_syncs_it(tmp_path, monkeypatch):
+    """The run's shadow is not re-seeded before a writer: what a killed ASYNC writer (that never flushed) left in the
+    page cache stays unsynced in it, and only the next open's recovery makes it durable, recorded in this
+    process (commit a55f787: with its ``_sync_written_before_crash`` reverted, the segments before the scan's
+    start keep differing from their synced copies, the second assertion)."""
+    import helpers.model as model_mod
+    from helpers.powerloss import synced_copy
+    if not DURABLE:
+        pytest.skip("ROCKETSTORE_MODEL_DURABLE=0: the shadow is seeded per power-loss writer")
+    monkeypatch.setattr(model_mod, "CONF_OVER", {"flushIntervalCommitLog": 600_000,
+                                                 "flushCommitLogThoroughInterval": 600_000})
+    monkeypatch.setattr(model_mod, "TOPICS", {"Busy"})
+    monkeypatch.setattr(model_mod, "IMPORTED", 0.0)
+    monkeypatch.setitem(globals(), "TOPICS", {"Busy"})
+    run = Run(tmp_path, 3, ["put", "kill"], 2)
+
+    def unsynced() -> list[str]:
+        return [s.name for s in run.segments()
+                if (c := synced_copy(run.path, run.shadow, Path("commitlog", s.name))) is None
+                or c.read_bytes() != s.read_bytes()]
+    run.start_recording()
+    try:
+        run.op_put(n=20, flush="SYNC_FLUSH")
+        assert unsynced() == []
+        run._child(power=False, flush="ASYNC_FLUSH")
+        left = unsynced()
+        assert len(left) >= 3, (left, run.steps)  # the writer's segments: in the page cache only
+        Checker(run, strict=True).check("after the kill")  # recovery, reads, close: all recorded here
+        assert unsynced() == [], f"recovery left the crashed writer's segments {unsynced()} unsynced of {left}"
+    finally:
+        run.stop_recording()
 
 
 def test_model_random(tmp_path):
