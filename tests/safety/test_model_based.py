@@ -502,7 +502,8 @@ class Run:
         puts = self.new_puts(self.rng.choice([self.rng.randint(10, 150), self.rng.randint(150, 500)]))
         cfg = self.cfg(flush)
         self.pid_counter += 1
-        if self.rng.random() < 0.5 and "Fresh" in TOPICS:  # a queue born in this writer, with one early message: its file is never full
+        # a queue born in this writer, with one early message: its file is never full
+        if self.rng.random() < 0.5 and "Fresh" in TOPICS:
             uid = self.model.next_uid
             self.model.next_uid += 1
             at = self.rng.randrange(min(5, len(puts)))
@@ -1380,6 +1381,32 @@ def test_the_shadow_keeps_a_killed_writers_page_cache_unsynced_until_recovery_sy
         assert unsynced() == [], f"recovery left the crashed writer's segments {unsynced()} unsynced of {left}"
     finally:
         run.stop_recording()
+
+
+def test_a_disk_edit_changes_the_synced_copy_alike_and_nothing_else(tmp_path):
+    """A fault op's edit (the disk's own: a flipped bit, a cut) lands in the synced copy too, while the bytes the
+    writer changed since the last sync stay unsynced: the edit never makes the page cache durable."""
+    from helpers.powerloss import synced_copy
+    run = Run(tmp_path, 1, ["put"], 1)
+    seg = run.path / "commitlog" / "00000000000000000000"
+    seg.parent.mkdir()
+    seg.write_bytes(bytes(range(256)) * 8)
+    run.reseed("test")  # 2048 bytes synced
+    with open(seg, "r+b") as fh:  # a writer's later bytes, in the page cache only
+        fh.seek(100)
+        fh.write(b"unsynced")
+    run.disk_edit(seg, lambda: None)  # an edit that changes nothing changes nothing
+    assert synced_copy(run.path, run.shadow, seg.relative_to(run.path)).read_bytes() == bytes(range(256)) * 8
+
+    def damage() -> None:
+        with open(seg, "r+b") as fh:
+            fh.seek(1000)
+            fh.write(b"\xff")
+        os.truncate(seg, 1500)
+    run.disk_edit(seg, damage)
+    want = bytearray(bytes(range(256)) * 8)[:1500]
+    want[1000] = 0xFF
+    assert synced_copy(run.path, run.shadow, seg.relative_to(run.path)).read_bytes() == bytes(want)
 
 
 def test_model_random(tmp_path):
