@@ -5,6 +5,11 @@ Run as a script it is the child writer::
 
     model.py STORE PLAN.json ACKS [SHADOW]
 
+or, with ``--cli``, the ``rocketstore`` CLI with the store's syncs recorded in the run's shadow (a CLI
+process's recovery, repair or import is a writer like any other)::
+
+    model.py --cli STORE SHADOW rocketstore-args...
+
 It opens STORE with the plan's config (syncs shadowed into SHADOW when given, see
 helpers/powerloss.py), puts the plan's messages one put (or batch) at a time and
 appends one JSON line per acknowledged put to ACKS, fsynced (ACKS is outside the
@@ -40,6 +45,12 @@ DIRSYNC = ".dirsync"  # under the shadow: the entries of each directory as of it
 QUEUES = [("Busy", 0, 10.0), ("Busy", 1, 8.0), ("Busy", 2, 4.0), ("Quiet", 0, 0.6), ("Quiet", 3, 0.4),
           ("Rare", 1, 0.2)]
 TAGS = ["TagA", "TagB", "TagC", None]
+# Targeted runs (environment; unset, the seeds replay as listed): ROCKETSTORE_MODEL_TOPICS, the topics puts go to
+# (comma list of Busy, Quiet, Rare, Fresh: a child writer's queue born early); ROCKETSTORE_MODEL_CONF, config keys
+# every open uses over the drawn ones (``flushIntervalCommitLog=600000,...``: an ASYNC writer that never flushes).
+TOPICS = {t.strip() for t in os.environ.get("ROCKETSTORE_MODEL_TOPICS", "Busy,Quiet,Rare,Fresh").split(",")}
+CONF_OVER = {k.strip(): (int(v) if v.strip().lstrip("-").isdigit() else v.strip()) for k, v in
+             (kv.split("=", 1) for kv in os.environ.get("ROCKETSTORE_MODEL_CONF", "").split(",") if "=" in kv)}
 # The share of puts that are imported records with old store times (rocketstore import, MessageStore's import
 # path): recovery's start must not trust a segment that begins with one (checkpoint offsets, commit 9e34ad3).
 IMPORTED = float(os.environ.get("ROCKETSTORE_MODEL_IMPORTED", "0.15"))
@@ -100,10 +111,11 @@ def gen_puts(rng: random.Random, next_uid: int, n_puts: int) -> list[list[Spec]]
     """``n_puts`` puts (a fifth of them batches of 2-4) over the busy and quiet queues; some are imported
     records with old store times (:func:`imported_store_time`, one time for a batch, as a put of a batch keeps
     its first message's): a segment may then begin with a record older than every checkpoint time."""
-    weights = [w for _, _, w in QUEUES]
+    queues = [q for q in QUEUES if q[0] in TOPICS]
+    weights = [w for _, _, w in queues]
     out = []
     for _ in range(n_puts):
-        topic, qid, _ = rng.choices(QUEUES, weights)[0]
+        topic, qid, _ = rng.choices(queues, weights)[0]
         n = rng.randint(2, 4) if rng.random() < 0.2 else 1
         batch = []
         stored_at = imported_store_time(next_uid)
@@ -233,6 +245,7 @@ def model_config(rng_or_seed: random.Random | int, flush: str, tier_uri: str = "
     if tier_uri:
         kw["tieredStoreUri"] = tier_uri
     kw.update(over)
+    kw.update(CONF_OVER)
     return StoreConfig(**kw)
 
 
@@ -269,6 +282,14 @@ def seed_shadow(live: Path, shadow: Path) -> None:
     seed_shadow_files(live, shadow)
     for d, _dirs, _files in os.walk(live):
         record_dir_listing(live, shadow, Path(d))
+
+
+def mark_durable(live: Path, shadow: Path, path: Path) -> None:
+    """``path`` (a file under ``live``) and its name count as synced as they are now: a file the operator wrote
+    (broker.conf), which the model does not cut the power under."""
+    from helpers.powerloss import seed_file
+    seed_file(path, shadow)
+    record_dir_listing(live, shadow, path.parent)
 
 
 def install_dir_shadow(live: str, shadow: str) -> Any:
@@ -388,5 +409,15 @@ def child_main(argv: list[str]) -> None:
         time.sleep(1)
 
 
+def cli_main(argv: list[str]) -> int:
+    """``rocketstore`` with the syncs of the store ``argv[0]`` recorded in the shadow ``argv[1]``."""
+    install_dir_shadow(argv[0], argv[1])
+    from rocketstore.cli.main import main
+    sys.argv = ["rocketstore", *argv[2:]]
+    return main(argv[2:])
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--cli"]:
+        sys.exit(cli_main(sys.argv[2:]))
     child_main(sys.argv[1:])

@@ -236,17 +236,44 @@ def seed_shadow_files(live: str | Path, shadow: str | Path) -> None:
     """Before a power-loss run: every file now in ``live`` counts as synced (a disk after a reboot)."""
     for d, _dirs, files in os.walk(live):
         for name in files:
-            src = Path(d, name)
-            try:
-                fd = os.open(src, os.O_RDONLY)
-            except FileNotFoundError:
-                continue  # a temp file renamed away meanwhile (a live store's thread): its new name is seen or not
-            try:
-                tag = _tag(fd)
-                data = os.pread(fd, os.fstat(fd).st_size, 0)
-            finally:
-                os.close(fd)
-            _write_copy(shadow, tag, data)
+            seed_file(Path(d, name), shadow)
+
+
+def seed_file(src: str | Path, shadow: str | Path) -> None:
+    """The file ``src`` counts as synced as it is now (an operator's file, a disk after a reboot)."""
+    try:
+        fd = os.open(src, os.O_RDONLY)
+    except FileNotFoundError:
+        return  # a temp file renamed away meanwhile (a live store's thread): its new name is seen or not
+    try:
+        tag = _tag(fd)
+        data = os.pread(fd, os.fstat(fd).st_size, 0)
+    finally:
+        os.close(fd)
+    _write_copy(shadow, tag, data)
+
+
+def mirror_edit(live_file: str | Path, shadow: str | Path, before: bytes) -> None:
+    """An edit of ``live_file`` that stands for the disk's own action (a flipped bit, a misdirected write, a cut):
+    the same bytes change in its synced copy, which keeps everything else it had.  ``before`` is the file's
+    content before the edit; bytes the edit left alone stay as durable (or not) as they were, so an edit never
+    makes the unsynced bytes around it durable.  A file never synced has no copy: nothing to change."""
+    copy = synced_copy(os.path.dirname(live_file), shadow, os.path.basename(live_file))
+    if copy is None:
+        return
+    after = Path(live_file).read_bytes()
+    data = bytearray(copy.read_bytes())
+    if len(after) < len(data):
+        del data[len(after):]  # cut: the disk's copy is cut too
+    elif len(after) > len(before) and len(data) >= len(before):
+        data.extend(after[len(data):])  # extended (with zeros) past what the copy held
+    block = 512
+    for pos in range(0, min(len(before), len(after), len(data)), block):
+        if before[pos:pos + block] != after[pos:pos + block]:
+            for i in range(pos, min(pos + block, len(before), len(after), len(data))):
+                if before[i] != after[i]:
+                    data[i] = after[i]
+    _write_copy(shadow, _tag_of(live_file), bytes(data))
 
 
 def mark_names_durable(root: str | Path, shadow: str | Path) -> None:
