@@ -4,7 +4,9 @@
 body-less scan of every row through each: all ``dump`` fields except the
 body, materialised by Spark's ``noop`` sink (so every column is decoded and
 converted, as any query that uses them would).  Both are timed best of
-``repeats`` after a warm-up run, and the CPU seconds of the Spark JVM and its
+``repeats`` after ``warmups`` runs each (the JIT compiles the source's JVM path, the Arrow stream reader
+and the two row conversions, over its first three or four scans, Parquet's over one or two: 2026-11-27,
+the task thread's CPU per scan 0.98, 0.66, 0.68, 0.60, then 0.54-0.61), and the CPU seconds of the Spark JVM and its
 Python workers are reported too, since wall time on a shared machine is noisy.
 
     python -m rocketstore.bench.spark_scan STORE [--workdir DIR] [--messages N]
@@ -105,7 +107,8 @@ def _timed(df: Any) -> tuple[float, float, dict[str, float]]:
     return wall, split.get("jvm", 0.0) + split.get("python", 0.0), split
 
 
-def bench_spark_scan(store_path: str, workdir: str, *, spark: Any = None, repeats: int = 3) -> dict[str, Any]:
+def bench_spark_scan(store_path: str, workdir: str, *, spark: Any = None, repeats: int = 3,
+                     warmups: int = 3) -> dict[str, Any]:
     """Rows/s of a body-less scan through the ``rocketstore`` source and through Parquet, on local[2].
 
     Uses ``spark`` if given (its master is kept), else starts a local[2] session
@@ -130,8 +133,9 @@ def bench_spark_scan(store_path: str, workdir: str, *, spark: Any = None, repeat
 
         def pq() -> Any:
             return spark.read.parquet(parquet).drop("body")
-        _timed(rs())  # warm-up: JVM JIT, Python workers
-        _timed(pq())
+        for _ in range(max(1, warmups)):  # warm-up: JVM JIT, Python workers
+            _timed(rs())
+            _timed(pq())
         runs: dict[str, list[tuple[float, float, dict[str, float]]]] = {"rocketstore": [], "parquet": []}
         for _ in range(max(1, repeats)):
             runs["rocketstore"].append(_timed(rs()))
@@ -139,7 +143,7 @@ def bench_spark_scan(store_path: str, workdir: str, *, spark: Any = None, repeat
         best = {k: min(w for w, _, _ in v) for k, v in runs.items()}
         cpu = {k: min(c for _, c, _ in v) for k, v in runs.items()}
         out: dict[str, Any] = {
-            "rows": rows, "master": spark.sparkContext.master, "exportSeconds": round(export_s, 2),
+            "rows": rows, "master": spark.sparkContext.master, "exportSeconds": round(export_s, 2), "warmups": warmups,
             "rocketstoreRowsPerSec": round(rows / best["rocketstore"]),
             "parquetRowsPerSec": round(rows / best["parquet"]),
             "ratio": round(best["parquet"] / best["rocketstore"], 3),
