@@ -547,6 +547,7 @@ class MessageStore:
         try:
             if not self._services:  # no flusher ran: flush the queues, and let the checkpoint say so, here
                 FlushConsumeQueueService(self.files).run_once(force=True)
+            self.loader.settle_index_flushes()
             self.index_service.flush()
             self.files.flush_checkpoint()
             self.commitlog.queue.discard_preallocated()

@@ -189,3 +189,33 @@ def test_first_key_of_a_rolled_file_is_found_by_its_store_time(tmp_path):
         assert s.query_offset("T", "c", 10, T0 + 50_000, T0 + 150_000)[0] == [100]
     finally:
         s.close()
+
+
+def test_close_waits_for_the_flush_of_a_full_index_file_and_its_checkpoint_time(tmp_path, monkeypatch):
+    """A full index file is flushed by a thread of its own, which then moves the checkpoint's indexMsgTimestamp to
+    the file's end.  A close that went on without it unmapped the file under the flush (ValueError in the thread)
+    and wrote its last checkpoint without that time (model19's note)."""
+    import threading
+    import time as _time
+
+    from rocketstore import Message, MessageStore, StoreConfig
+    from rocketstore.storage.checkpoint import StoreCheckpoint
+    from rocketstore.storage.index import IndexFile
+    real_flush = IndexFile.flush
+    errors: list[BaseException] = []
+
+    def slow_flush(self):  # the flush thread is late: the close gets there first
+        if threading.current_thread().name == "IndexFlush":
+            _time.sleep(0.3)
+        real_flush(self)
+    monkeypatch.setattr(IndexFile, "flush", slow_flush)
+    monkeypatch.setattr(threading, "excepthook", lambda a: errors.append(a.exc_value))
+    cfg = StoreConfig(mappedFileSizeCommitLog=64 * 1024, maxHashSlotNum=8, maxIndexNum=16, warmAheadBytes=0)
+    with MessageStore.open(str(tmp_path / "s"), cfg) as st:
+        for i in range(20):  # 16 entries fill the first index file; the 17th makes the second
+            assert st.put(Message("T", b"x", keys=f"k{i}")).ok
+        st.wait_dispatched()
+        first_end = min((f.end_timestamp for f in st.index_service.files), default=0)
+    cp = StoreCheckpoint.load(str(tmp_path / "s" / "checkpoint"))
+    assert errors == []
+    assert cp.indexMsgTimestamp == first_end > 0

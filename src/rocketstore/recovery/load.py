@@ -103,6 +103,7 @@ class StoreLoader:
     def __init__(self, files: StoreFiles, reader: StoreReader, allow_quarantine: bool = False) -> None:
         self.files = files
         self.reader = reader
+        self._index_flushes: list[threading.Thread] = []  # flushes of full index files (_on_index_file_full)
         self._quarantine = QuarantinePlan(files.root, allow_quarantine)  # carried out once loading has seen every file
         # the queues known to exist and the queue offset each one's next put may not go below (paths.queue_registry)
         self._registry: dict[tuple[str, int], int] | None = None
@@ -677,11 +678,22 @@ class StoreLoader:
             self._write_queue_registry()
 
     def _on_index_file_full(self, full: Any) -> None:
+        """Flush a full index file off the dispatch thread, then let the checkpoint count it
+        (indexMsgTimestamp); a close waits for these (:meth:`settle_index_flushes`)."""
         def run() -> None:
             full.flush()
             self.checkpoint.indexMsgTimestamp = full.end_timestamp
             self.files.flush_checkpoint()
-        threading.Thread(target=run, name="IndexFlush", daemon=True).start()
+        t = threading.Thread(target=run, name="IndexFlush", daemon=True)
+        self._index_flushes = [x for x in self._index_flushes if x.is_alive()] + [t]
+        t.start()
+
+    def settle_index_flushes(self, timeout: float = 30.0) -> None:
+        """Wait for the flushes of full index files still running: a close that went on without them unmapped
+        the file under the flush (an exception in the thread) and wrote its last checkpoint without the file's
+        end time."""
+        for t in self._index_flushes:
+            t.join(timeout)
 
 
 @contextmanager
@@ -699,6 +711,7 @@ def loaded(root: str, config: StoreConfig, *, read_only: bool = False) -> Iterat
         yield files
         if not read_only:
             FlushConsumeQueueService(files).run_once(force=True)
+            loader.settle_index_flushes()
             files.index_service.flush()
             files.flush_checkpoint()
             files.commitlog.queue.discard_preallocated()
