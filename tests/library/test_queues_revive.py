@@ -102,15 +102,10 @@ def test_a_writable_open_with_nothing_parked_leaves_the_queue_state_alone(tmp_pa
         {n: v for n, v in before.items() if n.startswith(("popState", "consumerOffset"))}
 
 
-def test_one_flush_makes_a_rounds_dead_letters_durable_before_any_leaves_the_state(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The mover fsynced the commitlog once per dead letter (session 15's review): one make_puts_durable after
-    all of a round's puts, before the first ``placed`` lets a message go, serves the whole round.  The two
-    messages share a UNIQ_KEY and born time (a resend): the second's look for a copy must not take the first's
-    dead letter, put a moment before and not yet settled, for its own: each is put once."""
+def _record_placed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record each ``DeadLetterMoves.placed`` (a message let go) in the returned list, and keep the store's own
+    dead-letter service idle: the test drives the moves."""
     from rocketstore.queues.revive import DeadLetterMoves
-    root = str(tmp_path / "s")
-    park_two_with_one_uniq_key(root)
     calls: list[str] = []
     real_placed = DeadLetterMoves.placed
 
@@ -118,7 +113,19 @@ def test_one_flush_makes_a_rounds_dead_letters_durable_before_any_leaves_the_sta
         calls.append("placed")
         return real_placed(self, d, res)
     monkeypatch.setattr(DeadLetterMoves, "placed", placed)
-    monkeypatch.setattr(DeadLetterService, "run_once", lambda self: None)  # the test drives the mover
+    monkeypatch.setattr(DeadLetterService, "run_once", lambda self: None)
+    return calls
+
+
+def test_one_flush_makes_a_rounds_dead_letters_durable_before_any_leaves_the_state(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mover fsynced the commitlog once per dead letter (session 15's review): one make_puts_durable after
+    all of a round's puts, before the first ``placed`` lets a message go, serves the whole round.  The two
+    messages share a UNIQ_KEY and born time (a resend): the second's look for a copy must not take the first's
+    dead letter, put a moment before and not yet settled, for its own: each is put once."""
+    root = str(tmp_path / "s")
+    park_two_with_one_uniq_key(root)
+    calls = _record_placed(monkeypatch)
     with MessageStore.open(root, StoreConfig()) as st:
         real_put, real_durable = st.put, st.make_puts_durable
 
@@ -149,18 +156,10 @@ def test_the_brokers_round_makes_its_dead_letters_durable_with_one_flush(tmp_pat
 
     from rocketstore.broker.deadletters import BrokerDeadLetters
     from rocketstore.queues.pop import PopService
-    from rocketstore.queues.revive import DeadLetterMoves
     from rocketstore.storage.consumer_offsets import ConsumerOffsetManager
     root = str(tmp_path / "s")
     park_two_with_one_uniq_key(root)
-    calls: list[str] = []
-    real_placed = DeadLetterMoves.placed
-
-    def placed(self, d, res):
-        calls.append("placed")
-        return real_placed(self, d, res)
-    monkeypatch.setattr(DeadLetterMoves, "placed", placed)
-    monkeypatch.setattr(DeadLetterService, "run_once", lambda self: None)  # the round below moves them
+    calls = _record_placed(monkeypatch)
     with MessageStore.open(root, StoreConfig()) as st:
         real_durable = st.make_puts_durable
 
