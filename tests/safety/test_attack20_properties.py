@@ -18,7 +18,8 @@ from rocketstore.format.message import PutMessageStatus
                                     dict(properties={"a\x01b\x02c": "v"}),
                                     dict(tags="a\x02b\x01c"),
                                     dict(keys=["a\x02b\x01c"], properties={"z": "1"}),
-                                    dict(tags="TagA", properties={"n": "1\x02TAGS\x01TagB"})])
+                                    dict(tags="TagA", properties={"n": "1\x02TAGS\x01TagB"}),
+                                    dict(properties={"k": "v\x02x\x01y", "none": None})])
 def test_separators_that_keep_the_counts_even_are_refused(tmp_path, fields):
     with MessageStore.open(str(tmp_path / "s"), golden_config()) as store:
         before = store.max_phy_offset()
@@ -31,11 +32,14 @@ def test_separators_that_keep_the_counts_even_are_refused(tmp_path, fields):
 
 def test_values_with_the_name_separator_still_read_back_as_put(tmp_path):
     """What stays legal: 0x01 inside values (tags, keys and user properties), the TAGS/KEYS fields beside a
-    properties map that names them too."""
+    properties map that names them too, a None value (skipped) beside them."""
     with MessageStore.open(str(tmp_path / "s"), golden_config()) as store:
         for fields, want in ((dict(properties={"a": "b\x01c", "d": "e\x01\x01"}), {"a": "b\x01c", "d": "e\x01\x01"}),
                              (dict(tags="t\x01u", keys=["k\x01"]), {"TAGS": "t\x01u", "KEYS": "k\x01"}),
-                             (dict(tags="T", properties={"TAGS": "T", "x": "1"}), {"TAGS": "T", "x": "1"})):
+                             (dict(tags="T", properties={"TAGS": "T", "x": "1"}), {"TAGS": "T", "x": "1"}),
+                             # None values are not written (Java's map skips nulls); other values as formatted
+                             (dict(properties={"a": "1", "b": None}), {"a": "1"}),
+                             (dict(properties={"a": "x\x01y", "b": None, "c": 5}), {"a": "x\x01y", "c": "5"})):
             r = store.put(Message("T", b"x", **fields))
             assert r.status is PutMessageStatus.PUT_OK, (fields, r)
             assert store.look(r.commit_log_offset).properties == want

@@ -91,8 +91,10 @@ class MessageEncoder:
             props = m.build_properties().encode("utf-8")
         if props:  # never a record recovery after a power loss would take for a torn write (codec.tail_problem)
             if properties_string is None:
+                # One 0x02 ends each pair and one 0x01 ends each name: more of either, a separator is inside a
+                # name or value.
                 pairs = props.count(b"\x02")
-                if pairs != _entries(properties, tags, keys) or props.count(b"\x01") != pairs:
+                if pairs != props.count(b"\x01") or pairs != _entries(properties, tags, keys):
                     _refuse_separators(properties, tags, keys)
             why = codec.properties_problem(props)
             if why is not None:
@@ -215,11 +217,16 @@ class MessageEncoder:
 
 
 def _entries(properties: dict[str, str] | None, tags: str | None, keys: Any) -> int:
-    """How many name/value pairs the properties string of these fields holds (one 0x02 ends each)."""
-    n = len(properties) if properties else 0
-    if tags is not None and not (properties and "TAGS" in properties):
+    """How many name/value pairs the properties string of these fields holds (exactly: one more 0x02 than
+    this is a separator inside a name or value)."""
+    if not properties:
+        return (tags is not None) + (keys is not None)
+    n = len(properties)
+    if None in properties.values():  # not written (properties_to_string skips it)
+        n -= sum(v is None for v in properties.values())
+    if tags is not None and properties.get("TAGS") is None:
         n += 1
-    if keys is not None and not (properties and "KEYS" in properties):
+    if keys is not None and properties.get("KEYS") is None:
         n += 1
     return n
 
@@ -234,6 +241,9 @@ def _refuse_separators(properties: dict[str, str] | None, tags: str | None, keys
     if keys is not None:
         fields["KEYS"] = keys if isinstance(keys, str) else " ".join(keys)
     for name, value in fields.items():
+        if value is None:
+            continue  # (not written)
+        name, value = str(name), str(value)  # (written as formatted)
         if "\x01" in name or "\x02" in name:
             sep = "\\x01" if "\x01" in name else "\\x02"
             raise codec.RecordError(f"property name {name!r} holds {sep}, a separator of the properties string: "
