@@ -90,8 +90,12 @@ class MessageEncoder:
         else:
             props = m.build_properties().encode("utf-8")
         if props:  # never a record recovery after a power loss would take for a torn write (codec.tail_problem)
-            if properties_string is None and props.count(b"\x01") != props.count(b"\x02"):
-                _refuse_separator_in_name(properties)
+            if properties_string is None:
+                # One 0x02 ends each pair and one 0x01 ends each name: more of either, a separator is inside a
+                # name or value.
+                pairs = props.count(b"\x02")
+                if pairs != props.count(b"\x01") or pairs != _entries(properties, tags, keys):
+                    _refuse_separators(properties, tags, keys)
             why = codec.properties_problem(props)
             if why is not None:
                 raise codec.RecordError(f"{why}: a torn write could not be told from this (RocketMQ writes "
@@ -212,14 +216,41 @@ class MessageEncoder:
                 None if uniqs.count(None) == len(uniqs) else list(uniqs), None)
 
 
-def _refuse_separator_in_name(properties: dict[str, str] | None) -> None:
-    """A property name holding 0x01 (RocketMQ's name/value separator) would read back as another name and value:
-    the record would not return the message that was put, so the put is refused (a value may hold it: the first
-    0x01 of a pair ends its name)."""
-    for name in properties or ():
-        if "\x01" in name:
-            raise codec.RecordError(f"property name {name!r} holds \\x01, the name/value separator of the "
-                                    "properties string: it would read back as another property")
+def _entries(properties: dict[str, str] | None, tags: str | None, keys: Any) -> int:
+    """How many name/value pairs the properties string of these fields holds (exactly: one more 0x02 than
+    this is a separator inside a name or value)."""
+    if not properties:
+        return (tags is not None) + (keys is not None)
+    n = len(properties)
+    if None in properties.values():  # not written (properties_to_string skips it)
+        n -= sum(v is None for v in properties.values())
+    if tags is not None and properties.get("TAGS") is None:
+        n += 1
+    if keys is not None and properties.get("KEYS") is None:
+        n += 1
+    return n
+
+
+def _refuse_separators(properties: dict[str, str] | None, tags: str | None, keys: Any) -> None:
+    """Refuse a name holding 0x01 or 0x02, or a value holding 0x02 (RocketMQ's separators, never escaped): the
+    record would read back as other properties (``{"k": "v\\x02x\\x01y"}`` as k=v and x=y; tags as another tag),
+    not the message that was put.  A value may hold 0x01: the first 0x01 of a pair ends its name."""
+    fields = dict(properties or {})
+    if tags is not None:
+        fields["TAGS"] = tags
+    if keys is not None:
+        fields["KEYS"] = keys if isinstance(keys, str) else " ".join(keys)
+    for name, value in fields.items():
+        if value is None:
+            continue  # (not written)
+        name, value = str(name), str(value)  # (written as formatted)
+        if "\x01" in name or "\x02" in name:
+            sep = "\\x01" if "\x01" in name else "\\x02"
+            raise codec.RecordError(f"property name {name!r} holds {sep}, a separator of the properties string: "
+                                    "it would read back as another property")
+        if "\x02" in value:
+            raise codec.RecordError(f"property {name!r}: its value holds \\x02, the pair separator of the "
+                                    "properties string: it would read back as other properties")
 
 
 # The record header's types: flag, sysFlag, reconsumeTimes, the two ports (int32); bornTimestamp,

@@ -22,13 +22,14 @@ service), or when a writer next opens the store.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from ..errors import StoreError
@@ -188,8 +189,7 @@ class SimpleConsumer:
         out: list[ReceivedMessage] = []
         if self._dispatch is not None:
             self._dispatch_own_puts()
-        with self._lock, self.state.locked() as pop:
-            self._apply_acks(pop)
+        with self._lock, self._locked(False) as pop:
             qids = self._queue_ids()
             deliveries, parked = pop.receive(self.group, self.topic, qids, n, self.invisible_ms, self.filter,
                                              fifo=self.fifo, max_attempts=self.retry.max_attempts,
@@ -227,8 +227,7 @@ class SimpleConsumer:
         handle = _handle(m)
         if self.ack_sync_flush:
             self._check_open()
-            with self._lock, self.state.locked(durable=True) as pop:
-                self._apply_acks(pop)
+            with self._lock, self._locked(True) as pop:
                 ok = pop.ack(self.group, self.topic, handle)
             self._ring_if_needed()
             if not ok:
@@ -290,22 +289,28 @@ class SimpleConsumer:
         with self._lock:
             if not self._pending_acks:
                 return
-            with self.state.locked(durable=self.ack_sync_flush) as pop:
-                self._apply_acks(pop)
+            with self._locked(self.ack_sync_flush):
+                pass
         self._ring_if_needed()
 
-    def _apply_acks(self, pop: PopService) -> None:
-        if self._pending_acks:
-            for h in self._pending_acks:
+    @contextlib.contextmanager
+    def _locked(self, durable: bool) -> Iterator[PopService]:
+        """(Under ``self._lock``.)  The shared state with this receiver's gathered acks applied.  They are
+        forgotten only once the section's journal write succeeded: a section that raises drops the state, the
+        acks it held included (:meth:`SharedPopState.locked`), so they stay gathered for the next call (else
+        acked messages came back after their invisible time, no process killed)."""
+        n = len(self._pending_acks)
+        with self.state.locked(durable=durable) as pop:
+            for h in self._pending_acks[:n]:
                 if not pop.ack(self.group, self.topic, h):
                     log.debug("%s@%s: ack of an unknown or expired receipt handle %s", self.topic, self.group, h)
-            self._pending_acks.clear()
+            yield pop
+        del self._pending_acks[:n]
 
     def nack(self, m: ReceivedMessage | str) -> None:
         """Delivery failed: the message comes back after the retry policy's back-off (or goes to the DLQ)."""
         handle = _handle(m)
-        with self._lock, self.state.locked(durable=self.ack_sync_flush) as pop:
-            self._apply_acks(pop)
+        with self._lock, self._locked(self.ack_sync_flush) as pop:
             e = pop.entry(self.group, self.topic, handle)
             new = None if e is None else pop.change_invisible(self.group, self.topic, handle,
                                                               self.retry.next_delay_ms(e.attempts))
@@ -319,8 +324,7 @@ class SimpleConsumer:
         if seconds < 0:
             raise ValueError(f"seconds must not be negative, not {seconds}")
         handle = _handle(m)
-        with self._lock, self.state.locked(durable=self.ack_sync_flush) as pop:
-            self._apply_acks(pop)
+        with self._lock, self._locked(self.ack_sync_flush) as pop:
             new = pop.change_invisible(self.group, self.topic, handle, int(seconds * 1000))
         self._ring_if_needed()
         if new is None:

@@ -110,6 +110,7 @@ class StoreLoader:
         self._registry_text: str | None = None  # what the registry file holds (written by this store)
         self._registry_lock = threading.Lock()
         self._lost_marked = False  # the rebuild marker names lost queues before recovery (_mark_lost_queues)
+        self._lost_names: list[str] = []  # those queues ("topic/queueId"), named until _refill_lost_queues
         # The hooks StoreFiles calls back: the registry is the loader's, per-topic retention a read's.
         files.on_new_queue = self.on_new_queue
         files.save_queue_registry = self.save_queue_registry
@@ -349,10 +350,11 @@ class StoreLoader:
         self._check_quarantine()
         if self.queues_to_rebuild:
             self.queues_to_rebuild = list(dict.fromkeys(self.queues_to_rebuild))
-            with open(self.paths.cq_rebuild, "w", encoding="utf-8") as fh:  # until recovery has refilled them
-                fh.write("\n".join(self.queues_to_rebuild) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
+            # Until recovery has refilled them; the lost queues _mark_lost_queues named stay named (a read-only
+            # view takes a lost queue back once no marker names it), and the file is replaced whole, never
+            # seen empty.
+            names = list(dict.fromkeys(self.queues_to_rebuild + self._lost_names))
+            replace_file_durably(self.paths.cq_rebuild, ("\n".join(names) + "\n").encode())
         if self.paths.checkpoint in self._quarantine.carry_out():
             self.checkpoint.flush()  # a fresh one where the bad one was
 
@@ -366,7 +368,8 @@ class StoreLoader:
         lost = sorted(set(self._registry or ()) - loaded)
         if not lost or not self.commitlog.queue.files:
             return  # (_refill_lost_queues rebuilds nothing either)
-        names = list(dict.fromkeys(self.queues_to_rebuild + [f"{t}/{q}" for t, q in lost]))
+        self._lost_names = [f"{t}/{q}" for t, q in lost]
+        names = list(dict.fromkeys(self.queues_to_rebuild + self._lost_names))
         replace_file_durably(self.paths.cq_rebuild, ("\n".join(names) + "\n").encode())
         self._lost_marked = True
 
