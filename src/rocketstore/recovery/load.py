@@ -109,8 +109,8 @@ class StoreLoader:
         self._registry: dict[tuple[str, int], int] | None = None
         self._registry_text: str | None = None  # what the registry file holds (written by this store)
         self._registry_lock = threading.Lock()
-        self._lost_marked = False  # the rebuild marker names lost queues before recovery (_mark_lost_queues)
-        self._lost_names: list[str] = []  # those queues ("topic/queueId"), named until _refill_lost_queues
+        # the lost queues ("topic/queueId") the rebuild marker names before recovery (_mark_lost_queues)
+        self._lost_names: list[str] = []
         # The hooks StoreFiles calls back: the registry is the loader's, per-topic retention a read's.
         files.on_new_queue = self.on_new_queue
         files.save_queue_registry = self.save_queue_registry
@@ -351,10 +351,8 @@ class StoreLoader:
         if self.queues_to_rebuild:
             self.queues_to_rebuild = list(dict.fromkeys(self.queues_to_rebuild))
             # Until recovery has refilled them; the lost queues _mark_lost_queues named stay named (a read-only
-            # view takes a lost queue back once no marker names it), and the file is replaced whole, never
-            # seen empty.
-            names = list(dict.fromkeys(self.queues_to_rebuild + self._lost_names))
-            replace_file_durably(self.paths.cq_rebuild, ("\n".join(names) + "\n").encode())
+            # view takes a lost queue back once no marker names it).
+            self._save_rebuild_marker(self.queues_to_rebuild + self._lost_names)
         if self.paths.checkpoint in self._quarantine.carry_out():
             self.checkpoint.flush()  # a fresh one where the bad one was
 
@@ -369,14 +367,17 @@ class StoreLoader:
         if not lost or not self.commitlog.queue.files:
             return  # (_refill_lost_queues rebuilds nothing either)
         self._lost_names = [f"{t}/{q}" for t, q in lost]
-        names = list(dict.fromkeys(self.queues_to_rebuild + self._lost_names))
-        replace_file_durably(self.paths.cq_rebuild, ("\n".join(names) + "\n").encode())
-        self._lost_marked = True
+        self._save_rebuild_marker(self.queues_to_rebuild + self._lost_names)
+
+    def _save_rebuild_marker(self, names: list[str]) -> None:
+        """Write the consume-queue rebuild marker naming ``names`` (once each), replaced whole: never seen empty
+        or torn by a reader or a power cut."""
+        replace_file_durably(self.paths.cq_rebuild, ("\n".join(dict.fromkeys(names)) + "\n").encode())
 
     def _finish_queue_rebuild(self) -> None:
         """Make the refilled queues durable, then drop the marker that made recovery start where they end."""
         if self.read_only or not self.queues_to_rebuild:
-            if self._lost_marked and os.path.exists(self.paths.cq_rebuild):  # (no queue was rebuilt after all)
+            if self._lost_names and os.path.exists(self.paths.cq_rebuild):  # (no queue was rebuilt after all)
                 os.unlink(self.paths.cq_rebuild)
             return
         report = self.recovery_report
@@ -500,7 +501,7 @@ class StoreLoader:
                     "earlier records (a lost consume-queue directory); rebuilding them from the commitlog",
                     ", ".join(names))
         self.queues_to_rebuild = list(dict.fromkeys(self.queues_to_rebuild + names))
-        replace_file_durably(self.paths.cq_rebuild, ("\n".join(self.queues_to_rebuild) + "\n").encode())
+        self._save_rebuild_marker(self.queues_to_rebuild)
         for key in lost:
             cq = self._cq_table.pop(key, None)
             if cq is None:

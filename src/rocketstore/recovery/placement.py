@@ -162,12 +162,8 @@ def tier_records(root: str, cfg: StoreConfig) -> Iterator[codec.MessageExt]:
     caller refuses the repair rather than drop their units.
     """
     below = _local_commitlog_min(StorePaths(root).commitlog)
-    if not cfg.tieredStoreUri:
-        from ..tier.tiered import refuse_without_tier
-        refuse_without_tier(root, "")  # a tier it cannot see holds its first records: refused before any change
-        return
-    if below <= 0:
-        return
+    if not cfg.tieredStoreUri or below <= 0:
+        return  # (a store that copied segments to a tier is refused without it before a repair begins)
     reader = _tier_reader(root, cfg, below)
     if reader is None:
         return  # no tier published: nothing below the local start to read
