@@ -18,15 +18,7 @@ from rocketstore.errors import CorruptRecordError, StoreError, StoreLoadError
 from rocketstore.recovery.repair import repair_store
 from rocketstore.tier.upload import upload_round
 
-SEG = 32 * 1024
-
-
-def _cfg(tier: Path, **kw) -> StoreConfig:
-    base = dict(mappedFileSizeCommitLog=SEG, mappedFileSizeConsumeQueue=10 * 20, maxHashSlotNum=32,
-                maxIndexNum=128, warmAheadBytes=0, tieredStoreUri=f"file://{tier}", flushDiskType="SYNC_FLUSH",
-                tieredStoreFileReservedTime=0, tieredStoreUploadInterval=3600_000, messageIndexEnable=False)
-    base.update(kw)
-    return StoreConfig(**base)
+from test_attack16_tier_refill import SEG, _cfg  # the same small tiered store
 
 
 def _tiered_store(root: Path, tier: Path) -> dict[int, bytes]:
